@@ -1,0 +1,221 @@
+"""Reference vs fast engine, in one process on one GPU: tok/s, ratio, ms/step, % of roofline.
+
+    python fast_inference/bench.py --random-weights                  # GPT-XL t2i 512px, n = 1, 8, 32
+
+Reference: the official loop (generate.py) timed over --ref-steps decode steps, as the difference
+of two runs (10 and 10 + ref-steps steps, caches sized for the full image), so prefill and set-up
+cancel; its image time is extrapolated as prefill + (N - 1) x step. Fast: full images after one
+warm-up image (whose compile/capture time is reported separately). Roofline: the bytes a decode
+step must read -- transformer weights plus the filled part of the KV cache, averaged over the
+image -- over the measured device-to-device copy bandwidth (read + write counted).
+"""
+import argparse
+import json
+import os
+import sys
+import time
+
+if __package__ in (None, ""):
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch
+
+from fast_inference.engine import BACKENDS, Engine
+from fast_inference.generate import generate
+from fast_inference.model import ModelArgs, Transformer
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--gpt-model", default="GPT-XL")
+    p.add_argument("--gpt-ckpt", default=None)
+    p.add_argument("--random-weights", action="store_true", help="no checkpoint: random weights")
+    p.add_argument("--adapter-size", default="small")
+    p.add_argument("--image-size", type=int, default=512)
+    p.add_argument("--batch-sizes", default="1,8,32")
+    p.add_argument("--cfg-scale", type=float, default=4.0)
+    p.add_argument("--top-k", type=int, default=2000)
+    p.add_argument("--precision", choices=["bf16", "fp16", "fp32"], default="bf16")
+    p.add_argument("--backend", choices=list(BACKENDS), default="inductor")
+    p.add_argument("--compile-mode", default="reduce-overhead")
+    p.add_argument("--ref-steps", type=int, default=200, help="reference decode steps timed (0: skip)")
+    p.add_argument("--fast-runs", type=int, default=2, help="timed fast images per batch size")
+    p.add_argument("--out-dir", default="sample/bench")
+    p.add_argument("--tag", default="", help="name suffix of the JSON/PNG files")
+    return p.parse_args(argv)
+
+
+def copy_bandwidth(device, nbytes=2 << 30):
+    """Device-to-device copy rate in bytes/s, counting read + write."""
+    a = torch.empty(nbytes // 2, dtype=torch.bfloat16, device=device).normal_()
+    b = torch.empty_like(a)
+    for _ in range(3):
+        b.copy_(a)
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(10):
+        b.copy_(a)
+    end.record()
+    torch.cuda.synchronize()
+    return 2 * nbytes * 10 / (start.elapsed_time(end) / 1e3)
+
+
+def step_bytes(model, rows, prefix, n_tokens):
+    """Bytes one decode step must read: block + output weights, plus the average filled KV."""
+    a = model.args
+    itemsize = model.output.weight.element_size()
+    weights = sum(p.numel() for p in model.layers.parameters()) + model.output.weight.numel() + a.dim
+    kv = rows * a.n_layer * 2 * a.dim * (prefix + n_tokens / 2)
+    return (weights + kv) * itemsize
+
+
+def inputs(model, B, image_size, device):
+    g = torch.Generator(device="cpu").manual_seed(0)
+    T = model.args.cls_token_num
+    cond = torch.randn(B, T, model.args.caption_dim, generator=g) * 0.2
+    mask = torch.zeros(B, T, dtype=torch.long)
+    mask[:, T - 20:] = 1
+    condition = torch.rand(B, 3, image_size, image_size, generator=g) * 2 - 1
+    return (cond * mask[..., None]).to(device), mask.to(device), condition.to(device)
+
+
+def timed(fn, device):
+    torch.cuda.synchronize(device)
+    t0 = time.perf_counter()
+    out = fn()
+    torch.cuda.synchronize(device)
+    return time.perf_counter() - t0, out
+
+
+def bench_reference(model, B, N, args, kw, device):
+    if args.ref_steps <= 0:
+        return None
+    cond, mask, condition = inputs(model, B, args.image_size, device)
+    run = lambda steps: generate(model, cond, N, emb_masks=mask, condition=condition, max_steps=steps, **kw)
+    run(2)  # warm-up (cuBLAS handles, allocator)
+    t_short, _ = timed(lambda: run(10), device)
+    t_long, _ = timed(lambda: run(10 + args.ref_steps), device)
+    step = (t_long - t_short) / args.ref_steps
+    prefill = max(t_short - 10 * step, 0.0)
+    return dict(step_ms=step * 1e3, tok_s=B / step, image_s=prefill + (N - 1) * step)
+
+
+def bench_fast(engine, model, B, N, args, kw, device):
+    cond, mask, condition = inputs(model, B, args.image_size, device)
+    before = engine.compile_seconds
+    t_first, _ = timed(lambda: engine.generate(cond, N, emb_masks=mask, condition=condition, **kw), device)
+    compile_s = engine.compile_seconds - before
+    decode = []
+    for _ in range(args.fast_runs):
+        engine.generate(cond, N, emb_masks=mask, condition=condition, **kw)
+        decode.append(engine.last_timings["decode"])
+    d = sorted(decode)[len(decode) // 2]
+    return dict(step_ms=d / (N - 1) * 1e3, tok_s=B * N / d, decode_s=d, first_image_s=t_first, compile_s=compile_s,
+                timings=dict(engine.last_timings))
+
+
+def end_to_end(engine, model, vq, args, kw, device):
+    """One image: condition encoder + prefill + decode + VQ decode, warm."""
+    cond, mask, condition = inputs(model, 1, args.image_size, device)
+    grid = args.image_size // 16
+    N = grid * grid
+
+    def one():
+        tokens = engine.generate(cond, N, emb_masks=mask, condition=condition, **kw)
+        return vq.decode_code(tokens, (1, 8, grid, grid))
+
+    one()
+    t, _ = timed(one, device)
+    return t
+
+
+def plot(rows, path):
+    """A bar chart of tok/s (log scale), reference vs fast, drawn with PIL (no matplotlib needed)."""
+    import math
+
+    from PIL import Image, ImageDraw
+
+    W, H, pad = 640, 360, 50
+    img = Image.new("RGB", (W, H), "white")
+    d = ImageDraw.Draw(img)
+    top = max(max(r["fast"]["tok_s"], (r["reference"] or {}).get("tok_s", 1)) for r in rows)
+    scale = lambda v: (H - pad) - (H - 2 * pad) * math.log10(max(v, 1)) / math.log10(top * 1.5)
+    slot = (W - 2 * pad) / len(rows)
+    for i, r in enumerate(rows):
+        x = pad + i * slot + slot * 0.15
+        for j, (name, color) in enumerate((("reference", (160, 160, 160)), ("fast", (40, 110, 200)))):
+            v = (r[name] or {}).get("tok_s", 0)
+            if v:
+                d.rectangle([x + j * slot * 0.35, scale(v), x + j * slot * 0.35 + slot * 0.3, H - pad], fill=color)
+                d.text((x + j * slot * 0.35, scale(v) - 12), f"{v:.0f}", fill="black")
+        d.text((x + slot * 0.2, H - pad + 8), f"n={r['n']}", fill="black")
+    d.text((pad, 15), "tok/s (log scale): reference (grey) vs fast (blue)", fill="black")
+    img.save(path)
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    if not torch.cuda.is_available():
+        sys.exit("error: bench.py needs a CUDA GPU")
+    if not args.random_weights and not args.gpt_ckpt:
+        sys.exit("error: pass --random-weights or --gpt-ckpt PATH")
+    device = torch.device("cuda")
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.precision]
+    torch.backends.cuda.matmul.allow_tf32 = True  # as the official scripts
+    grid = args.image_size // 16
+    margs = ModelArgs.from_name(args.gpt_model, block_size=grid * grid, adapter_size=args.adapter_size,
+                                condition_type="hed")
+    with torch.device(device):
+        model = Transformer(margs)
+    if args.gpt_ckpt:
+        from fast_inference.checkpoint import load_weights, read_state_dict
+
+        load_weights(model, read_state_dict(args.gpt_ckpt), source=args.gpt_ckpt)
+    model = model.to(dtype).eval().requires_grad_(False)
+    from fast_inference.vq import VQ_models
+
+    with torch.device(device):
+        vq = VQ_models["VQ-16"]().eval().requires_grad_(False)
+    bw = copy_bandwidth(device)
+    N = grid * grid
+    kw = dict(cfg_scale=args.cfg_scale, top_k=args.top_k, temperature=1.0, top_p=1.0)
+    engine = Engine(model, backend=args.backend, compile_mode=args.compile_mode)
+    rows = []
+    print(f"{torch.cuda.get_device_name()} | {args.gpt_model} {args.image_size}px ({N} tokens) | cfg {args.cfg_scale} "
+          f"top-k {args.top_k} | {args.precision} | backend {args.backend} | copy bandwidth {bw / 1e12:.2f} TB/s",
+          flush=True)
+    with torch.no_grad():
+        for B in [int(b) for b in args.batch_sizes.split(",")]:
+            torch.cuda.reset_peak_memory_stats()
+            ref = bench_reference(model, B, N, args, kw, device)
+            model.clear_caches()
+            fast = bench_fast(engine, model, B, N, args, kw, device)
+            rows_ = 2 * B if args.cfg_scale > 1 else B
+            roof_ms = step_bytes(model, rows_, margs.cls_token_num, N) / bw * 1e3
+            row = dict(n=B, reference=ref, fast=fast, roofline_step_ms=roof_ms,
+                       roofline_pct=100 * roof_ms / fast["step_ms"], peak_mem_gb=torch.cuda.max_memory_allocated() / 1e9)
+            rows.append(row)
+            print_row(row, flush=True)
+        e2e = end_to_end(engine, model, vq, args, kw, device)
+    print(f"end-to-end, one image (condition encoder + prefill + decode + VQ decode, warm): {e2e:.3f} s")
+    os.makedirs(args.out_dir, exist_ok=True)
+    stem = os.path.join(args.out_dir, f"bench_{args.gpt_model}_{args.backend}{args.tag}")
+    with open(stem + ".json", "w") as f:
+        json.dump(dict(args=vars(args), device=torch.cuda.get_device_name(), torch=torch.__version__,
+                       copy_bandwidth_Bps=bw, rows=rows, end_to_end_s=e2e), f, indent=1)
+    plot(rows, stem + ".png")
+    print(f"wrote {stem}.json and {stem}.png")
+
+
+def print_row(r, flush=False):
+    ref, fast = r["reference"], r["fast"]
+    ref_s = f"{ref['tok_s']:8.1f} tok/s ({ref['step_ms']:6.1f} ms/step)" if ref else "   (skipped)"
+    ratio = f"{fast['tok_s'] / ref['tok_s']:6.1f}x" if ref else "   -"
+    print(f"n={r['n']:<3d} reference {ref_s} | fast {fast['tok_s']:9.1f} tok/s ({fast['step_ms']:6.2f} ms/step) | "
+          f"{ratio} | roofline {r['roofline_pct']:5.1f}% ({r['roofline_step_ms']:.2f} ms) | compile "
+          f"{fast['compile_s']:.1f}s | peak {r['peak_mem_gb']:.1f} GB", flush=flush)
+
+
+if __name__ == "__main__":
+    main()

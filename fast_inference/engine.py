@@ -1,0 +1,268 @@
+"""The fast engine: static KV caches and ONE captured decode step per token.
+
+The step (embed -> transformer -> CFG merge -> temperature/top-k/top-p -> exponential-race draw
+-> write the token) reads and writes only buffers: the model's KV caches and the `Sampler`'s
+token, position, output, mask and control buffers. So it has no inputs to copy, no host sync, and
+can be captured once and replayed N-1 times:
+  backend "inductor":  torch.compile(step, mode=reduce-overhead|max-autotune, fullgraph=True)
+  backend "cudagraph": torch.cuda.CUDAGraph captured by hand around the eager step (no Triton)
+  backend "eager":     the same step run op by op (CPU, debugging)
+It computes what generate.py computes; only the draw differs (same distribution, see sampling.py).
+"""
+import logging
+import os
+import time
+
+import torch
+import torch.nn as nn
+
+from fast_inference.generate import prepare
+from fast_inference.sampling import cfg_merge, sample
+
+log = logging.getLogger("fast_inference")
+BACKENDS = ("inductor", "cudagraph", "eager")
+
+
+def default_cache_dir():
+    return os.path.join(os.path.expanduser("~"), ".cache", "controlar_fast", "inductor")
+
+
+class Sampler(nn.Module):
+    """Static buffers and the step functions for one (batch, tokens, control grid, settings) shape."""
+
+    def __init__(self, model, batch, num_tokens, prefix_len, num_controls, cfg, top_k, top_p, sample_logits):
+        super().__init__()
+        self.model = model
+        self.batch, self.num_tokens, self.prefix_len, self.cfg = batch, num_tokens, prefix_len, cfg
+        self.top_k, self.top_p, self.sample_logits = top_k, top_p, sample_logits
+        rows = 2 * batch if cfg else batch
+        model.setup_caches(rows, prefix_len + num_tokens, model.tok_embeddings.weight.dtype)
+        self.cache = model.layers[0].attention.kv_cache  # graphs are bound to these cache tensors
+        device, dtype, D = model.output.weight.device, model.tok_embeddings.weight.dtype, model.args.dim
+        buf = lambda name, t: self.register_buffer(name, t, persistent=False)
+        buf("token", torch.zeros(batch, 1, dtype=torch.long, device=device))
+        buf("input_pos", torch.zeros(1, dtype=torch.long, device=device))
+        buf("out", torch.zeros(batch, num_tokens, dtype=torch.long, device=device))
+        buf("logits", torch.zeros(rows, model.args.vocab_size, device=device))
+        buf("key_valid", torch.ones(rows, model.max_seq, dtype=torch.bool, device=device))
+        buf("controls", torch.zeros(3, rows, num_controls, D, dtype=dtype, device=device))
+        # Tensors, not constants, so a new cfg scale or temperature replays the same graph.
+        buf("cfg_scale", torch.ones((), device=device))
+        buf("temperature", torch.ones((), device=device))
+
+    def key(self):
+        return (self.batch, self.num_tokens, self.prefix_len, self.controls.shape[2], self.cfg,
+                self.top_k, self.top_p, self.sample_logits, self.controls.dtype)
+
+    def _sample(self, logits):
+        return sample(logits, self.temperature, self.top_k, self.top_p, self.sample_logits, race=True)
+
+    def prefill(self, prefix):
+        """Prefix positions 0..T-1 -> the first image token in out[:, 0]."""
+        T = prefix.shape[1]
+        logits = self.model(prefix, torch.arange(T, device=prefix.device), self.key_valid, self.controls, last_only=True)[:, -1]
+        self.logits.copy_(logits)
+        token = self._sample(cfg_merge(logits, self.cfg_scale) if self.cfg else logits)
+        self.token.copy_(token)
+        self.out[:, :1].copy_(token)
+        self.input_pos.fill_(T)
+
+    def step(self):
+        """One guided decode step over all rows (both CFG halves when cfg is on)."""
+        x = torch.cat([self.token, self.token]) if self.cfg else self.token
+        self._advance(x, self.key_valid, self.controls, guided=self.cfg)
+
+    def step_conditional(self):
+        """After cfg_interval: the conditional half only, at half the batch (same tokens out)."""
+        self._advance(self.token, self.key_valid[: self.batch], self.controls[:, : self.batch], guided=False)
+
+    def _advance(self, x, key_valid, controls, guided):
+        logits = self.model(self.model.tok_embeddings(x), self.input_pos, key_valid, controls)[:, -1]
+        self.logits[: logits.shape[0]].copy_(logits)
+        token = self._sample(cfg_merge(logits, self.cfg_scale) if guided else logits)
+        self.token.copy_(token)
+        self.out.index_copy_(1, self.input_pos - self.prefix_len + 1, token)
+        self.input_pos.add_(1)
+
+
+class Engine:
+    """Generate with the fast path; `generate` takes the same arguments as generate.generate."""
+
+    def __init__(self, model, backend="inductor", compile_mode="reduce-overhead", cache_dir=None):
+        if backend not in BACKENDS:
+            raise ValueError(f"unknown backend {backend!r}; use one of {BACKENDS}")
+        self.model, self.backend, self.compile_mode = model, backend, compile_mode
+        self.device = model.output.weight.device
+        if backend == "cudagraph" and self.device.type != "cuda":
+            raise ValueError("--backend cudagraph needs a CUDA device; use --backend eager or inductor on CPU")
+        if backend == "inductor":
+            os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", cache_dir or default_cache_dir())
+        self.sampler = None
+        self.compile_seconds = 0.0
+        self.last_timings = {}
+
+    # ---- building the step for a shape ---------------------------------------------------------
+
+    def _sampler_for(self, batch, num_tokens, prefix_len, num_controls, cfg, top_k, top_p, sample_logits):
+        s = self.sampler
+        want = (num_tokens, prefix_len, num_controls, cfg, top_k, top_p, sample_logits,
+                self.model.tok_embeddings.weight.dtype)
+        mine = s is not None and self.model.layers[0].attention.kv_cache is s.cache
+        if mine and s.key()[1:] == want and s.batch >= batch:
+            return s  # a smaller batch is padded up to the captured one
+        if s is not None:
+            log.info("new shape (batch %d, %d tokens): building new caches and graphs", batch, num_tokens)
+        self.sampler = None
+        self.model.clear_caches()
+        s = Sampler(self.model, batch, num_tokens, prefix_len, num_controls, cfg, top_k, top_p, sample_logits)
+        self._build(s)
+        self.sampler = s
+        return s
+
+    def _build(self, s):
+        self.graphs = {}
+        if self.backend == "inductor":
+            compile_kw = dict(mode=self.compile_mode, fullgraph=True, dynamic=False)
+            if self.device.type == "cpu":
+                compile_kw.pop("mode")  # CUDA graphs do not exist on the CPU
+            self.prefill_fn = torch.compile(s.prefill, fullgraph=True, dynamic=False)
+            self.step_fns = {True: torch.compile(s.step, **compile_kw),
+                             False: torch.compile(s.step_conditional, **compile_kw)}
+        else:
+            self.prefill_fn = s.prefill
+            self.step_fns = {True: s.step, False: s.step_conditional}
+        self.warm = {True: False, False: False}
+
+    def _run_step(self, s, guided):
+        """One decode step; the first call of each kind is timed as compile/capture time."""
+        if self.warm[guided]:
+            if self.backend == "cudagraph":
+                self.graphs[guided].replay()
+            else:
+                self.step_fns[guided]()
+            return
+        t0 = time.perf_counter()
+        if self.backend == "cudagraph":
+            self.graphs[guided] = capture(s, self.step_fns[guided])
+        else:
+            # reduce-overhead records its graph on the first calls; run them on a saved state.
+            saved = snapshot(s)
+            for _ in range(3 if self.device.type == "cuda" else 1):
+                restore(s, saved)
+                self.step_fns[guided]()
+            restore(s, saved)
+            self.step_fns[guided]()
+        sync(self.device)
+        self.compile_seconds += time.perf_counter() - t0
+        self.warm[guided] = True
+
+    # ---- generation ----------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def generate(self, cond, max_new_tokens, emb_masks=None, cfg_scale=1.0, cfg_interval=-1, condition=None,
+                 control_strength=1.0, temperature=1.0, top_k=0, top_p=1.0, sample_logits=True, forced=None):
+        """Tokens (B, N). `forced` (B, N): feed these tokens instead of the sampled ones (teacher
+        forcing, for tests); the logits of every step are then returned too."""
+        if condition is None:
+            raise ValueError("ControlAR needs a control image (condition) for every sample")
+        B = cond.shape[0]
+        timings = {}
+        t0 = time.perf_counter()
+        p = prepare(self.model, cond, condition, emb_masks, cfg_scale, control_strength)
+        cfg = cfg_scale > 1.0
+        T, num_controls = p.prefix.shape[1], p.controls.shape[2]
+        s = self._sampler_for(B, max_new_tokens, T, num_controls, cfg, top_k, top_p, sample_logits)
+        p = pad_rows(p, B, s.batch, cfg)
+        s.key_valid.copy_(p.key_valid(self.model.max_seq))
+        s.controls.copy_(p.controls)
+        s.cfg_scale.fill_(float(cfg_scale))
+        s.temperature.fill_(max(float(temperature), 1e-5))
+        timings["condition"] = elapsed(t0, self.device)
+
+        t0 = time.perf_counter()
+        self.prefill_fn(p.prefix)
+        timings["prefill"] = elapsed(t0, self.device)
+        logits = [s.logits.clone()] if forced is not None else None
+        t0 = time.perf_counter()
+        compile_before = self.compile_seconds
+        for i in range(max_new_tokens - 1):
+            if forced is not None:
+                s.token[:B].copy_(forced[:, i : i + 1])
+            guided = cfg and not (-1 < cfg_interval < i)
+            self._run_step(s, guided)
+            if forced is not None:
+                logits.append(s.logits[: (2 * s.batch if guided else s.batch)].clone())
+        tokens = s.out[:B].clone()
+        timings["decode"] = elapsed(t0, self.device) - (self.compile_seconds - compile_before)
+        self.last_timings = timings
+        if forced is not None:
+            return tokens, [unpad_logits(l, B, s.batch) for l in logits]
+        return tokens
+
+
+def pad_rows(p, B, batch, cfg):
+    """Pad a partial batch to the captured batch by repeating its last sample (results dropped)."""
+    if B == batch:
+        return p
+    halves = 2 if cfg else 1
+
+    def pad(t, dim):
+        parts = t.chunk(halves, dim=dim)
+        return torch.cat([torch.cat([h, h.narrow(dim, B - 1, 1).repeat_interleave(batch - B, dim)], dim)
+                          for h in parts], dim)
+
+    return type(p)(pad(p.prefix, 0), pad(p.text_mask, 0), pad(p.controls, 1))
+
+
+def unpad_logits(logits, B, batch):
+    halves = logits.shape[0] // batch
+    return torch.cat([h[:B] for h in logits.chunk(halves)])
+
+
+# Re-running a step from the same token/position rewrites the same KV slot with the same values,
+# so warm-up and capture only need these small buffers (and the RNG) put back, not the caches.
+STEP_STATE = ("token", "input_pos", "out", "logits")
+
+
+def snapshot(s):
+    rng = torch.cuda.get_rng_state(s.token.device) if s.token.is_cuda else torch.get_rng_state()
+    return {name: getattr(s, name).clone() for name in STEP_STATE}, rng
+
+
+def restore(s, saved):
+    state, rng = saved
+    for name in STEP_STATE:
+        getattr(s, name).copy_(state[name])
+    if s.token.is_cuda:
+        torch.cuda.set_rng_state(rng, s.token.device)
+    else:
+        torch.set_rng_state(rng)
+
+
+def capture(s, step):
+    """Capture `step` into a CUDA graph by hand (warm-up on a side stream first, state restored)."""
+    saved = snapshot(s)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(2):
+            restore(s, saved)
+            step()
+    torch.cuda.current_stream().wait_stream(stream)
+    restore(s, saved)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    restore(s, saved)
+    graph.replay()
+    return graph
+
+
+def sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def elapsed(t0, device):
+    sync(device)
+    return time.perf_counter() - t0

@@ -1,0 +1,374 @@
+"""The ControlAR transformer: LlamaGen's GPT plus the ControlAR control path, t2i and c2i.
+
+One definition serves the reference sampler and the fast engine. State-dict keys are the official
+ones (see tests/data/manifest_*.json), so official checkpoints load unchanged. Nothing from a
+previous call lives on the module: control tokens, positions and masks are arguments; only the KV
+cache is a buffer, written in place at the positions it is given.
+"""
+import json
+import math
+import os
+from dataclasses import dataclass, fields
+from typing import Optional
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+NUM_CONTROL_LISTS = 3  # condition_layers has three MLPs in every official checkpoint
+
+
+@dataclass
+class ModelArgs:
+    # Field names follow the official ModelArgs so a JSON of official arguments loads as is.
+    dim: int = 4096
+    n_layer: int = 32
+    n_head: int = 32
+    n_kv_head: Optional[int] = None
+    multiple_of: int = 256
+    ffn_dim_multiplier: Optional[float] = None
+    rope_base: float = 10000
+    norm_eps: float = 1e-5
+    vocab_size: int = 16384
+    block_size: int = 256  # image tokens of the grid RoPE is laid on (a perfect square)
+    cls_token_num: int = 120
+    caption_dim: int = 2048
+    num_classes: int = 1000
+    condition_token_num: int = 0  # c2i only; the official scripts use 0
+    model_type: str = "t2i"  # t2i | c2i
+    adapter_size: str = "small"  # DINOv2 small | base (t2i)
+    condition_type: str = "canny"  # decides the adapter's resize mode (nearest for canny/seg)
+    pos_interp: str = "v444"  # DINOv2 position-table interpolation: v444 (default) | v445
+    class_dropout_prob: float = 0.1  # training only; accepted for compatibility
+
+    def __post_init__(self):
+        if self.n_kv_head is None:
+            self.n_kv_head = self.n_head
+        if self.n_kv_head != self.n_head:
+            raise ValueError("n_kv_head != n_head is not used by any ControlAR model")
+        if self.model_type not in ("t2i", "c2i"):
+            raise ValueError(f"model_type must be t2i or c2i, got {self.model_type!r}")
+        if math.isqrt(self.block_size) ** 2 != self.block_size:
+            raise ValueError(f"block_size must be a perfect square, got {self.block_size}")
+
+    @property
+    def head_dim(self):
+        return self.dim // self.n_head
+
+    @property
+    def ffn_hidden(self):
+        hidden = int(2 * 4 * self.dim / 3)
+        if self.ffn_dim_multiplier is not None:
+            hidden = int(self.ffn_dim_multiplier * hidden)
+        return self.multiple_of * ((hidden + self.multiple_of - 1) // self.multiple_of)
+
+    @property
+    def layer_internal(self):
+        return self.n_layer // 3
+
+    @property
+    def prefix_len(self):
+        # Positions before the first image token; their RoPE rows are zero (a LlamaGen quirk).
+        return self.cls_token_num + (self.condition_token_num if self.model_type == "c2i" else 0)
+
+    @classmethod
+    def from_name(cls, name, **overrides):
+        """A name of the official table or a path to a JSON of ModelArgs fields; overrides win."""
+        if name.endswith(".json"):
+            if not os.path.isfile(name):
+                raise FileNotFoundError(f"model config {name} not found")
+            with open(name) as f:
+                config = json.load(f)
+            known = {f.name for f in fields(cls)}
+            unknown = sorted(set(config) - known)
+            if unknown:
+                raise ValueError(f"{name}: unknown model argument(s) {unknown}; known: {sorted(known)}")
+        elif name in GPT_CONFIGS:
+            config = dict(GPT_CONFIGS[name])
+        else:
+            raise ValueError(f"unknown model {name!r}; use one of {sorted(GPT_CONFIGS)} or a .json of model arguments")
+        config.update({k: v for k, v in overrides.items() if v is not None})
+        return cls(**config)
+
+
+# Official constructor names -> (n_layer, n_head, dim).
+GPT_CONFIGS = {
+    "GPT-B": dict(n_layer=12, n_head=12, dim=768),
+    "GPT-L": dict(n_layer=24, n_head=16, dim=1024),
+    "GPT-XL": dict(n_layer=36, n_head=20, dim=1280),
+    "GPT-XXL": dict(n_layer=48, n_head=24, dim=1536),
+    "GPT-XXXL": dict(n_layer=48, n_head=40, dim=2560),
+    "GPT-1B": dict(n_layer=22, n_head=32, dim=2048),
+    "GPT-3B": dict(n_layer=24, n_head=32, dim=3200),
+    "GPT-7B": dict(n_layer=32, n_head=32, dim=4096),
+}
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim, eps=1e-5):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x):
+        # Statistics in float32, cast back, THEN scale (the order changes bf16 results).
+        xf = x.float()
+        y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return y.type_as(x) * self.weight
+
+
+class MLP(nn.Module):
+    """Linear -> tanh-GELU -> Linear, no biases (the official MLP used by every embedder)."""
+
+    def __init__(self, in_features, hidden_features, out_features):
+        super().__init__()
+        self.fc1 = nn.Linear(in_features, hidden_features, bias=False)
+        self.fc2 = nn.Linear(hidden_features, out_features, bias=False)
+
+    def forward(self, x):
+        return self.fc2(F.gelu(self.fc1(x), approximate="tanh"))
+
+
+class CaptionEmbedder(nn.Module):
+    """t2i prefix: T5 caption embeddings -> model width; the learned null caption for CFG."""
+
+    def __init__(self, caption_dim, dim, uncond_len=120):
+        super().__init__()
+        self.cap_proj = MLP(caption_dim, dim, dim)
+        # The official class always builds 120 rows, whatever cls_token_num is.
+        self.register_buffer("uncond_embedding", torch.randn(uncond_len, caption_dim) / caption_dim**0.5)
+
+    def forward(self, caption):
+        return self.cap_proj(caption)
+
+    def null(self, batch, length):
+        if self.uncond_embedding.shape[0] < length:
+            raise ValueError(f"CFG needs {length} null-caption rows, the model has {self.uncond_embedding.shape[0]}")
+        return self.uncond_embedding[:length].unsqueeze(0).expand(batch, -1, -1)
+
+
+class LabelEmbedder(nn.Module):
+    """c2i prefix: class label -> one token; label num_classes is the null class for CFG."""
+
+    def __init__(self, num_classes, dim):
+        super().__init__()
+        self.num_classes = num_classes
+        self.embedding_table = nn.Embedding(num_classes + 1, dim)
+
+    def forward(self, labels):
+        return self.embedding_table(labels).unsqueeze(1)
+
+
+class ConditionEmbedder(nn.Module):
+    """Projects adapter features to control tokens; its zero buffer is a training leftover."""
+
+    def __init__(self, block_size, dim):
+        super().__init__()
+        self.cap_proj = MLP(dim, dim, dim)
+        # Unused at inference, but in every checkpoint; its rows reveal the training block_size.
+        self.register_buffer("uncond_embedding", torch.zeros(block_size, dim))
+
+    def forward(self, x):
+        return self.cap_proj(x)
+
+
+class FeedForward(nn.Module):
+    def __init__(self, args):
+        super().__init__()
+        self.w1 = nn.Linear(args.dim, args.ffn_hidden, bias=False)
+        self.w3 = nn.Linear(args.dim, args.ffn_hidden, bias=False)
+        self.w2 = nn.Linear(args.ffn_hidden, args.dim, bias=False)
+
+    def forward(self, x):
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class KVCache(nn.Module):
+    """Static cache of keys (after RoPE) and values, written in place by absolute position."""
+
+    def __init__(self, max_batch, n_head, max_seq, head_dim, dtype):
+        super().__init__()
+        shape = (max_batch, n_head, max_seq, head_dim)
+        self.register_buffer("k_cache", torch.zeros(shape, dtype=dtype), persistent=False)
+        self.register_buffer("v_cache", torch.zeros(shape, dtype=dtype), persistent=False)
+
+    def update(self, input_pos, k, v):
+        # A step may run on the first rows only (CFG switched off by cfg_interval).
+        k_cache, v_cache = self.k_cache[: k.shape[0]], self.v_cache[: k.shape[0]]
+        k_cache.index_copy_(2, input_pos, k)
+        v_cache.index_copy_(2, input_pos, v)
+        return k_cache, v_cache
+
+
+class Attention(nn.Module):
+    def __init__(self, args):
+        super().__init__()
+        self.n_head, self.head_dim = args.n_head, args.head_dim
+        self.wqkv = nn.Linear(args.dim, 3 * args.dim, bias=False)
+        self.wo = nn.Linear(args.dim, args.dim, bias=False)
+        self.kv_cache = None
+
+    def forward(self, x, freqs, mask, input_pos):
+        B, S, D = x.shape
+        q, k, v = self.wqkv(x).split(D, dim=-1)
+        q = apply_rotary_emb(q.view(B, S, self.n_head, self.head_dim), freqs)
+        k = apply_rotary_emb(k.view(B, S, self.n_head, self.head_dim), freqs)
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v.view(B, S, self.n_head, self.head_dim)))
+        k, v = self.kv_cache.update(input_pos, k, v)
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        return self.wo(y.transpose(1, 2).reshape(B, S, D))
+
+
+class TransformerBlock(nn.Module):
+    def __init__(self, args):
+        super().__init__()
+        self.attention = Attention(args)
+        self.feed_forward = FeedForward(args)
+        self.attention_norm = RMSNorm(args.dim, args.norm_eps)
+        self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
+
+    def forward(self, x, freqs, mask, input_pos):
+        h = x + self.attention(self.attention_norm(x), freqs, mask, input_pos)
+        return h + self.feed_forward(self.ffn_norm(h))
+
+
+class Transformer(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.args = args
+        D = args.dim
+        if args.model_type == "t2i":
+            from fast_inference.dinov2 import Dinov2Adapter
+
+            self.cls_embedding = CaptionEmbedder(args.caption_dim, D)
+            self.adapter = Dinov2Adapter(args.adapter_size, args.condition_type, args.pos_interp)
+        else:
+            from fast_inference.vit import ViTAdapter
+
+            self.cls_embedding = LabelEmbedder(args.num_classes, D)
+            self.adapter = ViTAdapter()
+        self.adapter_mlp = MLP(self.adapter.out_dim, D, D)
+        self.tok_embeddings = nn.Embedding(args.vocab_size, D)
+        self.condition_embeddings = nn.Embedding(args.vocab_size, D)  # unused at inference
+        self.condition_mlp = ConditionEmbedder(args.block_size, D)
+        self.condition_layers = nn.ModuleList(MLP(D, D, D) for _ in range(NUM_CONTROL_LISTS))
+        self.layers = nn.ModuleList(TransformerBlock(args) for _ in range(args.n_layer))
+        self.norm = RMSNorm(D, args.norm_eps)
+        if args.model_type == "c2i":
+            self.condition_norm = RMSNorm(D, args.norm_eps)  # in c2i checkpoints, never used
+        self.output = nn.Linear(D, args.vocab_size, bias=False)
+        self.register_buffer("freqs_cis", precompute_freqs_cis_2d(args), persistent=False)
+        self.max_batch = self.max_seq = -1
+
+    # ---- caches -------------------------------------------------------------------------------
+
+    def setup_caches(self, max_batch, max_seq, dtype):
+        """(Re)allocate the KV caches; a no-op when the shape and dtype are already right."""
+        if max_seq > self.freqs_cis.shape[0]:
+            # More tokens than the RoPE grid of block_size has cells.
+            raise ValueError(f"{max_seq - self.args.prefix_len} image tokens exceed block_size {self.args.block_size}")
+        max_seq = (max_seq + 7) // 8 * 8
+        cache = self.layers[0].attention.kv_cache
+        if cache is not None and (self.max_batch, self.max_seq, cache.k_cache.dtype) == (max_batch, max_seq, dtype):
+            return
+        self.max_batch, self.max_seq = max_batch, max_seq
+        device = self.output.weight.device
+        for layer in self.layers:
+            layer.attention.kv_cache = KVCache(max_batch, self.args.n_head, max_seq, self.args.head_dim, dtype).to(device)
+
+    def clear_caches(self):
+        for layer in self.layers:
+            layer.attention.kv_cache = None
+        self.max_batch = self.max_seq = -1
+
+    # ---- conditioning -------------------------------------------------------------------------
+
+    def encode_control(self, condition):
+        """Control image (B,3,H,W) in [-1,1] -> adapter features (B, Nc, D)."""
+        dtype = self.adapter_mlp.fc1.weight.dtype
+        return self.adapter_mlp(self.adapter(condition.to(dtype)))
+
+    def control_tokens(self, features, strength=1.0):
+        """Adapter features -> the three control lists (3, B, Nc, D), scaled by control_strength."""
+        c = self.condition_mlp(features)
+        controls = torch.stack([layer(c) for layer in self.condition_layers])
+        return controls if strength == 1.0 else controls * strength
+
+    def prefix_embeddings(self, cond):
+        """Caption embeddings (B,T,caption_dim) or class labels (B,) -> the prefix (B,T',D)."""
+        if self.args.model_type == "c2i":
+            return self.cls_embedding(cond)[:, : self.args.cls_token_num]
+        dtype = self.tok_embeddings.weight.dtype
+        return self.cls_embedding(cond.to(dtype))[:, : self.args.cls_token_num]
+
+    def null_condition(self, cond):
+        """The unconditional counterpart of cond for classifier-free guidance."""
+        if self.args.model_type == "c2i":
+            return torch.full_like(cond, self.args.num_classes)
+        return self.cls_embedding.null(cond.shape[0], cond.shape[1]).to(cond.dtype)
+
+    # ---- forward ------------------------------------------------------------------------------
+
+    def forward(self, x, input_pos, key_valid, controls=None, last_only=False):
+        """Run the blocks over embeddings x (B,S,D) at absolute positions input_pos (S,).
+
+        key_valid (B, max_seq) bool: which cache positions a query may see besides itself (the text
+        mask for the prefix, True elsewhere). controls (3, B, Nc, D): the control token added at
+        position p is number p - cls_token_num + 1, so token j is added where image token j is
+        predicted (only the last prefix position during the prefill). Returns float32 logits, of the
+        last position only if last_only (the only one sampling uses; norm and output are per token).
+        """
+        mask = attention_mask(key_valid, input_pos)
+        freqs = self.freqs_cis[input_pos]
+        if controls is not None:
+            idx = input_pos - self.args.cls_token_num + 1
+            present = ((idx >= 0) & (idx < controls.shape[2])).to(controls.dtype)
+            picked = controls[:, :, idx.clamp(0, controls.shape[2] - 1)] * present[None, None, :, None]
+        for i, layer in enumerate(self.layers):
+            if controls is not None and i % self.args.layer_internal == 0:
+                k = i // self.args.layer_internal
+                # Official code indexes a 4th list for GPT-1B/7B and crashes; we reuse the last one.
+                x = x + picked[min(k, NUM_CONTROL_LISTS - 1)]
+            x = layer(x, freqs, mask, input_pos)
+        if last_only:
+            x = x[:, -1:]
+        return self.output(self.norm(x)).float()
+
+
+def attention_mask(key_valid, input_pos):
+    """Boolean (B,1,S,L) mask: query p sees key q iff q == p, or q <= p and key_valid[q].
+
+    The forced diagonal keeps fully padded text rows from an empty softmax (official behaviour).
+    """
+    k_pos = torch.arange(key_valid.shape[1], device=key_valid.device)
+    q_pos = input_pos[:, None]
+    visible = (k_pos[None, :] <= q_pos) & (key_valid[:, None, :] | (k_pos[None, :] == q_pos))
+    return visible[:, None]
+
+
+def precompute_freqs_cis_2d(args):
+    """(prefix + G*G, head_dim/2, 2) table of (cos, sin); the prefix rows are ZERO, not identity.
+
+    Pairs 0..hd/4-1 rotate by the row index, pairs hd/4..hd/2-1 by the column index, on the
+    sqrt(block_size) grid whatever the real image shape is (as the checkpoints were trained).
+    """
+    half = args.head_dim // 2
+    grid = math.isqrt(args.block_size)
+    freqs = 1.0 / (args.rope_base ** (torch.arange(0, half, 2)[: half // 2].float() / half))
+    t = torch.arange(grid, dtype=torch.float32)
+    angles = torch.outer(t, freqs)  # (G, hd/4)
+    grid_angles = torch.cat(
+        [angles[:, None, :].expand(-1, grid, -1), angles[None, :, :].expand(grid, -1, -1)], dim=-1
+    ).reshape(grid * grid, half)
+    table = torch.stack([torch.cos(grid_angles), torch.sin(grid_angles)], dim=-1)
+    return torch.cat([torch.zeros(args.prefix_len, half, 2), table])
+
+
+def apply_rotary_emb(x, freqs):
+    """Rotate adjacent pairs (x[2j], x[2j+1]) of x (B,S,H,hd) by freqs (S,hd/2,2), in float32."""
+    xs = x.float().reshape(*x.shape[:-1], -1, 2)
+    f = freqs.view(1, xs.shape[1], 1, xs.shape[3], 2)
+    out = torch.stack(
+        [xs[..., 0] * f[..., 0] - xs[..., 1] * f[..., 1], xs[..., 1] * f[..., 0] + xs[..., 0] * f[..., 1]], dim=-1
+    )
+    return out.flatten(3).type_as(x)

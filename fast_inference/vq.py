@@ -1,0 +1,241 @@
+"""LlamaGen VQ image tokenizer (VQ-16 / VQ-8), inference only.
+
+Module and parameter names follow the official checkpoint (vq_ds16_t2i.pt, ckpt['model']) so it
+loads strictly. Always run in float32: the scripts never cast the tokenizer.
+"""
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+@dataclass
+class VQConfig:
+    codebook_size: int = 16384
+    codebook_embed_dim: int = 8
+    codebook_l2_norm: bool = True
+    ch: int = 128
+    ch_mult: tuple = (1, 1, 2, 2, 4)
+    z_channels: int = 256
+    num_res_blocks: int = 2  # the decoder uses one more per level
+    in_channels: int = 3
+    out_channels: int = 3
+
+
+def norm(c):
+    return nn.GroupNorm(32, c, eps=1e-6, affine=True)
+
+
+def conv3(cin, cout, stride=1, padding=1):
+    return nn.Conv2d(cin, cout, 3, stride=stride, padding=padding)
+
+
+def conv1(cin, cout):
+    return nn.Conv2d(cin, cout, 1)
+
+
+class ResBlock(nn.Module):
+    def __init__(self, cin, cout):
+        super().__init__()
+        self.norm1, self.conv1 = norm(cin), conv3(cin, cout)
+        self.norm2, self.conv2 = norm(cout), conv3(cout, cout)
+        if cin != cout:
+            self.nin_shortcut = conv1(cin, cout)
+
+    def forward(self, x):
+        h = self.conv1(F.silu(self.norm1(x)))
+        h = self.conv2(F.silu(self.norm2(h)))
+        if hasattr(self, "nin_shortcut"):
+            x = self.nin_shortcut(x)
+        return x + h
+
+
+class AttnBlock(nn.Module):
+    """Single-head self-attention over all h*w positions, scale c^-1/2."""
+
+    def __init__(self, c):
+        super().__init__()
+        self.norm = norm(c)
+        self.q, self.k, self.v, self.proj_out = conv1(c, c), conv1(c, c), conv1(c, c), conv1(c, c)
+
+    def forward(self, x):
+        b, c, h, w = x.shape
+        hn = self.norm(x)
+        # (b, 1, hw, c): one head; SDPA's default scale is exactly c^-1/2
+        q, k, v = (m(hn).flatten(2).transpose(1, 2).unsqueeze(1) for m in (self.q, self.k, self.v))
+        o = F.scaled_dot_product_attention(q, k, v)
+        o = o.squeeze(1).transpose(1, 2).reshape(b, c, h, w)
+        return x + self.proj_out(o)
+
+
+class Downsample(nn.Module):
+    def __init__(self, c):
+        super().__init__()
+        self.conv = conv3(c, c, stride=2, padding=0)
+
+    def forward(self, x):
+        # asymmetric pad (right/bottom only) as in the original taming code
+        return self.conv(F.pad(x, (0, 1, 0, 1)))
+
+
+class Upsample(nn.Module):
+    def __init__(self, c):
+        super().__init__()
+        self.conv = conv3(c, c)
+
+    def forward(self, x):
+        return self.conv(F.interpolate(x, scale_factor=2.0, mode="nearest"))
+
+
+def level(cin, cout, n_res, attn, resample=None):
+    """One resolution level: n_res ResBlocks (each followed by an AttnBlock if attn), then resample."""
+    m = nn.Module()
+    m.res = nn.ModuleList([ResBlock(cin if i == 0 else cout, cout) for i in range(n_res)])
+    m.attn = nn.ModuleList([AttnBlock(cout) for _ in range(n_res)] if attn else [])
+    if resample == "down":
+        m.downsample = Downsample(cout)
+    elif resample == "up":
+        m.upsample = Upsample(cout)
+    return m
+
+
+def run_level(m, h):
+    for i, res in enumerate(m.res):
+        h = res(h)
+        if len(m.attn):
+            h = m.attn[i](h)
+    if hasattr(m, "downsample"):
+        h = m.downsample(h)
+    if hasattr(m, "upsample"):
+        h = m.upsample(h)
+    return h
+
+
+def mid_block(c):
+    return nn.ModuleList([ResBlock(c, c), AttnBlock(c), ResBlock(c, c)])
+
+
+class Encoder(nn.Module):
+    def __init__(self, cfg: VQConfig):
+        super().__init__()
+        chs = [cfg.ch * m for m in cfg.ch_mult]
+        n = len(chs)
+        self.conv_in = conv3(cfg.in_channels, cfg.ch)
+        self.conv_blocks = nn.ModuleList([
+            level(cfg.ch if i == 0 else chs[i - 1], chs[i], cfg.num_res_blocks,
+                  attn=(i == n - 1), resample=None if i == n - 1 else "down")
+            for i in range(n)])
+        self.mid = mid_block(chs[-1])
+        self.norm_out = norm(chs[-1])
+        self.conv_out = conv3(chs[-1], cfg.z_channels)
+
+    def forward(self, x):
+        h = self.conv_in(x)
+        for m in self.conv_blocks:
+            h = run_level(m, h)
+        for m in self.mid:
+            h = m(h)
+        return self.conv_out(F.silu(self.norm_out(h)))
+
+
+class Decoder(nn.Module):
+    def __init__(self, cfg: VQConfig):
+        super().__init__()
+        chs = [cfg.ch * m for m in reversed(cfg.ch_mult)]  # deepest level first
+        n = len(chs)
+        self.conv_in = conv3(cfg.z_channels, chs[0])
+        self.mid = mid_block(chs[0])
+        self.conv_blocks = nn.ModuleList([
+            level(chs[0] if i == 0 else chs[i - 1], chs[i], cfg.num_res_blocks + 1,
+                  attn=(i == 0), resample=None if i == n - 1 else "up")
+            for i in range(n)])
+        self.norm_out = norm(chs[-1])
+        self.conv_out = conv3(chs[-1], cfg.out_channels)
+
+    def forward(self, z):
+        h = self.conv_in(z)
+        for m in self.mid:
+            h = m(h)
+        for m in self.conv_blocks:
+            h = run_level(m, h)
+        return self.conv_out(F.silu(self.norm_out(h)))
+
+
+class Quantizer(nn.Module):
+    def __init__(self, cfg: VQConfig):
+        super().__init__()
+        self.l2_norm = cfg.codebook_l2_norm
+        self.embedding = nn.Embedding(cfg.codebook_size, cfg.codebook_embed_dim)
+        # training-time usage ring buffer; only kept so the official checkpoint loads strictly
+        self.register_buffer("codebook_used", torch.zeros(65536))
+
+    def codebook(self):
+        w = self.embedding.weight
+        return F.normalize(w, p=2, dim=-1, eps=1e-12) if self.l2_norm else w
+
+    def lookup(self, indices, shape):
+        """indices (B, h*w) raster order -> (B, C, h, w)."""
+        b, c, h, w = shape
+        return self.codebook()[indices].reshape(b, h, w, c).permute(0, 3, 1, 2).contiguous()
+
+    def nearest(self, z):
+        """z (B, C, h, w) -> (B, h*w) nearest codebook indices."""
+        b, c = z.shape[:2]
+        zf = z.permute(0, 2, 3, 1).reshape(-1, c)
+        e = self.codebook()
+        if self.l2_norm:
+            zf = F.normalize(zf, p=2, dim=-1)
+        # same expansion as the original (|z|^2 + |e|^2 - 2 z.e) so argmin ties break the same way
+        d = zf.pow(2).sum(1, keepdim=True) + e.pow(2).sum(1) - 2 * zf @ e.t()
+        return d.argmin(1).reshape(b, -1)
+
+
+class VQModel(nn.Module):
+    def __init__(self, cfg: VQConfig = None):
+        super().__init__()
+        self.cfg = cfg = cfg or VQConfig()
+        self.encoder = Encoder(cfg)
+        self.decoder = Decoder(cfg)
+        self.quantize = Quantizer(cfg)
+        self.quant_conv = conv1(cfg.z_channels, cfg.codebook_embed_dim)
+        self.post_quant_conv = conv1(cfg.codebook_embed_dim, cfg.z_channels)
+        # decode at most this many output pixels per chunk: the 128-ch full-resolution
+        # activations are 512 B/pixel each, so 4 images of 512^2 is ~0.5 GB per tensor
+        self.max_decode_pixels = 4 * 512 * 512
+
+    @property
+    def downsample(self):
+        return 2 ** (len(self.cfg.ch_mult) - 1)
+
+    @torch.no_grad()
+    def encode(self, x):
+        """x (B, 3, H, W) in [-1, 1] -> (B, (H/ds)*(W/ds)) token indices, raster order."""
+        return self.quantize.nearest(self.quant_conv(self.encoder(x)))
+
+    @torch.no_grad()
+    def decode_code(self, indices, shape=None):
+        """indices (B, N) -> (B, 3, ds*h, ds*w) float32, not clamped. shape = (B, C, h, w)."""
+        b, n = indices.shape
+        if shape is None:
+            side = int(round(n ** 0.5))
+            shape = (b, self.cfg.codebook_embed_dim, side, side)
+        _, c, h, w = shape
+        per = max(1, self.max_decode_pixels // (h * w * self.downsample ** 2))
+        outs = []
+        for i in range(0, b, per):
+            idx = indices[i:i + per]
+            z = self.quantize.lookup(idx, (idx.shape[0], c, h, w))
+            outs.append(self.decoder(self.post_quant_conv(z)).float())
+        return torch.cat(outs)
+
+
+def VQ_16(**kw):
+    return VQModel(VQConfig(ch_mult=(1, 1, 2, 2, 4), **kw))
+
+
+def VQ_8(**kw):
+    return VQModel(VQConfig(ch_mult=(1, 2, 2, 4), **kw))
+
+
+VQ_models = {"VQ-16": VQ_16, "VQ-8": VQ_8}
