@@ -16,6 +16,7 @@ import time
 import torch
 import torch.nn as nn
 
+from fast_inference import decode_attention
 from fast_inference.generate import prepare
 from fast_inference.sampling import cfg_merge, sample
 
@@ -30,9 +31,11 @@ def default_cache_dir():
 class Sampler(nn.Module):
     """Static buffers and the step functions for one (batch, tokens, control grid, settings) shape."""
 
-    def __init__(self, model, batch, num_tokens, prefix_len, num_controls, cfg, top_k, top_p, sample_logits):
+    def __init__(self, model, batch, num_tokens, prefix_len, num_controls, cfg, top_k, top_p, sample_logits,
+                 decode_attention=None):
         super().__init__()
         self.model = model
+        self.decode_attention = decode_attention
         self.batch, self.num_tokens, self.prefix_len, self.cfg = batch, num_tokens, prefix_len, cfg
         self.top_k, self.top_p, self.sample_logits = top_k, top_p, sample_logits
         rows = 2 * batch if cfg else batch
@@ -60,7 +63,8 @@ class Sampler(nn.Module):
     def prefill(self, prefix):
         """Prefix positions 0..T-1 -> the first image token in out[:, 0]."""
         T = prefix.shape[1]
-        logits = self.model(prefix, torch.arange(T, device=prefix.device), self.key_valid, self.controls, last_only=True)[:, -1]
+        input_pos = torch.arange(T, device=prefix.device)
+        logits = self.model(prefix, input_pos, self.key_valid, self.controls, last_only=True)[:, -1]
         self.logits.copy_(logits)
         token = self._sample(cfg_merge(logits, self.cfg_scale) if self.cfg else logits)
         self.token.copy_(token)
@@ -77,7 +81,8 @@ class Sampler(nn.Module):
         self._advance(self.token, self.key_valid[: self.batch], self.controls[:, : self.batch], guided=False)
 
     def _advance(self, x, key_valid, controls, guided):
-        logits = self.model(self.model.tok_embeddings(x), self.input_pos, key_valid, controls)[:, -1]
+        logits = self.model(self.model.tok_embeddings(x), self.input_pos, key_valid, controls, last_only=True,
+                            decode_attention=self.decode_attention)[:, -1]
         self.logits[: logits.shape[0]].copy_(logits)
         token = self._sample(cfg_merge(logits, self.cfg_scale) if guided else logits)
         self.token.copy_(token)
@@ -97,6 +102,12 @@ class Engine:
             raise ValueError("--backend cudagraph needs a CUDA device; use --backend eager or inductor on CPU")
         if backend == "inductor":
             os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", cache_dir or default_cache_dir())
+        if model.layers[0].feed_forward.w13 is None:
+            model.fuse_projections()
+        # The split-KV Triton kernel needs Triton; the cudagraph backend promises to run without it.
+        self.decode_attention = None
+        if backend == "inductor" and decode_attention.available(self.device):
+            self.decode_attention = decode_attention.decode_attention
         self.sampler = None
         self.compile_seconds = 0.0
         self.last_timings = {}
@@ -114,7 +125,8 @@ class Engine:
             log.info("new shape (batch %d, %d tokens): building new caches and graphs", batch, num_tokens)
         self.sampler = None
         self.model.clear_caches()
-        s = Sampler(self.model, batch, num_tokens, prefix_len, num_controls, cfg, top_k, top_p, sample_logits)
+        s = Sampler(self.model, batch, num_tokens, prefix_len, num_controls, cfg, top_k, top_p, sample_logits,
+                    self.decode_attention)
         self._build(s)
         self.sampler = s
         return s

@@ -178,9 +178,20 @@ class FeedForward(nn.Module):
         self.w1 = nn.Linear(args.dim, args.ffn_hidden, bias=False)
         self.w3 = nn.Linear(args.dim, args.ffn_hidden, bias=False)
         self.w2 = nn.Linear(args.ffn_hidden, args.dim, bias=False)
+        self.register_buffer("w13", None, persistent=False)
+
+    def fuse(self):
+        """One GEMM for gate and up: w1 and w3 become views of one (2F, D) weight (same keys).
+        Call it after loading and casting: a later .to() would un-share the views."""
+        w13 = torch.cat([self.w1.weight.data, self.w3.weight.data])
+        self.w1.weight.data, self.w3.weight.data = w13.chunk(2)
+        self.w13 = w13
 
     def forward(self, x):
-        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+        if self.w13 is None:
+            return self.w2(F.silu(self.w1(x)) * self.w3(x))
+        gate, up = F.linear(x, self.w13).chunk(2, dim=-1)
+        return self.w2(F.silu(gate) * up)
 
 
 class KVCache(nn.Module):
@@ -208,14 +219,13 @@ class Attention(nn.Module):
         self.wo = nn.Linear(args.dim, args.dim, bias=False)
         self.kv_cache = None
 
-    def forward(self, x, freqs, mask, input_pos):
+    def forward(self, x, freqs, attend, input_pos):
         B, S, D = x.shape
         q, k, v = self.wqkv(x).split(D, dim=-1)
         q = apply_rotary_emb(q.view(B, S, self.n_head, self.head_dim), freqs)
         k = apply_rotary_emb(k.view(B, S, self.n_head, self.head_dim), freqs)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v.view(B, S, self.n_head, self.head_dim)))
-        k, v = self.kv_cache.update(input_pos, k, v)
-        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        y = attend(q, *self.kv_cache.update(input_pos, k, v))
         return self.wo(y.transpose(1, 2).reshape(B, S, D))
 
 
@@ -227,8 +237,8 @@ class TransformerBlock(nn.Module):
         self.attention_norm = RMSNorm(args.dim, args.norm_eps)
         self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
 
-    def forward(self, x, freqs, mask, input_pos):
-        h = x + self.attention(self.attention_norm(x), freqs, mask, input_pos)
+    def forward(self, x, freqs, attend, input_pos):
+        h = x + self.attention(self.attention_norm(x), freqs, attend, input_pos)
         return h + self.feed_forward(self.ffn_norm(h))
 
 
@@ -309,7 +319,12 @@ class Transformer(nn.Module):
 
     # ---- forward ------------------------------------------------------------------------------
 
-    def forward(self, x, input_pos, key_valid, controls=None, last_only=False):
+    def fuse_projections(self):
+        """Fuse gate/up projections for inference; state-dict keys and values are unchanged."""
+        for layer in self.layers:
+            layer.feed_forward.fuse()
+
+    def forward(self, x, input_pos, key_valid, controls=None, last_only=False, decode_attention=None):
         """Run the blocks over embeddings x (B,S,D) at absolute positions input_pos (S,).
 
         key_valid (B, max_seq) bool: which cache positions a query may see besides itself (the text
@@ -317,8 +332,18 @@ class Transformer(nn.Module):
         position p is number p - cls_token_num + 1, so token j is added where image token j is
         predicted (only the last prefix position during the prefill). Returns float32 logits, of the
         last position only if last_only (the only one sampling uses; norm and output are per token).
+        decode_attention: a kernel (q, k_cache, v_cache, key_valid, input_pos) for one-token steps
+        that reads only the filled cache (fast engine); default SDPA with the boolean mask.
         """
-        mask = attention_mask(key_valid, input_pos)
+        if decode_attention is not None and x.shape[1] == 1:
+            def attend(q, k, v):
+                return decode_attention(q, k, v, key_valid, input_pos)
+        else:
+            mask = attention_mask(key_valid, input_pos)
+
+            def attend(q, k, v):
+                return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
         freqs = self.freqs_cis[input_pos]
         if controls is not None:
             idx = input_pos - self.args.cls_token_num + 1
@@ -329,7 +354,7 @@ class Transformer(nn.Module):
                 k = i // self.args.layer_internal
                 # Official code indexes a 4th list for GPT-1B/7B and crashes; we reuse the last one.
                 x = x + picked[min(k, NUM_CONTROL_LISTS - 1)]
-            x = layer(x, freqs, mask, input_pos)
+            x = layer(x, freqs, attend, input_pos)
         if last_only:
             x = x[:, -1:]
         return self.output(self.norm(x)).float()

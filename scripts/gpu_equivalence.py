@@ -34,6 +34,27 @@ def max_dlogp(a, b):
     return max((x.log_softmax(-1) - y.log_softmax(-1)).abs().max().item() for x, y in zip(a, b))
 
 
+def kernel_check():
+    """The split-KV decode kernel against SDPA with the boolean mask, random data, fp32 and bf16."""
+    from fast_inference.decode_attention import decode_attention
+    from fast_inference.model import attention_mask
+
+    for dtype in (torch.float32, torch.bfloat16):
+        worst = 0.0
+        for R, H, L, pos in [(2, 20, 1144, 120), (2, 20, 1144, 700), (64, 20, 1144, 1143), (3, 4, 160, 130)]:
+            q = torch.randn(R, H, 1, 64, device="cuda", dtype=dtype)
+            k = torch.randn(R, H, L, 64, device="cuda", dtype=dtype)
+            v = torch.randn(R, H, L, 64, device="cuda", dtype=dtype)
+            key_valid = torch.ones(R, L, dtype=torch.bool, device="cuda")
+            key_valid[:, :120] = torch.rand(R, 120, device="cuda") > 0.5
+            input_pos = torch.tensor([pos], device="cuda")
+            want = torch.nn.functional.scaled_dot_product_attention(
+                q.float(), k.float(), v.float(), attn_mask=attention_mask(key_valid, input_pos))
+            got = decode_attention(q, k, v, key_valid, input_pos).float()
+            worst = max(worst, ((got - want).norm() / want.norm()).item())
+        print(f"decode kernel vs SDPA ({dtype}): worst relative error {worst:.2e}", flush=True)
+
+
 def check(model, dtype, backends, N, B=2):
     g = torch.Generator().manual_seed(0)
     T = model.args.cls_token_num
@@ -73,6 +94,7 @@ def main():
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
     torch.manual_seed(0)
+    kernel_check()
     with torch.device("cuda"):
         base = Transformer(ModelArgs.from_name("GPT-XL", block_size=1024, condition_type="hed")).eval()
     with torch.no_grad():
