@@ -4,6 +4,7 @@ The official code loads with strict=False, which hides missing and unexpected ke
 strictly and say exactly what is wrong and which flag most likely fixes it.
 """
 import argparse
+import contextlib
 import os
 import re
 
@@ -12,6 +13,10 @@ import torch
 # Entries a state dict may carry that we drop on purpose:
 # KV-cache buffers exist only after setup_caches and carry no weights.
 IGNORED = re.compile(r"^layers\.\d+\.attention\.kv_cache\.(k_cache|v_cache)$")
+# Entries a checkpoint may lack: inference never reads them (SPEC section 15 allows dropping them).
+OPTIONAL = ("condition_embeddings.weight", "condition_mlp.uncond_embedding", "condition_norm.weight")
+# Prefixes training wrappers put on every key (DDP's module., torch.compile's _orig_mod.).
+WRAPPER_PREFIXES = ("module.", "_orig_mod.")
 
 
 class CheckpointError(ValueError):
@@ -28,49 +33,102 @@ def read_state_dict(path, key_order=("model", "module", "state_dict")):
         try:
             return load_file(path)
         except Exception as e:
-            raise CheckpointError(f"{path} is not a readable safetensors file ({e})") from None
-    # Official DDP checkpoints also pickle the argparse Namespace of the training run.
-    torch.serialization.add_safe_globals([argparse.Namespace])
+            raise CheckpointError(f"{path} is not a readable safetensors file ({e}); download it again") from None
     try:
-        ckpt = torch.load(path, map_location="cpu", weights_only=True)
+        # Official DDP checkpoints also pickle the training run's argparse Namespace.
+        with torch.serialization.safe_globals([argparse.Namespace]):
+            ckpt = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:
-        raise CheckpointError(f"{path} is not a readable torch checkpoint ({str(e).splitlines()[0]})") from None
+        raise CheckpointError(load_failure(path, e)) from None
     if isinstance(ckpt, dict):
         for key in key_order:
             if key in ckpt and isinstance(ckpt[key], dict):
-                return ckpt[key]
+                return unwrap(ckpt[key])
         if ckpt and all(isinstance(v, torch.Tensor) for v in ckpt.values()):
-            return ckpt  # a bare state dict
-    raise CheckpointError(f"{path} holds no state dict under {list(key_order)}")
+            return unwrap(ckpt)  # a bare state dict
+    found = sorted(ckpt) if isinstance(ckpt, dict) else type(ckpt).__name__
+    raise CheckpointError(f"{path} holds no state dict under {list(key_order)} (found {found}); "
+                          "pass the model checkpoint itself")
+
+
+def load_failure(path, e):
+    """One line for a torch.load failure: a pickled class safe loading refuses, or a broken file."""
+    m = re.search(r"Unsupported global: GLOBAL (\S+)", str(e))
+    if m:
+        return (f"{path} pickles {m.group(1)}, which safe (weights_only) loading refuses; re-save its state dict "
+                "as .safetensors (safetensors.torch.save_file) on a machine where you trust the file")
+    return f"{path} is not a readable torch checkpoint ({str(e).strip().splitlines()[0]}); download it again"
+
+
+def unwrap(state_dict):
+    """Strip a training wrapper's prefix when every key carries it."""
+    for prefix in WRAPPER_PREFIXES:
+        if state_dict and all(k.startswith(prefix) for k in state_dict):
+            state_dict = {k[len(prefix):]: v for k, v in state_dict.items()}
+    return state_dict
 
 
 def check_state_dict(model, state_dict):
     """(missing, unexpected, wrong_shape) against the model's own state dict."""
     own = model.state_dict()
     given = {k: v for k, v in state_dict.items() if not IGNORED.match(k)}
-    missing = [k for k in own if k not in given]
+    missing = [k for k in own if k not in given and k not in OPTIONAL]
     unexpected = [k for k in given if k not in own]
-    wrong = [(k, tuple(given[k].shape), tuple(own[k].shape)) for k in own if k in given and given[k].shape != own[k].shape]
+    shared = [k for k in own if k in given]
+    wrong = [(k, tuple(given[k].shape), tuple(own[k].shape)) for k in shared if given[k].shape != own[k].shape]
     return missing, unexpected, wrong
+
+
+def mismatch_report(missing, unexpected, wrong, first=3):
+    parts = []
+    if wrong:
+        shown = ", ".join(f"{k} is {list(got)}, model wants {list(want)}" for k, got, want in wrong[:first])
+        parts.append(f"{len(wrong)} of wrong shape ({shown}{', ...' if len(wrong) > first else ''})")
+    for what, keys in (("missing", missing), ("unexpected", unexpected)):
+        if keys:
+            parts.append(f"{len(keys)} {what} ({', '.join(keys[:first])}{', ...' if len(keys) > first else ''})")
+    return "; ".join(parts)
 
 
 def load_weights(model, state_dict, source="checkpoint", hint=""):
     """Copy state_dict into model strictly; raise CheckpointError with a readable report."""
     missing, unexpected, wrong = check_state_dict(model, state_dict)
     if missing or unexpected or wrong:
-        parts = []
-        if wrong:
-            k, got, want = wrong[0]
-            parts.append(f"{len(wrong)} of wrong shape (first: {k} is {list(got)}, model wants {list(want)})")
-        if missing:
-            parts.append(f"{len(missing)} missing (first: {', '.join(missing[:3])})")
-        if unexpected:
-            parts.append(f"{len(unexpected)} unexpected (first: {', '.join(unexpected[:3])})")
-        raise CheckpointError(f"{source} does not fit the model: " + "; ".join(parts) + (f". {hint}" if hint else ""))
-    own = model.state_dict()
+        report = mismatch_report(missing, unexpected, wrong)
+        raise CheckpointError(f"{source} does not fit the model: {report}" + (f". {hint}" if hint else ""))
     with torch.no_grad():
-        for k, t in own.items():
-            t.copy_(state_dict[k])
+        for k, t in model.state_dict().items():
+            if k in state_dict:
+                t.copy_(state_dict[k])
+            else:
+                t.zero_()  # an OPTIONAL entry the file lacks (official values: zeros or unused)
+
+
+def fit_null_caption(model, state_dict):
+    """Take the null caption's row count from the file: the official class always builds 120 rows,
+    but files made with cls_token_num rows exist (the official fixtures' cls 8 model). It is data
+    (used for its first cls_token_num rows), not architecture."""
+    t = state_dict.get("cls_embedding.uncond_embedding")
+    own = getattr(getattr(model, "cls_embedding", None), "uncond_embedding", None)
+    if t is not None and own is not None and t.dim() == 2 and t.shape[1] == own.shape[1] \
+            and model.args.cls_token_num <= t.shape[0] != own.shape[0]:
+        model.cls_embedding.uncond_embedding = torch.empty(t.shape, dtype=own.dtype, device=own.device)
+
+
+@contextlib.contextmanager
+def no_init():
+    """Build modules without their random initialisers: a checkpoint overwrites every weight anyway,
+    and initialising GPT-XL's 0.8 B parameters takes ~10 s on a CPU. Only torch.nn.init is skipped,
+    so buffers computed in constructors (the RoPE table) stay correct."""
+    names = [n for n in dir(torch.nn.init) if n.endswith("_") and not n.startswith("_")]
+    saved = {n: getattr(torch.nn.init, n) for n in names}
+    for n in names:
+        setattr(torch.nn.init, n, lambda tensor, *args, **kwargs: tensor)
+    try:
+        yield
+    finally:
+        for n, f in saved.items():
+            setattr(torch.nn.init, n, f)
 
 
 def describe_gpt(state_dict):
@@ -83,7 +141,7 @@ def describe_gpt(state_dict):
         info["n_layer"] = max(layers) + 1
     if "adapter_mlp.fc1.weight" in state_dict:
         width = state_dict["adapter_mlp.fc1.weight"].shape[1]
-        info["adapter_size"] = {384: "small", 768: "base"}.get(width, f"width {width}")
+        info["adapter_width"] = width
     if "cls_embedding.embedding_table.weight" in state_dict:
         info["model_type"] = "c2i"
     elif "cls_embedding.cap_proj.fc1.weight" in state_dict:
@@ -99,15 +157,21 @@ def gpt_fix_hint(args, state_dict):
     from fast_inference.model import GPT_CONFIGS
 
     info = describe_gpt(state_dict)
+    if "dim" not in info:
+        return "Is this a ControlAR GPT checkpoint? It has no tok_embeddings.weight"
     fixes = []
-    if "dim" in info and "n_layer" in info and (info["dim"], info["n_layer"]) != (args.dim, args.n_layer):
+    if "n_layer" in info and (info["dim"], info["n_layer"]) != (args.dim, args.n_layer):
         names = [n for n, c in GPT_CONFIGS.items() if (c["dim"], c["n_layer"]) == (info["dim"], info["n_layer"])]
-        fixes.append(f"--gpt-model {names[0]}" if names else f"a config with dim {info['dim']}, n_layer {info['n_layer']}")
+        fixes.append(f"--gpt-model {names[0]}" if names else
+                     f"--gpt-model CONFIG.json with \"dim\": {info['dim']}, \"n_layer\": {info['n_layer']}")
     if info.get("model_type") not in (None, args.model_type):
         fixes.append(f"--gpt-type {info['model_type']}")
-    if info.get("adapter_size") not in (None, args.adapter_size) and args.model_type == "t2i":
-        fixes.append(f"--adapter-size {info['adapter_size']}")
+    elif args.model_type == "t2i" and "adapter_width" in info:
+        size = {384: "small", 768: "base"}.get(info["adapter_width"])
+        if size and size != args.adapter_size:
+            fixes.append(f"--adapter-size {size}")
+    if "caption_dim" in info and info["caption_dim"] != args.caption_dim:
+        fixes.append(f"\"caption_dim\": {info['caption_dim']} in the --gpt-model JSON")
     if "block_size" in info and info["block_size"] != args.block_size:
-        side = int(info["block_size"] ** 0.5) * 16
-        fixes.append(f"--image-size {side}")
-    return ("Likely fix: " + " ".join(fixes)) if fixes else ""
+        fixes.append(f"--image-size {int(round(info['block_size'] ** 0.5)) * 16}")
+    return ("Likely fix: " + ", ".join(fixes)) if fixes else ""

@@ -22,7 +22,6 @@ Also draws example control maps procedurally (no copied images) for demos and te
 import functools
 import math
 import os
-import tempfile
 
 import numpy as np
 import torch
@@ -258,17 +257,11 @@ def draw_example(condition_type, H=512, W=512, seed=0):
 
 def write_examples(directory, H=512, W=512):
     """Write {type}.png for every condition type (atomically); returns the paths."""
-    os.makedirs(directory, exist_ok=True)
+    from fast_inference.images import save_png_uint8
+
     paths = []
     for kind in CONDITION_TYPES:
         path = os.path.join(directory, f"{kind}.png")
-        fd, tmp = tempfile.mkstemp(suffix=".png", dir=directory)
-        try:
-            with os.fdopen(fd, "wb") as f:
-                Image.fromarray(draw_example(kind, H, W)).save(f, format="PNG")
-            os.replace(tmp, path)
-        except BaseException:
-            os.unlink(tmp)
-            raise
+        save_png_uint8(draw_example(kind, H, W), path)
         paths.append(path)
     return paths

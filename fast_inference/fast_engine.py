@@ -1,14 +1,16 @@
 """ControlAR sampling from the command line: a control image and a prompt in, a PNG out, fast.
 
     python fast_inference/fast_engine.py                      # embedded demo: random tiny model
-    python fast_inference/fast_engine.py --gpt-ckpt checkpoints/edge_base.safetensors \
+    python fast_inference/fast_engine.py --gpt-ckpt checkpoints/edge_base.safetensors --adapter-size base \
         --vq-ckpt checkpoints/vq_ds16_t2i.pt --t5-path checkpoints/t5-ckpt/flan-t5-xl \
-        --condition-type hed --condition-path condition/example/hed.png --prompt "a house"
+        --condition-type hed --condition-path condition/example/hed.png --condition-is-map --prompt "a house"
 
 Flags keep the names and defaults of the official sample_t2i.py / sample_t2i_MR.py /
 sample_c2i.py. The engine class (`Engine`) and the reference `generate` are importable from here.
 """
 import argparse
+import dataclasses
+import json
 import logging
 import os
 import sys
@@ -20,41 +22,59 @@ if __package__ in (None, ""):  # run as a script: make `fast_inference` importab
 import numpy as np
 import torch
 
-from fast_inference.checkpoint import CheckpointError, gpt_fix_hint, load_weights, read_state_dict
+from fast_inference.checkpoint import (CheckpointError, fit_null_caption, gpt_fix_hint, load_weights, no_init,
+                                       read_state_dict)
 from fast_inference.engine import BACKENDS, Engine  # noqa: F401  (the seed-compatible entry point)
 from fast_inference.generate import generate
 from fast_inference.model import GPT_CONFIGS, ModelArgs, Transformer
 
 log = logging.getLogger("fast_inference")
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CONDITION_TYPES = ("canny", "hed", "lineart", "depth", "seg")  # = conditions.CONDITION_TYPES (lazy import)
 
 # The embedded default: small enough to sample a 256x256 image in seconds on a CPU.
 DEMO_CONFIG = dict(n_layer=6, n_head=4, dim=256, caption_dim=2048, cls_token_num=120, adapter_size="small")
 DEMO_IMAGE_SIZE = 256
+# Fields of the official ModelArgs that only matter in training (dropouts, init scale, training
+# cache sizes): a JSON dumped from the official dataclass carries them; accepted and unused.
+TRAINING_ONLY_ARGS = ("initializer_range", "token_dropout_p", "attn_dropout_p", "resid_dropout_p", "ffn_dropout_p",
+                      "drop_path_rate", "max_batch_size", "max_seq_len")
+EXAMPLES_DIR = os.path.join(ROOT, "condition", "example")
+DEFAULT_T5 = os.path.join(ROOT, "checkpoints", "t5-ckpt")  # the official --t5-path default
 
 
 class UserError(Exception):
     """A mistake the user can fix; printed as one line without a traceback."""
 
 
+class Parser(argparse.ArgumentParser):
+    def error(self, message):  # one line, not argparse's usage block
+        print(f"error: {message} (see --help)", file=sys.stderr)
+        sys.exit(2)
+
+
 def add_model_args(p):
-    """Model and sampling flags shared with fast_eval.py (official names and defaults)."""
+    """Model and sampling flags shared with fast_eval.py (official names and defaults).
+
+    Model flags left unset (None) take the --gpt-model JSON's value, else the official default."""
     p.add_argument("--gpt-model", default=None, help=f"{', '.join(GPT_CONFIGS)} or a .json of model arguments "
                    "(default: GPT-XL with --gpt-ckpt, the embedded demo config without)")
     p.add_argument("--gpt-ckpt", default=None, help="ControlAR checkpoint (.safetensors or .pt); none = random weights")
-    p.add_argument("--gpt-type", choices=["t2i", "c2i"], default="t2i")
-    p.add_argument("--vq-model", default="VQ-16")
+    p.add_argument("--gpt-type", choices=["t2i", "c2i"], default=None, help="default t2i")
+    p.add_argument("--vq-model", choices=["VQ-16"], default="VQ-16")
     p.add_argument("--vq-ckpt", default=None, help="vq_ds16_t2i.pt; none = random weights")
-    p.add_argument("--codebook-size", type=int, default=16384)
+    p.add_argument("--codebook-size", type=int, default=None, help="default 16384")
     p.add_argument("--codebook-embed-dim", type=int, default=8)
     p.add_argument("--image-size", type=int, default=None,
                    help="training resolution: sets block_size = (size/16)^2 (default 512; c2i 256)")
     p.add_argument("--image-H", type=int, default=None, help="output height (default: the control image's)")
     p.add_argument("--image-W", type=int, default=None, help="output width (default: the control image's)")
-    p.add_argument("--downsample-size", type=int, choices=[8, 16], default=16)
+    p.add_argument("--downsample-size", type=int, choices=[16], default=16, help="the VQ-16 tokenizer's (only 16)")
     p.add_argument("--cls-token-num", type=int, default=None, help="text/class prefix length (t2i 120, c2i 1)")
-    p.add_argument("--adapter-size", choices=["small", "base"], default="small")
-    p.add_argument("--condition-type", default="hed", help="canny | hed | lineart | depth | seg")
+    p.add_argument("--num-classes", type=int, default=None, help="c2i classes (default 1000)")
+    p.add_argument("--condition-token-nums", type=int, default=None, help="c2i condition tokens in the prefix (0)")
+    p.add_argument("--adapter-size", choices=["small", "base"], default=None, help="DINOv2 size (default small)")
+    p.add_argument("--condition-type", default="hed", help=" | ".join(CONDITION_TYPES))
     p.add_argument("--condition-ckpt", default=None, help="annotator weights (hed/lineart .pth, DPT folder for depth)")
     p.add_argument("--condition-is-map", action="store_true", help="use the control image as a ready control map")
     p.add_argument("--pos-interp", choices=["v444", "v445"], default="v444",
@@ -78,25 +98,35 @@ def add_model_args(p):
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description="ControlAR sampling (fast engine)")
+    p = Parser(description="ControlAR sampling (fast engine)")
     add_model_args(p)
     p.add_argument("--condition-path", default=None, help="control image (default: the demo draws one)")
-    p.add_argument("--prompt", default=None, help="text prompt (needs --t5-path)")
+    p.add_argument("--prompt", default=None, help="text prompt (T5 from --t5-path, default checkpoints/t5-ckpt)")
     p.add_argument("--prompt-file", default=None, help="one prompt per line, encoded in one pass")
     p.add_argument("--caption-emb", default=None, help="precomputed caption .npz (caption_emb, prompt)")
-    p.add_argument("--class-label", type=int, default=None, help="c2i class (0..999)")
+    p.add_argument("--t5-model-type", default="flan-t5-xl", help="the model's folder under --t5-path")
+    p.add_argument("--t5-feature-max-len", type=int, default=120, help="T5 tokens per prompt")
+    p.add_argument("--t5-feature-dim", type=int, default=None, help="must be the model's caption_dim (2048)")
+    p.add_argument("--no-left-padding", action="store_true",
+                   help="keep T5's right padding (the models were trained left padded)")
+    p.add_argument("--class-label", type=int, default=None,
+                   help="c2i class (default: the .npy beside --condition-path, as sample_c2i.py)")
     p.add_argument("--num-images", type=int, default=1, help="samples per prompt, from the same control")
     p.add_argument("--warmup", type=int, default=0, help="untimed generations first (compile, capture)")
     p.add_argument("--out", default=None, help="PNG grid: control map, then the samples (default under sample/)")
     p.add_argument("--save-samples", default=None, help="directory: each sample as {i}.png")
     p.add_argument("--save-tokens", default=None, help=".npy of the token ids [num_images, H/16*W/16]")
+    p.add_argument("--compile", action="store_true", help="the official flag: same as --backend inductor")
     return p.parse_args(argv)
 
 
 # ---- set-up ------------------------------------------------------------------------------------
 
 def pick_device(args):
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    try:
+        device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    except RuntimeError:
+        raise UserError(f"unknown --device {args.device!r}; use cpu, cuda or cuda:N") from None
     if device.type == "cuda" and not torch.cuda.is_available():
         raise UserError("--device cuda but no CUDA GPU is visible; use --device cpu")
     precision = args.precision
@@ -106,7 +136,9 @@ def pick_device(args):
         else:
             precision = "fp32"
     dtype = {"fp32": torch.float32, "none": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[precision]
-    backend = args.backend or ("inductor" if device.type == "cuda" else "eager")
+    backend = args.backend or ("inductor" if device.type == "cuda" or getattr(args, "compile", False) else "eager")
+    if backend == "cudagraph" and device.type != "cuda":
+        raise UserError("--backend cudagraph needs a CUDA device; use --backend eager on the CPU")
     return device, dtype, backend
 
 
@@ -114,105 +146,238 @@ def is_demo(args):
     return args.gpt_ckpt is None and args.gpt_model is None
 
 
+def read_json_config(path):
+    if not os.path.isfile(path):
+        raise UserError(f"--gpt-model {path} not found; pass a model name ({', '.join(GPT_CONFIGS)}) or a .json file")
+    try:
+        with open(path) as f:
+            config = json.load(f)
+    except (OSError, ValueError) as e:
+        raise UserError(f"--gpt-model {path} is not valid JSON ({e})") from None
+    if not isinstance(config, dict):
+        raise UserError(f"--gpt-model {path} must hold a JSON object of model arguments, e.g. {{\"n_layer\": 3}}")
+    known = {f.name for f in dataclasses.fields(ModelArgs)}
+    unknown = sorted(set(config) - known - set(TRAINING_ONLY_ARGS))
+    if unknown:
+        raise UserError(f"--gpt-model {path}: unknown model argument(s) {unknown}; use the official ModelArgs "
+                        f"field names: {', '.join(sorted(known))}")
+    return {k: v for k, v in config.items() if k in known}
+
+
 def model_args(args):
+    """(ModelArgs, training image size) from --gpt-model (name, JSON or the demo) and the flags.
+
+    Precedence: explicit flags, then the JSON's fields, then the official defaults."""
     demo = is_demo(args)
-    c2i = args.gpt_type == "c2i"
-    image_size = args.image_size or (DEMO_IMAGE_SIZE if demo else 256 if c2i else 512)
-    grid = image_size // args.downsample_size
-    overrides = dict(block_size=grid * grid, model_type=args.gpt_type, condition_type=args.condition_type,
-                     adapter_size=args.adapter_size, pos_interp=args.pos_interp, vocab_size=args.codebook_size,
-                     cls_token_num=args.cls_token_num or (1 if c2i else 120))
-    if demo:
-        return ModelArgs(**{**DEMO_CONFIG, **overrides}), image_size
-    return ModelArgs.from_name(args.gpt_model or "GPT-XL", **overrides), image_size
+    name = args.gpt_model or "GPT-XL"
+    given = dict(DEMO_CONFIG) if demo else read_json_config(name) if name.endswith(".json") else {}
+    c2i = (args.gpt_type or given.get("model_type", "t2i")) == "c2i"
+    if demo and c2i:
+        given = {k: v for k, v in given.items() if k != "cls_token_num"}  # c2i: one class token
+    ds = args.downsample_size
+    if args.image_size is not None and (args.image_size <= 0 or args.image_size % ds):
+        raise UserError(f"--image-size {args.image_size} is not a positive multiple of {ds}")
+    default_size = DEMO_IMAGE_SIZE if demo else 256 if c2i else 512
+    config = dict(model_type="c2i" if c2i else "t2i", cls_token_num=1 if c2i else 120, adapter_size="small",
+                  block_size=(default_size // ds) ** 2, vocab_size=16384)
+    config.update(given)
+    flags = dict(model_type=args.gpt_type, cls_token_num=args.cls_token_num, adapter_size=args.adapter_size,
+                 condition_type=args.condition_type, pos_interp=args.pos_interp, vocab_size=args.codebook_size,
+                 num_classes=args.num_classes, condition_token_num=args.condition_token_nums,
+                 block_size=(args.image_size // ds) ** 2 if args.image_size else None)
+    config.update({k: v for k, v in flags.items() if v is not None})
+    try:
+        margs = ModelArgs(**config) if demo or name.endswith(".json") else ModelArgs.from_name(name, **config)
+    except (TypeError, ValueError) as e:
+        msg = str(e) if str(e).startswith(name) else f"{name}: {e}"
+        raise UserError(f"--gpt-model {msg}") from None
+    return margs, int(round(margs.block_size ** 0.5)) * ds
 
 
 def build_gpt(args, device, dtype):
     margs, image_size = model_args(args)
-    with torch.device(device):
-        model = Transformer(margs)
     if args.gpt_ckpt:
         sd = read_state_dict(args.gpt_ckpt)
+        with no_init(), torch.device(device):
+            model = Transformer(margs)
+        fit_null_caption(model, sd)
         load_weights(model, sd, source=args.gpt_ckpt, hint=gpt_fix_hint(margs, sd))
         del sd
+    else:
+        with torch.device(device):
+            model = Transformer(margs)
     return model.to(dtype).eval().requires_grad_(False), image_size
 
 
 def build_vq(args, device):
     from fast_inference.vq import VQ_models
 
-    if args.vq_model not in VQ_models:
-        raise UserError(f"unknown --vq-model {args.vq_model}; use one of {sorted(VQ_models)}")
-    with torch.device(device):
-        vq = VQ_models[args.vq_model](codebook_size=args.codebook_size, codebook_embed_dim=args.codebook_embed_dim)
+    kw = dict(codebook_size=args.codebook_size or 16384, codebook_embed_dim=args.codebook_embed_dim)
     if args.vq_ckpt:
-        load_weights(vq, read_state_dict(args.vq_ckpt, key_order=("model",)), source=args.vq_ckpt,
-                     hint="is this the VQ-16 tokenizer (vq_ds16_t2i.pt)?")
+        sd = read_state_dict(args.vq_ckpt, key_order=("model",))
+        with no_init(), torch.device(device):
+            vq = VQ_models[args.vq_model](**kw)
+        load_weights(vq, sd, source=args.vq_ckpt, hint="Is this the VQ-16 tokenizer (vq_ds16_t2i.pt)?")
+    else:
+        with torch.device(device):
+            vq = VQ_models[args.vq_model](**kw)
     return vq.eval().requires_grad_(False)  # the VQ always runs in float32, as officially
+
+
+# ---- checks before any heavy work --------------------------------------------------------------
+
+def check_args(args):
+    """Everything that can be checked cheaply, so a mistake costs no model loading."""
+    if args.condition_type not in CONDITION_TYPES:
+        raise UserError(f"unknown --condition-type {args.condition_type!r}; use one of {', '.join(CONDITION_TYPES)}")
+    for flag in ("gpt_ckpt", "vq_ckpt", "condition_path", "caption_emb", "prompt_file"):
+        path = getattr(args, flag)
+        if path is not None and not os.path.isfile(path):
+            raise UserError(f"--{flag.replace('_', '-')} {path} not found")
+    if args.condition_ckpt is not None and not os.path.exists(args.condition_ckpt):
+        raise UserError(f"--condition-ckpt {args.condition_ckpt} not found")
+    for flag in ("image_H", "image_W"):
+        side = getattr(args, flag)
+        if side is not None and (side <= 0 or side % 16):
+            fit = max(16, -(-side // 16) * 16)
+            raise UserError(f"--{flag.replace('_', '-')} {side} is not a positive multiple of 16; use e.g. {fit}")
+    if args.num_images < 1 or args.warmup < 0:
+        raise UserError("--num-images must be at least 1 and --warmup at least 0")
+    if sum(x is not None for x in (args.caption_emb, args.prompt_file, args.prompt)) > 1:
+        raise UserError("give one text source: --prompt, --prompt-file or --caption-emb")
+    if (args.prompt is not None or args.prompt_file) and not t5_folder(args):
+        raise UserError("--prompt/--prompt-file need the text encoder: pass --t5-path checkpoints/t5-ckpt/flan-t5-xl "
+                        "(or use --caption-emb FILE.npz)")
+    if not is_demo(args) and args.condition_path is None:
+        raise UserError("--condition-path is required outside the demo: the control image (or map)")
+    if args.save_tokens and os.path.isdir(args.save_tokens):
+        raise UserError(f"--save-tokens {args.save_tokens} is a directory; give a file name like tokens.npy")
+    if args.save_samples and os.path.isfile(args.save_samples):
+        raise UserError(f"--save-samples {args.save_samples} is a file; give a directory")
+    for path in (args.out, args.save_tokens, args.save_samples and os.path.join(args.save_samples, "0.png")):
+        if path:
+            check_writable(path)
+
+
+def check_writable(path):
+    """The nearest existing folder above path must be writable (we create the rest at the end)."""
+    d = os.path.dirname(os.path.abspath(path))
+    while not os.path.isdir(d):
+        if os.path.exists(d):
+            raise UserError(f"cannot write {path}: {d} is a file")
+        d = os.path.dirname(d)
+    if not os.access(d, os.W_OK):
+        raise UserError(f"cannot write {path}: {d} is not writable; choose another output path")
 
 
 # ---- inputs ------------------------------------------------------------------------------------
 
-def control_image(args, image_size):
-    """The control map (3,H,W) in [-1,1] from --condition-path (or a drawn example)."""
+def control_image(args, image_size, model_type="t2i"):
+    """The control map (3,H,W) in [-1,1] from --condition-path (or a drawn example in the demo).
+
+    Like sample_t2i_MR.py, the image is resized (PIL bicubic) so both sides are multiples of 16
+    (32 for depth extraction), or to --image-H/--image-W when given. c2i takes the image as a ready
+    map, as sample_c2i.py does."""
     from fast_inference import conditions
 
-    if args.condition_type not in conditions.CONDITION_TYPES:
-        raise UserError(f"unknown --condition-type {args.condition_type}; use one of {conditions.CONDITION_TYPES}")
-    if args.condition_path is None:
-        if not is_demo(args):
-            raise UserError("--condition-path is required with a checkpoint (a control image)")
+    if args.condition_path is None:  # demo (check_args enforced it)
         H, W = args.image_H or image_size, args.image_W or image_size
         rgb = conditions.draw_example(args.condition_type, H, W)
         return conditions.extract_control(rgb, args.condition_type, is_map=True)
     rgb = conditions.read_rgb(args.condition_path)
     H, W = rgb.shape[:2]
-    target = (args.image_H or -(-H // 16) * 16, args.image_W or -(-W // 16) * 16)
+    is_map = args.condition_is_map or model_type == "c2i"
+    step = 32 if args.condition_type == "depth" and not is_map else 16
+    target = (args.image_H or -(-H // step) * step, args.image_W or -(-W // step) * step)
     if target != (H, W):
-        # As sample_t2i_MR.py: PIL bicubic resize, to the asked size or up to multiples of 16.
         log.info("control image %dx%d resized to %dx%d (PIL bicubic)", H, W, target[0], target[1])
         rgb = conditions.resize_to(rgb, *target)
-    return conditions.extract_control(rgb, args.condition_type, ckpt=args.condition_ckpt,
-                                      is_map=args.condition_is_map or is_demo(args))
+    return conditions.extract_control(rgb, args.condition_type, ckpt=args.condition_ckpt, is_map=is_map)
 
 
 def text_inputs(args, model, device):
-    """Caption embeddings (P,T,C) and masks (P,T), left padded, for P prompts; or c2i labels."""
+    """(cond, masks, names) for P prompts: caption embeddings (P,T,C) left padded with their masks
+    (P,T), or c2i class labels (P,) with masks None."""
     from fast_inference import text
 
-    if args.gpt_type == "c2i":
-        label = 0 if args.class_label is None else args.class_label
-        if not 0 <= label < model.args.num_classes:
-            raise UserError(f"--class-label must be in 0..{model.args.num_classes - 1}")
+    if model.args.model_type == "c2i":
+        label = class_label(args, model.args.num_classes)
         return torch.tensor([label], device=device), None, [f"class {label}"]
     T = model.args.cls_token_num
     if args.caption_emb:
         emb, mask, prompt = text.load_caption_emb(args.caption_emb, T)
+        if emb.shape[2] != model.args.caption_dim:
+            raise UserError(f"{args.caption_emb}: caption_emb width {emb.shape[2]} != the model's caption_dim "
+                            f"{model.args.caption_dim}; use embeddings of the model's text encoder")
         return emb.to(device), mask.to(device), [prompt]
-    prompts = None
+    prompts, t5 = None, t5_folder(args)
     if args.prompt_file:
-        if not os.path.isfile(args.prompt_file):
-            raise UserError(f"--prompt-file {args.prompt_file} not found")
-        prompts = [line.strip() for line in open(args.prompt_file, encoding="utf-8") if line.strip()]
-    elif args.prompt is not None or args.t5_path:
-        prompts = [args.prompt or "a high-quality image"]
+        with open(args.prompt_file, encoding="utf-8") as f:
+            prompts = [line.strip() for line in f if line.strip()]
+        if not prompts:
+            raise UserError(f"--prompt-file {args.prompt_file} has no prompts (one per line)")
+    elif args.prompt is not None or t5:
+        prompts = [args.prompt or "a high-quality image"]  # the official default prompt
     if prompts is not None:
-        if not args.t5_path:
-            raise UserError("--prompt needs the text encoder: pass --t5-path checkpoints/t5-ckpt/flan-t5-xl "
-                            "(or use --caption-emb FILE.npz)")
-        encoder = text.T5Encoder(args.t5_path, device=device,
-                                 dtype=model.tok_embeddings.weight.dtype if device.type == "cuda" else torch.float32)
-        emb, mask = encoder.encode_left_padded(prompts)
+        if args.t5_feature_dim not in (None, model.args.caption_dim):
+            raise UserError(f"--t5-feature-dim {args.t5_feature_dim} but the model's caption_dim is "
+                            f"{model.args.caption_dim}; drop the flag")
+        # T5 in the run's precision, as the official T5Embedder(torch_dtype=precision).
+        encoder = text.T5Encoder(t5, device=device, dtype=model.tok_embeddings.weight.dtype,
+                                 max_length=args.t5_feature_max_len)
+        if args.no_left_padding:
+            emb, mask = encoder.encode(prompts)
+            emb, mask = (emb * mask[..., None].to(emb.dtype))[:, :T], mask[:, :T]
+        else:
+            emb, mask = encoder.encode_left_padded(prompts)
+            emb, mask = left_fit(emb, T), left_fit(mask, T)
         del encoder
-        return emb[:, :T], mask[:, :T], prompts
+        return emb, mask, prompts
     if not is_demo(args):
-        raise UserError("give a prompt: --prompt TEXT with --t5-path, or --caption-emb FILE.npz")
+        raise UserError("give a prompt: --prompt TEXT with --t5-path, --prompt-file, or --caption-emb FILE.npz")
     # Demo: a fixed random 'caption' of 12 valid tokens (random weights make text meaningless anyway).
     g = torch.Generator().manual_seed(args.seed)
     emb = torch.randn(1, T, model.args.caption_dim, generator=g) * 0.2
     mask = torch.zeros(1, T, dtype=torch.long)
     mask[:, T - 12:] = 1
     return (emb * mask[..., None]).to(device), mask.to(device), ["(random caption)"]
+
+
+def t5_folder(args):
+    """--t5-path, or outside the demo the official default checkpoints/t5-ckpt when it exists; the
+    model folder itself or its parent (official layout: --t5-path + --t5-model-type)."""
+    path = args.t5_path or (DEFAULT_T5 if not is_demo(args) and os.path.isdir(DEFAULT_T5) else None)
+    sub = os.path.join(path, args.t5_model_type) if path else None
+    if sub and not os.path.isfile(os.path.join(path, "config.json")) and os.path.isdir(sub):
+        return sub
+    return path
+
+
+def class_label(args, num_classes):
+    """--class-label, else the label saved beside the control map (sample_c2i.py: <map>.npy)."""
+    label = args.class_label
+    npy = os.path.splitext(args.condition_path)[0] + ".npy" if args.condition_path else None
+    if label is None and npy and os.path.isfile(npy):
+        try:
+            label = int(np.load(npy).reshape(-1)[0])
+        except (ValueError, OSError, IndexError) as e:
+            raise UserError(f"{npy}: cannot read a class label ({e}); pass --class-label N") from None
+    if label is None:
+        if not is_demo(args):
+            raise UserError(f"c2i needs a class: pass --class-label N (0..{num_classes - 1})")
+        label = 0
+    if not 0 <= label < num_classes:
+        raise UserError(f"--class-label must be in 0..{num_classes - 1}, got {label}")
+    return label
+
+
+def left_fit(x, T):
+    """Left-padded (P, 120, ...) -> (P, T, ...): keep the last T positions (where the real tokens
+    are) or pad zeros on the left; the layout --caption-emb files get for a prefix of T."""
+    L = x.shape[1]
+    if L >= T:
+        return x[:, L - T:]
+    return torch.cat([x.new_zeros(x.shape[0], T - L, *x.shape[2:]), x], dim=1)
 
 
 # ---- run ---------------------------------------------------------------------------------------
@@ -231,34 +396,53 @@ def sample_images(args, model, engine, cond, mask, control, num_tokens):
     return engine.generate(cond, num_tokens, **kw)
 
 
-def save_outputs(args, images, control, tokens, demo):
+def default_out(args, model_type, demo):
+    name = f"sample_{model_type}_{args.condition_type}" + ("_demo" if demo else "") + ".png"
+    return os.path.join(ROOT, "sample", "example", name)
+
+
+def save_outputs(args, out, images, control, tokens):
+    """The grid (control map, then the samples), then per-sample PNGs and the tokens; each atomic."""
     from fast_inference.images import save_image
 
-    out = args.out or os.path.join(ROOT, "sample", "example", f"sample_{args.gpt_type}_{args.condition_type}"
-                                   + ("_demo" if demo else "") + ".png")
     grid = torch.cat([control[None].to(images.device, images.dtype), images])
     save_image(grid, out, nrow=4, padding=2)
     if args.save_samples:
         for i, img in enumerate(images):
             save_image(img, os.path.join(args.save_samples, f"{i}.png"))
     if args.save_tokens:
+        os.makedirs(os.path.dirname(os.path.abspath(args.save_tokens)), exist_ok=True)
         tmp = args.save_tokens + ".tmp.npy"
         np.save(tmp, tokens.cpu().numpy().astype(np.int64))
         os.replace(tmp, args.save_tokens)
-    return out
+
+
+def describe(args, model, demo):
+    if demo:
+        return "demo: RANDOM weights, tiny config"
+    name = os.path.basename(args.gpt_model) if args.gpt_model else "GPT-XL"
+    a = model.args
+    adapter = f"DINOv2-{a.adapter_size}" if a.model_type == "t2i" else "ViT-small"
+    weights = "" if args.gpt_ckpt else ", RANDOM weights"
+    return f"{name} {a.model_type} ({adapter}, {a.condition_type}, grid {int(a.block_size ** 0.5)}^2{weights})"
 
 
 def run(args):
     t_start = time.perf_counter()
+    check_args(args)
     torch.manual_seed(args.seed)
     device, dtype, backend = pick_device(args)
     demo = is_demo(args)
     model, image_size = build_gpt(args, device, dtype)
-    vq = build_vq(args, device)
-    control = control_image(args, image_size)
+    model_type = model.args.model_type
+    if demo and not all(os.path.isfile(os.path.join(EXAMPLES_DIR, f"{t}.png")) for t in CONDITION_TYPES):
+        from fast_inference.conditions import write_examples
+
+        write_examples(EXAMPLES_DIR)  # 512x512 example maps to try real checkpoints on
+    t0 = time.perf_counter()
+    control = control_image(args, image_size, model_type)
+    t_control = time.perf_counter() - t0
     H, W = control.shape[1:]
-    if H % 16 or W % 16:
-        raise UserError(f"image size {H}x{W} is not a multiple of 16; use --image-H/--image-W multiples of 16")
     num_tokens = (H // 16) * (W // 16)
     if num_tokens > model.args.block_size:
         raise UserError(f"{H}x{W} needs {num_tokens} tokens but the model's grid has {model.args.block_size} "
@@ -266,14 +450,16 @@ def run(args):
     t0 = time.perf_counter()
     cond, mask, prompts = text_inputs(args, model, device)
     t_text = time.perf_counter() - t0
+    vq = build_vq(args, device)
     engine = None if args.engine == "reference" else Engine(model, backend=backend, compile_mode=args.compile_mode)
-    print(f"{'demo: RANDOM weights, tiny config' if demo else 'model ' + (args.gpt_model or 'GPT-XL')} | "
-          f"{args.engine} engine{'' if engine is None else ' (' + backend + ')'} | "
+    print(f"{describe(args, model, demo)} | {args.engine} engine{'' if engine is None else ' (' + backend + ')'} | "
           f"{str(dtype).replace('torch.', '')} on {device} | {len(prompts)} prompt(s) x {args.num_images} image(s) "
           f"| {H}x{W} = {num_tokens} tokens")
     if demo:
         print("  the weights are random, so the image is noise: load real ones with --gpt-ckpt, --vq-ckpt "
-              "and --t5-path (see checkpoints/README.md)")
+              "and --t5-path (see checkpoints/README.md); example control maps: condition/example/*.png")
+    elif not args.vq_ckpt:
+        print("  no --vq-ckpt: the VQ decoder has RANDOM weights, so the PNGs are noise (tokens are real)")
     for _ in range(args.warmup):
         sample_images(args, model, engine, cond, mask, control, num_tokens)
     torch.manual_seed(args.seed)
@@ -282,18 +468,19 @@ def run(args):
     sync(device)
     t_gen = time.perf_counter() - t0
     t0 = time.perf_counter()
-    with torch.no_grad():
-        images = vq.decode_code(tokens, (tokens.shape[0], vq.quantize.embedding.weight.shape[1], H // 16, W // 16))
+    images = vq.decode_code(tokens, (tokens.shape[0], vq.quantize.embedding.weight.shape[1], H // 16, W // 16))
     sync(device)
     t_vq = time.perf_counter() - t0
-    out = save_outputs(args, images, control, tokens, demo)
-    report(engine, t_text, t_gen, t_vq, tokens, time.perf_counter() - t_start)
-    print(f"saved {out}")
+    out = args.out or default_out(args, model_type, demo)
+    save_outputs(args, out, images, control, tokens)
+    times = dict(control=t_control, text=t_text, generate=t_gen, vq=t_vq, total=time.perf_counter() - t_start)
+    report(engine, times, tokens)
+    print(f"saved {out}" + "".join(f", {p}" for p in (args.save_samples, args.save_tokens) if p))
 
 
-def report(engine, t_text, t_gen, t_vq, tokens, t_total):
+def report(engine, times, tokens):
     n = tokens.numel()
-    parts = [f"text {t_text:.2f}s"]
+    parts = [f"control {times['control']:.2f}s", f"text {times['text']:.2f}s"]
     if engine is not None and engine.last_timings:
         tm = engine.last_timings
         decode = tm["decode"]
@@ -302,8 +489,8 @@ def report(engine, t_text, t_gen, t_vq, tokens, t_total):
         if engine.compile_seconds:
             parts.append(f"compile/capture {engine.compile_seconds:.1f}s")
     else:
-        parts.append(f"generate {t_gen:.2f}s ({n / max(t_gen, 1e-9):.0f} tok/s)")
-    parts += [f"VQ decode {t_vq:.2f}s", f"total {t_total:.1f}s"]
+        parts.append(f"generate {times['generate']:.2f}s ({n / max(times['generate'], 1e-9):.0f} tok/s)")
+    parts += [f"VQ decode {times['vq']:.2f}s", f"total {times['total']:.1f}s"]
     print("  " + " | ".join(parts))
 
 
@@ -328,13 +515,15 @@ def main(argv=None):
 
 
 def is_user_error(e):
+    """True for mistakes the user can fix (the message names the fix); bugs keep their traceback."""
     from fast_inference.conditions import ConditionError
     from fast_inference.text import TextError
 
     if isinstance(e, torch.cuda.OutOfMemoryError):
-        e.args = ("CUDA out of memory; use a smaller --num-images (or fewer prompts)",)
+        e.args = ("CUDA out of memory; use a smaller --num-images (or fewer prompts, or a smaller --image-size)",)
         return True
-    return isinstance(e, (UserError, CheckpointError, FileNotFoundError, ConditionError, TextError, ValueError))
+    return isinstance(e, (UserError, CheckpointError, ConditionError, TextError, FileNotFoundError, PermissionError,
+                          IsADirectoryError, NotADirectoryError))
 
 
 if __name__ == "__main__":

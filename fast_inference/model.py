@@ -64,7 +64,8 @@ class ModelArgs:
 
     @property
     def layer_internal(self):
-        return self.n_layer // 3
+        # Official: n_layer // 3, which is 0 (a crash) below three layers; inject before every block then.
+        return max(1, self.n_layer // 3)
 
     @property
     def prefix_len(self):
@@ -80,6 +81,8 @@ class ModelArgs:
             with open(name) as f:
                 config = json.load(f)
             known = {f.name for f in fields(cls)}
+            # Training-only fields of the official ModelArgs: accepted, irrelevant at inference.
+            config = {k: v for k, v in config.items() if k not in TRAINING_ONLY}
             unknown = sorted(set(config) - known)
             if unknown:
                 raise ValueError(f"{name}: unknown model argument(s) {unknown}; known: {sorted(known)}")
@@ -90,6 +93,9 @@ class ModelArgs:
         config.update({k: v for k, v in overrides.items() if v is not None})
         return cls(**config)
 
+
+TRAINING_ONLY = {"initializer_range", "token_dropout_p", "attn_dropout_p", "resid_dropout_p", "ffn_dropout_p",
+                 "drop_path_rate", "max_batch_size", "max_seq_len"}
 
 # Official constructor names -> (n_layer, n_head, dim).
 GPT_CONFIGS = {

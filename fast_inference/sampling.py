@@ -1,8 +1,9 @@
 """The one sampling routine: CFG merge, temperature, top-k, top-p and the draw.
 
 The reference sampler draws with torch.multinomial (host-synchronising, as the official code);
-the fast engine draws with an exponential race, argmax(p / E) with E ~ Exp(1), which selects
-index i with probability p_i exactly and needs no sync, so it can live inside a CUDA graph.
+the fast engine draws with an exponential race, argmax(p / E) with E ~ Exp(1) i.i.d., which
+selects index i with probability p_i exactly (the smallest of E_j / p_j is E_i / p_i with that
+probability) and needs no sync, so it can live inside a CUDA graph.
 """
 import torch
 import torch.nn.functional as F
@@ -20,7 +21,8 @@ def filter_logits(logits, temperature=1.0, top_k=0, top_p=1.0):
     logits = logits / (temperature.clamp_min(1e-5) if torch.is_tensor(temperature) else max(temperature, 1e-5))
     if top_k > 0:
         k = min(max(top_k, 1), logits.shape[-1])
-        kth = torch.topk(logits, k, dim=-1).values[..., -1:]
+        # The k-th largest value is the smallest of the top k: no need to sort them.
+        kth = torch.topk(logits, k, dim=-1, sorted=False).values.amin(dim=-1, keepdim=True)
         logits = logits.masked_fill(logits < kth, float("-inf"))
     if top_p < 1.0:
         sorted_logits, order = torch.sort(logits, descending=True, dim=-1)
@@ -37,10 +39,13 @@ def sample(logits, temperature=1.0, top_k=0, top_p=1.0, sample_logits=True, race
     race=False: torch.multinomial, the official draw. race=True: the sync-free exponential race
     (same distribution, different random stream).
     """
-    probs = F.softmax(filter_logits(logits, temperature, top_k, top_p), dim=-1)
+    logits = filter_logits(logits, temperature, top_k, top_p)
     if not sample_logits:
-        return torch.argmax(probs, dim=-1, keepdim=True)
+        return torch.argmax(logits, dim=-1, keepdim=True)
     if race:
-        noise = torch.empty_like(probs).exponential_(1)
-        return torch.argmax(probs / noise, dim=-1, keepdim=True)
-    return torch.multinomial(probs, num_samples=1)
+        # argmax p_i / E_i = argmax (logit_i - log E_i): softmax's normaliser is the same for all i,
+        # so the race needs no softmax at all.
+        # A zero draw would turn a filtered -inf logit into NaN, which argmax would pick.
+        noise = torch.empty_like(logits).exponential_(1).clamp_min_(torch.finfo(logits.dtype).tiny)
+        return torch.argmax(logits - torch.log(noise), dim=-1, keepdim=True)
+    return torch.multinomial(F.softmax(logits, dim=-1), num_samples=1)

@@ -1,0 +1,417 @@
+"""Sharded, resumable generation over a validation split, then the official metrics.
+
+    python fast_inference/fast_eval.py --gpt-ckpt checkpoints/edge_base.safetensors --adapter-size base \
+        --vq-ckpt checkpoints/vq_ds16_t2i.pt --condition-type canny --data-path data/multigen_val \
+        --sample-dir sample/multigen/canny --batch 32 --metrics
+    torchrun --nproc_per_node 8 fast_inference/fast_eval.py ...        # the same, on 8 GPUs
+
+Outputs are named as the official test_t2i.py names them, so its metric scripts work on our
+folders: <sample-dir>/visualization/{index:06d}.png (the image) and annotations/{index:06d}.png
+(channel 0 of the control, or the seg label map). Each file is written under <sample-dir>/.tmp
+and renamed into place, so a killed run leaves only whole files; running the same command again
+skips every sample that has both.
+
+Batches and seeds. The positions of the sorted samples are cut into fixed batches [kB, (k+1)B),
+B = --batch. Batch k is sampled after torch.manual_seed(seed * 2**32 + kB), always with B rows:
+rows outside --start/--end or already finished are filled with a copy of a sample and dropped.
+Rows do not interact, so a sample's image depends on the seed, its position, B and its own inputs
+only -- not on --start/--end, the number of ranks, or what an earlier run finished: a resumed or
+re-sharded run writes the same bytes. (The official script seeds rank r with
+global_seed * world_size + r, which ties every image to the GPU count.) Under torchrun, rank r
+takes every world_size-th batch of the range and the GPU LOCAL_RANK.
+"""
+import argparse
+import json
+import logging
+import os
+import socket
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Optional
+
+if __package__ in (None, ""):  # run as a script: make `fast_inference` importable
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch
+from tqdm import tqdm
+
+from fast_inference import conditions, data, metrics
+from fast_inference.engine import Engine
+from fast_inference.fast_engine import (UserError, add_model_args, build_gpt, build_vq, is_user_error, model_args,
+                                        pick_device)
+from fast_inference.generate import generate
+from fast_inference.images import save_image, save_png_uint8
+
+
+# Settings that change the images: a sample dir only ever holds the output of one combination.
+OUTPUT_SETTINGS = ("gpt_model", "gpt_ckpt", "gpt_type", "vq_model", "vq_ckpt", "codebook_size", "codebook_embed_dim",
+                   "image_size", "image_H", "image_W", "downsample_size", "cls_token_num", "adapter_size",
+                   "condition_type", "condition_ckpt", "condition_is_map", "pos_interp", "t5_path", "cfg_scale",
+                   "cfg_interval", "top_k", "top_p", "temperature", "control_strength", "seed", "engine", "batch",
+                   "data_path", "manifest")
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description="ControlAR batch evaluation: sharded, resumable generation and metrics")
+    add_model_args(p)
+    g = p.add_argument_group("evaluation")
+    g.add_argument("--data-path", "--code-path", default=None,
+                   help="extracted validation split (image/, caption_emb/, control/ or control_depth/, label/)")
+    g.add_argument("--manifest", default=None, help="JSONL: id, control, caption_emb or prompt[, class_label, label]")
+    g.add_argument("--start", type=int, default=0, help="first sample position (in the sorted ids)")
+    g.add_argument("--end", type=int, default=None, help="one past the last position (default: all)")
+    g.add_argument("--batch", type=int, default=32, help="images per batch (fixed; the seed depends on it)")
+    g.add_argument("--sample-dir", default=None, help="output folder (default sample/eval/<condition-type>)")
+    g.add_argument("--num-workers", type=int, default=4, help="data-loading processes (0: load in line)")
+    g.add_argument("--metrics", action="store_true", help="compute the metrics after generating")
+    g.add_argument("--metrics-only", action="store_true", help="only compute the metrics of --sample-dir")
+    g.add_argument("--pred-dir", default=None, help="seg: the segmenter's label maps {name}.png, for mIoU")
+    g.add_argument("--seg-dataset", choices=sorted(metrics.SEG_DATASETS), default="ade20k",
+                   help="seg: label conventions of the mIoU (ADE20K shift/ignore 0, or COCO-Stuff ignore 255)")
+    g.add_argument("--fid-ref", default=None, help="real images for FID (default <data-path>/image)")
+    args = p.parse_args(argv)
+    args.sample_dir = args.sample_dir or os.path.join("sample", "eval", args.condition_type)
+    return args
+
+
+# ---- sharding and seeding -----------------------------------------------------------------------
+
+def dist_env():
+    """(rank, world_size, local_rank) from torchrun's environment; (0, 1, 0) without it."""
+    return int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1)), int(os.environ.get("LOCAL_RANK", 0))
+
+
+def shard(start, end, batch, rank=0, world=1):
+    """This rank's batches as (first position of the batch, positions of it in [start, end))."""
+    first_batch, stop = start // batch, -(-end // batch)
+    return [(k * batch, list(range(max(k * batch, start), min((k + 1) * batch, end))))
+            for k in range(first_batch + rank, stop, world)]
+
+
+def batch_seed(seed, first):
+    return seed * 2**32 + first
+
+
+# ---- outputs ------------------------------------------------------------------------------------
+
+def output_paths(sample_dir, name):
+    return (os.path.join(sample_dir, "visualization", name + ".png"),
+            os.path.join(sample_dir, "annotations", name + ".png"))
+
+
+def finished(sample_dir, name):
+    return all(os.path.isfile(p) for p in output_paths(sample_dir, name))
+
+
+def publish(write, x, path):
+    """Write under <sample-dir>/.tmp, then rename: the output folders only ever hold whole PNGs
+    (the official metric scripts read every file there)."""
+    if os.path.isfile(path):
+        return
+    tmp_dir = os.path.join(os.path.dirname(os.path.dirname(path)), ".tmp")
+    tmp = os.path.join(tmp_dir, f"{os.getpid()}_{os.path.basename(os.path.dirname(path))}_{os.path.basename(path)}")
+    write(x, tmp)
+    os.replace(tmp, path)
+
+
+def save_batch(sample_dir, names, rows, images, controls, labels):
+    for i, (name, row, label) in enumerate(zip(names, rows, labels)):
+        vis, ann = output_paths(sample_dir, name)
+        publish(save_image, images[row], vis)
+        if label is not None:
+            publish(save_png_uint8, label, ann)  # seg: raw class ids, mode 'L', as test_t2i.py
+        else:
+            publish(save_image, controls[i, 0], ann)
+
+
+def check_settings(args, resolved):
+    """Record the settings in <sample-dir>/settings.json; refuse to mix outputs of other ones."""
+    path_keys = {"gpt_ckpt", "vq_ckpt", "condition_ckpt", "t5_path", "data_path", "manifest"}
+    settings = {k: os.path.abspath(v) if k in path_keys and v else v for k, v in vars(args).items()
+                if k in OUTPUT_SETTINGS}
+    settings.update(resolved)
+    path = os.path.join(args.sample_dir, "settings.json")
+    if os.path.isfile(path):
+        with open(path) as f:
+            before = json.load(f)
+        changed = sorted(k for k in set(before) | set(settings) if before.get(k) != settings.get(k))
+        if changed:
+            diff = ", ".join(f"{k}: {before.get(k)!r} -> {settings.get(k)!r}" for k in changed)
+            raise UserError(f"{args.sample_dir} holds samples made with other settings ({diff}); "
+                            "use the same settings or another --sample-dir")
+    else:
+        os.makedirs(args.sample_dir, exist_ok=True)
+        metrics.write_json(settings, path)
+
+
+class RunLog:
+    """One JSON object per line: the start (settings), every batch (timings), the end."""
+
+    def __init__(self, sample_dir, rank, start, end):
+        os.makedirs(os.path.join(sample_dir, "logs"), exist_ok=True)
+        self.f = open(os.path.join(sample_dir, "logs", f"rank{rank}_{start}-{end}.jsonl"), "a", buffering=1)
+
+    def write(self, event, **fields):
+        self.f.write(json.dumps({"event": event, "time": round(time.time(), 3), **fields}) + "\n")
+
+
+# ---- data ---------------------------------------------------------------------------------------
+
+def load_samples(args):
+    if (args.data_path is None) == (args.manifest is None):
+        raise UserError("give the validation data: --data-path DIR (the extracted split) or --manifest FILE.jsonl")
+    if args.condition_type not in conditions.CONDITION_TYPES:
+        raise UserError(f"unknown --condition-type {args.condition_type}; use one of {conditions.CONDITION_TYPES}")
+    if args.data_path is not None:
+        return data.official_samples(args.data_path, args.condition_type, args.condition_is_map)
+    return data.manifest_samples(args.manifest, args.condition_type, args.condition_is_map)
+
+
+class BatchReader(torch.utils.data.Dataset):
+    """Item k: the samples batch k needs, read (and canny-extracted) in a DataLoader worker."""
+
+    def __init__(self, batches, samples, condition_type, H, W, cls_token_num, text_mode):
+        self.batches, self.samples = batches, samples
+        self.kw = dict(condition_type=condition_type, H=H, W=W, cls_token_num=cls_token_num, text_mode=text_mode)
+
+    def __len__(self):
+        return len(self.batches)
+
+    def __getitem__(self, k):
+        items = [data.read_sample(self.samples[p], **self.kw) for p in self.batches[k][1]]
+        for item, p in zip(items, self.batches[k][1]):
+            item["class_label"] = self.samples[p].class_label
+        return items
+
+
+def as_is(x):
+    return x
+
+
+def one_thread(_):
+    torch.set_num_threads(1)
+
+
+def control_map(item, args, device):
+    """(3, H, W) in [-1, 1]: a ready map is rescaled; hed/lineart/depth networks run here, on the
+    device, with test_t2i.py's semantics (lineart not inverted)."""
+    if item["ready"]:
+        return conditions.extract_control(item["source"], args.condition_type, is_map=True)
+    return conditions.extract_control(item["source"], args.condition_type, ckpt=args.condition_ckpt, device=device,
+                                      invert_lineart=False)
+
+
+def text_batch(items, rows, text_mode, model, t5, device):
+    """The prefix inputs of the B rows: (caption embeddings, mask) or (class labels, None)."""
+    if text_mode == "label":
+        return torch.tensor([items[r]["class_label"] for r in rows], device=device), None
+    T = model.args.cls_token_num
+    if text_mode == "t5":
+        # All B rows, fillers included: the encoder's numerics may depend on the batch size.
+        emb, mask = t5.encode_left_padded([items[r]["prompt"] for r in rows])
+        return emb[:, :T].to(device), mask[:, :T].to(device)
+    emb = torch.cat([items[r]["emb"] for r in rows])
+    if emb.shape[-1] != model.args.caption_dim:
+        raise UserError(f"caption embeddings have {emb.shape[-1]} features but the model takes caption_dim "
+                        f"{model.args.caption_dim}; pass the matching model (--gpt-model) or --t5-path")
+    return emb.to(device), torch.cat([items[r]["mask"] for r in rows]).to(device)
+
+
+# ---- generation ---------------------------------------------------------------------------------
+
+@dataclass
+class Run:
+    """What every batch needs: the settings, the models and the image shape."""
+    args: argparse.Namespace
+    device: torch.device
+    model: torch.nn.Module
+    vq: torch.nn.Module
+    engine: Optional[Engine]
+    t5: object
+    text_mode: str  # emb | t5 | label
+    H: int
+    W: int
+
+
+def sample_batch(run, items, first, positions):
+    """One batch of B rows, seeded by its first position -> images (B, 3, H, W) on the CPU and the
+    controls (len(items), 3, H, W). Row r holds position first + r; the other rows repeat a sample."""
+    args, B = run.args, run.args.batch
+    rows = [positions.index(first + r) if first + r in positions else 0 for r in range(B)]
+    controls = torch.stack([control_map(it, args, run.device) for it in items])
+    cond, mask = text_batch(items, rows, run.text_mode, run.model, run.t5, run.device)
+    num_tokens = (run.H // 16) * (run.W // 16)
+    torch.manual_seed(batch_seed(args.seed, first))
+    kw = dict(emb_masks=mask, cfg_scale=args.cfg_scale, cfg_interval=args.cfg_interval,
+              condition=controls[rows].to(run.device), control_strength=args.control_strength,
+              temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
+    if run.engine is None:
+        tokens = generate(run.model, cond, num_tokens, **kw)
+    else:
+        tokens = run.engine.generate(cond, num_tokens, **kw)
+    # All B rows decoded: the same shapes in every batch keep a row's pixels independent of the others.
+    shape = (B, run.vq.quantize.embedding.weight.shape[1], run.H // 16, run.W // 16)
+    return run.vq.decode_code(tokens, shape).float().cpu(), controls
+
+
+ANNOTATOR_FILES = {"hed": "ControlNetHED.pth", "lineart": "model.pth (lineart)", "depth": "a local Intel/dpt-large folder"}
+
+
+def check_annotator(args, samples):
+    """Before any model loads: controls extracted by a network need its weights."""
+    kind = args.condition_type
+    if kind in ANNOTATOR_FILES and not all(s.is_map for s in samples):
+        if args.condition_ckpt is None or not os.path.exists(args.condition_ckpt):
+            raise UserError(f"{kind} controls are extracted from the images: pass --condition-ckpt with "
+                            f"{ANNOTATOR_FILES[kind]} (or ready maps with --condition-is-map)")
+
+
+def image_shape(args):
+    margs, image_size = model_args(args)
+    H, W = args.image_H or image_size, args.image_W or image_size
+    if H % 16 or W % 16 or (H // 16) * (W // 16) > margs.block_size:
+        raise UserError(f"image size {H}x{W} must be multiples of 16 within the model's grid (--image-size {image_size})")
+    return margs, H, W
+
+
+def build_run(args, device, dtype, backend, text_mode, H, W):
+    torch.manual_seed(args.seed)  # random weights (no checkpoint) must be the same in every run
+    model, _ = build_gpt(args, device, dtype)
+    vq = build_vq(args, device)
+    engine = None if args.engine == "reference" else Engine(model, backend=backend, compile_mode=args.compile_mode)
+    t5 = None
+    if text_mode == "t5":
+        from fast_inference.text import T5Encoder
+
+        t5 = T5Encoder(args.t5_path, device=device, dtype=dtype)  # in the run's precision, as test_t2i.py
+    return Run(args, device, model, vq, engine, t5, text_mode, H, W)
+
+
+def generate_split(args):
+    """Generate this rank's share of [start, end); returns the names of the whole range."""
+    rank, world, local_rank = dist_env()
+    if world > 1 and args.device in (None, "cuda") and torch.cuda.is_available():
+        args.device = f"cuda:{local_rank}"
+        torch.cuda.set_device(args.device)
+    device, dtype, backend = pick_device(args)
+    margs, H, W = image_shape(args)
+    if args.batch < 1:
+        raise UserError("--batch must be at least 1")
+    samples = load_samples(args)
+    text_mode = "label" if margs.model_type == "c2i" else "t5" if args.t5_path else "emb"
+    data.check_text(samples, text_mode)
+    check_annotator(args, samples)
+    end = len(samples) if args.end is None else min(args.end, len(samples))
+    if not 0 <= args.start < end:
+        raise UserError(f"--start {args.start} --end {args.end} selects nothing of the {len(samples)} samples")
+    check_settings(args, dict(precision=str(dtype).replace("torch.", ""), device_type=device.type,
+                              backend=backend if args.engine == "fast" else None))
+    mine = shard(args.start, end, args.batch, rank, world)
+    batches = [(first, [p for p in positions if not finished(args.sample_dir, samples[p].name)])
+               for first, positions in mine]
+    batches = [b for b in batches if b[1]]
+    todo = sum(len(b[1]) for b in batches)
+    done = sum(len(b[1]) for b in mine) - todo
+    for d in ("visualization", "annotations", ".tmp"):
+        os.makedirs(os.path.join(args.sample_dir, d), exist_ok=True)
+    runlog = RunLog(args.sample_dir, rank, args.start, end)
+    runlog.write("start", host=socket.gethostname(), pid=os.getpid(), rank=rank, world_size=world,
+                 device=str(device), todo=todo, done_before=done, settings=vars(args))
+    names = [s.name for s in samples[args.start:end]]
+    if not batches:
+        print(f"rank {rank}: all {done} samples of its share of [{args.start}, {end}) are done in {args.sample_dir}")
+        runlog.write("done", images=0, seconds=0.0)
+        return names, rank, world
+
+    # Workers start now (they never touch the GPU) and read ahead while the model loads.
+    reader = BatchReader(batches, samples, args.condition_type, H, W, margs.cls_token_num, text_mode)
+    workers = min(args.num_workers, len(batches))
+    loader = iter(torch.utils.data.DataLoader(reader, batch_size=None, collate_fn=as_is, num_workers=workers,
+                                              worker_init_fn=one_thread if workers else None,
+                                              prefetch_factor=2 if workers else None))
+    run = build_run(args, device, dtype, backend, text_mode, H, W)
+    print(f"rank {rank}/{world}: {todo} images to make in {len(batches)} batches of {args.batch} ({done} done before) "
+          f"| {args.engine} engine{'' if run.engine is None else ' (' + backend + ')'} | "
+          f"{str(dtype).replace('torch.', '')} on {device} | {H}x{W} -> {args.sample_dir}")
+
+    saver = ThreadPoolExecutor(1)  # PNG encoding overlaps the next batch
+    pending = None
+    t_run = time.perf_counter()
+    with tqdm(total=todo, unit="img", desc=f"rank {rank}", position=rank, dynamic_ncols=True) as bar:
+        for first, positions in batches:
+            t0 = time.perf_counter()
+            items = next(loader)
+            errors = [it["error"] for it in items if "error" in it]
+            if errors:
+                raise UserError(errors[0])
+            t_data = time.perf_counter() - t0
+            images, controls = sample_batch(run, items, first, positions)
+            t_gen = time.perf_counter() - t0 - t_data
+            if pending is not None:
+                pending.result()
+            batch_names = [samples[p].name for p in positions]
+            pending = saver.submit(save_batch, args.sample_dir, batch_names, [p - first for p in positions], images,
+                                   controls, [it["annotation"] for it in items])
+            bar.update(len(positions))
+            runlog.write("batch", first=first, names=batch_names, data_s=round(t_data, 4), generate_s=round(t_gen, 4),
+                         images_per_s=round(len(positions) / (time.perf_counter() - t0), 3),
+                         engine=run.engine and run.engine.last_timings,
+                         compile_s=run.engine and round(run.engine.compile_seconds, 3))
+    if pending is not None:
+        pending.result()
+    saver.shutdown()
+    seconds = time.perf_counter() - t_run
+    runlog.write("done", images=todo, seconds=round(seconds, 3), images_per_s=round(todo / seconds, 3))
+    print(f"rank {rank}: {todo} images in {seconds:.1f}s ({todo / seconds:.2f} images/s)")
+    return names, rank, world
+
+
+def wait_for_ranks(sample_dir, names, poll=10.0):
+    """Rank 0 under torchrun: the metrics need every rank's outputs (torchrun stops us if one fails)."""
+    while True:
+        missing = sum(not finished(sample_dir, n) for n in names)
+        if not missing:
+            return
+        print(f"rank 0: waiting for {missing} images from the other ranks")
+        time.sleep(poll)
+
+
+def run_metrics(args):
+    device = pick_device(args)[0]
+    fid_ref = args.fid_ref or (os.path.join(args.data_path, "image") if args.data_path else None)
+    metrics.evaluate(args.sample_dir, args.condition_type, device, args.condition_ckpt, args.pred_dir,
+                     args.seg_dataset, fid_ref)
+
+
+def user_mistake(e):
+    if isinstance(e, torch.cuda.OutOfMemoryError):
+        e.args = ("CUDA out of memory; use a smaller --batch",)
+        return True
+    return isinstance(e, data.DataError) or is_user_error(e)
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    try:
+        with torch.no_grad():
+            if not args.metrics_only:
+                names, rank, world = generate_split(args)
+                if not args.metrics or rank != 0:
+                    return
+                if world > 1:
+                    wait_for_ranks(args.sample_dir, names)
+            run_metrics(args)
+    except KeyboardInterrupt:
+        sys.exit(130)
+    except Exception as e:  # noqa: BLE001 (user errors become one line; --debug shows the rest)
+        if args.debug or not user_mistake(e):
+            raise
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+
+
+if __name__ == "__main__":
+    main()

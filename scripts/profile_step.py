@@ -1,0 +1,53 @@
+"""Per-kernel GPU time of one compiled decode step (inductor without CUDA graphs), GPT-XL bf16.
+
+    python scripts/profile_step.py --batch-sizes 1,32 [--steps 20]
+
+Prints the top kernels by total CUDA time over --steps decode steps, for each batch size.
+"""
+import argparse
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from fast_inference.bench import inputs
+from fast_inference.engine import Engine
+from fast_inference.model import ModelArgs, Transformer
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--batch-sizes", default="1,32")
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--top", type=int, default=14)
+    a = p.parse_args()
+    with torch.device("cuda"):
+        model = Transformer(ModelArgs.from_name("GPT-XL", block_size=1024, condition_type="hed"))
+    model = model.to(torch.bfloat16).eval().requires_grad_(False)
+    with torch.no_grad():
+        for B in map(int, a.batch_sizes.split(",")):
+            model.clear_caches()
+            engine = Engine(model, backend="inductor", compile_mode="default")
+            cond, mask, condition = inputs(model, B, 512, "cuda")
+            engine.generate(cond, 1024, emb_masks=mask, condition=condition, cfg_scale=4.0, top_k=2000)
+            s = engine.sampler
+            s.input_pos.fill_(700)  # a mid-image position: filled cache ~ the average
+            torch.cuda.synchronize()
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                for _ in range(a.steps):
+                    s.input_pos.fill_(700)
+                    engine.step_fns[True]()
+                torch.cuda.synchronize()
+            events = [e for e in prof.key_averages() if e.device_type.name == "CUDA"]
+            events.sort(key=lambda e: -e.device_time_total)
+            total = sum(e.device_time_total for e in events) / a.steps
+            print(f"batch {B}: {total / 1e3:.2f} ms of kernels per step, {sum(e.count for e in events) // a.steps} kernels")
+            for e in events[: a.top]:
+                print(f"  {e.device_time_total / a.steps:8.1f} us/step  x{e.count // a.steps:<4d} {e.key[:90]}")
+
+
+if __name__ == "__main__":
+    main()

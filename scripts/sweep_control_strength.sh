@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# Control adherence against --control-strength: one fast_eval.py run (with --metrics) per value.
+set -euo pipefail
+
+usage() {
+    cat <<'USAGE'
+usage: scripts/sweep_control_strength.sh OUT_DIR STRENGTHS [fast_eval.py arguments...]
+
+  scripts/sweep_control_strength.sh sample/sweep_strength 0.5,0.75,1,1.25 \
+      --gpt-ckpt checkpoints/edge_base.safetensors --adapter-size base \
+      --vq-ckpt checkpoints/vq_ds16_t2i.pt --condition-type canny --data-path data/multigen_val
+
+Writes OUT_DIR/strength_<value>/ for each value, with metrics.json. As in the official code,
+control strength only acts when --cfg-scale > 1.
+GPUS=N runs each through scripts/eval_multigpu.sh N; PYTHON picks the interpreter.
+USAGE
+}
+
+if [[ $# -lt 2 || $1 == -h || $1 == --help ]]; then usage; exit $(( $# < 2 ? 2 : 0 )); fi
+out=$1 values=$2
+shift 2
+here=$(cd "$(dirname "$0")" && pwd)
+if [[ -n ${GPUS:-} ]]; then run=("$here/eval_multigpu.sh" "$GPUS"); else run=("${PYTHON:-python}" "$here/../fast_inference/fast_eval.py"); fi
+
+IFS=, read -ra strengths <<< "$values"
+for s in "${strengths[@]}"; do
+    echo "== --control-strength $s"
+    "${run[@]}" "$@" --control-strength "$s" --sample-dir "$out/strength_$s" --metrics
+done

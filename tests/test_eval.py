@@ -1,0 +1,227 @@
+"""fast_eval.py end to end on a tiny random model (CPU): shards, kill -9 and resume, torchrun ranks,
+the JSONL manifest, and the one-line errors. Every run writes 64x64 images of a 7-sample split."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from conftest import ROOT
+from fast_inference import conditions, fast_eval
+from fast_inference.hed import HED
+from fast_inference.images import save_image
+
+SCRIPT = os.path.join(ROOT, "fast_inference", "fast_eval.py")
+N = 7
+TINY = dict(n_layer=3, n_head=2, dim=32, caption_dim=32)
+
+
+def write_split(root, n=N, size=64):
+    """The official extracted layout: image/, control/ (seg), control_depth/, label/, caption_emb/, code/."""
+    rng = np.random.default_rng(0)
+    for d in ("image", "control", "control_depth", "label", "caption_emb", "code"):
+        os.makedirs(os.path.join(root, d), exist_ok=True)
+    for i in range(n):
+        seg = conditions.draw_example("seg", size, size, seed=i)
+        Image.fromarray(seg).save(os.path.join(root, "image", f"{i}.png"))  # flat colours: clean canny edges
+        Image.fromarray(seg).save(os.path.join(root, "control", f"{i}.png"))
+        Image.fromarray(conditions.draw_example("depth", size, size, seed=i)).save(os.path.join(root, "control_depth", f"{i}.png"))
+        Image.fromarray(rng.integers(0, 151, (size, size), dtype=np.uint8)).save(os.path.join(root, "label", f"{i}.png"))
+        v = int(rng.integers(2, 12))
+        np.savez(os.path.join(root, "caption_emb", f"{i}.npz"), prompt=np.array([f"caption {i}"]),
+                 caption_emb=rng.standard_normal((1, v, TINY["caption_dim"])).astype(np.float32))
+        np.save(os.path.join(root, "code", f"{i}.npy"), rng.integers(0, 16384, (1, 1, 16)))
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Tiny shapes: one thread is fastest, and the in-process runs then match the subprocess ones."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def split(tmp_path_factory):
+    root = tmp_path_factory.mktemp("eval")
+    write_split(str(root / "val"))
+    (root / "tiny.json").write_text(json.dumps(TINY))
+    return root
+
+
+def common(split, *extra):
+    return ["--gpt-model", str(split / "tiny.json"), "--image-size", "64", "--device", "cpu", "--precision", "fp32",
+            "--engine", "fast", "--backend", "eager", "--top-k", "10", "--batch", "2", "--num-workers", "1",
+            "--condition-type", "canny", "--data-path", str(split / "val"), *map(str, extra)]
+
+
+def env():
+    e = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    e["OMP_NUM_THREADS"] = "1"
+    return e
+
+
+def cli(*args, runner=(sys.executable, SCRIPT)):
+    r = subprocess.run([*runner, *args], capture_output=True, text=True, timeout=300, env=env(), cwd=ROOT)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return r
+
+
+def names(folder):
+    return sorted(os.listdir(folder)) if os.path.isdir(folder) else []
+
+
+def finished(sample_dir):
+    return [n for n in names(sample_dir / "visualization") if os.path.isfile(sample_dir / "annotations" / n)]
+
+
+def assert_same_outputs(a, b, expected):
+    """Exactly the expected files in both, each a readable PNG, byte for byte equal."""
+    for sub in ("visualization", "annotations"):
+        assert names(a / sub) == names(b / sub) == expected, sub
+        for n in expected:
+            with Image.open(b / sub / n) as im:
+                im.load()
+            assert (a / sub / n).read_bytes() == (b / sub / n).read_bytes(), f"{sub}/{n} differs"
+
+
+def pngs(ids):
+    return [f"{i:06d}.png" for i in ids]
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(split):
+    out = split / "full"
+    cli(*common(split, "--sample-dir", out))
+    return out
+
+
+def test_outputs_follow_the_official_layout(split, uninterrupted):
+    assert names(uninterrupted / "visualization") == pngs(range(N))
+    with Image.open(uninterrupted / "visualization" / "000000.png") as im:
+        assert (im.mode, im.size) == ("RGB", (64, 64))
+    # The annotation is channel 0 of the canny control, saved as grey RGB: canny of image/0.png.
+    rgb = np.array(Image.open(split / "val" / "image" / "0.png").convert("RGB"))
+    ann = np.array(Image.open(uninterrupted / "annotations" / "000000.png"))
+    assert ann.shape == (64, 64, 3) and np.array_equal(ann[..., 0], conditions.canny(rgb))
+    logs = [json.loads(line) for line in open(uninterrupted / "logs" / "rank0_0-7.jsonl")]
+    assert [e["event"] for e in logs] == ["start", "batch", "batch", "batch", "batch", "done"]
+    assert logs[0]["settings"]["batch"] == 2 and logs[1]["names"] == ["000000", "000001"]
+
+
+def test_shards_kill_and_resume_equal_an_uninterrupted_run(split, uninterrupted):
+    out = split / "sharded"
+    # Shard edges off the batch grid (batch 2): [0, 3) then [3, 7), the second killed and resumed.
+    cli(*common(split, "--sample-dir", out, "--start", 0, "--end", 3))
+    assert finished(out) == pngs(range(3))
+    proc = subprocess.Popen([sys.executable, SCRIPT, *common(split, "--sample-dir", out, "--start", 3, "--end", 7)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env(), cwd=ROOT)
+    deadline = time.time() + 120
+    while "000003.png" not in names(out / "visualization") and proc.poll() is None and time.time() < deadline:
+        time.sleep(0.002)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert proc.returncode == -signal.SIGKILL, "the run ended before it could be killed"
+    assert len(finished(out)) < N, "killed too late: nothing left to resume"
+    r = cli(*common(split, "--sample-dir", out, "--start", 3, "--end", 7))
+    assert "done before" in r.stdout
+    assert_same_outputs(uninterrupted, out, pngs(range(N)))
+    # Running it again makes nothing and rewrites nothing.
+    stamp = os.stat(out / "visualization" / "000004.png").st_mtime_ns
+    assert "are done" in cli(*common(split, "--sample-dir", out)).stdout
+    assert os.stat(out / "visualization" / "000004.png").st_mtime_ns == stamp
+
+
+def test_torchrun_ranks_share_the_range_and_rank0_scores_it(split, uninterrupted):
+    out = split / "torchrun"
+    runner = (sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", SCRIPT)
+    r = cli(*common(split, "--sample-dir", out, "--metrics"), runner=runner)
+    assert "rank 1/2" in r.stdout and "rank 0/2" in r.stdout
+    logs = {rank: [json.loads(line) for line in open(out / "logs" / f"rank{rank}_0-7.jsonl")] for rank in (0, 1)}
+    firsts = {rank: [e["first"] for e in log if e["event"] == "batch"] for rank, log in logs.items()}
+    assert firsts == {0: [0, 4], 1: [2, 6]}  # every other batch
+    assert_same_outputs(uninterrupted, out, pngs(range(N)))
+    assert "f1" in json.load(open(out / "metrics.json"))
+
+
+def test_manifest_matches_the_official_layout(split, tmp_path):
+    """The same samples through a JSONL manifest (seg: control used as is, label as annotation)."""
+    val = split / "val"
+    lines = [dict(id=i, control=f"val/control/{i}.png", caption_emb=f"val/caption_emb/{i}.npz",
+                  label=f"val/label/{i}.png") for i in range(3)]
+    lines.append(dict(id="extra-sample", control="val/control/3.png", caption_emb="val/caption_emb/3.npz"))
+    manifest = split / "val.jsonl"
+    manifest.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    base = [a for a in common(split) if a not in ("--data-path", str(val))]
+    seg = ["--condition-type", "seg", "--num-workers", "0"]
+    fast_eval.main([*base, *seg, "--manifest", str(manifest), "--sample-dir", str(tmp_path / "m")])
+    fast_eval.main([*base, *seg, "--data-path", str(val), "--end", "3", "--sample-dir", str(tmp_path / "d")])
+    assert names(tmp_path / "m" / "visualization") == pngs(range(3)) + ["extra-sample.png"]
+    for n in pngs(range(3)):
+        assert (tmp_path / "m" / "visualization" / n).read_bytes() == (tmp_path / "d" / "visualization" / n).read_bytes()
+    with Image.open(tmp_path / "m" / "annotations" / "000001.png") as im:
+        assert im.mode == "L" and np.array_equal(np.array(im), np.array(Image.open(val / "label" / "1.png")))
+    with Image.open(tmp_path / "m" / "annotations" / "extra-sample.png") as im:  # no label: control channel 0
+        assert im.mode == "RGB"
+
+
+def test_hed_controls_are_extracted_from_the_images(split, tmp_path):
+    """test_t2i.py semantics: the HED network runs on image/{i}.png; the annotation is its channel 0."""
+    torch.manual_seed(0)
+    torch.save(HED().state_dict(), tmp_path / "hed.pth")
+    out = tmp_path / "hed"
+    args = [a if a != "canny" else "hed" for a in common(split, "--num-workers", 0, "--end", 2)]
+    fast_eval.main([*args, "--condition-ckpt", str(tmp_path / "hed.pth"), "--sample-dir", str(out)])
+    rgb = np.array(Image.open(split / "val" / "image" / "1.png").convert("RGB"))
+    control = conditions.extract_control(rgb, "hed", ckpt=str(tmp_path / "hed.pth"))
+    save_image(control[0], str(tmp_path / "want.png"))
+    assert (out / "annotations" / "000001.png").read_bytes() == (tmp_path / "want.png").read_bytes()
+
+
+def run_error(capsys, argv):
+    with pytest.raises(SystemExit) as e:
+        fast_eval.main(argv)
+    err = capsys.readouterr().err.strip().splitlines()[-1]  # after the progress bar, if one started
+    assert e.value.code == 2 and err.startswith("error: "), err
+    return err
+
+
+def test_user_errors_are_one_line_and_write_nothing(split, tmp_path, capsys):
+    val = str(split / "val")
+    args = [a for a in common(split, "--num-workers", 0) if a not in ("--data-path", val)]
+    assert "is not a folder" in run_error(capsys, [*args, "--data-path", str(tmp_path / "nope")])
+    assert "--data-path DIR" in run_error(capsys, args)
+    bad = tmp_path / "bad"
+    write_split(str(bad), n=3)
+    (bad / "caption_emb" / "0.npz").write_bytes(b"not a zip")
+    out = tmp_path / "out"
+    assert "0.npz" in run_error(capsys, [*args, "--data-path", str(bad), "--sample-dir", str(out)])
+    assert finished(out) == []
+    write_split(str(bad), n=3)
+    Image.fromarray(np.zeros((32, 48, 3), np.uint8)).save(bad / "image" / "0.png")
+    assert "48x32, expected 64x64" in run_error(capsys, [*args, "--data-path", str(bad), "--sample-dir", str(out)])
+    assert finished(out) == []
+    os.remove(bad / "image" / "1.png")
+    assert "image/1.png is missing" in run_error(capsys, [*args, "--data-path", str(bad)])
+    hed = [a if a != "canny" else "hed" for a in args]
+    assert "--condition-ckpt" in run_error(capsys, [*hed, "--data-path", val, "--sample-dir", str(out)])
+
+
+def test_settings_change_is_refused(split, uninterrupted, capsys):
+    err = run_error(capsys, common(split, "--sample-dir", uninterrupted, "--seed", 5, "--num-workers", 0))
+    assert "seed: 0 -> 5" in err and "another --sample-dir" in err
+
+
+def test_shard_covers_every_index_once():
+    for start, end, batch, world in [(0, 7, 2, 1), (3, 7, 2, 2), (1, 100, 8, 3), (5, 6, 4, 4)]:
+        got = [p for r in range(world) for _, ps in fast_eval.shard(start, end, batch, r, world) for p in ps]
+        assert sorted(got) == list(range(start, end))
+        firsts = [f for r in range(world) for f, _ in fast_eval.shard(start, end, batch, r, world)]
+        assert all(f % batch == 0 for f in firsts)

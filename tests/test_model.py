@@ -1,0 +1,109 @@
+"""The transformer's checkpoint layout against the official manifests, its RoPE table and configs.
+
+Models are built on the meta device: shapes only, no memory, instant even for GPT-XL.
+"""
+import json
+import math
+import os
+
+import pytest
+import torch
+
+from conftest import DATA
+from fast_inference.model import GPT_CONFIGS, ModelArgs, Transformer, precompute_freqs_cis_2d
+
+MANIFESTS = {
+    "manifest_gpt_xl_t2i_small.json": dict(name="GPT-XL", block_size=1024, cls_token_num=120, adapter_size="small"),
+    "manifest_gpt_xl_t2i_base.json": dict(name="GPT-XL", block_size=1024, cls_token_num=120, adapter_size="base"),
+    "manifest_gpt_l_c2i.json": dict(name="GPT-L", block_size=256, cls_token_num=1, model_type="c2i"),
+}
+
+
+def meta_model(name, **kw):
+    with torch.device("meta"):
+        return Transformer(ModelArgs.from_name(name, **kw))
+
+
+@pytest.mark.parametrize("manifest", sorted(MANIFESTS))
+def test_state_dict_matches_manifest(manifest):
+    with open(os.path.join(DATA, manifest)) as f:
+        m = json.load(f)
+    kw = dict(MANIFESTS[manifest])
+    model = meta_model(kw.pop("name"), **kw)
+    expected = {k: list(s) for k, s, _ in m["params"]}
+    expected.update({k: list(s) for k, s, _, in_sd in m["buffers"] if in_sd})
+    ours = {k: list(t.shape) for k, t in model.state_dict().items()}
+    assert sorted(set(ours) - set(expected)) == [] and sorted(set(expected) - set(ours)) == []
+    assert ours == expected
+    assert len(ours) == m["state_dict_num_keys"]
+    assert {k: list(p.shape) for k, p in model.named_parameters()} == {k: list(s) for k, s, _ in m["params"]}
+    assert sum(p.numel() for p in model.parameters()) == m["total_params"]
+    assert all(t.dtype == torch.float32 for t in model.state_dict().values())
+    assert list(model.freqs_cis.shape) == m["config"]["freqs_cis_shape"]
+    config = m["config"]
+    assert (model.args.ffn_hidden, model.args.layer_internal) == (config["ffn_hidden"], config["layer_internal"])
+
+
+def test_total_params_by_top_module():
+    with open(os.path.join(DATA, "manifest_gpt_xl_t2i_small.json")) as f:
+        m = json.load(f)
+    model = meta_model("GPT-XL", block_size=1024)
+    ours = {}
+    for k, p in model.named_parameters():
+        top = "adapter.model" if k.startswith("adapter.model.") else k.split(".")[0]
+        ours[top] = ours.get(top, 0) + p.numel()
+    assert ours == m["total_params_by_top_module"]
+
+
+def test_rope_table_xl():
+    args = ModelArgs.from_name("GPT-XL", block_size=1024, cls_token_num=120)
+    table = precompute_freqs_cis_2d(args)
+    assert table.shape == (1144, 32, 2) and table.dtype == torch.float32
+    assert torch.count_nonzero(table[:120]) == 0  # zero rows, not identity
+    # Cell (r, c) of the 32x32 grid: pairs 0..15 rotate by r * f_m, pairs 16..31 by c * f_m.
+    f = 10000.0 ** (-torch.arange(16, dtype=torch.float64) / 16)
+    for r, c in [(0, 0), (3, 7), (31, 30)]:
+        angles = torch.cat([r * f, c * f])
+        row = table[120 + r * 32 + c].double()
+        assert torch.allclose(row[:, 0], torch.cos(angles), atol=1e-6)
+        assert torch.allclose(row[:, 1], torch.sin(angles), atol=1e-6)
+
+
+# SPEC section 1: name -> (head_dim, FFN hidden, layer_internal).
+SPEC_TABLE = {
+    "GPT-B": (64, 2048, 4), "GPT-L": (64, 2816, 8), "GPT-XL": (64, 3584, 12), "GPT-XXL": (64, 4096, 16),
+    "GPT-XXXL": (64, 6912, 16), "GPT-1B": (64, 5632, 7), "GPT-3B": (100, 8704, 8), "GPT-7B": (128, 11008, 10),
+}
+
+
+@pytest.mark.parametrize("name", sorted(GPT_CONFIGS))
+def test_named_configs(name):
+    a = ModelArgs.from_name(name)
+    assert (a.head_dim, a.ffn_hidden, a.layer_internal) == SPEC_TABLE[name]
+    # The rule itself: two thirds of 4D, rounded up to a multiple of 256.
+    assert a.ffn_hidden == 256 * math.ceil(int(2 * 4 * a.dim / 3) / 256)
+    assert (a.vocab_size, a.rope_base, a.norm_eps, a.caption_dim, a.n_kv_head) == (16384, 10000, 1e-5, 2048, a.n_head)
+
+
+def test_from_name_json(tmp_path):
+    cfg = tmp_path / "tiny.json"
+    cfg.write_text(json.dumps({"n_layer": 3, "n_head": 2, "dim": 64, "block_size": 16, "caption_dim": 32}))
+    a = ModelArgs.from_name(str(cfg))
+    assert (a.n_layer, a.n_head, a.dim, a.block_size, a.caption_dim, a.model_type) == (3, 2, 64, 16, 32, "t2i")
+    b = ModelArgs.from_name(str(cfg), block_size=64, adapter_size=None)  # overrides win; None = keep
+    assert (b.block_size, b.adapter_size) == (64, "small")
+    model = meta_model(str(cfg))
+    assert model.layers[0].feed_forward.w1.weight.shape == (256, 64)  # 2/3 * 256 = 170 -> 256
+
+
+def test_from_name_errors(tmp_path):
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"n_layer": 3, "n_heads": 2}))
+    with pytest.raises(ValueError, match=r"unknown model argument.*n_heads"):
+        ModelArgs.from_name(str(bad))
+    with pytest.raises(FileNotFoundError, match="not found"):
+        ModelArgs.from_name(str(tmp_path / "missing.json"))
+    with pytest.raises(ValueError, match="unknown model 'GPT-XS'"):
+        ModelArgs.from_name("GPT-XS")
+    with pytest.raises(ValueError, match="perfect square"):
+        ModelArgs.from_name("GPT-B", block_size=200)
