@@ -26,7 +26,7 @@ from fast_inference.checkpoint import (CheckpointError, fit_null_caption, gpt_fi
                                        read_state_dict)
 from fast_inference.engine import BACKENDS, Engine  # noqa: F401  (the seed-compatible entry point)
 from fast_inference.generate import generate
-from fast_inference.model import GPT_CONFIGS, ModelArgs, Transformer
+from fast_inference.model import GPT_CONFIGS, TRAINING_ONLY, ModelArgs, Transformer
 
 log = logging.getLogger("fast_inference")
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -35,10 +35,6 @@ CONDITION_TYPES = ("canny", "hed", "lineart", "depth", "seg")  # = conditions.CO
 # The embedded default: small enough to sample a 256x256 image in seconds on a CPU.
 DEMO_CONFIG = dict(n_layer=6, n_head=4, dim=256, caption_dim=2048, cls_token_num=120, adapter_size="small")
 DEMO_IMAGE_SIZE = 256
-# Fields of the official ModelArgs that only matter in training (dropouts, init scale, training
-# cache sizes): a JSON dumped from the official dataclass carries them; accepted and unused.
-TRAINING_ONLY_ARGS = ("initializer_range", "token_dropout_p", "attn_dropout_p", "resid_dropout_p", "ffn_dropout_p",
-                      "drop_path_rate", "max_batch_size", "max_seq_len")
 EXAMPLES_DIR = os.path.join(ROOT, "condition", "example")
 DEFAULT_T5 = os.path.join(ROOT, "checkpoints", "t5-ckpt")  # the official --t5-path default
 
@@ -157,7 +153,7 @@ def read_json_config(path):
     if not isinstance(config, dict):
         raise UserError(f"--gpt-model {path} must hold a JSON object of model arguments, e.g. {{\"n_layer\": 3}}")
     known = {f.name for f in dataclasses.fields(ModelArgs)}
-    unknown = sorted(set(config) - known - set(TRAINING_ONLY_ARGS))
+    unknown = sorted(set(config) - known - TRAINING_ONLY)
     if unknown:
         raise UserError(f"--gpt-model {path}: unknown model argument(s) {unknown}; use the official ModelArgs "
                         f"field names: {', '.join(sorted(known))}")

@@ -17,13 +17,5 @@ USAGE
 }
 
 if [[ $# -lt 2 || $1 == -h || $1 == --help ]]; then usage; exit $(( $# < 2 ? 2 : 0 )); fi
-out=$1 values=$2
-shift 2
 here=$(cd "$(dirname "$0")" && pwd)
-if [[ -n ${GPUS:-} ]]; then run=("$here/eval_multigpu.sh" "$GPUS"); else run=("${PYTHON:-python}" "$here/../fast_inference/fast_eval.py"); fi
-
-IFS=, read -ra sizes <<< "$values"
-for b in "${sizes[@]}"; do
-    echo "== --batch $b"
-    "${run[@]}" "$@" --batch "$b" --sample-dir "$out/batch_$b"
-done
+exec "$here/sweep.sh" --batch batch "$1" "$2" "${@:3}"

@@ -16,13 +16,5 @@ USAGE
 }
 
 if [[ $# -lt 2 || $1 == -h || $1 == --help ]]; then usage; exit $(( $# < 2 ? 2 : 0 )); fi
-out=$1 values=$2
-shift 2
 here=$(cd "$(dirname "$0")" && pwd)
-if [[ -n ${GPUS:-} ]]; then run=("$here/eval_multigpu.sh" "$GPUS"); else run=("${PYTHON:-python}" "$here/../fast_inference/fast_eval.py"); fi
-
-IFS=, read -ra scales <<< "$values"
-for s in "${scales[@]}"; do
-    echo "== --cfg-scale $s"
-    "${run[@]}" "$@" --cfg-scale "$s" --sample-dir "$out/cfg_$s" --metrics
-done
+exec "$here/sweep.sh" --cfg-scale cfg "$1" "$2" "${@:3}" --metrics

@@ -17,13 +17,5 @@ USAGE
 }
 
 if [[ $# -lt 2 || $1 == -h || $1 == --help ]]; then usage; exit $(( $# < 2 ? 2 : 0 )); fi
-out=$1 values=$2
-shift 2
 here=$(cd "$(dirname "$0")" && pwd)
-if [[ -n ${GPUS:-} ]]; then run=("$here/eval_multigpu.sh" "$GPUS"); else run=("${PYTHON:-python}" "$here/../fast_inference/fast_eval.py"); fi
-
-IFS=, read -ra strengths <<< "$values"
-for s in "${strengths[@]}"; do
-    echo "== --control-strength $s"
-    "${run[@]}" "$@" --control-strength "$s" --sample-dir "$out/strength_$s" --metrics
-done
+exec "$here/sweep.sh" --control-strength strength "$1" "$2" "${@:3}" --metrics
