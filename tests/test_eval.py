@@ -13,6 +13,9 @@ import torch
 from PIL import Image
 
 from conftest import ROOT
+
+sys.path.insert(0, os.path.join(ROOT, "scripts"))
+import make_synthetic_set  # noqa: E402
 from fast_inference import conditions, fast_eval
 from fast_inference.hed import HED
 from fast_inference.images import save_image
@@ -23,20 +26,8 @@ TINY = dict(n_layer=3, n_head=2, dim=32, caption_dim=32)
 
 
 def write_split(root, n=N, size=64):
-    """The official extracted layout: image/, control/ (seg), control_depth/, label/, caption_emb/, code/."""
-    rng = np.random.default_rng(0)
-    for d in ("image", "control", "control_depth", "label", "caption_emb", "code"):
-        os.makedirs(os.path.join(root, d), exist_ok=True)
-    for i in range(n):
-        seg = conditions.draw_example("seg", size, size, seed=i)
-        Image.fromarray(seg).save(os.path.join(root, "image", f"{i}.png"))  # flat colours: clean canny edges
-        Image.fromarray(seg).save(os.path.join(root, "control", f"{i}.png"))
-        Image.fromarray(conditions.draw_example("depth", size, size, seed=i)).save(os.path.join(root, "control_depth", f"{i}.png"))
-        Image.fromarray(rng.integers(0, 151, (size, size), dtype=np.uint8)).save(os.path.join(root, "label", f"{i}.png"))
-        v = int(rng.integers(2, 12))
-        np.savez(os.path.join(root, "caption_emb", f"{i}.npz"), prompt=np.array([f"caption {i}"]),
-                 caption_emb=rng.standard_normal((1, v, TINY["caption_dim"])).astype(np.float32))
-        np.save(os.path.join(root, "code", f"{i}.npy"), rng.integers(0, 16384, (1, 1, 16)))
+    """The official extracted layout (image/, control/, control_depth/, label/, caption_emb/, code/)."""
+    make_synthetic_set.write_split(root, n, size, TINY["caption_dim"])
 
 
 @pytest.fixture(autouse=True)
