@@ -38,6 +38,7 @@ def parse_args(argv=None):
     p.add_argument("--precision", choices=["bf16", "fp16", "fp32"], default="bf16")
     p.add_argument("--backend", choices=list(BACKENDS), default="inductor")
     p.add_argument("--compile-mode", default="reduce-overhead")
+    p.add_argument("--compile-prefill", action="store_true")
     p.add_argument("--ref-steps", type=int, default=200, help="reference decode steps timed (0: skip)")
     p.add_argument("--fast-runs", type=int, default=2, help="timed fast images per batch size")
     p.add_argument("--out-dir", default="sample/bench")
@@ -180,7 +181,8 @@ def main(argv=None):
     bw = copy_bandwidth(device)
     N = grid * grid
     kw = dict(cfg_scale=args.cfg_scale, top_k=args.top_k, temperature=1.0, top_p=1.0)
-    engine = Engine(model, backend=args.backend, compile_mode=args.compile_mode)
+    engine = Engine(model, backend=args.backend, compile_mode=args.compile_mode,
+                    compile_prefill=args.compile_prefill)
     rows, e2e = [], float("nan")
     print(f"{torch.cuda.get_device_name()} | {args.gpt_model} {args.image_size}px ({N} tokens) | cfg {args.cfg_scale} "
           f"top-k {args.top_k} | {args.precision} | backend {args.backend} | copy bandwidth {bw / 1e12:.2f} TB/s",

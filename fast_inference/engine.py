@@ -93,10 +93,14 @@ class Sampler(nn.Module):
 class Engine:
     """Generate with the fast path; `generate` takes the same arguments as generate.generate."""
 
-    def __init__(self, model, backend="inductor", compile_mode="reduce-overhead", cache_dir=None):
+    def __init__(self, model, backend="inductor", compile_mode="reduce-overhead", cache_dir=None,
+                 compile_prefill=False):
         if backend not in BACKENDS:
             raise ValueError(f"unknown backend {backend!r}; use one of {BACKENDS}")
         self.model, self.backend, self.compile_mode = model, backend, compile_mode
+        # As gpt-fast's --compile_prefill: the prefill runs once per image, so compiling it (about as
+        # long as the step, ~50 s for GPT-XL) only pays off over many batches of one shape.
+        self.compile_prefill = compile_prefill
         self.device = model.output.weight.device
         if backend == "cudagraph" and self.device.type != "cuda":
             raise ValueError("--backend cudagraph needs a CUDA device; use --backend eager or inductor on CPU")
@@ -137,7 +141,8 @@ class Engine:
             compile_kw = dict(mode=self.compile_mode, fullgraph=True, dynamic=False)
             if self.device.type == "cpu":
                 compile_kw.pop("mode")  # CUDA graphs do not exist on the CPU
-            self.prefill_fn = torch.compile(s.prefill, fullgraph=True, dynamic=False)
+            compiled = torch.compile(s.prefill, fullgraph=True, dynamic=False)
+            self.prefill_fn = compiled if self.compile_prefill else s.prefill
             self.step_fns = {True: torch.compile(s.step, **compile_kw),
                              False: torch.compile(s.step_conditional, **compile_kw)}
         else:

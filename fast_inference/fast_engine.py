@@ -90,6 +90,8 @@ def add_model_args(p):
     p.add_argument("--backend", choices=list(BACKENDS), default=None,
                    help="fast engine backend (default: inductor on CUDA, eager on CPU)")
     p.add_argument("--compile-mode", choices=["reduce-overhead", "max-autotune"], default="reduce-overhead")
+    p.add_argument("--compile-prefill", action="store_true",
+                   help="also compile the prefill (inductor): ~50 s more per shape for GPT-XL, worth it for long evaluations")
     p.add_argument("--debug", action="store_true", help="show tracebacks")
 
 
@@ -447,7 +449,8 @@ def run(args):
     cond, mask, prompts = text_inputs(args, model, device)
     t_text = time.perf_counter() - t0
     vq = build_vq(args, device)
-    engine = None if args.engine == "reference" else Engine(model, backend=backend, compile_mode=args.compile_mode)
+    engine = None if args.engine == "reference" else Engine(model, backend=backend, compile_mode=args.compile_mode,
+                                                                 compile_prefill=args.compile_prefill)
     print(f"{describe(args, model, demo)} | {args.engine} engine{'' if engine is None else ' (' + backend + ')'} | "
           f"{str(dtype).replace('torch.', '')} on {device} | {len(prompts)} prompt(s) x {args.num_images} image(s) "
           f"| {H}x{W} = {num_tokens} tokens")

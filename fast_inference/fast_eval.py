@@ -280,7 +280,8 @@ def build_run(args, device, dtype, backend, text_mode, H, W):
     torch.manual_seed(args.seed)  # random weights (no checkpoint) must be the same in every run
     model, _ = build_gpt(args, device, dtype)
     vq = build_vq(args, device)
-    engine = None if args.engine == "reference" else Engine(model, backend=backend, compile_mode=args.compile_mode)
+    engine = None if args.engine == "reference" else Engine(model, backend=backend, compile_mode=args.compile_mode,
+                                                                 compile_prefill=args.compile_prefill)
     t5 = None
     if text_mode == "t5":
         from fast_inference.text import T5Encoder
