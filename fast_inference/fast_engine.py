@@ -500,14 +500,19 @@ def sync(device):
 
 def main(argv=None):
     args = parse_args(argv)
+    cli_main(lambda: run(args), args.debug, is_user_error)
+
+
+def cli_main(body, debug, user_error):
+    """Run a CLI body: a user's mistake becomes one 'error:' line and exit 2 (--debug: traceback)."""
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     try:
         with torch.no_grad():
-            run(args)
+            body()
     except KeyboardInterrupt:
         sys.exit(130)
-    except Exception as e:  # noqa: BLE001 (user errors become one line; --debug shows the rest)
-        if args.debug or not is_user_error(e):
+    except Exception as e:  # noqa: BLE001 (user errors become one line; bugs keep their traceback)
+        if debug or not user_error(e):
             raise
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)

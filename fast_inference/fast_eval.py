@@ -22,7 +22,6 @@ takes every world_size-th batch of the range and the GPU LOCAL_RANK.
 """
 import argparse
 import json
-import logging
 import os
 import socket
 import sys
@@ -39,8 +38,8 @@ from tqdm import tqdm
 
 from fast_inference import conditions, data, metrics
 from fast_inference.engine import Engine
-from fast_inference.fast_engine import (UserError, add_model_args, build_gpt, build_vq, is_user_error, model_args,
-                                        pick_device)
+from fast_inference.fast_engine import (UserError, add_model_args, build_gpt, build_vq, cli_main, is_user_error,
+                                        model_args, pick_device)
 from fast_inference.generate import generate
 from fast_inference.images import save_image, save_png_uint8
 
@@ -393,25 +392,19 @@ def user_mistake(e):
     return isinstance(e, data.DataError) or is_user_error(e)
 
 
+def run(args):
+    if not args.metrics_only:
+        names, rank, world = generate_split(args)
+        if not args.metrics or rank != 0:
+            return
+        if world > 1:
+            wait_for_ranks(args.sample_dir, names)
+    run_metrics(args)
+
+
 def main(argv=None):
     args = parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
-    try:
-        with torch.no_grad():
-            if not args.metrics_only:
-                names, rank, world = generate_split(args)
-                if not args.metrics or rank != 0:
-                    return
-                if world > 1:
-                    wait_for_ranks(args.sample_dir, names)
-            run_metrics(args)
-    except KeyboardInterrupt:
-        sys.exit(130)
-    except Exception as e:  # noqa: BLE001 (user errors become one line; --debug shows the rest)
-        if args.debug or not user_mistake(e):
-            raise
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
+    cli_main(lambda: run(args), args.debug, user_mistake)
 
 
 if __name__ == "__main__":
