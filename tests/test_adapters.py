@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from fast_inference.dinov2 import DINOV2_CONFIGS, Dinov2Adapter, Dinov2Model, interp_pos_table, to_patch14
-from fast_inference.vit import ViTAdapter, ViTModel
+from fast_inference.vit import ViTAdapter
 
 DATA = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data")
 
