@@ -141,8 +141,9 @@ class Engine:
             compile_kw = dict(mode=self.compile_mode, fullgraph=True, dynamic=False)
             if self.device.type == "cpu":
                 compile_kw.pop("mode")  # CUDA graphs do not exist on the CPU
-            compiled = torch.compile(s.prefill, fullgraph=True, dynamic=False)
-            self.prefill_fn = compiled if self.compile_prefill else s.prefill
+            self.prefill_fn = s.prefill
+            if self.compile_prefill:
+                self.prefill_fn = torch.compile(s.prefill, fullgraph=True, dynamic=False)
             self.step_fns = {True: torch.compile(s.step, **compile_kw),
                              False: torch.compile(s.step_conditional, **compile_kw)}
         else:

@@ -9,8 +9,6 @@ Flags keep the names and defaults of the official sample_t2i.py / sample_t2i_MR.
 sample_c2i.py. The engine class (`Engine`) and the reference `generate` are importable from here.
 """
 import argparse
-import dataclasses
-import json
 import logging
 import os
 import sys
@@ -26,7 +24,7 @@ from fast_inference.checkpoint import (CheckpointError, fit_null_caption, gpt_fi
                                        read_state_dict)
 from fast_inference.engine import BACKENDS, Engine  # noqa: F401  (the seed-compatible entry point)
 from fast_inference.generate import generate
-from fast_inference.model import GPT_CONFIGS, TRAINING_ONLY, ModelArgs, Transformer
+from fast_inference.model import GPT_CONFIGS, ModelArgs, Transformer
 
 log = logging.getLogger("fast_inference")
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -148,18 +146,9 @@ def read_json_config(path):
     if not os.path.isfile(path):
         raise UserError(f"--gpt-model {path} not found; pass a model name ({', '.join(GPT_CONFIGS)}) or a .json file")
     try:
-        with open(path) as f:
-            config = json.load(f)
-    except (OSError, ValueError) as e:
-        raise UserError(f"--gpt-model {path} is not valid JSON ({e})") from None
-    if not isinstance(config, dict):
-        raise UserError(f"--gpt-model {path} must hold a JSON object of model arguments, e.g. {{\"n_layer\": 3}}")
-    known = {f.name for f in dataclasses.fields(ModelArgs)}
-    unknown = sorted(set(config) - known - TRAINING_ONLY)
-    if unknown:
-        raise UserError(f"--gpt-model {path}: unknown model argument(s) {unknown}; use the official ModelArgs "
-                        f"field names: {', '.join(sorted(known))}")
-    return {k: v for k, v in config.items() if k in known}
+        return ModelArgs.read_json(path)
+    except ValueError as e:
+        raise UserError(f"--gpt-model {e}") from None
 
 
 def model_args(args):
@@ -380,18 +369,30 @@ def left_fit(x, T):
 
 # ---- run ---------------------------------------------------------------------------------------
 
-def sample_images(args, model, engine, cond, mask, control, num_tokens):
-    """Tokens (P*num_images, N): every prompt repeated num_images times, with the same control."""
-    n = args.num_images
-    cond = cond.repeat_interleave(n, 0)
-    mask = mask.repeat_interleave(n, 0) if mask is not None else None
-    condition = control[None].to(cond.device).expand(cond.shape[0], -1, -1, -1)
+def make_engine(args, model, backend):
+    """The fast engine the flags ask for, or None for --engine reference."""
+    if args.engine == "reference":
+        return None
+    return Engine(model, backend=backend, compile_mode=args.compile_mode, compile_prefill=args.compile_prefill)
+
+
+def sample_tokens(args, model, engine, cond, mask, condition, num_tokens):
+    """Tokens (B, N) with the sampling flags, from the fast engine or (engine None) the reference."""
     kw = dict(emb_masks=mask, cfg_scale=args.cfg_scale, cfg_interval=args.cfg_interval, condition=condition,
               control_strength=args.control_strength, temperature=args.temperature, top_k=args.top_k,
               top_p=args.top_p)
     if engine is None:
         return generate(model, cond, num_tokens, **kw)
     return engine.generate(cond, num_tokens, **kw)
+
+
+def sample_images(args, model, engine, cond, mask, control, num_tokens):
+    """Tokens (P*num_images, N): every prompt repeated num_images times, with the same control."""
+    n = args.num_images
+    cond = cond.repeat_interleave(n, 0)
+    mask = mask.repeat_interleave(n, 0) if mask is not None else None
+    condition = control[None].to(cond.device).expand(cond.shape[0], -1, -1, -1)
+    return sample_tokens(args, model, engine, cond, mask, condition, num_tokens)
 
 
 def default_out(args, model_type, demo):
@@ -449,8 +450,7 @@ def run(args):
     cond, mask, prompts = text_inputs(args, model, device)
     t_text = time.perf_counter() - t0
     vq = build_vq(args, device)
-    engine = None if args.engine == "reference" else Engine(model, backend=backend, compile_mode=args.compile_mode,
-                                                                 compile_prefill=args.compile_prefill)
+    engine = make_engine(args, model, backend)
     print(f"{describe(args, model, demo)} | {args.engine} engine{'' if engine is None else ' (' + backend + ')'} | "
           f"{str(dtype).replace('torch.', '')} on {device} | {len(prompts)} prompt(s) x {args.num_images} image(s) "
           f"| {H}x{W} = {num_tokens} tokens")

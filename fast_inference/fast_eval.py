@@ -39,8 +39,7 @@ from tqdm import tqdm
 from fast_inference import conditions, data, metrics
 from fast_inference.engine import Engine
 from fast_inference.fast_engine import (UserError, add_model_args, build_gpt, build_vq, cli_main, is_user_error,
-                                        model_args, pick_device)
-from fast_inference.generate import generate
+                                        make_engine, model_args, pick_device, sample_tokens)
 from fast_inference.images import save_image, save_png_uint8
 
 
@@ -243,13 +242,7 @@ def sample_batch(run, items, first, positions):
     cond, mask = text_batch(items, rows, run.text_mode, run.model, run.t5, run.device)
     num_tokens = (run.H // 16) * (run.W // 16)
     torch.manual_seed(batch_seed(args.seed, first))
-    kw = dict(emb_masks=mask, cfg_scale=args.cfg_scale, cfg_interval=args.cfg_interval,
-              condition=controls[rows].to(run.device), control_strength=args.control_strength,
-              temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
-    if run.engine is None:
-        tokens = generate(run.model, cond, num_tokens, **kw)
-    else:
-        tokens = run.engine.generate(cond, num_tokens, **kw)
+    tokens = sample_tokens(args, run.model, run.engine, cond, mask, controls[rows].to(run.device), num_tokens)
     # All B rows decoded: the same shapes in every batch keep a row's pixels independent of the others.
     shape = (B, run.vq.quantize.embedding.weight.shape[1], run.H // 16, run.W // 16)
     return run.vq.decode_code(tokens, shape).float().cpu(), controls
@@ -279,8 +272,7 @@ def build_run(args, device, dtype, backend, text_mode, H, W):
     torch.manual_seed(args.seed)  # random weights (no checkpoint) must be the same in every run
     model, _ = build_gpt(args, device, dtype)
     vq = build_vq(args, device)
-    engine = None if args.engine == "reference" else Engine(model, backend=backend, compile_mode=args.compile_mode,
-                                                                 compile_prefill=args.compile_prefill)
+    engine = make_engine(args, model, backend)
     t5 = None
     if text_mode == "t5":
         from fast_inference.text import T5Encoder

@@ -48,11 +48,12 @@ def prepare(model, cond, condition, emb_masks=None, cfg_scale=1.0, control_stren
 @torch.no_grad()
 def generate(model, cond, max_new_tokens, emb_masks=None, cfg_scale=1.0, cfg_interval=-1, condition=None,
              control_strength=1.0, temperature=1.0, top_k=0, top_p=1.0, sample_logits=True, return_logits=False,
-             max_steps=None):
+             max_steps=None, forced=None):
     """Official generate(): returns tokens (B, N) int64 (and the per-call logits if asked).
 
     max_steps: stop after that many decode steps (caches still sized for N) -- for benchmarks,
-    which time a few hundred steps and extrapolate."""
+    which time a few hundred steps and extrapolate. forced (B, N): feed these tokens back instead
+    of drawing (teacher forcing, as Engine.generate's `forced`), to compare logits."""
     if condition is None:
         raise ValueError("ControlAR needs a control image (condition) for every sample")
     p = prepare(model, cond, condition, emb_masks, cfg_scale, control_strength)
@@ -62,9 +63,12 @@ def generate(model, cond, max_new_tokens, emb_masks=None, cfg_scale=1.0, cfg_int
     sampling = dict(temperature=temperature, top_k=top_k, top_p=top_p, sample_logits=sample_logits)
     all_logits = []
 
+    def draw(logits, j):
+        return sample(logits, **sampling) if forced is None else forced[:, j : j + 1].to(logits.device)
+
     logits = model(p.prefix, torch.arange(T, device=p.prefix.device), key_valid, p.controls, last_only=True)[:, -1]
     all_logits.append(logits)
-    token = sample(cfg_merge(logits, cfg_scale) if cfg_scale > 1.0 else logits, **sampling)
+    token = draw(cfg_merge(logits, cfg_scale) if cfg_scale > 1.0 else logits, 0)
     tokens = [token]
     use_cfg = True
     for i in range(max_new_tokens - 1 if max_steps is None else min(max_steps, max_new_tokens - 1)):
@@ -77,7 +81,7 @@ def generate(model, cond, max_new_tokens, emb_masks=None, cfg_scale=1.0, cfg_int
         all_logits.append(logits)
         if cfg_scale > 1.0:
             logits = cfg_merge(logits, cfg_scale) if use_cfg else logits.chunk(2)[0]
-        token = sample(logits, **sampling)
+        token = draw(logits, i + 1)
         tokens.append(token)
     tokens = torch.cat(tokens, dim=1)
     return (tokens, all_logits) if return_logits else tokens

@@ -73,19 +73,31 @@ class ModelArgs:
         return self.cls_token_num + (self.condition_token_num if self.model_type == "c2i" else 0)
 
     @classmethod
+    def read_json(cls, path):
+        """The ModelArgs fields of a JSON file (training-only official fields dropped); one-line errors."""
+        if not os.path.isfile(path):
+            raise FileNotFoundError(f"model config {path} not found")
+        try:
+            with open(path) as f:
+                config = json.load(f)
+        except (OSError, ValueError) as e:
+            raise ValueError(f"{path} is not valid JSON ({e})") from None
+        if not isinstance(config, dict):
+            raise ValueError(f'{path} must hold a JSON object of model arguments, e.g. {{"n_layer": 3}}')
+        known = {f.name for f in fields(cls)}
+        # Training-only fields of the official ModelArgs: accepted, irrelevant at inference.
+        config = {k: v for k, v in config.items() if k not in TRAINING_ONLY}
+        unknown = sorted(set(config) - known)
+        if unknown:
+            raise ValueError(f"{path}: unknown model argument(s) {unknown}; use the official ModelArgs field "
+                             f"names: {', '.join(sorted(known))}")
+        return config
+
+    @classmethod
     def from_name(cls, name, **overrides):
         """A name of the official table or a path to a JSON of ModelArgs fields; overrides win."""
         if name.endswith(".json"):
-            if not os.path.isfile(name):
-                raise FileNotFoundError(f"model config {name} not found")
-            with open(name) as f:
-                config = json.load(f)
-            known = {f.name for f in fields(cls)}
-            # Training-only fields of the official ModelArgs: accepted, irrelevant at inference.
-            config = {k: v for k, v in config.items() if k not in TRAINING_ONLY}
-            unknown = sorted(set(config) - known)
-            if unknown:
-                raise ValueError(f"{name}: unknown model argument(s) {unknown}; known: {sorted(known)}")
+            config = cls.read_json(name)
         elif name in GPT_CONFIGS:
             config = dict(GPT_CONFIGS[name])
         else:

@@ -19,17 +19,6 @@ from fast_inference.engine import Engine
 from fast_inference.model import ModelArgs, Transformer
 
 
-def teacher_forced_reference(model, cond, mask, condition, forced, kw):
-    fed = iter(forced.T)
-    original = ref.sample
-    ref.sample = lambda logits, **s: next(fed)[:, None].clone()
-    try:
-        return ref.generate(model, cond, forced.shape[1], emb_masks=mask, condition=condition, return_logits=True,
-                            **kw)[1]
-    finally:
-        ref.sample = original
-
-
 def max_dlogp(a, b):
     return max((x.log_softmax(-1) - y.log_softmax(-1)).abs().max().item() for x, y in zip(a, b))
 
@@ -66,7 +55,8 @@ def check(model, dtype, backends, N, B=2):
     condition = (torch.rand(B, 3, 512, 512, generator=g) * 2 - 1).cuda()
     kw = dict(cfg_scale=4.0, control_strength=1.0)
     greedy_ref = ref.generate(model, cond, N, emb_masks=mask, condition=condition, top_k=1, **kw)
-    ref_logits = teacher_forced_reference(model, cond, mask, condition, greedy_ref, kw)
+    _, ref_logits = ref.generate(model, cond, N, emb_masks=mask, condition=condition, forced=greedy_ref,
+                                 return_logits=True, **kw)
     for backend in backends:
         engine = Engine(model, backend=backend)
         greedy = engine.generate(cond, N, emb_masks=mask, condition=condition, top_k=1, **kw)

@@ -20,27 +20,14 @@ def test_greedy_tokens_equal_official(name):
     assert torch.equal(tokens, data["tokens"])
 
 
-def reference_teacher_forced(model, cond, mask, condition, forced, **kw):
-    """Reference logits of every call when `forced` tokens are fed back (greedy run patched)."""
-    import fast_inference.generate as ref
-
-    fed = iter(forced.T)
-    original = ref.sample
-    ref.sample = lambda logits, **s: next(fed)[:, None].clone()
-    try:
-        _, logits = generate(model, cond, forced.shape[1], emb_masks=mask, condition=condition, return_logits=True, **kw)
-    finally:
-        ref.sample = original
-    return logits
-
-
 @pytest.mark.parametrize("cfg_scale,cfg_interval", [(1.0, -1), (4.0, -1), (4.0, 5)])
 def test_teacher_forced_logits_match_reference(cfg_scale, cfg_interval):
     model = tiny_model(cls=120, seed=3)
     cond, mask, condition = tiny_inputs(model)
     forced = torch.randint(0, model.args.vocab_size, (2, 16), generator=torch.Generator().manual_seed(5))
     kw = dict(cfg_scale=cfg_scale, cfg_interval=cfg_interval, control_strength=0.8)
-    ref_logits = reference_teacher_forced(model, cond, mask, condition, forced, **kw)
+    _, ref_logits = generate(model, cond, 16, emb_masks=mask, condition=condition, forced=forced, return_logits=True,
+                             **kw)
     _, fast_logits = Engine(model, backend="eager").generate(cond, 16, emb_masks=mask, condition=condition,
                                                              forced=forced, **kw)
     assert len(ref_logits) == len(fast_logits) == 16
