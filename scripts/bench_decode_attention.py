@@ -1,7 +1,12 @@
-"""Time the split-KV decode kernel (keys per program) against SDPA, GPT-XL shapes.
+"""Sweep the split-KV decode kernel's (SPLIT, BLOCK, num_warps) against SDPA at GPT-XL shapes.
 
-    python scripts/bench_decode_attention.py
+    python scripts/bench_decode_attention.py [--rows 2,16,64] [--positions 300,700,1100]
+
+Prints, per (rows, position), SDPA over the whole cache, the ideal (filled K/V bytes at 4.27 TB/s)
+and every config, best first; the table in fast_inference/decode_attention.py comes from here.
 """
+import argparse
+import itertools
 import os
 import sys
 
@@ -10,29 +15,49 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch
 import triton
 
-from fast_inference.decode_attention import decode_attention
+from fast_inference.decode_attention import decode_attention, pick_config
 from fast_inference.model import attention_mask
+
+H, L, HD = 20, 1144, 64  # GPT-XL heads, 120 text + 1024 image positions, head size
+
+
+def configs():
+    for split, block, warps in itertools.product((64, 128, 256, 512, 1152), (32, 64, 128), (2, 4, 8)):
+        if block <= split:
+            yield split, block, warps
+
+
+def time_us(f):
+    return triton.testing.do_bench_cudagraph(f, return_mode="median") * 1e3
 
 
 def main():
-    for R, pos in [(2, 700), (64, 700)]:
-        H, L, hd = 20, 1144, 64
-        q = torch.randn(R, H, 1, hd, device="cuda", dtype=torch.bfloat16)
-        k = torch.randn(R, H, L, hd, device="cuda", dtype=torch.bfloat16)
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rows", default="2,16,64")
+    ap.add_argument("--positions", default="700")
+    args = ap.parse_args()
+    for R, pos in itertools.product(map(int, args.rows.split(",")), map(int, args.positions.split(","))):
+        q = torch.randn(R, H, 1, HD, device="cuda", dtype=torch.bfloat16)
+        k = torch.randn(R, H, L, HD, device="cuda", dtype=torch.bfloat16)
         v = torch.randn_like(k)
         kv = torch.ones(R, L, dtype=torch.bool, device="cuda")
         kv[:, :100] = False
         p = torch.tensor([pos], device="cuda")
-        want = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=attention_mask(kv, p))
-        ideal = 2 * R * H * (pos + 1) * hd * 2 / 4.27e12 * 1e6
-        t = triton.testing.do_bench_cudagraph(lambda: torch.nn.functional.scaled_dot_product_attention(
-            q, k, v, attn_mask=attention_mask(kv, p)), return_mode="median") * 1e3
-        print(f"R={R} pos={pos}: SDPA {t:.1f} us | ideal {ideal:.1f} us", flush=True)
-        for block in (32, 64, 128, 256):
-            f = lambda: decode_attention(q, k, v, kv, p, block=block)
-            err = ((f().float() - want.float()).norm() / want.float().norm()).item()
-            t = triton.testing.do_bench_cudagraph(f, return_mode="median") * 1e3
-            print(f"  block {block:3d}: {t:7.1f} us  rel err {err:.1e}", flush=True)
+        sdpa = lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=attention_mask(kv, p))
+        want = sdpa().float()
+        ideal = 2 * R * H * (pos + 1) * HD * 2 / 4.27e12 * 1e6
+        print(f"R={R} pos={pos}: SDPA {time_us(sdpa):.1f} us | ideal {ideal:.1f} us | "
+              f"default {pick_config(R * H)}", flush=True)
+        rows = []
+        for cfg in configs():
+            f = lambda: decode_attention(q, k, v, kv, p, config=cfg)
+            err = ((f().float() - want).norm() / want.norm()).item()
+            rows.append((time_us(f), cfg, err))
+        for t, cfg, err in sorted(rows)[:12]:
+            print(f"  split {cfg[0]:4d} block {cfg[1]:3d} warps {cfg[2]}: {t:7.1f} us "
+                  f"({ideal / t:4.0%} of ideal)  rel err {err:.1e}", flush=True)
+        t, cfg, err = next(r for r in rows if r[1] == pick_config(R * H))
+        print(f"  default {cfg}: {t:.1f} us; worst rel err over all configs {max(r[2] for r in rows):.1e}", flush=True)
 
 
 if __name__ == "__main__":

@@ -6,6 +6,7 @@ usage() {
     cat <<'USAGE'
 usage: scripts/gpu_session.sh STEP...      (steps run in order; each writes OUT/<step>.log)
 
+  kernel  sweep the split-KV decode attention configs against SDPA (scripts/bench_decode_attention.py)
   equiv   fast vs reference at GPT-XL shapes, bf16 and fp32, both backends (scripts/gpu_equivalence.py)
   bench   bench.py --random-weights, inductor then cudagraph (n = 1, 8, 32)
   cli     the single-image CLI on random GPT-XL t2i (both backends) and GPT-L c2i, cold then warm cache
@@ -22,6 +23,11 @@ out=${OUT:-$root/sample/gpu}
 py=${PYTHON:-python}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1
+
+step_kernel() {
+    "$py" "$here/bench_decode_attention.py" --rows 2,16,64 --positions 700
+    "$py" "$here/bench_decode_attention.py" --rows 64 --positions 200,1100
+}
 
 step_equiv() {
     "$py" "$here/gpu_equivalence.py" --tokens 64 --precisions bf16,fp32 --backends inductor,cudagraph
@@ -60,7 +66,7 @@ step_eval2() {
 
 for step in "$@"; do
     case $step in
-        equiv | bench | cli | eval2) "step_$step" 2>&1 | tee "$out/$step.log" ;;
+        kernel | equiv | bench | cli | eval2) "step_$step" 2>&1 | tee "$out/$step.log" ;;
         *) echo "error: unknown step '$step'" >&2; usage >&2; exit 2 ;;
     esac
 done
