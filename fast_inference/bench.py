@@ -20,7 +20,7 @@ if __package__ in (None, ""):
 
 import torch
 
-from fast_inference.engine import BACKENDS, Engine
+from fast_inference.engine import BACKENDS, COMPILE_SCOPES, Engine
 from fast_inference.generate import generate
 from fast_inference.model import ModelArgs, Transformer
 
@@ -39,6 +39,7 @@ def parse_args(argv=None):
     p.add_argument("--backend", choices=list(BACKENDS), default="inductor")
     p.add_argument("--compile-mode", default="reduce-overhead")
     p.add_argument("--compile-prefill", action="store_true")
+    p.add_argument("--compile-scope", choices=list(COMPILE_SCOPES), default="step")
     p.add_argument("--ref-steps", type=int, default=200, help="reference decode steps timed (0: skip)")
     p.add_argument("--fast-runs", type=int, default=2, help="timed fast images per batch size")
     p.add_argument("--out-dir", default="sample/bench")
@@ -182,10 +183,11 @@ def main(argv=None):
     N = grid * grid
     kw = dict(cfg_scale=args.cfg_scale, top_k=args.top_k, temperature=1.0, top_p=1.0)
     engine = Engine(model, backend=args.backend, compile_mode=args.compile_mode,
-                    compile_prefill=args.compile_prefill)
+                    compile_prefill=args.compile_prefill, compile_scope=args.compile_scope)
     rows, e2e = [], float("nan")
+    scope = f" (compile scope {args.compile_scope})" if args.backend == "inductor" else ""
     print(f"{torch.cuda.get_device_name()} | {args.gpt_model} {args.image_size}px ({N} tokens) | cfg {args.cfg_scale} "
-          f"top-k {args.top_k} | {args.precision} | backend {args.backend} | copy bandwidth {bw / 1e12:.2f} TB/s",
+          f"top-k {args.top_k} | {args.precision} | backend {args.backend}{scope} | copy bandwidth {bw / 1e12:.2f} TB/s",
           flush=True)
     with torch.no_grad():
         for B in [int(b) for b in args.batch_sizes.split(",")]:

@@ -4,7 +4,10 @@ The step (embed -> transformer -> CFG merge -> temperature/top-k/top-p -> expone
 -> write the token) reads and writes only buffers: the model's KV caches and the `Sampler`'s
 token, position, output, mask and control buffers. So it has no inputs to copy, no host sync, and
 can be captured once and replayed N-1 times:
-  backend "inductor":  torch.compile(step, mode=reduce-overhead|max-autotune, fullgraph=True)
+  backend "inductor":  torch.compile(step, mode=reduce-overhead|max-autotune, fullgraph=True); or, with
+                       compile_scope "block", one compiled transformer block shared by all layers
+                       (regional compilation: ~1/n_layer of the compile time) inside a step
+                       captured by hand as below
   backend "cudagraph": torch.cuda.CUDAGraph captured by hand around the eager step (no Triton)
   backend "eager":     the same step run op by op (CPU, debugging)
 It computes what generate.py computes; only the draw differs (same distribution, see sampling.py).
@@ -22,6 +25,7 @@ from fast_inference.sampling import cfg_merge, sample
 
 log = logging.getLogger("fast_inference")
 BACKENDS = ("inductor", "cudagraph", "eager")
+COMPILE_SCOPES = ("step", "block")
 
 
 def default_cache_dir():
@@ -32,10 +36,10 @@ class Sampler(nn.Module):
     """Static buffers and the step functions for one (batch, tokens, control grid, settings) shape."""
 
     def __init__(self, model, batch, num_tokens, prefix_len, num_controls, cfg, top_k, top_p, sample_logits,
-                 decode_attention=None):
+                 decode_attention=None, block_fn=None):
         super().__init__()
         self.model = model
-        self.decode_attention = decode_attention
+        self.decode_attention, self.block_fn = decode_attention, block_fn
         self.batch, self.num_tokens, self.prefix_len, self.cfg = batch, num_tokens, prefix_len, cfg
         self.top_k, self.top_p, self.sample_logits = top_k, top_p, sample_logits
         rows = 2 * batch if cfg else batch
@@ -82,7 +86,7 @@ class Sampler(nn.Module):
 
     def _advance(self, x, key_valid, controls, guided):
         logits = self.model(self.model.tok_embeddings(x), self.input_pos, key_valid, controls, last_only=True,
-                            decode_attention=self.decode_attention)[:, -1]
+                            decode_attention=self.decode_attention, block_fn=self.block_fn)[:, -1]
         self.logits[: logits.shape[0]].copy_(logits)
         token = self._sample(cfg_merge(logits, self.cfg_scale) if guided else logits)
         self.token.copy_(token)
@@ -94,9 +98,11 @@ class Engine:
     """Generate with the fast path; `generate` takes the same arguments as generate.generate."""
 
     def __init__(self, model, backend="inductor", compile_mode="reduce-overhead", cache_dir=None,
-                 compile_prefill=False):
+                 compile_prefill=False, compile_scope="step"):
         if backend not in BACKENDS:
             raise ValueError(f"unknown backend {backend!r}; use one of {BACKENDS}")
+        if compile_scope not in COMPILE_SCOPES:
+            raise ValueError(f"unknown compile scope {compile_scope!r}; use one of {COMPILE_SCOPES}")
         self.model, self.backend, self.compile_mode = model, backend, compile_mode
         # As gpt-fast's --compile_prefill: the prefill runs once per image, so compiling it (about as
         # long as the step, ~50 s for GPT-XL) only pays off over many batches of one shape.
@@ -108,12 +114,21 @@ class Engine:
             os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", cache_dir or default_cache_dir())
         if model.layers[0].feed_forward.w13 is None:
             model.fuse_projections()
+        # Regional compilation: blocks are inlined modules whose weights and caches become graph
+        # inputs, so one compiled block serves every layer; CUDA graphs are then captured by hand.
+        self.block_fn = None
+        self.compile_seconds = 0.0
+        if backend == "inductor" and compile_scope == "block":
+            t0 = time.perf_counter()  # the first torch.compile imports dynamo and inductor (seconds)
+            mode = "max-autotune-no-cudagraphs" if compile_mode == "max-autotune" else None
+            self.block_fn = torch.compile(run_block, mode=mode, fullgraph=True, dynamic=False)
+            self.compile_seconds = time.perf_counter() - t0
+        self.hand_capture = self.device.type == "cuda" and (backend == "cudagraph" or self.block_fn is not None)
         # The split-KV Triton kernel needs Triton; the cudagraph backend promises to run without it.
         self.decode_attention = None
         if backend == "inductor" and decode_attention.available(self.device):
             self.decode_attention = decode_attention.decode_attention
         self.sampler = None
-        self.compile_seconds = 0.0
         self.last_timings = {}
 
     # ---- building the step for a shape ---------------------------------------------------------
@@ -130,37 +145,34 @@ class Engine:
         self.sampler = None
         self.model.clear_caches()
         s = Sampler(self.model, batch, num_tokens, prefix_len, num_controls, cfg, top_k, top_p, sample_logits,
-                    self.decode_attention)
+                    self.decode_attention, self.block_fn)
         self._build(s)
         self.sampler = s
         return s
 
     def _build(self, s):
         self.graphs = {}
-        if self.backend == "inductor":
+        self.prefill_fn = s.prefill
+        if self.backend == "inductor" and self.compile_prefill:
+            self.prefill_fn = torch.compile(s.prefill, fullgraph=True, dynamic=False)
+        self.step_fns = {True: s.step, False: s.step_conditional}
+        if self.backend == "inductor" and self.block_fn is None:
             compile_kw = dict(mode=self.compile_mode, fullgraph=True, dynamic=False)
             if self.device.type == "cpu":
                 compile_kw.pop("mode")  # CUDA graphs do not exist on the CPU
-            self.prefill_fn = s.prefill
-            if self.compile_prefill:
-                self.prefill_fn = torch.compile(s.prefill, fullgraph=True, dynamic=False)
-            self.step_fns = {True: torch.compile(s.step, **compile_kw),
-                             False: torch.compile(s.step_conditional, **compile_kw)}
-        else:
-            self.prefill_fn = s.prefill
-            self.step_fns = {True: s.step, False: s.step_conditional}
+            self.step_fns = {guided: torch.compile(f, **compile_kw) for guided, f in self.step_fns.items()}
         self.warm = {True: False, False: False}
 
     def _run_step(self, s, guided):
         """One decode step; the first call of each kind is timed as compile/capture time."""
         if self.warm[guided]:
-            if self.backend == "cudagraph":
+            if self.hand_capture:
                 self.graphs[guided].replay()
             else:
                 self.step_fns[guided]()
             return
         t0 = time.perf_counter()
-        if self.backend == "cudagraph":
+        if self.hand_capture:
             self.graphs[guided] = capture(s, self.step_fns[guided])
         else:
             # reduce-overhead records its graph on the first calls; run them on a saved state.
@@ -187,15 +199,18 @@ class Engine:
         timings = {}
         t0 = time.perf_counter()
         p = prepare(self.model, cond, condition, emb_masks, cfg_scale, control_strength)
+        timings["condition"] = elapsed(t0, self.device)
+
+        t0 = time.perf_counter()  # a new shape: caches and compile set-up (imports dynamo the first time)
         cfg = cfg_scale > 1.0
         T, num_controls = p.prefix.shape[1], p.controls.shape[2]
         s = self._sampler_for(B, max_new_tokens, T, num_controls, cfg, top_k, top_p, sample_logits)
+        self.compile_seconds += time.perf_counter() - t0
         p = pad_rows(p, B, s.batch, cfg)
         s.key_valid.copy_(p.key_valid(self.model.max_seq))
         s.controls.copy_(p.controls)
         s.cfg_scale.fill_(float(cfg_scale))
         s.temperature.fill_(max(float(temperature), 1e-5))
-        timings["condition"] = elapsed(t0, self.device)
 
         t0 = time.perf_counter()
         self.prefill_fn(p.prefix)
@@ -216,6 +231,10 @@ class Engine:
         if forced is not None:
             return tokens, [unpad_logits(l, B, s.batch) for l in logits]
         return tokens
+
+
+def run_block(layer, x, freqs, attend, input_pos):
+    return layer(x, freqs, attend, input_pos)
 
 
 def pad_rows(p, B, batch, cfg):

@@ -22,7 +22,7 @@ import torch
 
 from fast_inference.checkpoint import (CheckpointError, fit_null_caption, gpt_fix_hint, load_weights, no_init,
                                        read_state_dict)
-from fast_inference.engine import BACKENDS, Engine  # noqa: F401  (the seed-compatible entry point)
+from fast_inference.engine import BACKENDS, COMPILE_SCOPES, Engine  # noqa: F401  (the seed-compatible entry point)
 from fast_inference.generate import generate
 from fast_inference.model import GPT_CONFIGS, ModelArgs, Transformer
 
@@ -90,6 +90,9 @@ def add_model_args(p):
     p.add_argument("--compile-mode", choices=["reduce-overhead", "max-autotune"], default="reduce-overhead")
     p.add_argument("--compile-prefill", action="store_true",
                    help="also compile the prefill (inductor): ~50 s more per shape for GPT-XL, worth it for long evaluations")
+    p.add_argument("--compile-scope", choices=list(COMPILE_SCOPES), default="step",
+                   help="inductor: compile the whole decode step (step) or one transformer block shared by all "
+                        "layers, the step captured by hand (block: a fraction of the compile time)")
     p.add_argument("--debug", action="store_true", help="show tracebacks")
 
 
@@ -373,7 +376,8 @@ def make_engine(args, model, backend):
     """The fast engine the flags ask for, or None for --engine reference."""
     if args.engine == "reference":
         return None
-    return Engine(model, backend=backend, compile_mode=args.compile_mode, compile_prefill=args.compile_prefill)
+    return Engine(model, backend=backend, compile_mode=args.compile_mode, compile_prefill=args.compile_prefill,
+                  compile_scope=args.compile_scope)
 
 
 def sample_tokens(args, model, engine, cond, mask, condition, num_tokens):

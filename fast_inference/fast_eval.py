@@ -299,7 +299,8 @@ def generate_split(args):
     if not 0 <= args.start < end:
         raise UserError(f"--start {args.start} --end {args.end} selects nothing of the {len(samples)} samples")
     check_settings(args, dict(precision=str(dtype).replace("torch.", ""), device_type=device.type,
-                              backend=backend if args.engine == "fast" else None))
+                              backend=backend if args.engine == "fast" else None,
+                              compile_scope=args.compile_scope if (args.engine, backend) == ("fast", "inductor") else None))
     mine = shard(args.start, end, args.batch, rank, world)
     batches = [(first, [p for p in positions if not finished(args.sample_dir, samples[p].name)])
                for first, positions in mine]

@@ -342,7 +342,7 @@ class Transformer(nn.Module):
         for layer in self.layers:
             layer.feed_forward.fuse()
 
-    def forward(self, x, input_pos, key_valid, controls=None, last_only=False, decode_attention=None):
+    def forward(self, x, input_pos, key_valid, controls=None, last_only=False, decode_attention=None, block_fn=None):
         """Run the blocks over embeddings x (B,S,D) at absolute positions input_pos (S,).
 
         key_valid (B, max_seq) bool: which cache positions a query may see besides itself (the text
@@ -352,6 +352,8 @@ class Transformer(nn.Module):
         last position only if last_only (the only one sampling uses; norm and output are per token).
         decode_attention: a kernel (q, k_cache, v_cache, key_valid, input_pos) for one-token steps
         that reads only the filled cache (fast engine); default SDPA with the boolean mask.
+        block_fn(layer, x, freqs, attend, input_pos): runs a block instead of layer(...) (the fast
+        engine passes one compiled function shared by all blocks).
         """
         if decode_attention is not None and x.shape[1] == 1:
             def attend(q, k, v):
@@ -372,7 +374,7 @@ class Transformer(nn.Module):
                 k = i // self.args.layer_internal
                 # Official code indexes a 4th list for GPT-1B/7B and crashes; we reuse the last one.
                 x = x + picked[min(k, NUM_CONTROL_LISTS - 1)]
-            x = layer(x, freqs, attend, input_pos)
+            x = layer(x, freqs, attend, input_pos) if block_fn is None else block_fn(layer, x, freqs, attend, input_pos)
         if last_only:
             x = x[:, -1:]
         return self.output(self.norm(x)).float()

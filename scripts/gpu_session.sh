@@ -8,8 +8,10 @@ usage: scripts/gpu_session.sh STEP...      (steps run in order; each writes OUT/
 
   kernel  sweep the split-KV decode attention configs against SDPA (scripts/bench_decode_attention.py)
   equiv   fast vs reference at GPT-XL shapes, bf16 and fp32, both backends (scripts/gpu_equivalence.py)
-  bench   bench.py --random-weights, inductor then cudagraph (n = 1, 8, 32)
-  cli     the single-image CLI on random GPT-XL t2i (both backends) and GPT-L c2i, cold then warm cache
+  bench   bench.py --random-weights for each of BENCH_RUNS (backend:compile-scope; default inductor:step
+          inductor:block cudagraph:step), the reference timed in the first (REF_STEPS, default 100)
+  cli     the single-image CLI on random GPT-XL t2i for each of CLI_RUNS (same form), cold then warm
+          compile cache, then GPT-L c2i (skipped if CLI_SKIP_C2I is set)
   eval2   fast_eval.py under torchrun on 2 GPUs over a 64-image synthetic 512 px split (GPT-XL)
 
 OUT (default sample/gpu) receives the logs; PYTHON picks the interpreter.
@@ -34,22 +36,30 @@ step_equiv() {
 }
 
 step_bench() {
-    "$py" "$root/fast_inference/bench.py" --random-weights --backend inductor --ref-steps 100 --out-dir "$out"
-    "$py" "$root/fast_inference/bench.py" --random-weights --backend cudagraph --ref-steps 0 --out-dir "$out"
+    # BENCH_RUNS: backend:compile-scope pairs; the first one also times the reference.
+    local ref=${REF_STEPS:-100} run
+    for run in ${BENCH_RUNS:-inductor:step inductor:block cudagraph:step}; do
+        "$py" "$root/fast_inference/bench.py" --random-weights --backend "${run%%:*}" --compile-scope "${run##*:}" \
+            --ref-steps "$ref" --out-dir "$out" --tag "_${run##*:}"
+        ref=0
+    done
 }
 
 step_cli() {
-    local data=$out/synthetic_cli cache
+    # CLI_RUNS: backend:compile-scope pairs, each run with a cold then a warm compile cache.
+    local data=$out/synthetic_cli cache run backend scope
     "$py" "$here/make_synthetic_set.py" "$data" --num 1 --size 512 >/dev/null
-    cache=$(mktemp -d)
-    for backend in inductor cudagraph; do
-        for run in cold warm; do
-            echo "== t2i GPT-XL --backend $backend ($run compile cache)"
+    for run in ${CLI_RUNS:-inductor:step inductor:block cudagraph:step}; do
+        backend=${run%%:*} scope=${run##*:} cache=$(mktemp -d)
+        for state in cold warm; do
+            echo "== t2i GPT-XL --backend $backend --compile-scope $scope ($state compile cache)"
             time env TORCHINDUCTOR_CACHE_DIR="$cache" "$py" "$root/fast_inference/fast_engine.py" \
-                --gpt-model GPT-XL --backend "$backend" --condition-type seg --condition-path "$data/control/0.png" \
-                --caption-emb "$data/caption_emb/0.npz" --out "$out/cli_t2i_$backend.png"
+                --gpt-model GPT-XL --backend "$backend" --compile-scope "$scope" \
+                --condition-type seg --condition-path "$data/control/0.png" \
+                --caption-emb "$data/caption_emb/0.npz" --out "$out/cli_t2i_${backend}_$scope.png"
         done
     done
+    [[ -n ${CLI_SKIP_C2I:-} ]] && return
     echo "== c2i GPT-L with CFG"
     "$py" "$root/fast_inference/fast_engine.py" --gpt-model GPT-L --gpt-type c2i --image-size 256 --class-label 3 \
         --condition-type canny --condition-path "$root/condition/example/canny.png" --condition-is-map \
