@@ -14,6 +14,8 @@ import os
 import sys
 import time
 
+PROCESS_START = time.perf_counter()  # before the heavy imports, so the report can say what they cost
+
 if __package__ in (None, ""):  # run as a script: make `fast_inference` importable
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -436,7 +438,9 @@ def run(args):
     torch.manual_seed(args.seed)
     device, dtype, backend = pick_device(args)
     demo = is_demo(args)
+    t0 = time.perf_counter()
     model, image_size = build_gpt(args, device, dtype)
+    t_models = time.perf_counter() - t0
     model_type = model.args.model_type
     if demo and not all(os.path.isfile(os.path.join(EXAMPLES_DIR, f"{t}.png")) for t in CONDITION_TYPES):
         from fast_inference.conditions import write_examples
@@ -453,7 +457,9 @@ def run(args):
     t0 = time.perf_counter()
     cond, mask, prompts = text_inputs(args, model, device)
     t_text = time.perf_counter() - t0
+    t0 = time.perf_counter()
     vq = build_vq(args, device)
+    t_models += time.perf_counter() - t0
     engine = make_engine(args, model, backend)
     print(f"{describe(args, model, demo)} | {args.engine} engine{'' if engine is None else ' (' + backend + ')'} | "
           f"{str(dtype).replace('torch.', '')} on {device} | {len(prompts)} prompt(s) x {args.num_images} image(s) "
@@ -476,20 +482,21 @@ def run(args):
     t_vq = time.perf_counter() - t0
     out = args.out or default_out(args, model_type, demo)
     save_outputs(args, out, images, control, tokens)
-    times = dict(control=t_control, text=t_text, generate=t_gen, vq=t_vq, total=time.perf_counter() - t_start)
+    times = dict(imports=t_start - PROCESS_START, models=t_models, control=t_control, text=t_text, generate=t_gen, vq=t_vq,
+                 total=time.perf_counter() - PROCESS_START)
     report(engine, times, tokens)
     print(f"saved {out}" + "".join(f", {p}" for p in (args.save_samples, args.save_tokens) if p))
 
 
 def report(engine, times, tokens):
     n = tokens.numel()
-    parts = [f"control {times['control']:.2f}s", f"text {times['text']:.2f}s"]
+    parts = [f"imports {times['imports']:.1f}s", f"models {times['models']:.1f}s", f"control {times['control']:.2f}s", f"text {times['text']:.2f}s"]
     if engine is not None and engine.last_timings:
         tm = engine.last_timings
         decode = tm["decode"]
         parts += [f"condition encoder {tm['condition']:.3f}s", f"prefill {tm['prefill']:.3f}s",
                   f"decode {decode:.2f}s ({n / max(decode, 1e-9):.0f} tok/s)"]
-        if engine.compile_seconds:
+        if engine.backend != "eager":
             parts.append(f"compile/capture {engine.compile_seconds:.1f}s")
     else:
         parts.append(f"generate {times['generate']:.2f}s ({n / max(times['generate'], 1e-9):.0f} tok/s)")
