@@ -1,6 +1,6 @@
 """Fast engine vs reference at real shapes on a GPU (GPT-XL t2i, random weights), fp32 and bf16.
 
-    python scripts/gpu_equivalence.py [--tokens 256] [--backends inductor,cudagraph]
+    python scripts/gpu_equivalence.py [--tokens 256] [--backends inductor:step,inductor:block,cudagraph]
 
 For each precision and backend: greedy tokens (first divergence, if any), teacher-forced max
 |delta log p| over every position (the reference's greedy tokens fed to both), and the same seed
@@ -57,20 +57,22 @@ def check(model, dtype, backends, N, B=2):
     greedy_ref = ref.generate(model, cond, N, emb_masks=mask, condition=condition, top_k=1, **kw)
     _, ref_logits = ref.generate(model, cond, N, emb_masks=mask, condition=condition, forced=greedy_ref,
                                  return_logits=True, **kw)
-    for backend in backends:
-        engine = Engine(model, backend=backend)
+    for spec in backends:
+        backend, _, scope = spec.partition(":")
+        make = lambda: Engine(model, backend=backend, compile_scope=scope or "step")
+        engine = make()
         greedy = engine.generate(cond, N, emb_masks=mask, condition=condition, top_k=1, **kw)
         same = (greedy == greedy_ref).all(0)
         first = "none" if same.all() else int((~same).nonzero()[0])
         model.clear_caches()
-        engine = Engine(model, backend=backend)
+        engine = make()
         _, fast_logits = engine.generate(cond, N, emb_masks=mask, condition=condition, top_k=1, forced=greedy_ref, **kw)
         d = max_dlogp(ref_logits, fast_logits)
         runs = []
         for _ in range(2):
             torch.manual_seed(5)
             runs.append(engine.generate(cond, N, emb_masks=mask, condition=condition, top_k=2000, **kw))
-        print(f"{str(dtype):15s} {backend:9s} greedy identical: {bool(same.all())} (first divergence: {first}) | "
+        print(f"{str(dtype):15s} {spec:15s} greedy identical: {bool(same.all())} (first divergence: {first}) | "
               f"teacher-forced max|dlogp| {d:.2e} | same seed twice identical: {torch.equal(*runs)}", flush=True)
         model.clear_caches()
 
@@ -78,7 +80,8 @@ def check(model, dtype, backends, N, B=2):
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--tokens", type=int, default=256)
-    p.add_argument("--backends", default="inductor,cudagraph")
+    p.add_argument("--backends", default="inductor:step,inductor:block,cudagraph",
+                   help="backend[:compile-scope], comma-separated")
     p.add_argument("--precisions", default="fp32,bf16")
     a = p.parse_args()
     torch.backends.cuda.matmul.allow_tf32 = False

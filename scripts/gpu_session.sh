@@ -32,7 +32,7 @@ step_kernel() {
 }
 
 step_equiv() {
-    "$py" "$here/gpu_equivalence.py" --tokens 64 --precisions bf16,fp32 --backends inductor,cudagraph
+    "$py" "$here/gpu_equivalence.py" --tokens 64 --precisions bf16,fp32 --backends inductor:step,inductor:block,cudagraph
 }
 
 step_bench() {
