@@ -39,7 +39,7 @@ def parse_args(argv=None):
     p.add_argument("--backend", choices=list(BACKENDS), default="inductor")
     p.add_argument("--compile-mode", default="reduce-overhead")
     p.add_argument("--compile-prefill", action="store_true")
-    p.add_argument("--compile-scope", choices=list(COMPILE_SCOPES), default="step")
+    p.add_argument("--compile-scope", choices=list(COMPILE_SCOPES), default="block")
     p.add_argument("--ref-steps", type=int, default=200, help="reference decode steps timed (0: skip)")
     p.add_argument("--fast-runs", type=int, default=2, help="timed fast images per batch size")
     p.add_argument("--out-dir", default="sample/bench")

@@ -98,7 +98,7 @@ class Engine:
     """Generate with the fast path; `generate` takes the same arguments as generate.generate."""
 
     def __init__(self, model, backend="inductor", compile_mode="reduce-overhead", cache_dir=None,
-                 compile_prefill=False, compile_scope="step"):
+                 compile_prefill=False, compile_scope="block"):
         if backend not in BACKENDS:
             raise ValueError(f"unknown backend {backend!r}; use one of {BACKENDS}")
         if compile_scope not in COMPILE_SCOPES:

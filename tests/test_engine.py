@@ -81,11 +81,11 @@ def test_sampling_distribution_matches_reference():
 
 
 def test_compiled_step_matches_eager():
-    """torch.compile (inductor) of the step and the prefill on the CPU: the tiniest config, greedy."""
+    """torch.compile (inductor) of the whole step and the prefill on the CPU: the tiniest config, greedy."""
     model = tiny_model(n_layer=3, n_head=2, dim=32, block_size=4)
     cond, mask, condition = tiny_inputs(model)
     condition = condition[..., :32, :32]
-    engine = Engine(model, backend="inductor", compile_prefill=True)
+    engine = Engine(model, backend="inductor", compile_prefill=True, compile_scope="step")
     tokens = engine.generate(cond, 4, emb_masks=mask, condition=condition, top_k=1)
     assert torch.equal(tokens, generate(model, cond, 4, emb_masks=mask, condition=condition, top_k=1))
     assert engine.compile_seconds > 0
