@@ -4,7 +4,8 @@ The static cache is sized for the whole image, but at step p only keys 0..p exis
 static cache reads all of it every step; this kernel stops each program's loop at p, so the bytes
 per step follow the filled length. Each program walks one span of SPLIT keys of one (row, head) in
 tiles of BLOCK keys with an online softmax and writes a partial result (max, sum, weighted values);
-the partials are merged with a few tensor ops that inductor fuses.
+a second kernel merges the partials of each (row, head) and writes the output in the layout the
+output projection reads.
 Same function as SDPA with the mask rule of model.attention_mask: query p sees key q iff q == p or
 (q <= p and key_valid[q]).
 """
@@ -51,10 +52,12 @@ if triton is not None:
         for n0 in range(start, end, BLOCK):
             offs_n = n0 + tl.arange(0, BLOCK)
             filled = offs_n < end
+            # K/V are masked by `filled` only (every filled slot holds finite values), so their loads
+            # do not wait for the key_valid load; padding is masked in the scores.
             ok = tl.load(KEY_VALID + r * stride_valid + offs_n, mask=filled, other=0) != 0
+            k = tl.load(k_ptrs + offs_n[:, None] * stride_kn, mask=filled[:, None], other=0.0).to(tl.float32)
+            v = tl.load(v_ptrs + offs_n[:, None] * stride_vn, mask=filled[:, None], other=0.0).to(tl.float32)
             visible = filled & (ok | (offs_n == pos))
-            k = tl.load(k_ptrs + offs_n[:, None] * stride_kn, mask=visible[:, None], other=0.0).to(tl.float32)
-            v = tl.load(v_ptrs + offs_n[:, None] * stride_vn, mask=visible[:, None], other=0.0).to(tl.float32)
             scores = tl.where(visible, tl.sum(k * q[None, :], 1), float("-inf"))
             m_new = tl.maximum(m_i, tl.max(scores, 0))
             m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # all padding so far: no NaN
@@ -67,6 +70,19 @@ if triton is not None:
         tl.store(M_OUT + out, m_i)
         tl.store(L_OUT + out, l_i)
         tl.store(ACC_OUT + out * HEAD_DIM + offs_d, acc)
+
+    @triton.jit
+    def _merge_kernel(M, L, ACC, OUT, n_splits, SPLITS: tl.constexpr, HEAD_DIM: tl.constexpr):
+        rh = tl.program_id(0)
+        offs_s = tl.arange(0, SPLITS)
+        offs_d = tl.arange(0, HEAD_DIM)
+        ok = offs_s < n_splits
+        m = tl.load(M + rh * n_splits + offs_s, mask=ok, other=float("-inf"))
+        l = tl.load(L + rh * n_splits + offs_s, mask=ok, other=0.0)
+        acc = tl.load(ACC + (rh * n_splits + offs_s)[:, None] * HEAD_DIM + offs_d[None, :], mask=ok[:, None], other=0.0)
+        w = tl.exp(m - tl.max(m, 0))  # span 0 always holds the current key, so the max is finite
+        out = tl.sum(w[:, None] * acc, 0) / tl.sum(w * l, 0)
+        tl.store(OUT + rh * HEAD_DIM + offs_d, out.to(OUT.dtype.element_ty))
 
 
 def decode_attention(q, k_cache, v_cache, key_valid, input_pos, config=None):
@@ -84,9 +100,9 @@ def decode_attention(q, k_cache, v_cache, key_valid, input_pos, config=None):
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), key_valid.stride(0), H, n_splits,
         SCALE=hd**-0.5, SPLIT=split, BLOCK=block, HEAD_DIM=hd, num_warps=num_warps,
     )
-    w = torch.exp(m - m.amax(-1, keepdim=True))  # spans past the position have m = -inf -> weight 0
-    out = (w[..., None] * acc).sum(2) / (w * l).sum(2)[..., None]
-    return out[:, :, None, :].to(q.dtype)
+    out = torch.empty(R, H, 1, hd, device=q.device, dtype=q.dtype)
+    _merge_kernel[(R * H,)](m, l, acc, out, n_splits, SPLITS=triton.next_power_of_2(n_splits), HEAD_DIM=hd)
+    return out
 
 
 def available(device):

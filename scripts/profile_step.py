@@ -1,8 +1,11 @@
-"""Per-kernel GPU time of one compiled decode step (inductor without CUDA graphs), GPT-XL bf16.
+"""Per-kernel GPU time of one decode step of the default engine (compiled blocks, run without the
+CUDA graph so the profiler sees each kernel), GPT-XL bf16, and the captured graph's replay time.
 
     python scripts/profile_step.py --batch-sizes 1,32 [--steps 20]
 
-Prints the top kernels by total CUDA time over --steps decode steps, for each batch size.
+Prints, for each batch size, the kernel time per step, the kernel count, the replay time of the
+captured step at the same position (replay minus kernel time = the gaps between kernels), and the
+top kernels by total CUDA time over --steps decode steps.
 """
 import argparse
 import os
@@ -44,7 +47,15 @@ def main():
             events = [e for e in prof.key_averages() if e.device_type.name == "CUDA"]
             events.sort(key=lambda e: -e.device_time_total)
             total = sum(e.device_time_total for e in events) / a.steps
-            print(f"batch {B}: {total / 1e3:.2f} ms of kernels per step, {sum(e.count for e in events) // a.steps} kernels")
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(a.steps):
+                s.input_pos.fill_(700)
+                engine.graphs[True].replay()
+            end.record()
+            torch.cuda.synchronize()
+            print(f"batch {B}: {total / 1e3:.2f} ms of kernels per step, {sum(e.count for e in events) // a.steps} "
+                  f"kernels; captured step replayed: {start.elapsed_time(end) / a.steps:.2f} ms (with a fill kernel)")
             for e in events[: a.top]:
                 print(f"  {e.device_time_total / a.steps:8.1f} us/step  x{e.count // a.steps:<4d} {e.key[:90]}")
 
