@@ -4,10 +4,10 @@ The step (embed -> transformer -> CFG merge -> temperature/top-k/top-p -> expone
 -> write the token) reads and writes only buffers: the model's KV caches and the `Sampler`'s
 token, position, output, mask and control buffers. So it has no inputs to copy, no host sync, and
 can be captured once and replayed N-1 times:
-  backend "inductor":  torch.compile(step, mode=reduce-overhead|max-autotune, fullgraph=True); or, with
-                       compile_scope "block", one compiled transformer block shared by all layers
-                       (regional compilation: ~1/n_layer of the compile time) inside a step
-                       captured by hand as below
+  backend "inductor":  compile_scope "block" (default): one compiled transformer block shared by
+                       all layers (regional compilation, ~1/n_layer of the compile time) inside a
+                       step captured by hand as below; compile_scope "step": torch.compile(step,
+                       mode=reduce-overhead|max-autotune, fullgraph=True), as gpt-fast
   backend "cudagraph": torch.cuda.CUDAGraph captured by hand around the eager step (no Triton)
   backend "eager":     the same step run op by op (CPU, debugging)
 It computes what generate.py computes; only the draw differs (same distribution, see sampling.py).
