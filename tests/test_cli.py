@@ -206,6 +206,15 @@ def test_bf16_on_cpu(files, tmp_path, capsys, engine):
     assert t.shape == (1, 16) and 0 <= t.min() and t.max() < 16384
 
 
+@pytest.mark.parametrize("argv,block", [([], True), (["--compile-scope", "step"], False)])
+def test_compile_scope_flag(argv, block):
+    """--compile-scope reaches the engine (block by default); nothing is compiled until a step runs."""
+    args = fast_engine.parse_args(["--backend", "inductor", "--device", "cpu", *argv])
+    model = Transformer(ModelArgs(n_layer=1, n_head=2, dim=32, caption_dim=32, block_size=4))
+    engine = fast_engine.make_engine(args, model, "inductor")
+    assert (engine.block_fn is not None) == block
+
+
 def test_sampling_flags_and_seed(files, tmp_path, capsys):
     runs = []
     for seed in (5, 5, 6):
