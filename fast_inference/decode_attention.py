@@ -17,14 +17,11 @@ try:
 except ImportError:  # the cudagraph/eager backends work without Triton
     triton = None
 
-# (SPLIT, BLOCK, num_warps). scripts/bench_decode_attention.py on the H200 (GPT-XL, 64 rows, CUDA-graph
-# timed): one tile of 128 keys per program was best or within 10% of best at positions 200/700/1100
-# (42/84/116 us vs SDPA 111 us) and best at 2 and 16 rows; longer spans only won early in the image.
+# (SPLIT, BLOCK, num_warps). scripts/bench_decode_attention.py on the H200 (GPT-XL, CUDA-graph timed):
+# one tile of 128 keys per program was best at 64 rows at positions 700 and 1100 (84 / 116 us vs SDPA
+# 111 us), 18% behind the best at position 200 (42 vs 36 us: longer spans win early in the image),
+# best at 2 rows and within 2% of the best at 16 rows.
 CONFIG = (128, 128, 4)
-
-
-def pick_config(rows_heads):
-    return CONFIG
 
 
 if triton is not None:
@@ -89,7 +86,7 @@ def decode_attention(q, k_cache, v_cache, key_valid, input_pos, config=None):
     """q (R,H,1,hd); caches (R,H,L,hd); key_valid (R,L) bool; input_pos (1,) -> (R,H,1,hd)."""
     R, H, _, hd = q.shape
     L = k_cache.shape[2]
-    split, block, num_warps = config or pick_config(R * H)
+    split, block, num_warps = config or CONFIG
     n_splits = triton.cdiv(L, split)
     m = torch.empty(R, H, n_splits, device=q.device, dtype=torch.float32)
     l = torch.empty_like(m)

@@ -15,7 +15,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch
 import triton
 
-from fast_inference.decode_attention import decode_attention, pick_config
+from fast_inference.decode_attention import CONFIG, decode_attention
 from fast_inference.model import attention_mask
 
 H, L, HD = 20, 1144, 64  # GPT-XL heads, 120 text + 1024 image positions, head size
@@ -47,7 +47,7 @@ def main():
         want = sdpa().float()
         ideal = 2 * R * H * (pos + 1) * HD * 2 / 4.27e12 * 1e6
         print(f"R={R} pos={pos}: SDPA {time_us(sdpa):.1f} us | ideal {ideal:.1f} us | "
-              f"default {pick_config(R * H)}", flush=True)
+              f"default {CONFIG}", flush=True)
         rows = []
         for cfg in configs():
             f = lambda: decode_attention(q, k, v, kv, p, config=cfg)
@@ -56,7 +56,7 @@ def main():
         for t, cfg, err in sorted(rows)[:12]:
             print(f"  split {cfg[0]:4d} block {cfg[1]:3d} warps {cfg[2]}: {t:7.1f} us "
                   f"({ideal / t:4.0%} of ideal)  rel err {err:.1e}", flush=True)
-        t, cfg, err = next(r for r in rows if r[1] == pick_config(R * H))
+        t, cfg, err = next(r for r in rows if r[1] == CONFIG)
         print(f"  default {cfg}: {t:.1f} us; worst rel err over all configs {max(r[2] for r in rows):.1e}", flush=True)
 
 
