@@ -40,6 +40,8 @@ def parse_args(argv=None):
     p.add_argument("--compile-mode", default="reduce-overhead")
     p.add_argument("--compile-prefill", action="store_true")
     p.add_argument("--compile-scope", choices=list(COMPILE_SCOPES), default="block")
+    p.add_argument("--no-fused-block", action="store_true",
+                   help="block scope: the compiled block at every batch size (default: fused kernels at <= 4 rows)")
     p.add_argument("--ref-steps", type=int, default=200, help="reference decode steps timed (0: skip)")
     p.add_argument("--fast-runs", type=int, default=2, help="timed fast images per batch size")
     p.add_argument("--out-dir", default="sample/bench")
@@ -183,9 +185,14 @@ def main(argv=None):
     N = grid * grid
     kw = dict(cfg_scale=args.cfg_scale, top_k=args.top_k, temperature=1.0, top_p=1.0)
     engine = Engine(model, backend=args.backend, compile_mode=args.compile_mode,
-                    compile_prefill=args.compile_prefill, compile_scope=args.compile_scope)
+                    compile_prefill=args.compile_prefill, compile_scope=args.compile_scope,
+                    fused_block=not args.no_fused_block)
     rows, e2e = [], float("nan")
-    scope = f" (compile scope {args.compile_scope})" if args.backend == "inductor" else ""
+    scope = ""
+    if args.backend == "inductor":
+        fused = "" if args.compile_scope == "step" else ", compiled block only" if args.no_fused_block else \
+            ", fused block at <= 4 rows"
+        scope = f" (compile scope {args.compile_scope}{fused})"
     print(f"{torch.cuda.get_device_name()} | {args.gpt_model} {args.image_size}px ({N} tokens) | cfg {args.cfg_scale} "
           f"top-k {args.top_k} | {args.precision} | backend {args.backend}{scope} | copy bandwidth {bw / 1e12:.2f} TB/s",
           flush=True)

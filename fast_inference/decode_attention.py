@@ -1,13 +1,14 @@
 """Decode attention that reads only the filled part of the KV cache (split-KV, Triton).
 
 The static cache is sized for the whole image, but at step p only keys 0..p exist. SDPA over the
-static cache reads all of it every step; this kernel stops each program's loop at p, so the bytes
-per step follow the filled length. Each program walks one span of SPLIT keys of one (row, head) in
-tiles of BLOCK keys with an online softmax and writes a partial result (max, sum, weighted values);
-a second kernel merges the partials of each (row, head) and writes the output in the layout the
-output projection reads.
+static cache reads all of it every step; here each program takes one tile of BLOCK keys of one
+(row, head) and returns at once if the tile starts past p, so the bytes per step follow the filled
+length. A program writes a partial result (max, sum, weighted values); a second kernel merges the
+partials of each (row, head) and writes the output in the layout the output projection reads.
 Same function as SDPA with the mask rule of model.attention_mask: query p sees key q iff q == p or
 (q <= p and key_valid[q]).
+With pdl=True (programmatic dependent launch, from decode_block) a program loads the keys and values
+of earlier steps before it waits for the kernel that wrote the current one.
 """
 import torch
 
@@ -17,11 +18,11 @@ try:
 except ImportError:  # the cudagraph/eager backends work without Triton
     triton = None
 
-# (SPLIT, BLOCK, num_warps). scripts/bench_decode_attention.py on the H200 (GPT-XL, CUDA-graph timed):
-# one tile of 128 keys per program was best at 64 rows at positions 700 and 1100 (84 / 116 us vs SDPA
-# 111 us), 18% behind the best at position 200 (42 vs 36 us: longer spans win early in the image),
+# (BLOCK, num_warps). scripts/bench_decode_attention.py on the H200 (GPT-XL, CUDA-graph timed):
+# 128-key tiles with 4 warps were best at 64 rows at positions 700 and 1100 (84 / 116 us vs SDPA
+# 111 us), 18% behind the best at position 200 (42 vs 36 us: one long span won early in the image),
 # best at 2 rows and within 2% of the best at 16 rows.
-CONFIG = (128, 128, 4)
+CONFIG = (128, 4)
 
 
 if triton is not None:
@@ -30,75 +31,94 @@ if triton is not None:
     def _partial_kernel(Q, K, V, KEY_VALID, POS, M_OUT, L_OUT, ACC_OUT,
                         stride_qr, stride_qh, stride_kr, stride_kh, stride_kn, stride_vr, stride_vh, stride_vn,
                         stride_valid, n_heads, n_splits,
-                        SCALE: tl.constexpr, SPLIT: tl.constexpr, BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr):
+                        SCALE: tl.constexpr, BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr, PDL: tl.constexpr):
         rh = tl.program_id(0)
         split = tl.program_id(1)
         r = rh // n_heads
         h = rh % n_heads
-        pos = tl.load(POS)
-        start = split * SPLIT
-        end = tl.minimum(start + SPLIT, pos + 1)  # keys start..end-1; an empty span writes m = -inf
+        pos = tl.load(POS)  # written by the previous step, before any kernel of this one
+        if split * BLOCK <= pos:  # a tile past pos has nothing to do (the merge skips it)
+            _tile(Q, K, V, KEY_VALID, M_OUT, L_OUT, ACC_OUT, r, h, rh * n_splits + split, split * BLOCK, pos,
+                  stride_qr, stride_qh, stride_kr, stride_kh, stride_kn, stride_vr, stride_vh, stride_vn,
+                  stride_valid, SCALE, BLOCK, HEAD_DIM, PDL)
+
+    @triton.jit
+    def _tile(Q, K, V, KEY_VALID, M_OUT, L_OUT, ACC_OUT, r, h, out, start, pos,
+              stride_qr, stride_qh, stride_kr, stride_kh, stride_kn, stride_vr, stride_vh, stride_vn, stride_valid,
+              SCALE: tl.constexpr, BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr, PDL: tl.constexpr):
+        """Keys start..start+BLOCK-1 of (row r, head h) -> partial (max, sum, weighted values) at `out`."""
+        offs_n = start + tl.arange(0, BLOCK)
         offs_d = tl.arange(0, HEAD_DIM)
+        k_ptrs = K + r * stride_kr + h * stride_kh + offs_n[:, None] * stride_kn + offs_d[None, :]
+        v_ptrs = V + r * stride_vr + h * stride_vh + offs_n[:, None] * stride_vn + offs_d[None, :]
+        # K/V are masked by the filled length only (every filled slot is finite); padding is masked in
+        # the scores. They stay bf16 in registers until used: a 128 x 64 tile in fp32 spills.
+        earlier = offs_n < pos
+        current = offs_n == pos
+        # With PDL the tile holds the keys of earlier steps only, loaded before the wait; the current
+        # key and value (written by the kernel just before) are read after it, as vectors.
+        tile = earlier if PDL else earlier | current
+        k = tl.load(k_ptrs, mask=tile[:, None], other=0.0)
+        v = tl.load(v_ptrs, mask=tile[:, None], other=0.0)
+        ok = tl.load(KEY_VALID + r * stride_valid + offs_n, mask=earlier, other=0) != 0
+        if PDL:
+            tl.extra.cuda.gdc_wait()
+            tl.extra.cuda.gdc_launch_dependents()
         # SCALE is a constexpr so it stays fp32 (a runtime float becomes fp64 under inductor).
         q = tl.load(Q + r * stride_qr + h * stride_qh + offs_d).to(tl.float32) * SCALE
-        k_ptrs = K + r * stride_kr + h * stride_kh + offs_d[None, :]
-        v_ptrs = V + r * stride_vr + h * stride_vh + offs_d[None, :]
-        m_i = tl.full((), float("-inf"), tl.float32)
-        l_i = tl.zeros((), tl.float32)
-        acc = tl.zeros((HEAD_DIM,), tl.float32)
-        for n0 in range(start, end, BLOCK):
-            offs_n = n0 + tl.arange(0, BLOCK)
-            filled = offs_n < end
-            # K/V are masked by `filled` only (every filled slot holds finite values), so their loads
-            # do not wait for the key_valid load; padding is masked in the scores.
-            ok = tl.load(KEY_VALID + r * stride_valid + offs_n, mask=filled, other=0) != 0
-            k = tl.load(k_ptrs + offs_n[:, None] * stride_kn, mask=filled[:, None], other=0.0).to(tl.float32)
-            v = tl.load(v_ptrs + offs_n[:, None] * stride_vn, mask=filled[:, None], other=0.0).to(tl.float32)
-            visible = filled & (ok | (offs_n == pos))
-            scores = tl.where(visible, tl.sum(k * q[None, :], 1), float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(scores, 0))
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # all padding so far: no NaN
-            alpha = tl.exp(m_i - m_safe)
-            p = tl.exp(scores - m_safe)
-            l_i = l_i * alpha + tl.sum(p, 0)
-            acc = acc * alpha + tl.sum(p[:, None] * v, 0)
-            m_i = m_new
-        out = rh * n_splits + split
-        tl.store(M_OUT + out, m_i)
-        tl.store(L_OUT + out, l_i)
+        scores = tl.sum(k.to(tl.float32) * q[None, :], 1)
+        if PDL:
+            here = offs_d < tl.where(pos - start < BLOCK, HEAD_DIM, 0)  # the whole row iff this tile holds pos
+            k_cur = tl.load(K + r * stride_kr + h * stride_kh + pos * stride_kn + offs_d, mask=here, other=0.0)
+            scores = tl.where(current, tl.sum(k_cur.to(tl.float32) * q, 0), scores)
+        scores = tl.where(current | (earlier & ok), scores, float("-inf"))
+        m = tl.max(scores, 0)  # -inf for a tile of padding only
+        p = tl.exp(scores - tl.where(m == float("-inf"), 0.0, m))
+        acc = tl.sum(p[:, None] * v.to(tl.float32), 0)
+        if PDL:
+            v_cur = tl.load(V + r * stride_vr + h * stride_vh + pos * stride_vn + offs_d, mask=here, other=0.0)
+            acc += tl.sum(tl.where(current, p, 0.0), 0) * v_cur.to(tl.float32)
+        tl.store(M_OUT + out, m)
+        tl.store(L_OUT + out, tl.sum(p, 0))
         tl.store(ACC_OUT + out * HEAD_DIM + offs_d, acc)
 
     @triton.jit
-    def _merge_kernel(M, L, ACC, OUT, n_splits, SPLITS: tl.constexpr, HEAD_DIM: tl.constexpr):
+    def _merge_kernel(M, L, ACC, POS, OUT, n_splits, BLOCK: tl.constexpr, SPLITS: tl.constexpr,
+                      HEAD_DIM: tl.constexpr, PDL: tl.constexpr):
+        if PDL:
+            tl.extra.cuda.gdc_wait()
+            tl.extra.cuda.gdc_launch_dependents()
         rh = tl.program_id(0)
         offs_s = tl.arange(0, SPLITS)
         offs_d = tl.arange(0, HEAD_DIM)
-        ok = offs_s < n_splits
+        ok = offs_s <= tl.load(POS) // BLOCK  # the tiles up to the current position
         m = tl.load(M + rh * n_splits + offs_s, mask=ok, other=float("-inf"))
         l = tl.load(L + rh * n_splits + offs_s, mask=ok, other=0.0)
         acc = tl.load(ACC + (rh * n_splits + offs_s)[:, None] * HEAD_DIM + offs_d[None, :], mask=ok[:, None], other=0.0)
-        w = tl.exp(m - tl.max(m, 0))  # span 0 always holds the current key, so the max is finite
+        w = tl.exp(m - tl.max(m, 0))  # the tile holding the current key is never empty, so the max is finite
         out = tl.sum(w[:, None] * acc, 0) / tl.sum(w * l, 0)
         tl.store(OUT + rh * HEAD_DIM + offs_d, out.to(OUT.dtype.element_ty))
 
 
-def decode_attention(q, k_cache, v_cache, key_valid, input_pos, config=None):
+def decode_attention(q, k_cache, v_cache, key_valid, input_pos, config=None, pdl=False):
     """q (R,H,1,hd); caches (R,H,L,hd); key_valid (R,L) bool; input_pos (1,) -> (R,H,1,hd)."""
     R, H, _, hd = q.shape
     L = k_cache.shape[2]
-    split, block, num_warps = config or CONFIG
-    n_splits = triton.cdiv(L, split)
+    block, num_warps = config or CONFIG
+    n_splits = triton.cdiv(L, block)
     m = torch.empty(R, H, n_splits, device=q.device, dtype=torch.float32)
     l = torch.empty_like(m)
     acc = torch.empty(R, H, n_splits, hd, device=q.device, dtype=torch.float32)
+    launch = {"launch_pdl": True} if pdl else {}  # Triton's interpreter knows no such option
     _partial_kernel[(R * H, n_splits)](
         q, k_cache, v_cache, key_valid, input_pos, m, l, acc,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), key_valid.stride(0), H, n_splits,
-        SCALE=hd**-0.5, SPLIT=split, BLOCK=block, HEAD_DIM=hd, num_warps=num_warps,
+        SCALE=hd**-0.5, BLOCK=block, HEAD_DIM=hd, PDL=pdl, num_warps=num_warps, **launch,
     )
     out = torch.empty(R, H, 1, hd, device=q.device, dtype=q.dtype)
-    _merge_kernel[(R * H,)](m, l, acc, out, n_splits, SPLITS=triton.next_power_of_2(n_splits), HEAD_DIM=hd)
+    _merge_kernel[(R * H,)](m, l, acc, input_pos, out, n_splits, BLOCK=block, SPLITS=triton.next_power_of_2(n_splits),
+                            HEAD_DIM=hd, PDL=pdl, **launch)
     return out
 
 

@@ -5,13 +5,16 @@ The step (embed -> transformer -> CFG merge -> temperature/top-k/top-p -> expone
 token, position, output, mask and control buffers. So it has no inputs to copy, no host sync, and
 can be captured once and replayed N-1 times:
   backend "inductor":  compile_scope "block" (default): one compiled transformer block shared by
-                       all layers (regional compilation, ~1/n_layer of the compile time) inside a
-                       step captured by hand as below; compile_scope "step": torch.compile(step,
-                       mode=reduce-overhead|max-autotune, fullgraph=True), as gpt-fast
+                       all layers (regional compilation, ~1/n_layer of the compile time) and a
+                       compiled head (norm, output, sampling), in a step captured by hand as below;
+                       at <= 4 rows (n = 1 or 2 under CFG) the block is decode_block's fused Triton
+                       kernels instead (fused_block=True); compile_scope "step": torch.compile(step, mode=reduce-overhead|max-autotune,
+                       fullgraph=True), as gpt-fast
   backend "cudagraph": torch.cuda.CUDAGraph captured by hand around the eager step (no Triton)
   backend "eager":     the same step run op by op (CPU, debugging)
 It computes what generate.py computes; only the draw differs (same distribution, see sampling.py).
 """
+import functools
 import logging
 import os
 import time
@@ -19,7 +22,7 @@ import time
 import torch
 import torch.nn as nn
 
-from fast_inference import decode_attention
+from fast_inference import decode_attention, decode_block
 from fast_inference.generate import prepare
 from fast_inference.sampling import cfg_merge, sample
 
@@ -42,6 +45,8 @@ class Sampler(nn.Module):
         self.decode_attention, self.block_fn = decode_attention, block_fn
         self.batch, self.num_tokens, self.prefix_len, self.cfg = batch, num_tokens, prefix_len, cfg
         self.top_k, self.top_p, self.sample_logits = top_k, top_p, sample_logits
+        self.finish_fn = self.finish  # the engine may compile it
+        self.logits_fn = model.logits  # or decode_block.logits (norm fused into the output GEMV)
         rows = 2 * batch if cfg else batch
         model.setup_caches(rows, prefix_len + num_tokens, model.tok_embeddings.weight.dtype)
         self.cache = model.layers[0].attention.kv_cache  # graphs are bound to these cache tensors
@@ -85,8 +90,13 @@ class Sampler(nn.Module):
         self._advance(self.token, self.key_valid[: self.batch], self.controls[:, : self.batch], guided=False)
 
     def _advance(self, x, key_valid, controls, guided):
-        logits = self.model(self.model.tok_embeddings(x), self.input_pos, key_valid, controls, last_only=True,
-                            decode_attention=self.decode_attention, block_fn=self.block_fn)[:, -1]
+        h = self.model(self.model.tok_embeddings(x), self.input_pos, key_valid, controls, last_only=True,
+                       decode_attention=self.decode_attention, block_fn=self.block_fn, hidden=True)
+        self.finish_fn(h, guided)
+
+    def finish(self, h, guided):
+        """Last hidden state -> logits -> CFG merge -> filtered draw -> token written, position advanced."""
+        logits = self.logits_fn(h)[:, -1]
         self.logits[: logits.shape[0]].copy_(logits)
         token = self._sample(cfg_merge(logits, self.cfg_scale) if guided else logits)
         self.token.copy_(token)
@@ -98,7 +108,7 @@ class Engine:
     """Generate with the fast path; `generate` takes the same arguments as generate.generate."""
 
     def __init__(self, model, backend="inductor", compile_mode="reduce-overhead", cache_dir=None,
-                 compile_prefill=False, compile_scope="block"):
+                 compile_prefill=False, compile_scope="block", fused_block=True):
         if backend not in BACKENDS:
             raise ValueError(f"unknown backend {backend!r}; use one of {BACKENDS}")
         if compile_scope not in COMPILE_SCOPES:
@@ -114,16 +124,11 @@ class Engine:
             os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", cache_dir or default_cache_dir())
         if model.layers[0].feed_forward.w13 is None:
             model.fuse_projections()
-        # Regional compilation: blocks are inlined modules whose weights and caches become graph
-        # inputs, so one compiled block serves every layer; CUDA graphs are then captured by hand.
-        self.block_fn = None
+        self.block_scope = backend == "inductor" and compile_scope == "block"
+        self.block_fn = None  # the compiled block, made when a shape first needs it
         self.compile_seconds = 0.0
-        if backend == "inductor" and compile_scope == "block":
-            t0 = time.perf_counter()  # the first torch.compile imports dynamo and inductor (seconds)
-            mode = "max-autotune-no-cudagraphs" if compile_mode == "max-autotune" else None
-            self.block_fn = torch.compile(run_block, mode=mode, fullgraph=True, dynamic=False)
-            self.compile_seconds = time.perf_counter() - t0
-        self.hand_capture = self.device.type == "cuda" and (backend == "cudagraph" or self.block_fn is not None)
+        self.hand_capture = self.device.type == "cuda" and (backend == "cudagraph" or self.block_scope)
+        self.fused_block = fused_block and self.block_scope
         # The split-KV Triton kernel needs Triton; the cudagraph backend promises to run without it.
         self.decode_attention = None
         if backend == "inductor" and decode_attention.available(self.device):
@@ -144,11 +149,31 @@ class Engine:
             log.info("new shape (batch %d, %d tokens): building new caches and graphs", batch, num_tokens)
         self.sampler = None
         self.model.clear_caches()
+        rows = 2 * batch if cfg else batch
+        block_fn, attention = None, self.decode_attention
+        fused = self.fused_block and attention is not None and decode_block.supported(self.model, rows)
+        if fused:  # few rows: fused GEMV kernels beat the compiled block, and need no compiler at all
+            block_fn = decode_block.decode_block
+            attention = functools.partial(attention, pdl=decode_block.use_pdl(self.device))
+        elif self.block_scope:
+            block_fn = self.compiled_block()
+        if self.block_scope:
+            log.info("decode block for %d rows: %s", rows, "fused Triton kernels" if fused else "compiled (inductor)")
         s = Sampler(self.model, batch, num_tokens, prefix_len, num_controls, cfg, top_k, top_p, sample_logits,
-                    self.decode_attention, self.block_fn)
+                    attention, block_fn)
+        if fused:
+            s.logits_fn = decode_block.logits
         self._build(s)
         self.sampler = s
         return s
+
+    def compiled_block(self):
+        """Regional compilation: blocks are inlined modules whose weights and caches become graph
+        inputs, so one compiled block serves every layer; CUDA graphs are then captured by hand."""
+        if self.block_fn is None:  # the first torch.compile imports dynamo and inductor (seconds)
+            mode = "max-autotune-no-cudagraphs" if self.compile_mode == "max-autotune" else None
+            self.block_fn = torch.compile(run_block, mode=mode, fullgraph=True, dynamic=False)
+        return self.block_fn
 
     def _build(self, s):
         self.graphs = {}
@@ -156,7 +181,11 @@ class Engine:
         if self.backend == "inductor" and self.compile_prefill:
             self.prefill_fn = torch.compile(s.prefill, fullgraph=True, dynamic=False)
         self.step_fns = {True: s.step, False: s.step_conditional}
-        if self.backend == "inductor" and self.block_fn is None:
+        if s.block_fn is not None and s.block_fn is self.block_fn:
+            # The head too (final norm, output projection, CFG merge, top-k, draw: ~40 small kernels
+            # eager); fallback_random keeps the eager random stream, so the draws do not change.
+            s.finish_fn = torch.compile(s.finish, fullgraph=True, dynamic=False, options={"fallback_random": True})
+        if self.backend == "inductor" and not self.block_scope:
             compile_kw = dict(mode=self.compile_mode, fullgraph=True, dynamic=False)
             if self.device.type == "cpu":
                 compile_kw.pop("mode")  # CUDA graphs do not exist on the CPU

@@ -342,7 +342,8 @@ class Transformer(nn.Module):
         for layer in self.layers:
             layer.feed_forward.fuse()
 
-    def forward(self, x, input_pos, key_valid, controls=None, last_only=False, decode_attention=None, block_fn=None):
+    def forward(self, x, input_pos, key_valid, controls=None, last_only=False, decode_attention=None, block_fn=None,
+                hidden=False):
         """Run the blocks over embeddings x (B,S,D) at absolute positions input_pos (S,).
 
         key_valid (B, max_seq) bool: which cache positions a query may see besides itself (the text
@@ -353,7 +354,8 @@ class Transformer(nn.Module):
         decode_attention: a kernel (q, k_cache, v_cache, key_valid, input_pos) for one-token steps
         that reads only the filled cache (fast engine); default SDPA with the boolean mask.
         block_fn(layer, x, freqs, attend, input_pos): runs a block instead of layer(...) (the fast
-        engine passes one compiled function shared by all blocks).
+        engine passes one compiled function shared by all blocks). hidden: return the last block's
+        output instead of the logits (`logits` finishes it; the fast engine compiles that with sampling).
         """
         if decode_attention is not None and x.shape[1] == 1:
             def attend(q, k, v):
@@ -377,6 +379,10 @@ class Transformer(nn.Module):
             x = layer(x, freqs, attend, input_pos) if block_fn is None else block_fn(layer, x, freqs, attend, input_pos)
         if last_only:
             x = x[:, -1:]
+        return x if hidden else self.logits(x)
+
+    def logits(self, x):
+        """Hidden states (..., D) -> float32 logits (..., vocab_size)."""
         return self.output(self.norm(x)).float()
 
 

@@ -1,8 +1,10 @@
 """Fast engine vs reference at real shapes on a GPU (GPT-XL t2i, random weights), fp32 and bf16.
 
-    python scripts/gpu_equivalence.py [--tokens 256] [--backends inductor:step,inductor:block,cudagraph]
+    python scripts/gpu_equivalence.py [--tokens 256] [--batch 2]
+                                      [--backends inductor:step,inductor:block,inductor:block:nofuse,cudagraph]
 
-For each precision and backend: greedy tokens (first divergence, if any), teacher-forced max
+A backend is backend[:compile-scope[:nofuse]] (nofuse: the compiled block even at <= 4 rows, where
+the default runs decode_block's fused kernels). For each precision and backend: greedy tokens (first divergence, if any), teacher-forced max
 |delta log p| over every position (the reference's greedy tokens fed to both), and the same seed
 twice with top-k 2000 sampling on the fast engine. fp32 runs with TF32 off.
 """
@@ -44,13 +46,13 @@ def kernel_check():
         print(f"decode kernel vs SDPA ({dtype}): worst relative error {worst:.2e}", flush=True)
 
 
-def check(model, dtype, backends, N, B=2):
+def check(model, dtype, backends, N, B):
     g = torch.Generator().manual_seed(0)
     T = model.args.cls_token_num
     cond = (torch.randn(B, T, model.args.caption_dim, generator=g) * 0.2).cuda()
     mask = torch.zeros(B, T, dtype=torch.long)
-    mask[0, T - 15:] = 1
-    mask[1, T - 60:] = 1
+    for b in range(B):
+        mask[b, T - (15, 60)[b % 2]:] = 1
     mask = mask.cuda()
     condition = (torch.rand(B, 3, 512, 512, generator=g) * 2 - 1).cuda()
     kw = dict(cfg_scale=4.0, control_strength=1.0)
@@ -58,8 +60,8 @@ def check(model, dtype, backends, N, B=2):
     _, ref_logits = ref.generate(model, cond, N, emb_masks=mask, condition=condition, forced=greedy_ref,
                                  return_logits=True, **kw)
     for spec in backends:
-        backend, _, scope = spec.partition(":")
-        make = lambda: Engine(model, backend=backend, compile_scope=scope or "step")
+        backend, scope, flag = (spec.split(":") + ["step", ""])[:3]
+        make = lambda: Engine(model, backend=backend, compile_scope=scope, fused_block=flag != "nofuse")
         engine = make()
         greedy = engine.generate(cond, N, emb_masks=mask, condition=condition, top_k=1, **kw)
         same = (greedy == greedy_ref).all(0)
@@ -72,7 +74,7 @@ def check(model, dtype, backends, N, B=2):
         for _ in range(2):
             torch.manual_seed(5)
             runs.append(engine.generate(cond, N, emb_masks=mask, condition=condition, top_k=2000, **kw))
-        print(f"{str(dtype):15s} {spec:15s} greedy identical: {bool(same.all())} (first divergence: {first}) | "
+        print(f"{str(dtype):15s} {spec:22s} n={B} greedy identical: {bool(same.all())} (first divergence: {first}) | "
               f"teacher-forced max|dlogp| {d:.2e} | same seed twice identical: {torch.equal(*runs)}", flush=True)
         model.clear_caches()
 
@@ -80,8 +82,9 @@ def check(model, dtype, backends, N, B=2):
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--tokens", type=int, default=256)
-    p.add_argument("--backends", default="inductor:step,inductor:block,cudagraph",
-                   help="backend[:compile-scope], comma-separated")
+    p.add_argument("--backends", default="inductor:step,inductor:block,inductor:block:nofuse,cudagraph",
+                   help="backend[:compile-scope[:nofuse]], comma-separated")
+    p.add_argument("--batch", type=int, default=2, help="images (rows: twice that, under CFG)")
     p.add_argument("--precisions", default="fp32,bf16")
     a = p.parse_args()
     torch.backends.cuda.matmul.allow_tf32 = False
@@ -94,7 +97,7 @@ def main():
         for name in a.precisions.split(","):
             dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[name]
             model = base.to(dtype).requires_grad_(False)
-            check(model, dtype, a.backends.split(","), a.tokens)
+            check(model, dtype, a.backends.split(","), a.tokens, a.batch)
 
 
 if __name__ == "__main__":

@@ -212,7 +212,7 @@ def test_compile_scope_flag(argv, block):
     args = fast_engine.parse_args(["--backend", "inductor", "--device", "cpu", *argv])
     model = Transformer(ModelArgs(n_layer=1, n_head=2, dim=32, caption_dim=32, block_size=4))
     engine = fast_engine.make_engine(args, model, "inductor")
-    assert (engine.block_fn is not None) == block
+    assert engine.block_scope == block and engine.block_fn is None
 
 
 def test_sampling_flags_and_seed(files, tmp_path, capsys):

@@ -1,4 +1,5 @@
-"""The split-KV Triton decode kernel (one tile per span and several, with the online softmax) against SDPA with the model's mask rule, in Triton's CPU
+"""The split-KV Triton decode kernel against SDPA with the model's mask rule (several tile sizes, tiles
+of padding only, tiles past the position; with and without the PDL data path), in Triton's CPU
 interpreter (TRITON_INTERPRET=1), so CI checks the kernel the GPU engine runs."""
 import os
 import subprocess
@@ -10,14 +11,18 @@ pytest.importorskip("triton")
 
 SCRIPT = r"""
 import torch
+import triton.language as tl
 from fast_inference.decode_attention import decode_attention
 from fast_inference.model import attention_mask
 
+# The interpreter has no grid dependency control; without PDL launches the calls are no-ops anyway.
+tl.extra.cuda.gdc_wait = tl.extra.cuda.gdc_launch_dependents = lambda *args, **kwargs: None
+
 torch.manual_seed(0)
 worst = 0.0
-cases = [(2, 3, 40, 30, (16, 16)), (3, 2, 48, 47, (32, 16)), (2, 2, 40, 9, (32, 32)), (1, 2, 24, 3, (128, 128)),
-         (2, 2, 72, 70, (64, 16)), (2, 2, 72, 5, (64, 16))]
-for R, H, L, pos, (split, block) in cases:
+cases = [(2, 3, 40, 30, 16), (3, 2, 48, 47, 16), (2, 2, 40, 9, 32), (1, 2, 24, 3, 128), (2, 2, 72, 70, 64),
+         (2, 2, 72, 5, 16)]
+for R, H, L, pos, block in cases:
     q = torch.randn(R, H, 1, 64)
     k = torch.randn(R, H, L, 64)
     v = torch.randn(R, H, L, 64)
@@ -26,8 +31,9 @@ for R, H, L, pos, (split, block) in cases:
     key_valid[0, :8] = False  # a row whose text is all padding
     p = torch.tensor([pos])
     want = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=attention_mask(key_valid, p))
-    got = decode_attention(q, k, v, key_valid, p, config=(split, block, 4))
-    worst = max(worst, (got - want).abs().max().item())
+    for pdl in (False, True):  # PDL: the current key and value are read apart from the tile
+        got = decode_attention(q, k, v, key_valid, p, config=(block, 4), pdl=pdl)
+        worst = max(worst, (got - want).abs().max().item())
 print(worst)
 """
 
@@ -41,6 +47,10 @@ def test_kernel_matches_sdpa_in_interpreter():
 
 
 AOT_SCRIPT = r"""
+import os
+import subprocess
+import tempfile
+
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
@@ -51,14 +61,25 @@ ints = ["stride_qr", "stride_qh", "stride_kr", "stride_kh", "stride_kn", "stride
         "stride_valid", "n_heads", "n_splits"]
 sig = {"Q": "*bf16", "K": "*bf16", "V": "*bf16", "KEY_VALID": "*i1", "POS": "*i64", "M_OUT": "*fp32",
        "L_OUT": "*fp32", "ACC_OUT": "*fp32", **{n: "i32" for n in ints},
-       "SCALE": "constexpr", "SPLIT": "constexpr", "BLOCK": "constexpr", "HEAD_DIM": "constexpr"}
-split, block, warps = da.CONFIG
-consts = {"SCALE": 0.125, "SPLIT": split, "BLOCK": block, "HEAD_DIM": 64}
-triton.compile(ASTSource(da._partial_kernel, sig, constexprs=consts), target=target, options={"num_warps": warps})
-sig = {"M": "*fp32", "L": "*fp32", "ACC": "*fp32", "OUT": "*bf16", "n_splits": "i32", "SPLITS": "constexpr",
-       "HEAD_DIM": "constexpr"}
-for splits in (1, 16):
-    triton.compile(ASTSource(da._merge_kernel, sig, constexprs={"SPLITS": splits, "HEAD_DIM": 64}), target=target)
+       "SCALE": "constexpr", "BLOCK": "constexpr", "HEAD_DIM": "constexpr", "PDL": "constexpr"}
+cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+block, warps = da.CONFIG
+for pdl in (False, True):  # the compiled block launches without, decode_block with programmatic dependent launch
+    consts = {"SCALE": 0.125, "BLOCK": block, "HEAD_DIM": 64, "PDL": pdl}
+    k = triton.compile(ASTSource(da._partial_kernel, sig, constexprs=consts), target=target,
+                       options={"num_warps": warps, "launch_pdl": pdl})
+    if os.path.exists(cuobjdump):  # a K/V tile spilled to local memory halves the kernel's speed
+        with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+            f.write(k.asm["cubin"])
+            f.flush()
+            usage = subprocess.run([cuobjdump, "-res-usage", f.name], capture_output=True, text=True).stdout
+        assert "STACK:0 " in usage, (pdl, usage)
+    merge_sig = {"M": "*fp32", "L": "*fp32", "ACC": "*fp32", "POS": "*i64", "OUT": "*bf16", "n_splits": "i32",
+                 "BLOCK": "constexpr", "SPLITS": "constexpr", "HEAD_DIM": "constexpr", "PDL": "constexpr"}
+    for splits in (1, 16):
+        consts = {"BLOCK": block, "SPLITS": splits, "HEAD_DIM": 64, "PDL": pdl}
+        triton.compile(ASTSource(da._merge_kernel, merge_sig, constexprs=consts), target=target,
+                       options={"launch_pdl": pdl})
 print("compiled")
 """
 

@@ -1,0 +1,229 @@
+"""One transformer block of a one-token step at a few rows (n = 1 under CFG is 2 rows), in four
+Triton kernels plus the split-KV decode attention.
+
+At 2 rows a step is memory- and launch-bound: the compiled block runs ~15 kernels per layer, and
+each kernel boundary costs microseconds of ramp-up and tail. Here each projection is a GEMV whose
+programs each hold whole rows of the weight (all of K), loaded BEFORE waiting for the previous
+kernel: with programmatic dependent launch (Hopper+) a kernel starts while the one before it drains,
+so the weight stream does not stop at kernel boundaries. And the element-wise work rides along: RMSNorm in the projection that reads its output, RoPE and the KV-cache write in the
+QKV projection, SiLU x up in the gate/up projection, the residual adds in the output and down
+projections. Each result is rounded to the activation dtype where the model's op would round it.
+Computes TransformerBlock.forward for S = 1 (tests/test_decode_block.py checks it against it).
+"""
+import functools
+import os
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:
+    triton = None
+
+MAX_ROWS = 4  # rows are unrolled in registers; more rows run the compiled block
+# Rows of W per program (a program holds them whole: all of K, padded to a power of two) and warps,
+# per kernel. scripts/bench_decode_block.py on the H200 (GPT-XL, 2 rows, position 700, with PDL):
+# 29.3 us per block vs 32.2 for (4, 4) everywhere with w2 at (2, 4), and 41.9 for the compiled block;
+# the other tilings within 1 us of these.
+CONFIG = dict(qkv=(8, 8), wo=(4, 4), gate_up=(4, 4), w2=(4, 4))
+
+
+@functools.lru_cache
+def use_pdl(device):
+    """Programmatic dependent launch (Hopper+): the next kernel starts while this one drains."""
+    return (torch.device(device).type == "cuda" and os.environ.get("TRITON_INTERPRET") != "1"
+            and torch.cuda.get_device_capability(device)[0] >= 9)
+
+
+if triton is not None:
+
+    @triton.jit
+    def _rows(W, rows, rows_ok, K: tl.constexpr, KP: tl.constexpr):
+        """W[rows] as one (len(rows), KP) tile, zero past K."""
+        offs_k = tl.arange(0, KP)
+        return tl.load(W + rows[:, None] * K + offs_k[None, :], mask=rows_ok[:, None] & (offs_k < K)[None, :],
+                       other=0.0)
+
+    @triton.jit
+    def _wait(PDL: tl.constexpr):
+        """Everything before this may overlap the previous kernel; after it, its writes are visible."""
+        if PDL:
+            tl.extra.cuda.gdc_wait()
+            tl.extra.cuda.gdc_launch_dependents()
+
+    @triton.jit
+    def _input(X, NW, offs_r, r_ok, EPS: tl.constexpr, K: tl.constexpr, KP: tl.constexpr, NORM: tl.constexpr):
+        """(RP, KP) float32 rows of X as the projection reads them: if NORM, RMS-normalised in float32,
+        rounded, scaled by NW and rounded again (RMSNorm's order)."""
+        offs_k = tl.arange(0, KP)
+        k_ok = offs_k < K
+        x = tl.load(X + offs_r[:, None] * K + offs_k[None, :], mask=r_ok[:, None] & k_ok[None, :], other=0.0)
+        if NORM:
+            xf = x.to(tl.float32)
+            rstd = tl.rsqrt(tl.sum(xf * xf, 1) / K + EPS)
+            nw = tl.load(NW + offs_k, mask=k_ok, other=0.0).to(tl.float32)
+            x = ((xf * rstd[:, None]).to(x.dtype).to(tl.float32) * nw[None, :]).to(x.dtype)
+        return x.to(tl.float32)
+
+    @triton.jit
+    def _matvec(x, w):
+        """(RP, BN) float32 = x (RP, KP) @ w (BN, KP).T"""
+        return tl.sum(x[:, None, :] * w.to(tl.float32)[None, :, :], 2)
+
+    @triton.jit
+    def _linear_kernel(X, NW, W, RES, OUT, R, N, EPS: tl.constexpr, K: tl.constexpr, KP: tl.constexpr,
+                       RP: tl.constexpr, BN: tl.constexpr, NORM: tl.constexpr, RESIDUAL: tl.constexpr,
+                       PDL: tl.constexpr):
+        """OUT = [RES +] [RMSNorm](X) @ W.T for X (R, K), W (N, K)."""
+        rows = tl.program_id(0) * BN + tl.arange(0, BN)
+        rows_ok = rows < N
+        w = _rows(W, rows, rows_ok, K, KP)  # weights never change: loaded before the wait
+        _wait(PDL)
+        offs_r = tl.arange(0, RP)
+        r_ok = offs_r < R
+        x = _input(X, NW, offs_r, r_ok, EPS, K, KP, NORM)
+        y = _matvec(x, w).to(OUT.dtype.element_ty)
+        ok = r_ok[:, None] & rows_ok[None, :]
+        if RESIDUAL:
+            res = tl.load(RES + offs_r[:, None] * N + rows[None, :], mask=ok, other=0.0)
+            y = (res.to(tl.float32) + y.to(tl.float32)).to(OUT.dtype.element_ty)
+        tl.store(OUT + offs_r[:, None] * N + rows[None, :], y, mask=ok)
+
+    @triton.jit
+    def _qkv_kernel(X, NW, W, FREQS, POS, Q, KC, VC, R, stride_cr, stride_ch, stride_cn,
+                    EPS: tl.constexpr, D: tl.constexpr, KP: tl.constexpr, HD: tl.constexpr, RP: tl.constexpr,
+                    BP: tl.constexpr, PDL: tl.constexpr):
+        """RMSNorm(X) @ Wqkv.T, RoPE on q and k, q to Q (R, D), k and v into the caches at POS.
+
+        A program owns BP adjacent (even, odd) column pairs of one head, so the rotation is local."""
+        first = tl.program_id(0) * BP * 2  # first column: BP pairs never straddle a head (HD / 2 % BP == 0)
+        section, h = first // D, first % D // HD  # section 0, 1, 2: q, k, v
+        col = first + 2 * tl.arange(0, BP)
+        all_ok = col >= 0
+        w_even = _rows(W, col, all_ok, D, KP)
+        w_odd = _rows(W, col + 1, all_ok, D, KP)
+        _wait(PDL)
+        offs_r = tl.arange(0, RP)
+        r_ok = offs_r < R
+        x = _input(X, NW, offs_r, r_ok, EPS, D, KP, True)
+        dt = Q.dtype.element_ty
+        ye = _matvec(x, w_even).to(dt).to(tl.float32)
+        yo = _matvec(x, w_odd).to(dt).to(tl.float32)
+        d = col % HD
+        if section < 2:  # rotate pair j = d / 2 by this position's (cos, sin), in float32 as the model
+            c = tl.load(FREQS + d)[None, :]
+            s = tl.load(FREQS + d + 1)[None, :]
+            ye, yo = ye * c - yo * s, yo * c + ye * s
+        ok = r_ok[:, None] & all_ok[None, :]
+        if section == 0:
+            q = Q + offs_r[:, None] * D + h * HD + d[None, :]
+            tl.store(q, ye.to(dt), mask=ok)
+            tl.store(q + 1, yo.to(dt), mask=ok)
+        else:
+            pos = tl.load(POS)
+            at = offs_r[:, None] * stride_cr + h * stride_ch + pos * stride_cn + d[None, :]
+            if section == 1:
+                tl.store(KC + at, ye.to(dt), mask=ok)
+                tl.store(KC + at + 1, yo.to(dt), mask=ok)
+            else:
+                tl.store(VC + at, ye.to(dt), mask=ok)
+                tl.store(VC + at + 1, yo.to(dt), mask=ok)
+
+    @triton.jit
+    def _gate_up_kernel(X, NW, W, OUT, R, F, EPS: tl.constexpr, K: tl.constexpr, KP: tl.constexpr,
+                        RP: tl.constexpr, BN: tl.constexpr, PDL: tl.constexpr):
+        """OUT = SiLU(g) * u where [g | u] = RMSNorm(X) @ W13.T, W13 (2F, K) = [w1; w3]."""
+        rows = tl.program_id(0) * BN + tl.arange(0, BN)
+        rows_ok = rows < F
+        w_gate = _rows(W, rows, rows_ok, K, KP)
+        w_up = _rows(W, rows + F, rows_ok, K, KP)
+        _wait(PDL)
+        offs_r = tl.arange(0, RP)
+        r_ok = offs_r < R
+        x = _input(X, NW, offs_r, r_ok, EPS, K, KP, True)
+        dt = OUT.dtype.element_ty
+        g = _matvec(x, w_gate).to(dt).to(tl.float32)
+        u = _matvec(x, w_up).to(dt).to(tl.float32)
+        silu = (g / (1.0 + tl.exp(-g))).to(dt).to(tl.float32)
+        tl.store(OUT + offs_r[:, None] * F + rows[None, :], (silu * u).to(dt), mask=r_ok[:, None] & rows_ok[None, :])
+
+
+def rows_padded(R):
+    return max(2, triton.next_power_of_2(R))
+
+
+def launch_options(pdl, warps):
+    # launch_pdl only where it is used: Triton's interpreter knows no such option.
+    return dict(PDL=pdl, num_warps=warps, **({"launch_pdl": True} if pdl else {}))
+
+
+def linear(x, weight, norm=None, residual=None, config=(4, 4), pdl=False):
+    """[residual +] [norm](x) @ weight.T for x (R, K) contiguous, R <= MAX_ROWS; config (rows, warps)."""
+    bn, warps = config
+    R, K = x.shape
+    N = weight.shape[0]
+    out = torch.empty(R, N, device=x.device, dtype=x.dtype)
+    _linear_kernel[(triton.cdiv(N, bn),)](
+        x, norm.weight if norm is not None else x, weight, residual if residual is not None else x, out, R, N,
+        EPS=norm.eps if norm is not None else 0.0, K=K, KP=triton.next_power_of_2(K), RP=rows_padded(R), BN=bn,
+        NORM=norm is not None, RESIDUAL=residual is not None, **launch_options(pdl, warps))
+    return out
+
+
+def qkv_rope(x, norm, weight, freqs, input_pos, k_cache, v_cache, n_head, config=(4, 4), pdl=False):
+    """q (R, H, 1, hd); k and v written into the caches at input_pos."""
+    pairs, warps = config
+    R, D = x.shape
+    hd = D // n_head
+    bp = min(pairs, hd // 2)  # pairs per program: a divisor of hd / 2 (both powers of two)
+    q = torch.empty(R, n_head, 1, hd, device=x.device, dtype=x.dtype)
+    _qkv_kernel[(3 * D // (2 * bp),)](
+        x, norm.weight, weight, freqs, input_pos, q, k_cache, v_cache, R,
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        EPS=norm.eps, D=D, KP=triton.next_power_of_2(D), HD=hd, RP=rows_padded(R), BP=bp,
+        **launch_options(pdl, warps))
+    return q
+
+
+def gate_up(x, norm, w13, config=(4, 4), pdl=False):
+    bn, warps = config
+    R, K = x.shape
+    F = w13.shape[0] // 2
+    out = torch.empty(R, F, device=x.device, dtype=x.dtype)
+    _gate_up_kernel[(triton.cdiv(F, bn),)](
+        x, norm.weight, w13, out, R, F, EPS=norm.eps, K=K, KP=triton.next_power_of_2(K), RP=rows_padded(R), BN=bn,
+        **launch_options(pdl, warps))
+    return out
+
+
+def decode_block(layer, x, freqs, attend, input_pos):
+    """TransformerBlock.forward(x, ...) for x (R, 1, D): same arguments, usable as model block_fn.
+
+    attend should launch with PDL too (decode_attention(..., pdl=True)) where use_pdl is true."""
+    attn, ff = layer.attention, layer.feed_forward
+    R, _, D = x.shape
+    x = x.view(R, D)
+    cache = attn.kv_cache
+    c, pdl = CONFIG, use_pdl(x.device)
+    q = qkv_rope(x, layer.attention_norm, attn.wqkv.weight, freqs, input_pos, cache.k_cache, cache.v_cache,
+                 attn.n_head, c["qkv"], pdl)
+    y = attend(q, cache.k_cache[:R], cache.v_cache[:R])  # (R, H, 1, hd): its flat rows are heads side by side
+    h = linear(y.view(R, D), attn.wo.weight, residual=x, config=c["wo"], pdl=pdl)
+    a = gate_up(h, layer.ffn_norm, ff.w13, c["gate_up"], pdl)
+    return linear(a, ff.w2.weight, residual=h, config=c["w2"], pdl=pdl).view(R, 1, D)
+
+
+def logits(model, h):
+    """model.logits(h) for h (R, 1, D): the final RMSNorm fused into the output projection."""
+    R, _, D = h.shape
+    # K is the model width as for wo, so wo's tiling (the output projection was not swept on its own)
+    out = linear(h.view(R, D), model.output.weight, norm=model.norm, config=CONFIG["wo"], pdl=use_pdl(h.device))
+    return out.float().view(R, 1, -1)
+
+
+def supported(model, rows):
+    """The fused block needs Triton, a CUDA model, fused gate/up weights, few rows, a power-of-two head size."""
+    hd = model.args.head_dim
+    return (triton is not None and model.output.weight.is_cuda and rows <= MAX_ROWS
+            and model.layers[0].feed_forward.w13 is not None and hd & (hd - 1) == 0)
