@@ -162,7 +162,7 @@ class Engine:
         s = Sampler(self.model, batch, num_tokens, prefix_len, num_controls, cfg, top_k, top_p, sample_logits,
                     attention, block_fn)
         if fused:
-            s.logits_fn = decode_block.logits
+            s.logits_fn = functools.partial(decode_block.logits, self.model)
         self._build(s)
         self.sampler = s
         return s
