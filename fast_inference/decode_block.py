@@ -4,11 +4,14 @@ Triton kernels plus the split-KV decode attention.
 At 2 rows a step is memory- and launch-bound: the compiled block runs ~15 kernels per layer, and
 each kernel boundary costs microseconds of ramp-up and tail. Here each projection is a GEMV whose
 programs each hold whole rows of the weight (all of K), loaded BEFORE waiting for the previous
-kernel: with programmatic dependent launch (Hopper+) a kernel starts while the one before it drains,
-so the weight stream does not stop at kernel boundaries. And the element-wise work rides along: RMSNorm in the projection that reads its output, RoPE and the KV-cache write in the
-QKV projection, SiLU x up in the gate/up projection, the residual adds in the output and down
+kernel: with programmatic dependent launch (Hopper+) a kernel starts while the one before it
+drains, so the weight stream does not stop at kernel boundaries. The element-wise work rides
+along: RMSNorm in the projection that reads its output, RoPE and the KV-cache write in the QKV
+projection, SiLU x up in the gate/up projection, the residual adds in the output and down
 projections. Each result is rounded to the activation dtype where the model's op would round it.
 Computes TransformerBlock.forward for S = 1 (tests/test_decode_block.py checks it against it).
+Before its wait a kernel only reads what no kernel of this step writes (weights, earlier cache
+rows), so overlapping the previous kernel is safe.
 """
 import functools
 import os
@@ -72,6 +75,18 @@ if triton is not None:
         return tl.sum(x[:, None, :] * w.to(tl.float32)[None, :, :], 2)
 
     @triton.jit
+    def _norm_matvec2(X, NW, W, rows_a, rows_b, rows_ok, R, EPS: tl.constexpr, K: tl.constexpr,
+                      KP: tl.constexpr, RP: tl.constexpr, PDL: tl.constexpr, dt: tl.constexpr):
+        """RMSNorm(X) @ W[rows_a].T and @ W[rows_b].T, (RP, len(rows)) each, rounded to dt as the
+        model's linear outputs are, returned in float32."""
+        w_a = _rows(W, rows_a, rows_ok, K, KP)
+        w_b = _rows(W, rows_b, rows_ok, K, KP)
+        _wait(PDL)
+        offs_r = tl.arange(0, RP)
+        x = _input(X, NW, offs_r, offs_r < R, EPS, K, KP, True)
+        return _matvec(x, w_a).to(dt).to(tl.float32), _matvec(x, w_b).to(dt).to(tl.float32)
+
+    @triton.jit
     def _linear_kernel(X, NW, W, RES, OUT, R, N, EPS: tl.constexpr, K: tl.constexpr, KP: tl.constexpr,
                        RP: tl.constexpr, BN: tl.constexpr, NORM: tl.constexpr, RESIDUAL: tl.constexpr,
                        PDL: tl.constexpr):
@@ -101,15 +116,10 @@ if triton is not None:
         section, h = first // D, first % D // HD  # section 0, 1, 2: q, k, v
         col = first + 2 * tl.arange(0, BP)
         all_ok = col >= 0
-        w_even = _rows(W, col, all_ok, D, KP)
-        w_odd = _rows(W, col + 1, all_ok, D, KP)
-        _wait(PDL)
+        dt = Q.dtype.element_ty
+        ye, yo = _norm_matvec2(X, NW, W, col, col + 1, all_ok, R, EPS, D, KP, RP, PDL, dt)
         offs_r = tl.arange(0, RP)
         r_ok = offs_r < R
-        x = _input(X, NW, offs_r, r_ok, EPS, D, KP, True)
-        dt = Q.dtype.element_ty
-        ye = _matvec(x, w_even).to(dt).to(tl.float32)
-        yo = _matvec(x, w_odd).to(dt).to(tl.float32)
         d = col % HD
         if section < 2:  # rotate pair j = d / 2 by this position's (cos, sin), in float32 as the model
             c = tl.load(FREQS + d)[None, :]
@@ -136,17 +146,12 @@ if triton is not None:
         """OUT = SiLU(g) * u where [g | u] = RMSNorm(X) @ W13.T, W13 (2F, K) = [w1; w3]."""
         rows = tl.program_id(0) * BN + tl.arange(0, BN)
         rows_ok = rows < F
-        w_gate = _rows(W, rows, rows_ok, K, KP)
-        w_up = _rows(W, rows + F, rows_ok, K, KP)
-        _wait(PDL)
-        offs_r = tl.arange(0, RP)
-        r_ok = offs_r < R
-        x = _input(X, NW, offs_r, r_ok, EPS, K, KP, True)
         dt = OUT.dtype.element_ty
-        g = _matvec(x, w_gate).to(dt).to(tl.float32)
-        u = _matvec(x, w_up).to(dt).to(tl.float32)
+        g, u = _norm_matvec2(X, NW, W, rows, rows + F, rows_ok, R, EPS, K, KP, RP, PDL, dt)
         silu = (g / (1.0 + tl.exp(-g))).to(dt).to(tl.float32)
-        tl.store(OUT + offs_r[:, None] * F + rows[None, :], (silu * u).to(dt), mask=r_ok[:, None] & rows_ok[None, :])
+        offs_r = tl.arange(0, RP)
+        ok = (offs_r < R)[:, None] & rows_ok[None, :]
+        tl.store(OUT + offs_r[:, None] * F + rows[None, :], (silu * u).to(dt), mask=ok)
 
 
 def rows_padded(R):

@@ -7,8 +7,9 @@ can be captured once and replayed N-1 times:
   backend "inductor":  compile_scope "block" (default): one compiled transformer block shared by
                        all layers (regional compilation, ~1/n_layer of the compile time) and a
                        compiled head (norm, output, sampling), in a step captured by hand as below;
-                       at <= 4 rows (n = 1 or 2 under CFG) the block is decode_block's fused Triton
-                       kernels instead (fused_block=True); compile_scope "step": torch.compile(step, mode=reduce-overhead|max-autotune,
+                       at <= 4 rows (n = 1 or 2 under CFG) decode_block's fused Triton kernels
+                       instead, with nothing compiled (fused_block=True);
+                       compile_scope "step": torch.compile(step, mode=reduce-overhead|max-autotune,
                        fullgraph=True), as gpt-fast
   backend "cudagraph": torch.cuda.CUDAGraph captured by hand around the eager step (no Triton)
   backend "eager":     the same step run op by op (CPU, debugging)

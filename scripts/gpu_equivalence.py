@@ -4,9 +4,10 @@
                                       [--backends inductor:step,inductor:block,inductor:block:nofuse,cudagraph]
 
 A backend is backend[:compile-scope[:nofuse]] (nofuse: the compiled block even at <= 4 rows, where
-the default runs decode_block's fused kernels). For each precision and backend: greedy tokens (first divergence, if any), teacher-forced max
-|delta log p| over every position (the reference's greedy tokens fed to both), and the same seed
-twice with top-k 2000 sampling on the fast engine. fp32 runs with TF32 off.
+the default runs decode_block's fused kernels). For each precision and backend: greedy tokens
+(first divergence, if any), teacher-forced max |delta log p| over every position (the reference's
+greedy tokens fed to both), and the same seed twice with top-k 2000 sampling on the fast engine.
+fp32 runs with TF32 off.
 """
 import argparse
 import os
