@@ -159,9 +159,9 @@ def rows_padded(R):
 
 
 def rows_per_program(rows, warps, tiles, K):
-    """`rows`, capped so a program's weight tiles stay at <= 128 elements per thread (64 registers):
-    GPT-XL's swept tilings sit at that cap; more spills, which wider models (GPT-7B's K = 11,008)
-    would hit at the same setting. A power of two."""
+    """`rows`, capped so a program's weight tiles stay at <= 128 elements per thread: GPT-XL's
+    swept tilings sit at that cap; more spills, which wider models (GPT-7B's K = 11,008) would hit
+    at the same setting. A power of two."""
     cap = max(1, 128 * 32 * warps // (tiles * triton.next_power_of_2(K)))
     return min(rows, 1 << (cap.bit_length() - 1))
 
@@ -174,7 +174,7 @@ def launch_options(pdl, warps):
 def linear(x, weight, norm=None, residual=None, config=(4, 4), pdl=False):
     """[residual +] [norm](x) @ weight.T for x (R, K) contiguous, R <= MAX_ROWS; config (rows, warps)."""
     R, K = x.shape
-    bn, warps = rows_per_program(config[0], config[1], 1, K), config[1]
+    bn, warps = rows_per_program(*config, 1, K), config[1]
     N = weight.shape[0]
     out = torch.empty(R, N, device=x.device, dtype=x.dtype)
     _linear_kernel[(triton.cdiv(N, bn),)](
@@ -190,7 +190,7 @@ def qkv_rope(x, norm, weight, freqs, input_pos, k_cache, v_cache, n_head, config
     hd = D // n_head
     warps = config[1]
     # pairs per program: a divisor of hd / 2 (both powers of two); each pair is two weight rows
-    bp = min(rows_per_program(config[0], warps, 2, D), hd // 2)
+    bp = min(rows_per_program(*config, 2, D), hd // 2)
     q = torch.empty(R, n_head, 1, hd, device=x.device, dtype=x.dtype)
     _qkv_kernel[(3 * D // (2 * bp),)](
         x, norm.weight, weight, freqs, input_pos, q, k_cache, v_cache, R,
@@ -202,7 +202,7 @@ def qkv_rope(x, norm, weight, freqs, input_pos, k_cache, v_cache, n_head, config
 
 def gate_up(x, norm, w13, config=(4, 4), pdl=False):
     R, K = x.shape
-    bn, warps = rows_per_program(config[0], config[1], 2, K), config[1]  # gate and up rows
+    bn, warps = rows_per_program(*config, 2, K), config[1]  # gate and up rows
     F = w13.shape[0] // 2
     out = torch.empty(R, F, device=x.device, dtype=x.dtype)
     _gate_up_kernel[(triton.cdiv(F, bn),)](

@@ -134,15 +134,17 @@ def build(kernel, sig, consts, warps):
 
 
 pdl = dict(RP=2, EPS=1e-5, PDL=True)
-lin = {"X": "*bf16", "NW": "*bf16", "W": "*bf16", "RES": "*bf16", "OUT": "*bf16", "R": "i32", "N": "i32"}
-qkv = {"X": "*bf16", "NW": "*bf16", "W": "*bf16", "FREQS": "*fp32", "POS": "*i64", "Q": "*bf16", "KC": "*bf16",
-       "VC": "*bf16", "R": "i32", "stride_cr": "i32", "stride_ch": "i32", "stride_cn": "i32"}
-gu = {"X": "*bf16", "NW": "*bf16", "W": "*bf16", "OUT": "*bf16", "R": "i32", "F": "i32"}
 p2 = triton.next_power_of_2
-for D, F, hd in ((1280, 3584, 64), (4096, 11008, 128)):  # GPT-XL, GPT-7B: the tiling is capped for wide K
-    for name, K, res in (("wo", D, True), ("w2", F, True)):
+# GPT-XL and GPT-7B in bf16 (the tiling is capped for wide K), GPT-XL in fp32
+for dt, D, F, hd in (("bf16", 1280, 3584, 64), ("bf16", 4096, 11008, 128), ("fp32", 1280, 3584, 64)):
+    t = "*" + dt
+    lin = {"X": t, "NW": t, "W": t, "RES": t, "OUT": t, "R": "i32", "N": "i32"}
+    qkv = {"X": t, "NW": t, "W": t, "FREQS": "*fp32", "POS": "*i64", "Q": t, "KC": t, "VC": t, "R": "i32",
+           "stride_cr": "i32", "stride_ch": "i32", "stride_cn": "i32"}
+    gu = {"X": t, "NW": t, "W": t, "OUT": t, "R": "i32", "F": "i32"}
+    for name, K in (("wo", D), ("w2", F)):
         bn = db.rows_per_program(*c[name], 1, K)
-        build(db._linear_kernel, lin, dict(pdl, K=K, KP=p2(K), BN=bn, NORM=False, RESIDUAL=res), c[name][1])
+        build(db._linear_kernel, lin, dict(pdl, K=K, KP=p2(K), BN=bn, NORM=False, RESIDUAL=True), c[name][1])
     bp = min(db.rows_per_program(*c["qkv"], 2, D), hd // 2)
     build(db._qkv_kernel, qkv, dict(pdl, D=D, KP=p2(D), HD=hd, BP=bp), c["qkv"][1])
     bn = db.rows_per_program(*c["gate_up"], 2, D)
@@ -152,8 +154,9 @@ print("compiled")
 
 
 def test_kernels_compile_for_sm90():
-    """GPT-XL and GPT-7B shapes, bf16, the default tiling (capped for wide K), with programmatic
-    dependent launch: an H100/H200 cubin with Triton's bundled ptxas, and no register spills."""
+    """GPT-XL and GPT-7B shapes in bf16, GPT-XL in fp32, the default tiling (capped for wide K),
+    with programmatic dependent launch: an H100/H200 cubin with Triton's bundled ptxas, and
+    no register spills."""
     pytest.importorskip("triton.compiler")
     env = dict(os.environ, PYTHONPATH=ROOT)
     out = subprocess.run([sys.executable, "-c", AOT_SCRIPT], env=env, capture_output=True, text=True, timeout=300)
