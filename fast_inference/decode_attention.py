@@ -12,9 +12,13 @@ of earlier steps before it waits for the kernel that wrote the current one.
 """
 import torch
 
+from fast_inference.pdl import launch
+
 try:
     import triton
     import triton.language as tl
+
+    from fast_inference.pdl import pdl_wait
 except ImportError:  # the cudagraph/eager backends work without Triton
     triton = None
 
@@ -60,9 +64,7 @@ if triton is not None:
         k = tl.load(k_ptrs, mask=tile[:, None], other=0.0)
         v = tl.load(v_ptrs, mask=tile[:, None], other=0.0)
         ok = tl.load(KEY_VALID + r * stride_valid + offs_n, mask=earlier, other=0) != 0
-        if PDL:
-            tl.extra.cuda.gdc_wait()
-            tl.extra.cuda.gdc_launch_dependents()
+        pdl_wait(PDL)
         # SCALE is a constexpr so it stays fp32 (a runtime float becomes fp64 under inductor).
         q = tl.load(Q + r * stride_qr + h * stride_qh + offs_d).to(tl.float32) * SCALE
         scores = tl.sum(k.to(tl.float32) * q[None, :], 1)
@@ -84,9 +86,7 @@ if triton is not None:
     @triton.jit
     def _merge_kernel(M, L, ACC, POS, OUT, n_splits, BLOCK: tl.constexpr, SPLITS: tl.constexpr,
                       HEAD_DIM: tl.constexpr, PDL: tl.constexpr):
-        if PDL:
-            tl.extra.cuda.gdc_wait()
-            tl.extra.cuda.gdc_launch_dependents()
+        pdl_wait(PDL)
         rh = tl.program_id(0)
         offs_s = tl.arange(0, SPLITS)
         offs_d = tl.arange(0, HEAD_DIM)
@@ -108,16 +108,15 @@ def decode_attention(q, k_cache, v_cache, key_valid, input_pos, config=None, pdl
     m = torch.empty(R, H, n_splits, device=q.device, dtype=torch.float32)
     l = torch.empty_like(m)
     acc = torch.empty(R, H, n_splits, hd, device=q.device, dtype=torch.float32)
-    launch = {"launch_pdl": True} if pdl else {}  # Triton's interpreter knows no such option
     _partial_kernel[(R * H, n_splits)](
         q, k_cache, v_cache, key_valid, input_pos, m, l, acc,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), key_valid.stride(0), H, n_splits,
-        SCALE=hd**-0.5, BLOCK=block, HEAD_DIM=hd, PDL=pdl, num_warps=num_warps, **launch,
+        SCALE=hd**-0.5, BLOCK=block, HEAD_DIM=hd, num_warps=num_warps, **launch(pdl),
     )
     out = torch.empty(R, H, 1, hd, device=q.device, dtype=q.dtype)
     _merge_kernel[(R * H,)](m, l, acc, input_pos, out, n_splits, BLOCK=block, SPLITS=triton.next_power_of_2(n_splits),
-                            HEAD_DIM=hd, PDL=pdl, **launch)
+                            HEAD_DIM=hd, **launch(pdl))
     return out
 
 

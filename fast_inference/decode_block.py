@@ -13,14 +13,15 @@ Computes TransformerBlock.forward for S = 1 (tests/test_decode_block.py checks i
 Before its wait a kernel only reads what no kernel of this step writes (weights, earlier cache
 rows), so overlapping the previous kernel is safe.
 """
-import functools
-import os
-
 import torch
+
+from fast_inference.pdl import launch, use_pdl
 
 try:
     import triton
     import triton.language as tl
+
+    from fast_inference.pdl import pdl_wait
 except ImportError:
     triton = None
 
@@ -32,13 +33,6 @@ MAX_ROWS = 4  # rows are unrolled in registers; more rows run the compiled block
 CONFIG = dict(qkv=(8, 8), wo=(4, 4), gate_up=(4, 4), w2=(4, 4))
 
 
-@functools.lru_cache
-def use_pdl(device):
-    """Programmatic dependent launch (Hopper+): the next kernel starts while this one drains."""
-    return (torch.device(device).type == "cuda" and os.environ.get("TRITON_INTERPRET") != "1"
-            and torch.cuda.get_device_capability(device)[0] >= 9)
-
-
 if triton is not None:
 
     @triton.jit
@@ -47,13 +41,6 @@ if triton is not None:
         offs_k = tl.arange(0, KP)
         return tl.load(W + rows[:, None] * K + offs_k[None, :], mask=rows_ok[:, None] & (offs_k < K)[None, :],
                        other=0.0)
-
-    @triton.jit
-    def _wait(PDL: tl.constexpr):
-        """Everything before this may overlap the previous kernel; after it, its writes are visible."""
-        if PDL:
-            tl.extra.cuda.gdc_wait()
-            tl.extra.cuda.gdc_launch_dependents()
 
     @triton.jit
     def _input(X, NW, offs_r, r_ok, EPS: tl.constexpr, K: tl.constexpr, KP: tl.constexpr, NORM: tl.constexpr):
@@ -81,7 +68,7 @@ if triton is not None:
         model's linear outputs are, returned in float32."""
         w_a = _rows(W, rows_a, rows_ok, K, KP)
         w_b = _rows(W, rows_b, rows_ok, K, KP)
-        _wait(PDL)
+        pdl_wait(PDL)
         offs_r = tl.arange(0, RP)
         x = _input(X, NW, offs_r, offs_r < R, EPS, K, KP, True)
         return _matvec(x, w_a).to(dt).to(tl.float32), _matvec(x, w_b).to(dt).to(tl.float32)
@@ -94,7 +81,7 @@ if triton is not None:
         rows = tl.program_id(0) * BN + tl.arange(0, BN)
         rows_ok = rows < N
         w = _rows(W, rows, rows_ok, K, KP)  # weights never change: loaded before the wait
-        _wait(PDL)
+        pdl_wait(PDL)
         offs_r = tl.arange(0, RP)
         r_ok = offs_r < R
         x = _input(X, NW, offs_r, r_ok, EPS, K, KP, NORM)
@@ -166,11 +153,6 @@ def rows_per_program(rows, warps, tiles, K):
     return min(rows, 1 << (cap.bit_length() - 1))
 
 
-def launch_options(pdl, warps):
-    # launch_pdl only where it is used: Triton's interpreter knows no such option.
-    return dict(PDL=pdl, num_warps=warps, **({"launch_pdl": True} if pdl else {}))
-
-
 def linear(x, weight, norm=None, residual=None, config=(4, 4), pdl=False):
     """[residual +] [norm](x) @ weight.T for x (R, K) contiguous, R <= MAX_ROWS; config (rows, warps)."""
     R, K = x.shape
@@ -180,7 +162,7 @@ def linear(x, weight, norm=None, residual=None, config=(4, 4), pdl=False):
     _linear_kernel[(triton.cdiv(N, bn),)](
         x, norm.weight if norm is not None else x, weight, residual if residual is not None else x, out, R, N,
         EPS=norm.eps if norm is not None else 0.0, K=K, KP=triton.next_power_of_2(K), RP=rows_padded(R), BN=bn,
-        NORM=norm is not None, RESIDUAL=residual is not None, **launch_options(pdl, warps))
+        NORM=norm is not None, RESIDUAL=residual is not None, num_warps=warps, **launch(pdl))
     return out
 
 
@@ -196,7 +178,7 @@ def qkv_rope(x, norm, weight, freqs, input_pos, k_cache, v_cache, n_head, config
         x, norm.weight, weight, freqs, input_pos, q, k_cache, v_cache, R,
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         EPS=norm.eps, D=D, KP=triton.next_power_of_2(D), HD=hd, RP=rows_padded(R), BP=bp,
-        **launch_options(pdl, warps))
+        num_warps=warps, **launch(pdl))
     return q
 
 
@@ -207,7 +189,7 @@ def gate_up(x, norm, w13, config=(4, 4), pdl=False):
     out = torch.empty(R, F, device=x.device, dtype=x.dtype)
     _gate_up_kernel[(triton.cdiv(F, bn),)](
         x, norm.weight, w13, out, R, F, EPS=norm.eps, K=K, KP=triton.next_power_of_2(K), RP=rows_padded(R), BN=bn,
-        **launch_options(pdl, warps))
+        num_warps=warps, **launch(pdl))
     return out
 
 
