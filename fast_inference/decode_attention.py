@@ -3,7 +3,9 @@
 The static cache is sized for the whole image, but at step p only keys 0..p exist. SDPA over the
 static cache reads all of it every step; here each program takes one tile of BLOCK keys of one
 (row, head) and returns at once if the tile starts past p, so the bytes per step follow the filled
-length. A program writes a partial result (max, sum, weighted values); a second kernel merges the
+length. Tiles start at a row's first attendable key: a caption shorter than the text prefix is
+left-padded (the padding keys are masked for every image position), so its padding is skipped too.
+A program writes a partial result (max, sum, weighted values); a second kernel merges the
 partials of each (row, head) and writes the output in the layout the output projection reads.
 Same function as SDPA with the mask rule of model.attention_mask: query p sees key q iff q == p or
 (q <= p and key_valid[q]).
@@ -26,6 +28,7 @@ except ImportError:  # the cudagraph/eager backends work without Triton
 # kernel with the merge): at 64 rows, position 700, 64.3 us (best 62.4 with 256-key tiles; SDPA over
 # the whole cache 110.2, ideal 53.8); at 2 rows 6.1 us (best 6.0).
 CONFIG = (128, 4)
+LEAD = 128  # leading keys searched for the first attendable one (the t2i text prefix is 120)
 
 
 if triton is not None:
@@ -33,37 +36,48 @@ if triton is not None:
     @triton.jit
     def _partial_kernel(Q, K, V, KEY_VALID, POS, M_OUT, L_OUT, ACC_OUT,
                         stride_qr, stride_qh, stride_kr, stride_kh, stride_kn, stride_vr, stride_vh, stride_vn,
-                        stride_valid, n_heads, n_splits,
-                        SCALE: tl.constexpr, BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr, PDL: tl.constexpr):
+                        stride_valid, n_heads, n_splits, SCALE: tl.constexpr, BLOCK: tl.constexpr,
+                        HEAD_DIM: tl.constexpr, LEAD: tl.constexpr, PDL: tl.constexpr):
         rh = tl.program_id(0)
         split = tl.program_id(1)
         r = rh // n_heads
         h = rh % n_heads
         pos = tl.load(POS)  # written by the previous step, before any kernel of this one
-        if split * BLOCK <= pos:  # a tile past pos has nothing to do (the merge skips it)
-            _tile(Q, K, V, KEY_VALID, M_OUT, L_OUT, ACC_OUT, r, h, rh * n_splits + split, split * BLOCK, pos,
+        start = _first_key(KEY_VALID + r * stride_valid, pos, LEAD) + split * BLOCK
+        if start <= pos:  # a tile past pos has nothing to do (the merge skips it)
+            _tile(Q, K, V, KEY_VALID, M_OUT, L_OUT, ACC_OUT, r, h, rh * n_splits + split, start, pos,
                   stride_qr, stride_qh, stride_kr, stride_kh, stride_kn, stride_vr, stride_vh, stride_vn,
                   stride_valid, SCALE, BLOCK, HEAD_DIM, PDL)
+
+    @triton.jit
+    def _first_key(VALID, pos, LEAD: tl.constexpr):
+        """A key position no later than the first one p may attend to: no earlier key is attendable
+        (searched among the first LEAD keys; pos is always attended). key_valid is set before the step."""
+        offs = tl.arange(0, LEAD)
+        valid = tl.load(VALID + offs, mask=offs < pos, other=0) != 0
+        return tl.minimum(tl.min(tl.where(valid, offs, LEAD), 0), pos)
 
     @triton.jit
     def _tile(Q, K, V, KEY_VALID, M_OUT, L_OUT, ACC_OUT, r, h, out, start, pos,
               stride_qr, stride_qh, stride_kr, stride_kh, stride_kn, stride_vr, stride_vh, stride_vn, stride_valid,
               SCALE: tl.constexpr, BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr, PDL: tl.constexpr):
         """Keys start..start+BLOCK-1 of (row r, head h) -> partial (max, sum, weighted values) at `out`."""
-        offs_n = start + tl.arange(0, BLOCK)
+        # Offsets within the tile, its start in the base pointers: the tile's vectors keep the same
+        # compile-time form wherever it starts (a runtime start in them costs ~80 registers: spills).
+        offs_n = tl.arange(0, BLOCK)
         offs_d = tl.arange(0, HEAD_DIM)
-        k_ptrs = K + r * stride_kr + h * stride_kh + offs_n[:, None] * stride_kn + offs_d[None, :]
-        v_ptrs = V + r * stride_vr + h * stride_vh + offs_n[:, None] * stride_vn + offs_d[None, :]
+        k_ptrs = K + r * stride_kr + h * stride_kh + start * stride_kn + offs_n[:, None] * stride_kn + offs_d[None, :]
+        v_ptrs = V + r * stride_vr + h * stride_vh + start * stride_vn + offs_n[:, None] * stride_vn + offs_d[None, :]
         # K/V are masked by the filled length only (every filled slot is finite); padding is masked in
         # the scores. They stay bf16 in registers until used: a 128 x 64 tile in fp32 spills.
-        earlier = offs_n < pos
-        current = offs_n == pos
+        earlier = offs_n < pos - start
+        current = offs_n == pos - start
         # With PDL the tile holds the keys of earlier steps only, loaded before the wait; the current
         # key and value (written by the kernel just before) are read after it, as vectors.
         tile = earlier if PDL else earlier | current
         k = tl.load(k_ptrs, mask=tile[:, None], other=0.0)
         v = tl.load(v_ptrs, mask=tile[:, None], other=0.0)
-        ok = tl.load(KEY_VALID + r * stride_valid + offs_n, mask=earlier, other=0) != 0
+        ok = tl.load(KEY_VALID + r * stride_valid + start + offs_n, mask=earlier, other=0) != 0
         pdl_wait(PDL)
         # SCALE is a constexpr so it stays fp32 (a runtime float becomes fp64 under inductor).
         q = tl.load(Q + r * stride_qr + h * stride_qh + offs_d).to(tl.float32) * SCALE
@@ -84,13 +98,15 @@ if triton is not None:
         tl.store(ACC_OUT + out * HEAD_DIM + offs_d, acc)
 
     @triton.jit
-    def _merge_kernel(M, L, ACC, POS, OUT, n_splits, BLOCK: tl.constexpr, SPLITS: tl.constexpr,
-                      HEAD_DIM: tl.constexpr, PDL: tl.constexpr):
+    def _merge_kernel(M, L, ACC, KEY_VALID, POS, OUT, stride_valid, n_heads, n_splits, BLOCK: tl.constexpr,
+                      SPLITS: tl.constexpr, HEAD_DIM: tl.constexpr, LEAD: tl.constexpr, PDL: tl.constexpr):
         pdl_wait(PDL)
         rh = tl.program_id(0)
         offs_s = tl.arange(0, SPLITS)
         offs_d = tl.arange(0, HEAD_DIM)
-        ok = offs_s <= tl.load(POS) // BLOCK  # the tiles up to the current position
+        pos = tl.load(POS)
+        first = _first_key(KEY_VALID + rh // n_heads * stride_valid, pos, LEAD)
+        ok = offs_s <= (pos - first) // BLOCK  # the tiles up to the current position
         m = tl.load(M + rh * n_splits + offs_s, mask=ok, other=float("-inf"))
         l = tl.load(L + rh * n_splits + offs_s, mask=ok, other=0.0)
         acc = tl.load(ACC + (rh * n_splits + offs_s)[:, None] * HEAD_DIM + offs_d[None, :], mask=ok[:, None], other=0.0)
@@ -112,11 +128,11 @@ def decode_attention(q, k_cache, v_cache, key_valid, input_pos, config=None, pdl
         q, k_cache, v_cache, key_valid, input_pos, m, l, acc,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), key_valid.stride(0), H, n_splits,
-        SCALE=hd**-0.5, BLOCK=block, HEAD_DIM=hd, num_warps=num_warps, **launch(pdl),
+        SCALE=hd**-0.5, BLOCK=block, HEAD_DIM=hd, LEAD=LEAD, num_warps=num_warps, **launch(pdl),
     )
     out = torch.empty(R, H, 1, hd, device=q.device, dtype=q.dtype)
-    _merge_kernel[(R * H,)](m, l, acc, input_pos, out, n_splits, BLOCK=block, SPLITS=triton.next_power_of_2(n_splits),
-                            HEAD_DIM=hd, **launch(pdl))
+    _merge_kernel[(R * H,)](m, l, acc, key_valid, input_pos, out, key_valid.stride(0), H, n_splits, BLOCK=block,
+                            SPLITS=triton.next_power_of_2(n_splits), HEAD_DIM=hd, LEAD=LEAD, **launch(pdl))
     return out
 
 

@@ -1,5 +1,6 @@
 """The split-KV Triton decode kernel against SDPA with the model's mask rule (several tile sizes, tiles
-of padding only, tiles past the position; with and without the PDL data path), in Triton's CPU
+of padding only, tiles past the position, leading padding skipped, shorter and longer than the
+searched LEAD keys; with and without the PDL data path), in Triton's CPU
 interpreter (TRITON_INTERPRET=1), so CI checks the kernel the GPU engine runs."""
 import os
 import subprocess
@@ -12,7 +13,7 @@ pytest.importorskip("triton")
 SCRIPT = r"""
 import torch
 import triton.language as tl
-from fast_inference.decode_attention import decode_attention
+from fast_inference import decode_attention as da
 from fast_inference.model import attention_mask
 
 # The interpreter has no grid dependency control; without PDL launches the calls are no-ops anyway.
@@ -20,19 +21,26 @@ tl.extra.cuda.gdc_wait = tl.extra.cuda.gdc_launch_dependents = lambda *args, **k
 
 torch.manual_seed(0)
 worst = 0.0
-cases = [(2, 3, 40, 30, 16), (3, 2, 48, 47, 16), (2, 2, 40, 9, 32), (1, 2, 24, 3, 128), (2, 2, 72, 70, 64),
-         (2, 2, 72, 5, 16)]
-for R, H, L, pos, block in cases:
+# (rows, heads, cache length, position, tile, text prefix, leading keys searched); in each, row 0's
+# text is all padding and row 1's is left-padded to its last 3 keys, other rows random
+cases = [(2, 3, 40, 30, 16, 8, 128), (3, 2, 48, 47, 16, 8, 128), (2, 2, 40, 9, 32, 8, 128), (1, 2, 24, 3, 128, 8, 128),
+         (2, 2, 72, 70, 64, 8, 128), (2, 2, 72, 5, 16, 8, 128), (3, 2, 72, 60, 16, 40, 128), (3, 2, 72, 60, 16, 40, 16),
+         (2, 2, 72, 30, 16, 40, 128)]
+for R, H, L, pos, block, T, lead in cases:
+    da.LEAD = lead
     q = torch.randn(R, H, 1, 64)
     k = torch.randn(R, H, L, 64)
     v = torch.randn(R, H, L, 64)
     key_valid = torch.ones(R, L, dtype=torch.bool)
-    key_valid[:, :8] = torch.rand(R, 8) > 0.5
-    key_valid[0, :8] = False  # a row whose text is all padding
+    key_valid[:, :T] = torch.rand(R, T) > 0.5
+    key_valid[0, :T] = False
+    if R > 1:
+        key_valid[1, :T - 3] = False
+        key_valid[1, T - 3:T] = True
     p = torch.tensor([pos])
     want = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=attention_mask(key_valid, p))
     for pdl in (False, True):  # PDL: the current key and value are read apart from the tile
-        got = decode_attention(q, k, v, key_valid, p, config=(block, 4), pdl=pdl)
+        got = da.decode_attention(q, k, v, key_valid, p, config=(block, 4), pdl=pdl)
         worst = max(worst, (got - want).abs().max().item())
 print(worst)
 """
@@ -61,11 +69,11 @@ ints = ["stride_qr", "stride_qh", "stride_kr", "stride_kh", "stride_kn", "stride
         "stride_valid", "n_heads", "n_splits"]
 sig = {"Q": "*bf16", "K": "*bf16", "V": "*bf16", "KEY_VALID": "*i1", "POS": "*i64", "M_OUT": "*fp32",
        "L_OUT": "*fp32", "ACC_OUT": "*fp32", **{n: "i32" for n in ints},
-       "SCALE": "constexpr", "BLOCK": "constexpr", "HEAD_DIM": "constexpr", "PDL": "constexpr"}
+       "SCALE": "constexpr", "BLOCK": "constexpr", "HEAD_DIM": "constexpr", "LEAD": "constexpr", "PDL": "constexpr"}
 cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
 block, warps = da.CONFIG
 for pdl in (False, True):  # the compiled block launches without, decode_block with programmatic dependent launch
-    consts = {"SCALE": 0.125, "BLOCK": block, "HEAD_DIM": 64, "PDL": pdl}
+    consts = {"SCALE": 0.125, "BLOCK": block, "HEAD_DIM": 64, "LEAD": da.LEAD, "PDL": pdl}
     k = triton.compile(ASTSource(da._partial_kernel, sig, constexprs=consts), target=target,
                        options={"num_warps": warps, "launch_pdl": pdl})
     if os.path.exists(cuobjdump):  # a K/V tile spilled to local memory halves the kernel's speed
@@ -74,10 +82,11 @@ for pdl in (False, True):  # the compiled block launches without, decode_block w
             f.flush()
             usage = subprocess.run([cuobjdump, "-res-usage", f.name], capture_output=True, text=True).stdout
         assert "STACK:0 " in usage, (pdl, usage)
-    merge_sig = {"M": "*fp32", "L": "*fp32", "ACC": "*fp32", "POS": "*i64", "OUT": "*bf16", "n_splits": "i32",
-                 "BLOCK": "constexpr", "SPLITS": "constexpr", "HEAD_DIM": "constexpr", "PDL": "constexpr"}
+    merge_sig = {"M": "*fp32", "L": "*fp32", "ACC": "*fp32", "KEY_VALID": "*i1", "POS": "*i64", "OUT": "*bf16",
+                 "stride_valid": "i32", "n_heads": "i32", "n_splits": "i32", "BLOCK": "constexpr",
+                 "SPLITS": "constexpr", "HEAD_DIM": "constexpr", "LEAD": "constexpr", "PDL": "constexpr"}
     for splits in (1, 16):
-        consts = {"BLOCK": block, "SPLITS": splits, "HEAD_DIM": 64, "PDL": pdl}
+        consts = {"BLOCK": block, "SPLITS": splits, "HEAD_DIM": 64, "LEAD": da.LEAD, "PDL": pdl}
         triton.compile(ASTSource(da._merge_kernel, merge_sig, constexprs=consts), target=target,
                        options={"launch_pdl": pdl})
 print("compiled")
