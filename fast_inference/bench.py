@@ -20,6 +20,7 @@ if __package__ in (None, ""):
 
 import torch
 
+from fast_inference import decode_block
 from fast_inference.engine import BACKENDS, COMPILE_SCOPES, Engine
 from fast_inference.generate import generate
 from fast_inference.model import ModelArgs, Transformer
@@ -41,7 +42,7 @@ def parse_args(argv=None):
     p.add_argument("--compile-prefill", action="store_true")
     p.add_argument("--compile-scope", choices=list(COMPILE_SCOPES), default="block")
     p.add_argument("--no-fused-block", action="store_true",
-                   help="block scope: the compiled block at every batch size (default: fused kernels at <= 4 rows)")
+                   help="block scope: the compiled block at every batch size (default: fused kernels at <= 16 rows, n <= 8)")
     p.add_argument("--ref-steps", type=int, default=200, help="reference decode steps timed (0: skip)")
     p.add_argument("--fast-runs", type=int, default=2, help="timed fast images per batch size")
     p.add_argument("--out-dir", default="sample/bench")
@@ -191,7 +192,7 @@ def main(argv=None):
     scope = ""
     if args.backend == "inductor":
         fused = "" if args.compile_scope == "step" else ", compiled block only" if args.no_fused_block else \
-            ", fused block at <= 4 rows"
+            f", fused block at <= {decode_block.MAX_ROWS} rows"
         scope = f" (compile scope {args.compile_scope}{fused})"
     print(f"{torch.cuda.get_device_name()} | {args.gpt_model} {args.image_size}px ({N} tokens) | cfg {args.cfg_scale} "
           f"top-k {args.top_k} | {args.precision} | backend {args.backend}{scope} | copy bandwidth {bw / 1e12:.2f} TB/s",

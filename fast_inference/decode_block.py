@@ -1,14 +1,18 @@
-"""One transformer block of a one-token step at a few rows (n = 1 under CFG is 2 rows), in four
-Triton kernels plus the split-KV decode attention.
+"""One transformer block of a one-token step at up to 16 rows (n = 1 under CFG is 2 rows, n = 8 is
+16), in four Triton kernels plus the split-KV decode attention.
 
-At 2 rows a step is memory- and launch-bound: the compiled block runs ~15 kernels per layer, and
-each kernel boundary costs microseconds of ramp-up and tail. Here each projection is a GEMV whose
-programs each hold whole rows of the weight (all of K), loaded BEFORE waiting for the previous
-kernel: with programmatic dependent launch (Hopper+) a kernel starts while the one before it
-drains, so the weight stream does not stop at kernel boundaries. The element-wise work rides
-along: RMSNorm in the projection that reads its output, RoPE and the KV-cache write in the QKV
-projection, SiLU x up in the gate/up projection, the residual adds in the output and down
+A decode step is memory- and launch-bound: the compiled block runs ~15 kernels per layer, and each
+kernel boundary costs microseconds of ramp-up and tail. Here the element-wise work rides along with
+the projections: RMSNorm in the projection that reads its output, RoPE and the KV-cache write in the
+QKV projection, SiLU x up in the gate/up projection, the residual adds in the output and down
 projections. Each result is rounded to the activation dtype where the model's op would round it.
+The kernels launch with programmatic dependent launch (Hopper+): a kernel starts while the one
+before it drains and fetches its weights before waiting for it, so the weight stream does not stop
+at kernel boundaries. Two ways to multiply, one set of kernels:
+  <= 4 rows (GEMV): a program holds whole rows of the weight (all of K) in registers, loaded before
+                    the wait, and multiplies on the CUDA cores, the rows unrolled;
+  5..16 rows (dot): a program walks K in chunks on the tensor cores (tl.dot), launched without PDL
+                    (with it the block was slower: it has nothing to fetch before the wait).
 Computes TransformerBlock.forward for S = 1 (tests/test_decode_block.py checks it against it).
 Before its wait a kernel only reads what no kernel of this step writes (weights, earlier cache
 rows), so overlapping the previous kernel is safe.
@@ -25,12 +29,24 @@ try:
 except ImportError:
     triton = None
 
-MAX_ROWS = 4  # rows are unrolled in registers; more rows run the compiled block
-# Rows of W per program (a program holds them whole: all of K, padded to a power of two) and warps,
-# per kernel. scripts/bench_decode_block.py on the H200 (GPT-XL, 2 rows, position 700, with PDL):
-# 29.3 us per block vs 32.2 for (4, 4) everywhere with w2 at (2, 4), and 41.9 for the compiled block;
-# the other tilings within 1 us of these.
+GEMV_ROWS = 4  # up to here rows are unrolled in registers (GEMV); more run tensor-core dots
+MAX_ROWS = 16  # more rows run the compiled block (faster there from 32 rows: docs/PERF_NOTES.md)
+# GEMV path: rows of W per program (all of K, padded to a power of two) and warps, per kernel.
+# scripts/bench_decode_block.py on the H200 (GPT-XL, 2 rows, position 700, with PDL): 29.3 us per
+# block vs 32.2 for (4, 4) everywhere with w2 at (2, 4), and 41.9 for the compiled block; the other
+# tilings within 1 us of these.
 CONFIG = dict(qkv=(8, 8), wo=(4, 4), gate_up=(4, 4), w2=(4, 4))
+# dot path: rows of W per program (>= 16; pairs for qkv), K chunk, warps, pipeline stages.
+# scripts/bench_decode_block.py on the H200 (GPT-XL, 16 rows, position 700, no PDL): 53.9 us per
+# block vs 57.9 for the compiled block (at 32 rows 74.3 vs 71.7: the compiled block wins there);
+# K chunks of 128 were 4-6 us slower.
+DOT_CONFIG = dict(qkv=(32, 256, 4, 3), wo=(16, 256, 4, 3), gate_up=(32, 256, 4, 4), w2=(16, 256, 4, 6))
+DOT_PDL = False  # with PDL the same block took 57-59 us (the bench script measures both)
+
+
+def pdl_for(rows, device):
+    """Whether the kernels of a block at `rows` rows launch with PDL."""
+    return use_pdl(device) and (rows <= GEMV_ROWS or DOT_PDL)
 
 
 if triton is not None:
@@ -62,40 +78,86 @@ if triton is not None:
         return tl.sum(x[:, None, :] * w.to(tl.float32)[None, :, :], 2)
 
     @triton.jit
-    def _norm_matvec2(X, NW, W, rows_a, rows_b, rows_ok, R, EPS: tl.constexpr, K: tl.constexpr,
-                      KP: tl.constexpr, RP: tl.constexpr, PDL: tl.constexpr, dt: tl.constexpr):
-        """RMSNorm(X) @ W[rows_a].T and @ W[rows_b].T, (RP, len(rows)) each, rounded to dt as the
-        model's linear outputs are, returned in float32."""
+    def _gemv(X, NW, W, rows_a, rows_b, rows_ok, R, EPS: tl.constexpr, K: tl.constexpr, KP: tl.constexpr,
+              RP: tl.constexpr, NORM: tl.constexpr, PAIR: tl.constexpr, PDL: tl.constexpr):
+        """[RMSNorm](X) @ W[rows_a].T (and @ W[rows_b].T if PAIR) on the CUDA cores, the weight rows
+        loaded whole before the wait."""
         w_a = _rows(W, rows_a, rows_ok, K, KP)
-        w_b = _rows(W, rows_b, rows_ok, K, KP)
+        w_b = w_a
+        if PAIR:
+            w_b = _rows(W, rows_b, rows_ok, K, KP)
         pdl_wait(PDL)
         offs_r = tl.arange(0, RP)
-        x = _input(X, NW, offs_r, offs_r < R, EPS, K, KP, True)
-        return _matvec(x, w_a).to(dt).to(tl.float32), _matvec(x, w_b).to(dt).to(tl.float32)
+        x = _input(X, NW, offs_r, offs_r < R, EPS, K, KP, NORM)
+        a = _matvec(x, w_a)
+        b = a
+        if PAIR:
+            b = _matvec(x, w_b)
+        return a, b
+
+    @triton.jit
+    def _dots(X, NW, W, rows_a, rows_b, rows_ok, R, EPS: tl.constexpr, K: tl.constexpr, RP: tl.constexpr,
+              BN: tl.constexpr, BK: tl.constexpr, NORM: tl.constexpr, PAIR: tl.constexpr, PDL: tl.constexpr,
+              PREC: tl.constexpr):
+        """The same on the tensor cores, K in BK chunks; RMSNorm's statistics in a first pass over X."""
+        pdl_wait(PDL)
+        offs_r = tl.arange(0, RP)
+        offs_k = tl.arange(0, BK)
+        r_ok = offs_r < R
+        xs = X + offs_r[:, None] * K + offs_k[None, :]
+        rstd = tl.zeros([RP], tl.float32)
+        if NORM:
+            for k0 in range(0, K, BK):
+                x = tl.load(xs + k0, mask=r_ok[:, None] & (k0 + offs_k < K)[None, :], other=0.0).to(tl.float32)
+                rstd += tl.sum(x * x, 1)
+            rstd = tl.rsqrt(rstd / K + EPS)
+        a = tl.zeros([RP, BN], tl.float32)
+        b = tl.zeros([RP, BN], tl.float32)
+        for k0 in range(0, K, BK):
+            k_ok = k0 + offs_k < K
+            x = tl.load(xs + k0, mask=r_ok[:, None] & k_ok[None, :], other=0.0)
+            if NORM:
+                nw = tl.load(NW + k0 + offs_k, mask=k_ok, other=0.0).to(tl.float32)
+                x = ((x.to(tl.float32) * rstd[:, None]).to(x.dtype).to(tl.float32) * nw[None, :]).to(x.dtype)
+            w_ok = rows_ok[:, None] & k_ok[None, :]
+            w = tl.load(W + rows_a[:, None] * K + (k0 + offs_k)[None, :], mask=w_ok, other=0.0)
+            a = tl.dot(x, tl.trans(w), a, input_precision=PREC)
+            if PAIR:
+                w = tl.load(W + rows_b[:, None] * K + (k0 + offs_k)[None, :], mask=w_ok, other=0.0)
+                b = tl.dot(x, tl.trans(w), b, input_precision=PREC)
+        return a, b
+
+    @triton.jit
+    def _project(X, NW, W, rows_a, rows_b, rows_ok, R, EPS: tl.constexpr, K: tl.constexpr, KP: tl.constexpr,
+                 RP: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, NORM: tl.constexpr, PAIR: tl.constexpr,
+                 DOT: tl.constexpr, PDL: tl.constexpr, PREC: tl.constexpr, dt: tl.constexpr):
+        """[RMSNorm](X) @ W[rows_a].T and, if PAIR, @ W[rows_b].T: (RP, BN) each, rounded to dt as the
+        model's linear outputs are, returned in float32."""
+        if DOT:
+            a, b = _dots(X, NW, W, rows_a, rows_b, rows_ok, R, EPS, K, RP, BN, BK, NORM, PAIR, PDL, PREC)
+        else:
+            a, b = _gemv(X, NW, W, rows_a, rows_b, rows_ok, R, EPS, K, KP, RP, NORM, PAIR, PDL)
+        return a.to(dt).to(tl.float32), b.to(dt).to(tl.float32)
 
     @triton.jit
     def _linear_kernel(X, NW, W, RES, OUT, R, N, EPS: tl.constexpr, K: tl.constexpr, KP: tl.constexpr,
-                       RP: tl.constexpr, BN: tl.constexpr, NORM: tl.constexpr, RESIDUAL: tl.constexpr,
-                       PDL: tl.constexpr):
+                       RP: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, NORM: tl.constexpr,
+                       RESIDUAL: tl.constexpr, DOT: tl.constexpr, PDL: tl.constexpr, PREC: tl.constexpr):
         """OUT = [RES +] [RMSNorm](X) @ W.T for X (R, K), W (N, K)."""
         rows = tl.program_id(0) * BN + tl.arange(0, BN)
         rows_ok = rows < N
-        w = _rows(W, rows, rows_ok, K, KP)  # weights never change: loaded before the wait
-        pdl_wait(PDL)
+        dt = OUT.dtype.element_ty
+        y, _ = _project(X, NW, W, rows, rows, rows_ok, R, EPS, K, KP, RP, BN, BK, NORM, False, DOT, PDL, PREC, dt)
         offs_r = tl.arange(0, RP)
-        r_ok = offs_r < R
-        x = _input(X, NW, offs_r, r_ok, EPS, K, KP, NORM)
-        y = _matvec(x, w).to(OUT.dtype.element_ty)
-        ok = r_ok[:, None] & rows_ok[None, :]
+        ok = (offs_r < R)[:, None] & rows_ok[None, :]
         if RESIDUAL:
-            res = tl.load(RES + offs_r[:, None] * N + rows[None, :], mask=ok, other=0.0)
-            y = (res.to(tl.float32) + y.to(tl.float32)).to(OUT.dtype.element_ty)
-        tl.store(OUT + offs_r[:, None] * N + rows[None, :], y, mask=ok)
+            y += tl.load(RES + offs_r[:, None] * N + rows[None, :], mask=ok, other=0.0).to(tl.float32)
+        tl.store(OUT + offs_r[:, None] * N + rows[None, :], y.to(dt), mask=ok)
 
     @triton.jit
     def _qkv_kernel(X, NW, W, FREQS, POS, Q, KC, VC, R, stride_cr, stride_ch, stride_cn,
                     EPS: tl.constexpr, D: tl.constexpr, KP: tl.constexpr, HD: tl.constexpr, RP: tl.constexpr,
-                    BP: tl.constexpr, PDL: tl.constexpr):
+                    BP: tl.constexpr, BK: tl.constexpr, DOT: tl.constexpr, PDL: tl.constexpr, PREC: tl.constexpr):
         """RMSNorm(X) @ Wqkv.T, RoPE on q and k, q to Q (R, D), k and v into the caches at POS.
 
         A program owns BP adjacent (even, odd) column pairs of one head, so the rotation is local."""
@@ -104,7 +166,7 @@ if triton is not None:
         col = first + 2 * tl.arange(0, BP)
         all_ok = col >= 0
         dt = Q.dtype.element_ty
-        ye, yo = _norm_matvec2(X, NW, W, col, col + 1, all_ok, R, EPS, D, KP, RP, PDL, dt)
+        ye, yo = _project(X, NW, W, col, col + 1, all_ok, R, EPS, D, KP, RP, BP, BK, True, True, DOT, PDL, PREC, dt)
         offs_r = tl.arange(0, RP)
         r_ok = offs_r < R
         d = col % HD
@@ -129,97 +191,105 @@ if triton is not None:
 
     @triton.jit
     def _gate_up_kernel(X, NW, W, OUT, R, F, EPS: tl.constexpr, K: tl.constexpr, KP: tl.constexpr,
-                        RP: tl.constexpr, BN: tl.constexpr, PDL: tl.constexpr):
+                        RP: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, DOT: tl.constexpr, PDL: tl.constexpr,
+                        PREC: tl.constexpr):
         """OUT = SiLU(g) * u where [g | u] = RMSNorm(X) @ W13.T, W13 (2F, K) = [w1; w3]."""
         rows = tl.program_id(0) * BN + tl.arange(0, BN)
         rows_ok = rows < F
         dt = OUT.dtype.element_ty
-        g, u = _norm_matvec2(X, NW, W, rows, rows + F, rows_ok, R, EPS, K, KP, RP, PDL, dt)
+        g, u = _project(X, NW, W, rows, rows + F, rows_ok, R, EPS, K, KP, RP, BN, BK, True, True, DOT, PDL, PREC, dt)
         silu = (g / (1.0 + tl.exp(-g))).to(dt).to(tl.float32)
         offs_r = tl.arange(0, RP)
         ok = (offs_r < R)[:, None] & rows_ok[None, :]
         tl.store(OUT + offs_r[:, None] * F + rows[None, :], (silu * u).to(dt), mask=ok)
 
 
-def rows_padded(R):
-    return max(2, triton.next_power_of_2(R))
-
-
 def rows_per_program(rows, warps, tiles, K):
-    """`rows`, capped so a program's weight tiles stay at <= 128 elements per thread: GPT-XL's
-    swept tilings sit at that cap; more spills, which wider models (GPT-7B's K = 11,008) would hit
-    at the same setting. A power of two."""
+    """GEMV path: `rows`, capped so a program's weight tiles stay at <= 128 elements per thread:
+    GPT-XL's swept tilings sit at that cap; more spills, which wider models (GPT-7B's K = 11,008)
+    would hit at the same setting. A power of two."""
     cap = max(1, 128 * 32 * warps // (tiles * triton.next_power_of_2(K)))
     return min(rows, 1 << (cap.bit_length() - 1))
 
 
-def linear(x, weight, norm=None, residual=None, config=(4, 4), pdl=False):
-    """[residual +] [norm](x) @ weight.T for x (R, K) contiguous, R <= MAX_ROWS; config (rows, warps)."""
+def plan(name, x, K, tiles, pdl):
+    """(weight rows per program, kernel arguments) of kernel `name` for x (R, K): the GEMV path at
+    <= GEMV_ROWS rows, else the dot path; `tiles` weight tiles (rows_a, rows_b) per program."""
+    R, p2 = x.shape[0], triton.next_power_of_2
+    kw = dict(PREC="ieee" if x.dtype == torch.float32 else "tf32", **launch(pdl))  # fp32 (tests): exact dots
+    if R <= GEMV_ROWS:
+        rows, warps = CONFIG[name]
+        return rows_per_program(rows, warps, tiles, K), dict(kw, DOT=False, RP=max(2, p2(R)), KP=p2(K), BK=16,
+                                                             num_warps=warps)
+    rows, bk, warps, stages = DOT_CONFIG[name]
+    bk = max(16, bk * 4 // x.element_size() ** 2)  # float32 (tests): a quarter, or the pair kernels spill
+    return rows, dict(kw, DOT=True, RP=max(16, p2(R)), KP=16, BK=bk, num_warps=warps, num_stages=stages)
+
+
+def linear(x, weight, norm=None, residual=None, name="wo", pdl=False):
+    """[residual +] [norm](x) @ weight.T for x (R, K) contiguous, R <= MAX_ROWS, with kernel `name`'s tiling."""
     R, K = x.shape
-    bn, warps = rows_per_program(*config, 1, K), config[1]
     N = weight.shape[0]
+    bn, kw = plan(name, x, K, 1, pdl)
     out = torch.empty(R, N, device=x.device, dtype=x.dtype)
     _linear_kernel[(triton.cdiv(N, bn),)](
         x, norm.weight if norm is not None else x, weight, residual if residual is not None else x, out, R, N,
-        EPS=norm.eps if norm is not None else 0.0, K=K, KP=triton.next_power_of_2(K), RP=rows_padded(R), BN=bn,
-        NORM=norm is not None, RESIDUAL=residual is not None, num_warps=warps, **launch(pdl))
+        EPS=norm.eps if norm is not None else 0.0, K=K, BN=bn, NORM=norm is not None, RESIDUAL=residual is not None,
+        **kw)
     return out
 
 
-def qkv_rope(x, norm, weight, freqs, input_pos, k_cache, v_cache, n_head, config=(4, 4), pdl=False):
+def qkv_rope(x, norm, weight, freqs, input_pos, k_cache, v_cache, n_head, pdl=False):
     """q (R, H, 1, hd); k and v written into the caches at input_pos."""
     R, D = x.shape
     hd = D // n_head
-    warps = config[1]
-    # pairs per program: a divisor of hd / 2 (both powers of two); each pair is two weight rows
-    bp = min(rows_per_program(*config, 2, D), hd // 2)
+    pairs, kw = plan("qkv", x, D, 2, pdl)  # each pair is two weight rows
+    bp = min(pairs, hd // 2)  # a divisor of hd / 2 (both powers of two)
     q = torch.empty(R, n_head, 1, hd, device=x.device, dtype=x.dtype)
     _qkv_kernel[(3 * D // (2 * bp),)](
         x, norm.weight, weight, freqs, input_pos, q, k_cache, v_cache, R,
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        EPS=norm.eps, D=D, KP=triton.next_power_of_2(D), HD=hd, RP=rows_padded(R), BP=bp,
-        num_warps=warps, **launch(pdl))
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), EPS=norm.eps, D=D, HD=hd, BP=bp, **kw)
     return q
 
 
-def gate_up(x, norm, w13, config=(4, 4), pdl=False):
+def gate_up(x, norm, w13, pdl=False):
     R, K = x.shape
-    bn, warps = rows_per_program(*config, 2, K), config[1]  # gate and up rows
     F = w13.shape[0] // 2
+    bn, kw = plan("gate_up", x, K, 2, pdl)  # gate and up rows
     out = torch.empty(R, F, device=x.device, dtype=x.dtype)
-    _gate_up_kernel[(triton.cdiv(F, bn),)](
-        x, norm.weight, w13, out, R, F, EPS=norm.eps, K=K, KP=triton.next_power_of_2(K), RP=rows_padded(R), BN=bn,
-        num_warps=warps, **launch(pdl))
+    _gate_up_kernel[(triton.cdiv(F, bn),)](x, norm.weight, w13, out, R, F, EPS=norm.eps, K=K, BN=bn, **kw)
     return out
 
 
 def decode_block(layer, x, freqs, attend, input_pos):
     """TransformerBlock.forward(x, ...) for x (R, 1, D): same arguments, usable as model block_fn.
 
-    attend should launch with PDL too (decode_attention(..., pdl=True)) where use_pdl is true."""
+    attend should launch with PDL where this block does: decode_attention(..., pdl=pdl_for(R, device))."""
     attn, ff = layer.attention, layer.feed_forward
     R, _, D = x.shape
     x = x.view(R, D)
     cache = attn.kv_cache
-    c, pdl = CONFIG, use_pdl(x.device)
+    pdl = pdl_for(R, x.device)
     q = qkv_rope(x, layer.attention_norm, attn.wqkv.weight, freqs, input_pos, cache.k_cache, cache.v_cache,
-                 attn.n_head, c["qkv"], pdl)
+                 attn.n_head, pdl)
     y = attend(q, cache.k_cache[:R], cache.v_cache[:R])  # (R, H, 1, hd): its flat rows are heads side by side
-    h = linear(y.view(R, D), attn.wo.weight, residual=x, config=c["wo"], pdl=pdl)
-    a = gate_up(h, layer.ffn_norm, ff.w13, c["gate_up"], pdl)
-    return linear(a, ff.w2.weight, residual=h, config=c["w2"], pdl=pdl).view(R, 1, D)
+    h = linear(y.view(R, D), attn.wo.weight, residual=x, name="wo", pdl=pdl)
+    a = gate_up(h, layer.ffn_norm, ff.w13, pdl)
+    return linear(a, ff.w2.weight, residual=h, name="w2", pdl=pdl).view(R, 1, D)
 
 
 def logits(model, h):
     """model.logits(h) for h (R, 1, D): the final RMSNorm fused into the output projection."""
     R, _, D = h.shape
     # K is the model width as for wo, so wo's tiling (the output projection was not swept on its own)
-    out = linear(h.view(R, D), model.output.weight, norm=model.norm, config=CONFIG["wo"], pdl=use_pdl(h.device))
+    out = linear(h.view(R, D), model.output.weight, norm=model.norm, name="wo", pdl=pdl_for(R, h.device))
     return out.float().view(R, 1, -1)
 
 
 def supported(model, rows):
-    """The fused block needs Triton, a CUDA model, fused gate/up weights, few rows, a power-of-two head size."""
+    """The fused block needs Triton, a CUDA model, fused gate/up weights, at most MAX_ROWS rows, a
+    power-of-two head size, and on the dot path (> GEMV_ROWS rows) heads of >= 32 (16 pairs per dot)."""
     hd = model.args.head_dim
     return (triton is not None and model.output.weight.is_cuda and rows <= MAX_ROWS
-            and model.layers[0].feed_forward.w13 is not None and hd & (hd - 1) == 0)
+            and model.layers[0].feed_forward.w13 is not None and hd & (hd - 1) == 0
+            and (rows <= GEMV_ROWS or hd >= 32))

@@ -7,7 +7,7 @@ can be captured once and replayed N-1 times:
   backend "inductor":  compile_scope "block" (default): one compiled transformer block shared by
                        all layers (regional compilation, ~1/n_layer of the compile time) and a
                        compiled head (norm, output, sampling), in a step captured by hand as below;
-                       at <= 4 rows (n = 1 or 2 under CFG) decode_block's fused Triton kernels
+                       at <= 16 rows (n <= 8 under CFG) decode_block's fused Triton kernels
                        instead, with nothing compiled (fused_block=True);
                        compile_scope "step": torch.compile(step, mode=reduce-overhead|max-autotune,
                        fullgraph=True), as gpt-fast
@@ -153,9 +153,9 @@ class Engine:
         rows = 2 * batch if cfg else batch
         block_fn, attention = None, self.decode_attention
         fused = self.fused_block and attention is not None and decode_block.supported(self.model, rows)
-        if fused:  # few rows: fused GEMV kernels beat the compiled block, and need no compiler at all
+        if fused:  # up to 16 rows the fused kernels beat the compiled block, and need no compiler at all
             block_fn = decode_block.decode_block
-            attention = functools.partial(attention, pdl=decode_block.use_pdl(self.device))
+            attention = functools.partial(attention, pdl=decode_block.pdl_for(rows, self.device))
         elif self.block_scope:
             block_fn = self.compiled_block()
         if self.block_scope:

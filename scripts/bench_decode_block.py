@@ -1,11 +1,13 @@
-"""One GPT-XL block of a one-token step at a few rows: the compiled block (inductor) against
-decode_block's fused kernels, with and without programmatic dependent launch, and a sweep of each
-kernel's (rows per program, warps) with the others at their default.
+"""One GPT-XL block of a one-token step: the compiled block (inductor) against decode_block's fused
+kernels, with and without programmatic dependent launch, and a sweep of each kernel's tiling with
+the others at their default: (rows per program, warps) on the GEMV path (<= 4 rows, with PDL),
+(rows per program, K chunk, warps, stages) on the dot path (more rows, without PDL, as the engine
+runs them; any row count, so where the dot path stops beating the compiled block shows).
 
-    python scripts/bench_decode_block.py [--rows 2,4] [--position 700]
+    python scripts/bench_decode_block.py [--rows 2,4,16,32] [--position 700]
 
 CUDA-graph timed (blocks back to back, as in the captured step), bf16, random weights; prints us per
-block and the block's weight bytes over that time. decode_block.CONFIG comes from here.
+block and the block's weight bytes over that time. decode_block.CONFIG and DOT_CONFIG come from here.
 """
 import argparse
 import itertools
@@ -28,11 +30,27 @@ def time_us(f):
     return triton.testing.do_bench_cudagraph(f, return_mode="median") * 1e3
 
 
+def sweep(name, base, tilings, fused):
+    """(us, tiling) of the block with kernel `name` at each tiling, the others as in base; sorted."""
+    table = "DOT_CONFIG" if len(tilings[0]) == 4 else "CONFIG"
+    times = []
+    for tiling in tilings:
+        setattr(decode_block, table, dict(base, **{name: tiling}))
+        try:
+            times.append((time_us(fused(table == "CONFIG")), tiling))  # the dot path runs without PDL
+        except Exception as e:  # e.g. out of registers / shared memory
+            print(f"  {name} {tiling}: failed ({type(e).__name__})", flush=True)
+    return sorted(times)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rows", default="2,4")
     ap.add_argument("--position", type=int, default=700)
-    ap.add_argument("--tilings", default="1,2,4,8", help="rows per program to try")
+    ap.add_argument("--tilings", default="1,2,4,8", help="GEMV path: rows per program to try")
+    ap.add_argument("--dot-tilings", default="16x128,16x256,32x128,32x256",
+                    help="dot path: rows per program x K chunk to try (4 warps, 3 stages; then warps and stages)")
+    ap.add_argument("--dot-stages", default="4,6", help="dot path: pipeline stages tried at the best rows and chunk")
     args = ap.parse_args()
     args_xl = ModelArgs.from_name("GPT-XL", block_size=1024, condition_type="hed", n_layer=1)
     with torch.device("cuda"):
@@ -41,7 +59,6 @@ def main():
     layer, D = model.layers[0], args_xl.dim
     compiled = torch.compile(run_block, fullgraph=True, dynamic=False)
     mb = sum(p.numel() * p.element_size() for p in layer.parameters()) / 1e6
-    default = dict(decode_block.CONFIG)
     with torch.no_grad():
         for R in map(int, args.rows.split(",")):
             model.setup_caches(R, 120 + 1024, torch.bfloat16)
@@ -61,8 +78,12 @@ def main():
             def fused(pdl):
                 attend = lambda q, k, v: decode_attention(q, k, v, key_valid, pos, pdl=pdl)
                 decode_block.use_pdl = lambda device: pdl
+                decode_block.DOT_PDL = pdl
                 return lambda: decode_block.decode_block(layer, x, freqs, attend, pos)
 
+            dot = R > decode_block.GEMV_ROWS
+            table = "DOT_CONFIG" if dot else "CONFIG"
+            default = dict(getattr(decode_block, table))
             for pdl in (False, True):
                 err = ((fused(pdl)().float() - want).norm() / want.norm()).item()
                 t = time_us(fused(pdl))
@@ -70,20 +91,21 @@ def main():
                       f"{err:.1e}", flush=True)
             best = dict(default)
             for name in default:
-                times = []
-                for bn, warps in itertools.product(map(int, args.tilings.split(",")), (4, 8)):
-                    decode_block.CONFIG = dict(best, **{name: (bn, warps)})
-                    try:
-                        times.append((time_us(fused(True)), (bn, warps)))
-                    except Exception as e:  # e.g. out of registers / shared memory
-                        print(f"  {name} {(bn, warps)}: failed ({type(e).__name__})", flush=True)
-                times.sort()
+                if dot:
+                    first = [(int(a), int(b), 4, 3) for a, b in (c.split("x") for c in args.dot_tilings.split(","))]
+                else:
+                    first = list(itertools.product(map(int, args.tilings.split(",")), (4, 8)))
+                times = sweep(name, best, first, fused)
+                if dot:  # then warps and stages around the best rows and chunk
+                    bn, bk = times[0][1][:2]
+                    more = [(bn, bk, 8, 3)] + [(bn, bk, 4, int(st)) for st in args.dot_stages.split(",")]
+                    times = sorted(times + sweep(name, best, more, fused))
                 best[name] = times[0][1]
                 print(f"  {name:8s}: " + ", ".join(f"{c} {t:.1f}" for t, c in times[:5]), flush=True)
-            decode_block.CONFIG = best
-            t = time_us(fused(True))
-            print(f"  fused, pdl, best {best}: {t:.1f} us ({mb / t:.2f} TB/s)", flush=True)
-            decode_block.CONFIG = default
+            setattr(decode_block, table, best)
+            t = time_us(fused(not dot))
+            print(f"  fused, pdl={not dot}, best {best}: {t:.1f} us ({mb / t:.2f} TB/s)", flush=True)
+            setattr(decode_block, table, default)
         # top-k 2000 of one row: PyTorch picks its single-block or multi-block radix select by width.
         for width in (16384, 20000, 20480, 32768):
             logits = torch.randn(1, width, device="cuda")

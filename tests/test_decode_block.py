@@ -24,9 +24,13 @@ from test_reference import tiny_inputs, tiny_model
 
 worst, cache_worst = 0.0, 0.0
 tile = lambda n: dict(qkv=(n, 4), wo=(n, 4), gate_up=(n, 2), w2=(n, 4))
-cases = [(1, 4.0, 2, tile(4), True), (1, 1.0, 4, tile(2), False), (2, 4.0, 2, tile(16), True)]
-for B, cfg, n_head, config, pdl in cases:  # (batch, cfg, heads, rows per program, PDL data paths)
-    decode_block.CONFIG = config
+dot = lambda n, bk: dict(qkv=(16, bk, 4, 2), wo=(n, bk, 4, 2), gate_up=(n, bk, 4, 3), w2=(16, bk, 4, 2))
+# (batch, cfg, heads, GEMV tiling, dot tiling, PDL data paths); > 4 rows take the dot path, whose K
+# chunks (bk) here are smaller than K so its loops run several times, or wider than K (128: masked)
+cases = [(1, 4.0, 2, tile(4), None, True), (1, 1.0, 4, tile(2), None, False), (2, 4.0, 2, tile(16), None, True),
+         (3, 4.0, 2, None, dot(16, 32), True), (5, 1.0, 2, None, dot(32, 128), False), (8, 4.0, 2, None, dot(16, 16), True)]
+for B, cfg, n_head, config, dot_config, pdl in cases:
+    decode_block.CONFIG, decode_block.DOT_CONFIG = config, dot_config
     decode_block.use_pdl = lambda device: pdl
     attention = functools.partial(decode_attention, pdl=pdl)
     ref = tiny_model(cls=8, seed=4, n_head=n_head, vocab_size=512)  # the interpreter runs every program
@@ -59,8 +63,8 @@ print(worst, cache_worst)
 
 def test_fused_block_matches_model_in_interpreter():
     """Six teacher-forced decode steps after a prefill: logits within 1e-4 and identical cache rows
-    (up to float32 rounding) for 1, 2 and 4 rows with and without CFG, several tilings; and the
-    head (final norm fused into the output projection)."""
+    (up to float32 rounding) for 1, 2 and 4 rows (GEMV path) and 5, 6 and 16 rows (dot path), with
+    and without CFG, several tilings; and the head (final norm fused into the output projection)."""
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join([ROOT, os.path.join(ROOT, "tests")]))
     out = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-2000:]
@@ -110,21 +114,19 @@ import os
 import subprocess
 import tempfile
 
+import torch
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from fast_inference import decode_block as db
 
 target = GPUTarget("cuda", 90, 32)  # H100/H200
-c = db.CONFIG
-
-
 cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
 
 
-def build(kernel, sig, consts, warps):
+def build(kernel, sig, consts, options):
     k = triton.compile(ASTSource(kernel, {**sig, **{k: "constexpr" for k in consts}}, constexprs=consts),
-                       target=target, options={"num_warps": warps, "launch_pdl": True})
+                       target=target, options=options)
     if os.path.exists(cuobjdump):  # a GEMV whose weight rows spill to local memory would crawl
         with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
             f.write(k.asm["cubin"])
@@ -133,30 +135,39 @@ def build(kernel, sig, consts, warps):
         assert "STACK:0 " in usage, (kernel.__name__, consts, usage)
 
 
-pdl = dict(RP=2, EPS=1e-5, PDL=True)
-p2 = triton.next_power_of_2
-# GPT-XL and GPT-7B in bf16 (the tiling is capped for wide K), GPT-XL in fp32
+def args(name, dtype, rows, K, tiles):
+    # plan() with the launch options split off, PDL as the engine launches it; a meta tensor stands in for x
+    pdl = rows <= db.GEMV_ROWS or db.DOT_PDL
+    bn, kw = db.plan(name, torch.empty(rows, K, dtype=dtype, device="meta"), K, tiles, pdl)
+    options = {"launch_pdl": kw.pop("launch_pdl", False), **{o: kw.pop(o) for o in ("num_warps", "num_stages") if o in kw}}
+    return bn, dict(kw, EPS=1e-5, K=K), options
+
+
+# GPT-XL and GPT-7B in bf16 (the GEMV tiling is capped for wide K), GPT-XL in fp32; GEMV and dot paths
 for dt, D, F, hd in (("bf16", 1280, 3584, 64), ("bf16", 4096, 11008, 128), ("fp32", 1280, 3584, 64)):
-    t = "*" + dt
+    t, dtype = "*" + dt, torch.bfloat16 if dt == "bf16" else torch.float32
     lin = {"X": t, "NW": t, "W": t, "RES": t, "OUT": t, "R": "i32", "N": "i32"}
     qkv = {"X": t, "NW": t, "W": t, "FREQS": "*fp32", "POS": "*i64", "Q": t, "KC": t, "VC": t, "R": "i32",
            "stride_cr": "i32", "stride_ch": "i32", "stride_cn": "i32"}
     gu = {"X": t, "NW": t, "W": t, "OUT": t, "R": "i32", "F": "i32"}
-    for name, K in (("wo", D), ("w2", F)):
-        bn = db.rows_per_program(*c[name], 1, K)
-        build(db._linear_kernel, lin, dict(pdl, K=K, KP=p2(K), BN=bn, NORM=False, RESIDUAL=True), c[name][1])
-    bp = min(db.rows_per_program(*c["qkv"], 2, D), hd // 2)
-    build(db._qkv_kernel, qkv, dict(pdl, D=D, KP=p2(D), HD=hd, BP=bp), c["qkv"][1])
-    bn = db.rows_per_program(*c["gate_up"], 2, D)
-    build(db._gate_up_kernel, gu, dict(pdl, K=D, KP=p2(D), BN=bn), c["gate_up"][1])
+    # the dot path's tilings were swept for GPT-XL; GPT-7B (not a ControlAR model) spills 8 B in gate/up
+    for rows in (2, 8, 16) if D == 1280 else (2,):
+        for name, K in (("wo", D), ("w2", F)):
+            bn, kw, options = args(name, dtype, rows, K, 1)
+            build(db._linear_kernel, lin, dict(kw, BN=bn, NORM=name == "wo" and rows == 16, RESIDUAL=True), options)
+        pairs, kw, options = args("qkv", dtype, rows, D, 2)
+        kw.pop("K")
+        build(db._qkv_kernel, qkv, dict(kw, D=D, HD=hd, BP=min(pairs, hd // 2)), options)
+        bn, kw, options = args("gate_up", dtype, rows, D, 2)
+        build(db._gate_up_kernel, gu, dict(kw, BN=bn), options)
 print("compiled")
 """
 
 
 def test_kernels_compile_for_sm90():
-    """GPT-XL and GPT-7B shapes in bf16, GPT-XL in fp32, the default tiling (capped for wide K),
-    with programmatic dependent launch: an H100/H200 cubin with Triton's bundled ptxas, and
-    no register spills."""
+    """GPT-XL and GPT-7B shapes in bf16, GPT-XL in fp32, at 2 rows (GEMV path, its tiling capped for
+    wide K, with programmatic dependent launch) and 8 and 16 rows (dot path): an H100/H200 cubin
+    with Triton's bundled ptxas, and no register spills."""
     pytest.importorskip("triton.compiler")
     env = dict(os.environ, PYTHONPATH=ROOT)
     out = subprocess.run([sys.executable, "-c", AOT_SCRIPT], env=env, capture_output=True, text=True, timeout=300)
