@@ -96,8 +96,8 @@ def add_model_args(p):
                    help="also compile the prefill (inductor): ~50 s more per shape for GPT-XL, worth it for long evaluations")
     p.add_argument("--compile-scope", choices=list(COMPILE_SCOPES), default="block",
                    help="inductor: compile one transformer block shared by all layers inside a step captured by "
-                        "hand (block: ~6 s per shape for GPT-XL; at <= 4 rows, e.g. one image with CFG, fused "
-                        "Triton kernels instead, nothing to compile), or the whole step with --compile-mode as "
+                        "hand (block: ~7-21 s per shape for GPT-XL; at <= 16 rows, e.g. up to 8 images with CFG, "
+                        "fused Triton kernels instead, nothing to compile), or the whole step with --compile-mode as "
                         "gpt-fast (step: ~50 s)")
     p.add_argument("--debug", action="store_true", help="show tracebacks")
 
