@@ -59,17 +59,21 @@ if triton is not None:
                        other=0.0)
 
     @triton.jit
+    def _rmsnorm(x, rstd, nw):
+        """RMSNorm's rounding order: x * rstd in float32, rounded to x's dtype, times the weight nw,
+        rounded again. x (RP, k), rstd (RP,) float32, nw (k,)."""
+        return ((x.to(tl.float32) * rstd[:, None]).to(x.dtype).to(tl.float32) * nw.to(tl.float32)[None, :]).to(x.dtype)
+
+    @triton.jit
     def _input(X, NW, offs_r, r_ok, EPS: tl.constexpr, K: tl.constexpr, KP: tl.constexpr, NORM: tl.constexpr):
-        """(RP, KP) float32 rows of X as the projection reads them: if NORM, RMS-normalised in float32,
-        rounded, scaled by NW and rounded again (RMSNorm's order)."""
+        """(RP, KP) float32 rows of X as the projection reads them, RMS-normalised if NORM."""
         offs_k = tl.arange(0, KP)
         k_ok = offs_k < K
         x = tl.load(X + offs_r[:, None] * K + offs_k[None, :], mask=r_ok[:, None] & k_ok[None, :], other=0.0)
         if NORM:
             xf = x.to(tl.float32)
             rstd = tl.rsqrt(tl.sum(xf * xf, 1) / K + EPS)
-            nw = tl.load(NW + offs_k, mask=k_ok, other=0.0).to(tl.float32)
-            x = ((xf * rstd[:, None]).to(x.dtype).to(tl.float32) * nw[None, :]).to(x.dtype)
+            x = _rmsnorm(x, rstd, tl.load(NW + offs_k, mask=k_ok, other=0.0))
         return x.to(tl.float32)
 
     @triton.jit
@@ -117,8 +121,7 @@ if triton is not None:
             k_ok = k0 + offs_k < K
             x = tl.load(xs + k0, mask=r_ok[:, None] & k_ok[None, :], other=0.0)
             if NORM:
-                nw = tl.load(NW + k0 + offs_k, mask=k_ok, other=0.0).to(tl.float32)
-                x = ((x.to(tl.float32) * rstd[:, None]).to(x.dtype).to(tl.float32) * nw[None, :]).to(x.dtype)
+                x = _rmsnorm(x, rstd, tl.load(NW + k0 + offs_k, mask=k_ok, other=0.0))
             w_ok = rows_ok[:, None] & k_ok[None, :]
             w = tl.load(W + rows_a[:, None] * K + (k0 + offs_k)[None, :], mask=w_ok, other=0.0)
             a = tl.dot(x, tl.trans(w), a, input_precision=PREC)

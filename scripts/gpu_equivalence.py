@@ -3,7 +3,7 @@
     python scripts/gpu_equivalence.py [--tokens 256] [--batch 2]
                                       [--backends inductor:step,inductor:block,inductor:block:nofuse,cudagraph]
 
-A backend is backend[:compile-scope[:nofuse]] (nofuse: the compiled block even at <= 4 rows, where
+A backend is backend[:compile-scope[:nofuse]] (nofuse: the compiled block even at <= 16 rows, where
 the default runs decode_block's fused kernels). For each precision and backend: greedy tokens
 (first divergence, if any), teacher-forced max |delta log p| over every position (the reference's
 greedy tokens fed to both), and the same seed twice with top-k 2000 sampling on the fast engine.
