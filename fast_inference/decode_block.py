@@ -282,11 +282,12 @@ def decode_block(layer, x, freqs, attend, input_pos):
 
 
 def logits(model, h):
-    """model.logits(h) for h (R, 1, D): the final RMSNorm fused into the output projection."""
+    """model.logits(h) for h (R, 1, D), the final RMSNorm fused into the output projection, in the
+    weights' dtype: model.logits' float32 cast is left to the reader (the fused draw reads them so)."""
     R, _, D = h.shape
     # K is the model width as for wo, so wo's tiling (the output projection was not swept on its own)
     out = linear(h.view(R, D), model.output.weight, norm=model.norm, name="wo", pdl=pdl_for(R, h.device))
-    return out.float().view(R, 1, -1)
+    return out.view(R, 1, -1)
 
 
 def supported(model, rows):

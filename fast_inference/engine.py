@@ -6,9 +6,10 @@ token, position, output, mask and control buffers. So it has no inputs to copy, 
 can be captured once and replayed N-1 times:
   backend "inductor":  compile_scope "block" (default): one compiled transformer block shared by
                        all layers (regional compilation, ~1/n_layer of the compile time) and a
-                       compiled head (norm, output, sampling), in a step captured by hand as below;
+                       compiled head (norm, output), in a step captured by hand as below;
                        at <= 16 rows (n <= 8 under CFG) decode_block's fused Triton kernels
-                       instead, with nothing compiled (fused_block=True);
+                       instead, with nothing compiled (fused_block=True); the sampling in one
+                       Triton kernel (decode_sampling; sampling.py's ops compiled for top-p < 1);
                        compile_scope "step": torch.compile(step, mode=reduce-overhead|max-autotune,
                        fullgraph=True), as gpt-fast
   backend "cudagraph": torch.cuda.CUDAGraph captured by hand around the eager step (no Triton)
@@ -23,7 +24,7 @@ import time
 import torch
 import torch.nn as nn
 
-from fast_inference import decode_attention, decode_block
+from fast_inference import decode_attention, decode_block, decode_sampling
 from fast_inference.generate import prepare
 from fast_inference.sampling import cfg_merge, sample
 
@@ -40,10 +41,10 @@ class Sampler(nn.Module):
     """Static buffers and the step functions for one (batch, tokens, control grid, settings) shape."""
 
     def __init__(self, model, batch, num_tokens, prefix_len, num_controls, cfg, top_k, top_p, sample_logits,
-                 decode_attention=None, block_fn=None):
+                 decode_attention=None, block_fn=None, fused_draw=False):
         super().__init__()
         self.model = model
-        self.decode_attention, self.block_fn = decode_attention, block_fn
+        self.decode_attention, self.block_fn, self.fused_draw = decode_attention, block_fn, fused_draw
         self.batch, self.num_tokens, self.prefix_len, self.cfg = batch, num_tokens, prefix_len, cfg
         self.top_k, self.top_p, self.sample_logits = top_k, top_p, sample_logits
         self.finish_fn = self.finish  # the engine may compile it
@@ -62,6 +63,7 @@ class Sampler(nn.Module):
         # Tensors, not constants, so a new cfg scale or temperature replays the same graph.
         buf("cfg_scale", torch.ones((), device=device))
         buf("temperature", torch.ones((), device=device))
+        buf("seed", torch.zeros((), dtype=torch.long, device=device))  # the fused draw's Philox key, per call
 
     def key(self):
         return (self.batch, self.num_tokens, self.prefix_len, self.controls.shape[2], self.cfg,
@@ -75,11 +77,8 @@ class Sampler(nn.Module):
         T = prefix.shape[1]
         input_pos = torch.arange(T, device=prefix.device)
         logits = self.model(prefix, input_pos, self.key_valid, self.controls, last_only=True)[:, -1]
-        self.logits.copy_(logits)
-        token = self._sample(cfg_merge(logits, self.cfg_scale) if self.cfg else logits)
-        self.token.copy_(token)
-        self.out[:, :1].copy_(token)
-        self.input_pos.fill_(T)
+        self.input_pos.fill_(T - 1)  # the position whose next token is drawn: out[:, 0]
+        self.emit(logits, self.cfg)
 
     def step(self):
         """One guided decode step over all rows (both CFG halves when cfg is on)."""
@@ -97,11 +96,20 @@ class Sampler(nn.Module):
 
     def finish(self, h, guided):
         """Last hidden state -> logits -> CFG merge -> filtered draw -> token written, position advanced."""
-        logits = self.logits_fn(h)[:, -1]
-        self.logits[: logits.shape[0]].copy_(logits)
-        token = self._sample(cfg_merge(logits, self.cfg_scale) if guided else logits)
-        self.token.copy_(token)
-        self.out.index_copy_(1, self.input_pos - self.prefix_len + 1, token)
+        self.emit(self.logits_fn(h)[:, -1], guided)
+
+    def emit(self, logits, guided):
+        """Logits (rows, V) predicting the token after input_pos -> the token drawn, to `token` and `out`
+        (and the logits, in float32, to `logits`); the position advanced."""
+        if self.fused_draw:
+            decode_sampling.draw(logits, self.logits, self.token, self.out, self.input_pos, self.seed, self.cfg_scale,
+                                 self.temperature, self.prefix_len, self.top_k, guided, self.sample_logits)
+        else:
+            logits = logits.float()
+            self.logits[: logits.shape[0]].copy_(logits)
+            token = self._sample(cfg_merge(logits, self.cfg_scale) if guided else logits)
+            self.token.copy_(token)
+            self.out.index_copy_(1, self.input_pos - self.prefix_len + 1, token)
         self.input_pos.add_(1)
 
 
@@ -160,8 +168,10 @@ class Engine:
             block_fn = self.compiled_block()
         if self.block_scope:
             log.info("decode block for %d rows: %s", rows, "fused Triton kernels" if fused else "compiled (inductor)")
+        # The draw in one kernel where the attention is Triton's (the cudagraph backend promises no Triton).
+        fused_draw = attention is not None and decode_sampling.supported(self.device, top_p)
         s = Sampler(self.model, batch, num_tokens, prefix_len, num_controls, cfg, top_k, top_p, sample_logits,
-                    attention, block_fn)
+                    attention, block_fn, fused_draw)
         if fused:
             s.logits_fn = functools.partial(decode_block.logits, self.model)
         self._build(s)
@@ -183,9 +193,12 @@ class Engine:
             self.prefill_fn = torch.compile(s.prefill, fullgraph=True, dynamic=False)
         self.step_fns = {True: s.step, False: s.step_conditional}
         if s.block_fn is not None and s.block_fn is self.block_fn:
-            # The head too (final norm, output projection, CFG merge, top-k, draw: ~40 small kernels
-            # eager); fallback_random keeps the eager random stream, so the draws do not change.
-            s.finish_fn = torch.compile(s.finish, fullgraph=True, dynamic=False, options={"fallback_random": True})
+            # The head too (final norm and output projection; without the fused draw also CFG merge,
+            # top-k and draw: ~40 small kernels eager); fallback_random keeps the eager random stream.
+            if s.fused_draw:
+                s.logits_fn = torch.compile(self.model.logits, fullgraph=True, dynamic=False)
+            else:
+                s.finish_fn = torch.compile(s.finish, fullgraph=True, dynamic=False, options={"fallback_random": True})
         if self.backend == "inductor" and not self.block_scope:
             compile_kw = dict(mode=self.compile_mode, fullgraph=True, dynamic=False)
             if self.device.type == "cpu":
@@ -241,6 +254,8 @@ class Engine:
         s.controls.copy_(p.controls)
         s.cfg_scale.fill_(float(cfg_scale))
         s.temperature.fill_(max(float(temperature), 1e-5))
+        if s.fused_draw:  # from torch's generator: torch.manual_seed fixes the images
+            s.seed.copy_(torch.randint(0, 2**62, (), device=self.device))
 
         t0 = time.perf_counter()
         self.prefill_fn(p.prefix)

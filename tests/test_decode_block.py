@@ -75,7 +75,7 @@ def test_fused_block_matches_model_in_interpreter():
 ENGINE_SCRIPT = r"""
 import torch
 import triton.language as tl
-from fast_inference import decode_attention, decode_block
+from fast_inference import decode_attention, decode_block, decode_sampling
 from fast_inference.engine import Engine
 from fast_inference.generate import generate
 from test_reference import tiny_inputs, tiny_model
@@ -85,6 +85,7 @@ tl.extra.cuda.gdc_wait = tl.extra.cuda.gdc_launch_dependents = lambda *args, **k
 decode_attention.available = lambda device: True
 decode_block.supported = lambda model, rows: rows <= decode_block.MAX_ROWS
 decode_block.use_pdl = lambda device: True
+decode_sampling.supported = lambda device, top_p: top_p >= 1.0
 model = tiny_model(cls=8, seed=6, vocab_size=512)  # a small vocabulary: the interpreter runs every program
 cond, mask, condition = tiny_inputs(model, B=2)
 forced = torch.randint(0, model.args.vocab_size, (2, 6), generator=torch.Generator().manual_seed(3))
@@ -93,15 +94,23 @@ _, want = generate(model, cond, 6, return_logits=True, **kw)
 engine = Engine(model, backend="inductor", compile_scope="block")
 _, got = engine.generate(cond, 6, **kw)
 assert engine.sampler.block_fn is decode_block.decode_block and engine.block_fn is None  # nothing compiled
+assert engine.sampler.fused_draw
 worst = max((w if w.shape == g.shape else w.chunk(2)[0]).sub(g).abs().max().item() for w, g in zip(want, got))
 greedy = engine.generate(cond, 6, emb_masks=mask, condition=condition, cfg_scale=4.0, top_k=1)
-print(worst, torch.equal(greedy, generate(model, cond, 6, emb_masks=mask, condition=condition, cfg_scale=4.0, top_k=1)))
+same = torch.equal(greedy, generate(model, cond, 6, emb_masks=mask, condition=condition, cfg_scale=4.0, top_k=1))
+draws = []
+for seed in (5, 5, 6):  # the fused draw's Philox key comes from torch's generator
+    torch.manual_seed(seed)
+    draws.append(engine.generate(cond, 6, emb_masks=mask, condition=condition, cfg_scale=4.0, top_k=20))
+same = same and torch.equal(draws[0], draws[1]) and not torch.equal(draws[0], draws[2])
+print(worst, same)
 """
 
 
 def test_engine_runs_the_fused_block_in_interpreter():
-    """The engine's own wiring of the fused path (block, PDL attention, fused head) at 4 rows with CFG
-    and a cfg_interval: teacher-forced logits within 1e-4 of the reference, same greedy tokens."""
+    """The engine's own wiring of the fused path (block, PDL attention, fused head and draw) at 4 rows
+    with CFG and a cfg_interval: teacher-forced logits within 1e-4 of the reference, same greedy tokens,
+    the same sampled tokens for the same seed and others for another."""
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join([ROOT, os.path.join(ROOT, "tests")]))
     out = subprocess.run([sys.executable, "-c", ENGINE_SCRIPT], env=env, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-2000:]
