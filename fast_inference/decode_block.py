@@ -12,7 +12,9 @@ at kernel boundaries. Two ways to multiply, one set of kernels:
   <= 4 rows (GEMV): a program holds whole rows of the weight (all of K) in registers, loaded before
                     the wait, and multiplies on the CUDA cores, the rows unrolled;
   5..16 rows (dot): a program walks K in chunks on the tensor cores (tl.dot), launched without PDL
-                    (with it the block was slower: it has nothing to fetch before the wait).
+                    (with it the block was slower: it has nothing to fetch before the wait); a
+                    projection may split K over several programs per tile (split-K), the last of
+                    them to finish adding the partial sums in split order (the same bits every run).
 Computes TransformerBlock.forward for S = 1 (tests/test_decode_block.py checks it against it).
 Before its wait a kernel only reads what no kernel of this step writes (weights, earlier cache
 rows), so overlapping the previous kernel is safe.
@@ -36,11 +38,14 @@ MAX_ROWS = 16  # more rows run the compiled block (faster there from 32 rows: do
 # block vs 32.2 for (4, 4) everywhere with w2 at (2, 4), and 41.9 for the compiled block; the other
 # tilings within 1 us of these.
 CONFIG = dict(qkv=(8, 8), wo=(4, 4), gate_up=(4, 4), w2=(4, 4))
-# dot path: rows of W per program (>= 16; pairs for qkv), K chunk, warps, pipeline stages.
-# scripts/bench_decode_block.py on the H200 (GPT-XL, 16 rows, position 700, no PDL): 53.9 us per
-# block vs 57.9 for the compiled block (at 32 rows 74.3 vs 71.7: the compiled block wins there);
-# K chunks of 128 were 4-6 us slower.
-DOT_CONFIG = dict(qkv=(32, 256, 4, 3), wo=(16, 256, 4, 3), gate_up=(32, 256, 4, 4), w2=(16, 256, 4, 6))
+# dot path: rows of W per program (>= 16; pairs for qkv), K chunk, warps, pipeline stages, and
+# split-K (programs per row tile, each a run of K chunks; the last to finish adds the partials).
+# scripts/bench_decode_block.py on the H200 (GPT-XL, 16 rows, position 700, no PDL): 51.9 us per
+# block vs 57.7 for the compiled block (at 32 rows 75.7 vs 71.4: the compiled block wins there);
+# K chunks of 128 were 4-6 us slower unsplit; split-K gains only in w2 (K = 3,584, 3 splits: 54.1 ->
+# 52.2 us; 52.0 with 128-wide chunks, which leave a 16 B stack frame at sm_90), elsewhere it lost
+# up to 9 us.
+DOT_CONFIG = dict(qkv=(32, 256, 4, 3, 1), wo=(16, 256, 4, 3, 1), gate_up=(32, 256, 4, 4, 1), w2=(16, 256, 4, 6, 3))
 DOT_PDL = False  # with PDL the same block took 57-59 us (the bench script measures both)
 
 
@@ -102,9 +107,12 @@ if triton is not None:
     @triton.jit
     def _dots(X, NW, W, rows_a, rows_b, rows_ok, R, EPS: tl.constexpr, K: tl.constexpr, RP: tl.constexpr,
               BN: tl.constexpr, BK: tl.constexpr, NORM: tl.constexpr, PAIR: tl.constexpr, PDL: tl.constexpr,
-              PREC: tl.constexpr):
-        """The same on the tensor cores, K in BK chunks; RMSNorm's statistics in a first pass over X."""
+              PREC: tl.constexpr, SPLIT: tl.constexpr):
+        """The same on the tensor cores, K in BK chunks; RMSNorm's statistics in a first pass over X.
+        With SPLIT > 1, program (i, s) sums only the s-th of SPLIT runs of chunks."""
         pdl_wait(PDL)
+        KS: tl.constexpr = (K + BK * SPLIT - 1) // (BK * SPLIT) * BK  # K per split, whole chunks
+        k_lo = tl.program_id(1) * KS
         offs_r = tl.arange(0, RP)
         offs_k = tl.arange(0, BK)
         r_ok = offs_r < R
@@ -117,7 +125,7 @@ if triton is not None:
             rstd = tl.rsqrt(rstd / K + EPS)
         a = tl.zeros([RP, BN], tl.float32)
         b = tl.zeros([RP, BN], tl.float32)
-        for k0 in range(0, K, BK):
+        for k0 in range(k_lo, tl.minimum(k_lo + KS, K), BK):
             k_ok = k0 + offs_k < K
             x = tl.load(xs + k0, mask=r_ok[:, None] & k_ok[None, :], other=0.0)
             if NORM:
@@ -131,36 +139,69 @@ if triton is not None:
         return a, b
 
     @triton.jit
-    def _project(X, NW, W, rows_a, rows_b, rows_ok, R, EPS: tl.constexpr, K: tl.constexpr, KP: tl.constexpr,
-                 RP: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, NORM: tl.constexpr, PAIR: tl.constexpr,
-                 DOT: tl.constexpr, PDL: tl.constexpr, PREC: tl.constexpr, dt: tl.constexpr):
-        """[RMSNorm](X) @ W[rows_a].T and, if PAIR, @ W[rows_b].T: (RP, BN) each, rounded to dt as the
-        model's linear outputs are, returned in float32."""
-        if DOT:
-            a, b = _dots(X, NW, W, rows_a, rows_b, rows_ok, R, EPS, K, RP, BN, BK, NORM, PAIR, PDL, PREC)
-        else:
-            a, b = _gemv(X, NW, W, rows_a, rows_b, rows_ok, R, EPS, K, KP, RP, NORM, PAIR, PDL)
-        return a.to(dt).to(tl.float32), b.to(dt).to(tl.float32)
+    def _split_sum(PART, COUNT, a, b, RP: tl.constexpr, BN: tl.constexpr, PAIR: tl.constexpr, SPLIT: tl.constexpr):
+        """Split-K: every program of tile i stores its partial sums; the last to finish (by an acq_rel count
+        that it leaves at zero for the next call) adds all of them in split order, so the sum does not
+        depend on which finishes last. Returns the sums (zeros elsewhere) and whether this one holds them."""
+        tile = tl.program_id(0)
+        offs = tl.arange(0, RP)[:, None] * BN + tl.arange(0, BN)[None, :]
+        part = PART + tile * SPLIT * 2 * RP * BN + offs
+        s = tl.program_id(1)
+        tl.store(part + s * 2 * RP * BN, a)
+        if PAIR:
+            tl.store(part + s * 2 * RP * BN + RP * BN, b)
+        tl.debug_barrier()  # every thread's partial is stored before the count releases them
+        last = tl.atomic_add(COUNT + tile, 1, sem="acq_rel", scope="gpu") == SPLIT - 1
+        tl.store(COUNT + tile, 0, mask=last)
+        a = tl.zeros([RP, BN], tl.float32)
+        b = tl.zeros([RP, BN], tl.float32)
+        mine = offs < tl.where(last, RP * BN, 0)  # a tile mask (Triton's interpreter takes no scalar one)
+        for j in range(SPLIT):  # from L2 (.cg): other SMs wrote them
+            a += tl.load(part + j * 2 * RP * BN, mask=mine, other=0.0, cache_modifier=".cg")
+            if PAIR:
+                b += tl.load(part + j * 2 * RP * BN + RP * BN, mask=mine, other=0.0, cache_modifier=".cg")
+        return a, b, last
 
     @triton.jit
-    def _linear_kernel(X, NW, W, RES, OUT, R, N, EPS: tl.constexpr, K: tl.constexpr, KP: tl.constexpr,
+    def _project(X, NW, W, PART, COUNT, rows_a, rows_b, rows_ok, R, EPS: tl.constexpr, K: tl.constexpr,
+                 KP: tl.constexpr, RP: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, NORM: tl.constexpr,
+                 PAIR: tl.constexpr, DOT: tl.constexpr, PDL: tl.constexpr, PREC: tl.constexpr,
+                 SPLIT: tl.constexpr, dt: tl.constexpr):
+        """[RMSNorm](X) @ W[rows_a].T and, if PAIR, @ W[rows_b].T: (RP, BN) each, rounded to dt as the
+        model's linear outputs are, returned in float32; and the rows this program stores: R, or 0 where
+        another program of its tile does (split-K: the last of them)."""
+        live = R
+        if DOT:
+            a, b = _dots(X, NW, W, rows_a, rows_b, rows_ok, R, EPS, K, RP, BN, BK, NORM, PAIR, PDL, PREC, SPLIT)
+            if SPLIT > 1:
+                a, b, last = _split_sum(PART, COUNT, a, b, RP, BN, PAIR, SPLIT)
+                live = tl.where(last, R, 0)
+        else:
+            a, b = _gemv(X, NW, W, rows_a, rows_b, rows_ok, R, EPS, K, KP, RP, NORM, PAIR, PDL)
+        return a.to(dt).to(tl.float32), b.to(dt).to(tl.float32), live
+
+    @triton.jit
+    def _linear_kernel(X, NW, W, RES, OUT, PART, COUNT, R, N, EPS: tl.constexpr, K: tl.constexpr, KP: tl.constexpr,
                        RP: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, NORM: tl.constexpr,
-                       RESIDUAL: tl.constexpr, DOT: tl.constexpr, PDL: tl.constexpr, PREC: tl.constexpr):
+                       RESIDUAL: tl.constexpr, DOT: tl.constexpr, PDL: tl.constexpr, PREC: tl.constexpr,
+                       SPLIT: tl.constexpr):
         """OUT = [RES +] [RMSNorm](X) @ W.T for X (R, K), W (N, K)."""
         rows = tl.program_id(0) * BN + tl.arange(0, BN)
         rows_ok = rows < N
         dt = OUT.dtype.element_ty
-        y, _ = _project(X, NW, W, rows, rows, rows_ok, R, EPS, K, KP, RP, BN, BK, NORM, False, DOT, PDL, PREC, dt)
+        y, _, live = _project(X, NW, W, PART, COUNT, rows, rows, rows_ok, R, EPS, K, KP, RP, BN, BK, NORM, False, DOT,
+                              PDL, PREC, SPLIT, dt)
         offs_r = tl.arange(0, RP)
-        ok = (offs_r < R)[:, None] & rows_ok[None, :]
+        ok = (offs_r < live)[:, None] & rows_ok[None, :]
         if RESIDUAL:
             y += tl.load(RES + offs_r[:, None] * N + rows[None, :], mask=ok, other=0.0).to(tl.float32)
         tl.store(OUT + offs_r[:, None] * N + rows[None, :], y.to(dt), mask=ok)
 
     @triton.jit
-    def _qkv_kernel(X, NW, W, FREQS, POS, Q, KC, VC, R, stride_cr, stride_ch, stride_cn,
+    def _qkv_kernel(X, NW, W, FREQS, POS, Q, KC, VC, PART, COUNT, R, stride_cr, stride_ch, stride_cn,
                     EPS: tl.constexpr, D: tl.constexpr, KP: tl.constexpr, HD: tl.constexpr, RP: tl.constexpr,
-                    BP: tl.constexpr, BK: tl.constexpr, DOT: tl.constexpr, PDL: tl.constexpr, PREC: tl.constexpr):
+                    BP: tl.constexpr, BK: tl.constexpr, DOT: tl.constexpr, PDL: tl.constexpr, PREC: tl.constexpr,
+                    SPLIT: tl.constexpr):
         """RMSNorm(X) @ Wqkv.T, RoPE on q and k, q to Q (R, D), k and v into the caches at POS.
 
         A program owns BP adjacent (even, odd) column pairs of one head, so the rotation is local."""
@@ -169,9 +210,10 @@ if triton is not None:
         col = first + 2 * tl.arange(0, BP)
         all_ok = col >= 0
         dt = Q.dtype.element_ty
-        ye, yo = _project(X, NW, W, col, col + 1, all_ok, R, EPS, D, KP, RP, BP, BK, True, True, DOT, PDL, PREC, dt)
+        ye, yo, live = _project(X, NW, W, PART, COUNT, col, col + 1, all_ok, R, EPS, D, KP, RP, BP, BK, True, True,
+                                DOT, PDL, PREC, SPLIT, dt)
         offs_r = tl.arange(0, RP)
-        r_ok = offs_r < R
+        r_ok = offs_r < live
         d = col % HD
         if section < 2:  # rotate pair j = d / 2 by this position's (cos, sin), in float32 as the model
             c = tl.load(FREQS + d)[None, :]
@@ -193,17 +235,18 @@ if triton is not None:
                 tl.store(VC + at + 1, yo.to(dt), mask=ok)
 
     @triton.jit
-    def _gate_up_kernel(X, NW, W, OUT, R, F, EPS: tl.constexpr, K: tl.constexpr, KP: tl.constexpr,
+    def _gate_up_kernel(X, NW, W, OUT, PART, COUNT, R, F, EPS: tl.constexpr, K: tl.constexpr, KP: tl.constexpr,
                         RP: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, DOT: tl.constexpr, PDL: tl.constexpr,
-                        PREC: tl.constexpr):
+                        PREC: tl.constexpr, SPLIT: tl.constexpr):
         """OUT = SiLU(g) * u where [g | u] = RMSNorm(X) @ W13.T, W13 (2F, K) = [w1; w3]."""
         rows = tl.program_id(0) * BN + tl.arange(0, BN)
         rows_ok = rows < F
         dt = OUT.dtype.element_ty
-        g, u = _project(X, NW, W, rows, rows + F, rows_ok, R, EPS, K, KP, RP, BN, BK, True, True, DOT, PDL, PREC, dt)
+        g, u, live = _project(X, NW, W, PART, COUNT, rows, rows + F, rows_ok, R, EPS, K, KP, RP, BN, BK, True, True,
+                              DOT, PDL, PREC, SPLIT, dt)
         silu = (g / (1.0 + tl.exp(-g))).to(dt).to(tl.float32)
         offs_r = tl.arange(0, RP)
-        ok = (offs_r < R)[:, None] & rows_ok[None, :]
+        ok = (offs_r < live)[:, None] & rows_ok[None, :]
         tl.store(OUT + offs_r[:, None] * F + rows[None, :], (silu * u).to(dt), mask=ok)
 
 
@@ -223,10 +266,26 @@ def plan(name, x, K, tiles, pdl):
     if R <= GEMV_ROWS:
         rows, warps = CONFIG[name]
         return rows_per_program(rows, warps, tiles, K), dict(kw, DOT=False, RP=max(2, p2(R)), KP=p2(K), BK=16,
-                                                             num_warps=warps)
-    rows, bk, warps, stages = DOT_CONFIG[name]
+                                                             SPLIT=1, num_warps=warps)
+    rows, bk, warps, stages, split = DOT_CONFIG[name]
     bk = max(16, bk * 4 // x.element_size() ** 2)  # float32 (tests): a quarter, or the pair kernels spill
-    return rows, dict(kw, DOT=True, RP=max(16, p2(R)), KP=16, BK=bk, num_warps=warps, num_stages=stages)
+    return rows, dict(kw, DOT=True, RP=max(16, p2(R)), KP=16, BK=bk, num_warps=warps, num_stages=stages,
+                      SPLIT=min(split, triton.cdiv(K, bk)))
+
+
+_counts = {}  # per device: split-K tile counts, zero between kernels (the last program of a tile re-zeroes its own)
+
+
+def split_buffers(x, tiles, kw, bn):
+    """The launch grid (tiles, splits) and split-K's partial sums and tile counts (x itself, unused,
+    where the kernel does not split)."""
+    split = kw["SPLIT"]
+    if split == 1:
+        return (tiles, 1), x, x
+    counts = _counts.get(x.device)
+    if counts is None or counts.numel() < tiles:  # made on a first (warm-up) call, before any graph capture
+        counts = _counts[x.device] = torch.zeros(max(tiles, 4096), dtype=torch.int32, device=x.device)
+    return (tiles, split), torch.empty(tiles * split * 2 * kw["RP"] * bn, device=x.device), counts
 
 
 def linear(x, weight, norm=None, residual=None, name="wo", pdl=False):
@@ -234,10 +293,11 @@ def linear(x, weight, norm=None, residual=None, name="wo", pdl=False):
     R, K = x.shape
     N = weight.shape[0]
     bn, kw = plan(name, x, K, 1, pdl)
+    grid, part, counts = split_buffers(x, triton.cdiv(N, bn), kw, bn)
     out = torch.empty(R, N, device=x.device, dtype=x.dtype)
-    _linear_kernel[(triton.cdiv(N, bn),)](
-        x, norm.weight if norm is not None else x, weight, residual if residual is not None else x, out, R, N,
-        EPS=norm.eps if norm is not None else 0.0, K=K, BN=bn, NORM=norm is not None, RESIDUAL=residual is not None,
+    _linear_kernel[grid](
+        x, norm.weight if norm is not None else x, weight, residual if residual is not None else x, out, part, counts,
+        R, N, EPS=norm.eps if norm is not None else 0.0, K=K, BN=bn, NORM=norm is not None, RESIDUAL=residual is not None,
         **kw)
     return out
 
@@ -248,9 +308,10 @@ def qkv_rope(x, norm, weight, freqs, input_pos, k_cache, v_cache, n_head, pdl=Fa
     hd = D // n_head
     pairs, kw = plan("qkv", x, D, 2, pdl)  # each pair is two weight rows
     bp = min(pairs, hd // 2)  # a divisor of hd / 2 (both powers of two)
+    grid, part, counts = split_buffers(x, 3 * D // (2 * bp), kw, bp)
     q = torch.empty(R, n_head, 1, hd, device=x.device, dtype=x.dtype)
-    _qkv_kernel[(3 * D // (2 * bp),)](
-        x, norm.weight, weight, freqs, input_pos, q, k_cache, v_cache, R,
+    _qkv_kernel[grid](
+        x, norm.weight, weight, freqs, input_pos, q, k_cache, v_cache, part, counts, R,
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), EPS=norm.eps, D=D, HD=hd, BP=bp, **kw)
     return q
 
@@ -259,8 +320,9 @@ def gate_up(x, norm, w13, pdl=False):
     R, K = x.shape
     F = w13.shape[0] // 2
     bn, kw = plan("gate_up", x, K, 2, pdl)  # gate and up rows
+    grid, part, counts = split_buffers(x, triton.cdiv(F, bn), kw, bn)
     out = torch.empty(R, F, device=x.device, dtype=x.dtype)
-    _gate_up_kernel[(triton.cdiv(F, bn),)](x, norm.weight, w13, out, R, F, EPS=norm.eps, K=K, BN=bn, **kw)
+    _gate_up_kernel[grid](x, norm.weight, w13, out, part, counts, R, F, EPS=norm.eps, K=K, BN=bn, **kw)
     return out
 
 

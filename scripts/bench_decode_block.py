@@ -1,7 +1,7 @@
 """One GPT-XL block of a one-token step: the compiled block (inductor) against decode_block's fused
 kernels, with and without programmatic dependent launch, and a sweep of each kernel's tiling with
 the others at their default: (rows per program, warps) on the GEMV path (<= 4 rows, with PDL),
-(rows per program, K chunk, warps, stages) on the dot path (more rows, without PDL, as the engine
+(rows per program, K chunk, warps, stages, split-K) on the dot path (more rows, without PDL, as the engine
 runs them; any row count, so where the dot path stops beating the compiled block shows).
 
     python scripts/bench_decode_block.py [--rows 2,4,16,32] [--position 700]
@@ -32,7 +32,7 @@ def time_us(f):
 
 def sweep(name, base, tilings, fused):
     """(us, tiling) of the block with kernel `name` at each tiling, the others as in base; sorted."""
-    table = "DOT_CONFIG" if len(tilings[0]) == 4 else "CONFIG"
+    table = "DOT_CONFIG" if len(tilings[0]) == 5 else "CONFIG"
     times = []
     for tiling in tilings:
         setattr(decode_block, table, dict(base, **{name: tiling}))
@@ -49,8 +49,11 @@ def main():
     ap.add_argument("--position", type=int, default=700)
     ap.add_argument("--tilings", default="1,2,4,8", help="GEMV path: rows per program to try")
     ap.add_argument("--dot-tilings", default="16x128,16x256,32x128,32x256",
-                    help="dot path: rows per program x K chunk to try (4 warps, 3 stages; then warps and stages)")
+                    help="dot path: rows per program x K chunk to try (4 warps, 3 stages; then warps and stages); "
+                         "empty: start from the defaults")
     ap.add_argument("--dot-stages", default="4,6", help="dot path: pipeline stages tried at the best rows and chunk")
+    ap.add_argument("--dot-splits", default="2,3,4,5,7",
+                    help="dot path: split-K tried last, at the best tiling and at 128-wide K chunks")
     args = ap.parse_args()
     args_xl = ModelArgs.from_name("GPT-XL", block_size=1024, condition_type="hed", n_layer=1)
     with torch.device("cuda"):
@@ -92,14 +95,19 @@ def main():
             best = dict(default)
             for name in default:
                 if dot:
-                    first = [(int(a), int(b), 4, 3) for a, b in (c.split("x") for c in args.dot_tilings.split(","))]
+                    first = [(int(a), int(b), 4, 3, 1) for a, b in (c.split("x") for c in args.dot_tilings.split(",")
+                                                                     if c)] or [best[name]]
                 else:
                     first = list(itertools.product(map(int, args.tilings.split(",")), (4, 8)))
                 times = sweep(name, best, first, fused)
-                if dot:  # then warps and stages around the best rows and chunk
+                if dot and args.dot_tilings:  # then warps and stages around the best rows and chunk
                     bn, bk = times[0][1][:2]
-                    more = [(bn, bk, 8, 3)] + [(bn, bk, 4, int(st)) for st in args.dot_stages.split(",")]
+                    more = [(bn, bk, 8, 3, 1)] + [(bn, bk, 4, int(st), 1) for st in args.dot_stages.split(",")]
                     times = sorted(times + sweep(name, best, more, fused))
+                if dot and args.dot_splits:  # then split-K
+                    bn, bk, warps, stages, _ = times[0][1]
+                    splits = [(bn, c, warps, stages, int(k)) for k in args.dot_splits.split(",") for c in {bk, 128}]
+                    times = sorted(times + sweep(name, best, splits, fused))
                 best[name] = times[0][1]
                 print(f"  {name:8s}: " + ", ".join(f"{c} {t:.1f}" for t, c in times[:5]), flush=True)
             setattr(decode_block, table, best)

@@ -24,11 +24,13 @@ from test_reference import tiny_inputs, tiny_model
 
 worst, cache_worst = 0.0, 0.0
 tile = lambda n: dict(qkv=(n, 4), wo=(n, 4), gate_up=(n, 2), w2=(n, 4))
-dot = lambda n, bk: dict(qkv=(16, bk, 4, 2), wo=(n, bk, 4, 2), gate_up=(n, bk, 4, 3), w2=(16, bk, 4, 2))
+dot = lambda n, bk, s=1: dict(qkv=(16, bk, 4, 2, s), wo=(n, bk, 4, 2, s), gate_up=(n, bk, 4, 3, s), w2=(16, bk, 4, 2, s))
 # (batch, cfg, heads, GEMV tiling, dot tiling, PDL data paths); > 4 rows take the dot path, whose K
-# chunks (bk) here are smaller than K so its loops run several times, or wider than K (128: masked)
+# chunks (bk) here are smaller than K so its loops run several times, or wider than K (128: masked);
+# split-K (s): more splits than chunks (capped), or 3 uneven runs of chunks, some empty
 cases = [(1, 4.0, 2, tile(4), None, True), (1, 1.0, 4, tile(2), None, False), (2, 4.0, 2, tile(16), None, True),
-         (3, 4.0, 2, None, dot(16, 32), True), (5, 1.0, 2, None, dot(32, 128), False), (8, 4.0, 2, None, dot(16, 16), True)]
+         (3, 4.0, 2, None, dot(16, 32), True), (5, 1.0, 2, None, dot(32, 128, 4), False),
+         (8, 4.0, 2, None, dot(16, 16, 3), True)]
 for B, cfg, n_head, config, dot_config, pdl in cases:
     decode_block.CONFIG, decode_block.DOT_CONFIG = config, dot_config
     decode_block.use_pdl = lambda device: pdl
@@ -63,8 +65,9 @@ print(worst, cache_worst)
 
 def test_fused_block_matches_model_in_interpreter():
     """Six teacher-forced decode steps after a prefill: logits within 1e-4 and identical cache rows
-    (up to float32 rounding) for 1, 2 and 4 rows (GEMV path) and 5, 6 and 16 rows (dot path), with
-    and without CFG, several tilings; and the head (final norm fused into the output projection)."""
+    (up to float32 rounding) for 1, 2 and 4 rows (GEMV path) and 5, 6 and 16 rows (dot path, also
+    split-K), with and without CFG, several tilings; and the head (final norm fused into the output
+    projection)."""
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join([ROOT, os.path.join(ROOT, "tests")]))
     out = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-2000:]
@@ -155,10 +158,11 @@ def args(name, dtype, rows, K, tiles):
 # GPT-XL and GPT-7B in bf16 (the GEMV tiling is capped for wide K), GPT-XL in fp32; GEMV and dot paths
 for dt, D, F, hd in (("bf16", 1280, 3584, 64), ("bf16", 4096, 11008, 128), ("fp32", 1280, 3584, 64)):
     t, dtype = "*" + dt, torch.bfloat16 if dt == "bf16" else torch.float32
-    lin = {"X": t, "NW": t, "W": t, "RES": t, "OUT": t, "R": "i32", "N": "i32"}
-    qkv = {"X": t, "NW": t, "W": t, "FREQS": "*fp32", "POS": "*i64", "Q": t, "KC": t, "VC": t, "R": "i32",
+    split = {"PART": "*fp32", "COUNT": "*i32"}
+    lin = {"X": t, "NW": t, "W": t, "RES": t, "OUT": t, **split, "R": "i32", "N": "i32"}
+    qkv = {"X": t, "NW": t, "W": t, "FREQS": "*fp32", "POS": "*i64", "Q": t, "KC": t, "VC": t, **split, "R": "i32",
            "stride_cr": "i32", "stride_ch": "i32", "stride_cn": "i32"}
-    gu = {"X": t, "NW": t, "W": t, "OUT": t, "R": "i32", "F": "i32"}
+    gu = {"X": t, "NW": t, "W": t, "OUT": t, **split, "R": "i32", "F": "i32"}
     # the dot path's tilings were swept for GPT-XL; GPT-7B (not a ControlAR model) spills 8 B in gate/up
     for rows in (2, 8, 16) if D == 1280 else (2,):
         for name, K in (("wo", D), ("w2", F)):
