@@ -355,7 +355,7 @@ class Transformer(nn.Module):
         that reads only the filled cache (fast engine); default SDPA with the boolean mask.
         block_fn(layer, x, freqs, attend, input_pos): runs a block instead of layer(...) (the fast
         engine passes one compiled function shared by all blocks). hidden: return the last block's
-        output instead of the logits (`logits` finishes it; the fast engine compiles that with sampling).
+        output instead of the logits (`logits` finishes it; the fast engine's head runs that).
         """
         if decode_attention is not None and x.shape[1] == 1:
             def attend(q, k, v):
