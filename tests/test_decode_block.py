@@ -25,17 +25,20 @@ from test_reference import tiny_inputs, tiny_model
 worst, cache_worst = 0.0, 0.0
 tile = lambda n: dict(qkv=(n, 4), wo=(n, 4), gate_up=(n, 2), w2=(n, 4))
 dot = lambda n, bk, s=1: dict(qkv=(16, bk, 4, 2, s), wo=(n, bk, 4, 2, s), gate_up=(n, bk, 4, 3, s), w2=(16, bk, 4, 2, s))
-# (batch, cfg, heads, GEMV tiling, dot tiling, PDL data paths); > 4 rows take the dot path, whose K
+# (batch, cfg, model widths, GEMV tiling, dot tiling, PDL data paths); > 4 rows take the dot path, whose K
 # chunks (bk) here are smaller than K so its loops run several times, or wider than K (128: masked);
-# split-K (s): more splits than chunks (capped), or 3 uneven runs of chunks, some empty
-cases = [(1, 4.0, 2, tile(4), None, True), (1, 1.0, 4, tile(2), None, False), (2, 4.0, 2, tile(16), None, True),
-         (3, 4.0, 2, None, dot(16, 32), True), (5, 1.0, 2, None, dot(32, 128, 4), False),
-         (8, 4.0, 2, None, dot(16, 16, 3), True)]
-for B, cfg, n_head, config, dot_config, pdl in cases:
+# split-K (s): more splits than chunks (capped), or 3 uneven runs of chunks, some empty. `wide`: widths
+# that are no powers of two (dim 160 = 128 + 32, hidden 448 = 256 + 192), so the GEMV rows run in two pieces
+narrow, wide = dict(n_head=2), dict(dim=160, n_head=5, multiple_of=32)
+cases = [(1, 4.0, narrow, tile(4), None, True), (1, 1.0, dict(n_head=4), tile(2), None, False),
+         (2, 4.0, narrow, tile(16), None, True), (1, 4.0, wide, tile(4), None, True),
+         (3, 4.0, narrow, None, dot(16, 32), True), (5, 1.0, narrow, None, dot(32, 128, 4), False),
+         (8, 4.0, narrow, None, dot(16, 16, 3), True), (3, 4.0, wide, None, dot(16, 64), False)]
+for B, cfg, widths, config, dot_config, pdl in cases:
     decode_block.CONFIG, decode_block.DOT_CONFIG = config, dot_config
     decode_block.use_pdl = lambda device: pdl
     attention = functools.partial(decode_attention, pdl=pdl)
-    ref = tiny_model(cls=8, seed=4, n_head=n_head, vocab_size=512)  # the interpreter runs every program
+    ref = tiny_model(cls=8, seed=4, vocab_size=512, **widths)  # the interpreter runs every program
     ref.fuse_projections()
     fast = copy.deepcopy(ref)
     cond, mask, condition = tiny_inputs(ref, B=B)
@@ -66,8 +69,8 @@ print(worst, cache_worst)
 def test_fused_block_matches_model_in_interpreter():
     """Six teacher-forced decode steps after a prefill: logits within 1e-4 and identical cache rows
     (up to float32 rounding) for 1, 2 and 4 rows (GEMV path) and 5, 6 and 16 rows (dot path, also
-    split-K), with and without CFG, several tilings; and the head (final norm fused into the output
-    projection)."""
+    split-K), with and without CFG, several tilings, power-of-two widths and others (the GEMV rows in
+    two pieces); and the head (final norm fused into the output projection)."""
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join([ROOT, os.path.join(ROOT, "tests")]))
     out = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-2000:]
