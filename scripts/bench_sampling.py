@@ -82,5 +82,6 @@ def main():
             mark = " (default)" if (warps, chunk) == default else ""
             print(f"  fused draw, {warps:2d} warps, chunk {chunk}: {t:6.1f} us{mark}", flush=True)
 
+
 if __name__ == "__main__":
     main()
