@@ -10,6 +10,8 @@ step must read -- transformer weights plus the filled part of the KV cache, aver
 image -- over the measured device-to-device copy bandwidth (read + write counted).
 """
 import argparse
+import copy
+import itertools
 import json
 import os
 import sys
@@ -24,6 +26,7 @@ from fast_inference import decode_block
 from fast_inference.engine import BACKENDS, COMPILE_SCOPES, Engine
 from fast_inference.generate import generate
 from fast_inference.model import ModelArgs, Transformer
+from fast_inference.quantize import MODES as QUANTIZE_MODES, quantize_int8
 
 
 def parse_args(argv=None):
@@ -37,6 +40,8 @@ def parse_args(argv=None):
     p.add_argument("--cfg-scale", type=float, default=4.0)
     p.add_argument("--top-k", type=int, default=2000)
     p.add_argument("--precision", choices=["bf16", "fp16", "fp32"], default="bf16")
+    p.add_argument("--quantize", choices=list(QUANTIZE_MODES), default="none",
+                   help="int8: the fast engine on a weight-only int8 copy (the reference keeps the model's weights)")
     p.add_argument("--backend", choices=list(BACKENDS), default="inductor")
     p.add_argument("--compile-mode", default="reduce-overhead")
     p.add_argument("--compile-prefill", action="store_true")
@@ -67,12 +72,19 @@ def copy_bandwidth(device, nbytes=2 << 30):
 
 
 def step_bytes(model, rows, prefix, n_tokens):
-    """Bytes one decode step must read: block + output weights, plus the average filled KV."""
+    """Bytes one decode step must read: block + output weights as stored (int8 and scales with
+    --quantize int8), plus the average filled KV."""
     a = model.args
-    itemsize = model.output.weight.element_size()
-    weights = sum(p.numel() for p in model.layers.parameters()) + model.output.weight.numel() + a.dim
-    kv = rows * a.n_layer * 2 * a.dim * (prefix + n_tokens / 2)
-    return (weights + kv) * itemsize
+    kv = rows * a.n_layer * 2 * a.dim * (prefix + n_tokens / 2) * model.tok_embeddings.weight.element_size()
+    return weight_bytes(model.layers, model.norm, model.output) + kv
+
+
+def weight_bytes(*modules):
+    """Bytes of the modules' weights as stored, the KV caches left out; a tensor shared by views
+    (w1 and w3 are views of the fused w13) counted once."""
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for m in modules
+                for name, t in itertools.chain(m.named_parameters(), m.named_buffers()) if not name.endswith("_cache")}
+    return sum(storages.values())
 
 
 def inputs(model, B, image_size, device):
@@ -185,7 +197,8 @@ def main(argv=None):
     bw = copy_bandwidth(device)
     N = grid * grid
     kw = dict(cfg_scale=args.cfg_scale, top_k=args.top_k, temperature=1.0, top_p=1.0)
-    engine = Engine(model, backend=args.backend, compile_mode=args.compile_mode,
+    fast_model = quantize_int8(copy.deepcopy(model)) if args.quantize == "int8" else model
+    engine = Engine(fast_model, backend=args.backend, compile_mode=args.compile_mode,
                     compile_prefill=args.compile_prefill, compile_scope=args.compile_scope,
                     fused_block=not args.no_fused_block)
     rows, e2e = [], None  # end to end is timed with n = 1 only
@@ -194,23 +207,24 @@ def main(argv=None):
         fused = "" if args.compile_scope == "step" else ", compiled block only" if args.no_fused_block else \
             f", fused block at <= {decode_block.MAX_ROWS} rows"
         scope = f" (compile scope {args.compile_scope}{fused})"
+    weights = " (fast: int8 weights)" if args.quantize == "int8" else ""
     print(f"{torch.cuda.get_device_name()} | {args.gpt_model} {args.image_size}px ({N} tokens) | cfg {args.cfg_scale} "
-          f"top-k {args.top_k} | {args.precision} | backend {args.backend}{scope} | copy bandwidth {bw / 1e12:.2f} TB/s",
-          flush=True)
+          f"top-k {args.top_k} | {args.precision}{weights} | backend {args.backend}{scope} | copy bandwidth "
+          f"{bw / 1e12:.2f} TB/s", flush=True)
     with torch.no_grad():
         for B in [int(b) for b in args.batch_sizes.split(",")]:
             torch.cuda.reset_peak_memory_stats()
             ref = bench_reference(model, B, N, args, kw, device)
             model.clear_caches()
-            fast = bench_fast(engine, model, B, N, args, kw, device)
+            fast = bench_fast(engine, fast_model, B, N, args, kw, device)
             rows_ = 2 * B if args.cfg_scale > 1 else B
-            roof_ms = step_bytes(model, rows_, margs.cls_token_num, N) / bw * 1e3
+            roof_ms = step_bytes(fast_model, rows_, margs.cls_token_num, N) / bw * 1e3
             row = dict(n=B, reference=ref, fast=fast, roofline_step_ms=roof_ms,
                        roofline_pct=100 * roof_ms / fast["step_ms"], peak_mem_gb=torch.cuda.max_memory_allocated() / 1e9)
             rows.append(row)
             print_row(row, flush=True)
             if B == 1:  # while the n=1 graphs are warm
-                e2e = end_to_end(engine, model, vq, args, kw, device)
+                e2e = end_to_end(engine, fast_model, vq, args, kw, device)
     if e2e is not None:
         print(f"end-to-end, one image (condition encoder + prefill + decode + VQ decode, warm): {e2e:.3f} s")
     os.makedirs(args.out_dir, exist_ok=True)

@@ -15,6 +15,8 @@ at kernel boundaries. Two ways to multiply, one set of kernels:
                     (with it the block was slower: it has nothing to fetch before the wait); a
                     projection may split K over several programs per tile (split-K), the last of
                     them to finish adding the partial sums in split order (the same bits every run).
+int8 weights (quantize.py) load as int8 and become floats in registers; each projection's row scales
+apply to its rounded output, as model.int8_linear.
 Computes TransformerBlock.forward for S = 1 (tests/test_decode_block.py checks it against it).
 Before its wait a kernel only reads what no kernel of this step writes (weights, earlier cache
 rows), so overlapping the previous kernel is safe.
@@ -38,6 +40,9 @@ MAX_ROWS = 16  # more rows run the compiled block (faster there from 32 rows: do
 # block vs 32.2 for (4, 4) everywhere with w2 at (2, 4), and 41.9 for the compiled block; the other
 # tilings within 1 us of these.
 CONFIG = dict(qkv=(8, 8), wo=(4, 4), gate_up=(4, 4), w2=(4, 4))
+# int8 weights, the same script with --quantize int8: 25.4-25.9 us per block with these, 27.5 with CONFIG
+# (27.5 for bf16 in the same run)
+CONFIG_INT8 = dict(qkv=(4, 4), wo=(4, 4), gate_up=(4, 4), w2=(4, 4))
 # dot path: rows of W per program (>= 16; pairs for qkv), K chunk, warps, pipeline stages, and
 # split-K (programs per row tile, each a run of K chunks; the last to finish adds the partials).
 # scripts/bench_decode_block.py on the H200 (GPT-XL, 16 rows, position 700, no PDL): 51.9 us per
@@ -82,9 +87,19 @@ if triton is not None:
         return x.to(tl.float32)
 
     @triton.jit
+    def _f32(w):
+        """Weights as float32. int8 through the float's bits (q + 128 in the low mantissa bits of 2^23,
+        then 2^23 + 128 subtracted: exact): an integer xor and a float add at full rate, where the
+        int-to-float conversion runs at a quarter of it."""
+        if w.dtype.is_int8():
+            bits = w.to(tl.uint8, bitcast=True).to(tl.int32) ^ 0x4B000080
+            return bits.to(tl.float32, bitcast=True) - 8388736.0
+        return w.to(tl.float32)
+
+    @triton.jit
     def _matvec(x, w):
         """(RP, BN) float32 = x (RP, KP) @ w (BN, KP).T"""
-        return tl.sum(x[:, None, :] * w.to(tl.float32)[None, :, :], 2)
+        return tl.sum(x[:, None, :] * _f32(w)[None, :, :], 2)
 
     @triton.jit
     def _gemv(X, NW, W, rows_a, rows_b, rows_ok, R, EPS: tl.constexpr, K: tl.constexpr, KP: tl.constexpr,
@@ -132,10 +147,10 @@ if triton is not None:
                 x = _rmsnorm(x, rstd, tl.load(NW + k0 + offs_k, mask=k_ok, other=0.0))
             w_ok = rows_ok[:, None] & k_ok[None, :]
             w = tl.load(W + rows_a[:, None] * K + (k0 + offs_k)[None, :], mask=w_ok, other=0.0)
-            a = tl.dot(x, tl.trans(w), a, input_precision=PREC)
+            a = tl.dot(x, tl.trans(w.to(x.dtype)), a, input_precision=PREC)  # int8 weights are exact in x.dtype
             if PAIR:
                 w = tl.load(W + rows_b[:, None] * K + (k0 + offs_k)[None, :], mask=w_ok, other=0.0)
-                b = tl.dot(x, tl.trans(w), b, input_precision=PREC)
+                b = tl.dot(x, tl.trans(w.to(x.dtype)), b, input_precision=PREC)
         return a, b
 
     @triton.jit
@@ -163,13 +178,20 @@ if triton is not None:
         return a, b, last
 
     @triton.jit
-    def _project(X, NW, W, PART, COUNT, rows_a, rows_b, rows_ok, R, EPS: tl.constexpr, K: tl.constexpr,
+    def _project(X, NW, W, S, PART, COUNT, rows_a, rows_b, rows_ok, R, EPS: tl.constexpr, K: tl.constexpr,
                  KP: tl.constexpr, RP: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, NORM: tl.constexpr,
                  PAIR: tl.constexpr, DOT: tl.constexpr, PDL: tl.constexpr, PREC: tl.constexpr,
-                 SPLIT: tl.constexpr, dt: tl.constexpr):
+                 SPLIT: tl.constexpr, QUANT: tl.constexpr, dt: tl.constexpr):
         """[RMSNorm](X) @ W[rows_a].T and, if PAIR, @ W[rows_b].T: (RP, BN) each, rounded to dt as the
         model's linear outputs are, returned in float32; and the rows this program stores: R, or 0 where
-        another program of its tile does (split-K: the last of them)."""
+        another program of its tile does (split-K: the last of them). QUANT: W is int8 and the rounded
+        products are scaled by S[row] and rounded again (model.int8_linear)."""
+        s_a = tl.zeros([BN], tl.float32)
+        s_b = s_a
+        if QUANT:  # weights too: loaded before the wait
+            s_a = tl.load(S + rows_a, mask=rows_ok, other=0.0).to(tl.float32)
+            if PAIR:
+                s_b = tl.load(S + rows_b, mask=rows_ok, other=0.0).to(tl.float32)
         live = R
         if DOT:
             a, b = _dots(X, NW, W, rows_a, rows_b, rows_ok, R, EPS, K, RP, BN, BK, NORM, PAIR, PDL, PREC, SPLIT)
@@ -178,19 +200,22 @@ if triton is not None:
                 live = tl.where(last, R, 0)
         else:
             a, b = _gemv(X, NW, W, rows_a, rows_b, rows_ok, R, EPS, K, KP, RP, NORM, PAIR, PDL)
-        return a.to(dt).to(tl.float32), b.to(dt).to(tl.float32), live
+        a, b = a.to(dt).to(tl.float32), b.to(dt).to(tl.float32)
+        if QUANT:
+            a, b = (a * s_a[None, :]).to(dt).to(tl.float32), (b * s_b[None, :]).to(dt).to(tl.float32)
+        return a, b, live
 
     @triton.jit
-    def _linear_kernel(X, NW, W, RES, OUT, PART, COUNT, R, N, EPS: tl.constexpr, K: tl.constexpr, KP: tl.constexpr,
-                       RP: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, NORM: tl.constexpr,
+    def _linear_kernel(X, NW, W, S, RES, OUT, PART, COUNT, R, N, EPS: tl.constexpr, K: tl.constexpr,
+                       KP: tl.constexpr, RP: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, NORM: tl.constexpr,
                        RESIDUAL: tl.constexpr, DOT: tl.constexpr, PDL: tl.constexpr, PREC: tl.constexpr,
-                       SPLIT: tl.constexpr):
+                       SPLIT: tl.constexpr, QUANT: tl.constexpr):
         """OUT = [RES +] [RMSNorm](X) @ W.T for X (R, K), W (N, K)."""
         rows = tl.program_id(0) * BN + tl.arange(0, BN)
         rows_ok = rows < N
         dt = OUT.dtype.element_ty
-        y, _, live = _project(X, NW, W, PART, COUNT, rows, rows, rows_ok, R, EPS, K, KP, RP, BN, BK, NORM, False, DOT,
-                              PDL, PREC, SPLIT, dt)
+        y, _, live = _project(X, NW, W, S, PART, COUNT, rows, rows, rows_ok, R, EPS, K, KP, RP, BN, BK, NORM, False,
+                              DOT, PDL, PREC, SPLIT, QUANT, dt)
         offs_r = tl.arange(0, RP)
         ok = (offs_r < live)[:, None] & rows_ok[None, :]
         if RESIDUAL:
@@ -198,10 +223,10 @@ if triton is not None:
         tl.store(OUT + offs_r[:, None] * N + rows[None, :], y.to(dt), mask=ok)
 
     @triton.jit
-    def _qkv_kernel(X, NW, W, FREQS, POS, Q, KC, VC, PART, COUNT, R, stride_cr, stride_ch, stride_cn,
+    def _qkv_kernel(X, NW, W, S, FREQS, POS, Q, KC, VC, PART, COUNT, R, stride_cr, stride_ch, stride_cn,
                     EPS: tl.constexpr, D: tl.constexpr, KP: tl.constexpr, HD: tl.constexpr, RP: tl.constexpr,
                     BP: tl.constexpr, BK: tl.constexpr, DOT: tl.constexpr, PDL: tl.constexpr, PREC: tl.constexpr,
-                    SPLIT: tl.constexpr):
+                    SPLIT: tl.constexpr, QUANT: tl.constexpr):
         """RMSNorm(X) @ Wqkv.T, RoPE on q and k, q to Q (R, D), k and v into the caches at POS.
 
         A program owns BP adjacent (even, odd) column pairs of one head, so the rotation is local."""
@@ -210,8 +235,8 @@ if triton is not None:
         col = first + 2 * tl.arange(0, BP)
         all_ok = col >= 0
         dt = Q.dtype.element_ty
-        ye, yo, live = _project(X, NW, W, PART, COUNT, col, col + 1, all_ok, R, EPS, D, KP, RP, BP, BK, True, True,
-                                DOT, PDL, PREC, SPLIT, dt)
+        ye, yo, live = _project(X, NW, W, S, PART, COUNT, col, col + 1, all_ok, R, EPS, D, KP, RP, BP, BK, True, True,
+                                DOT, PDL, PREC, SPLIT, QUANT, dt)
         offs_r = tl.arange(0, RP)
         r_ok = offs_r < live
         d = col % HD
@@ -235,37 +260,38 @@ if triton is not None:
                 tl.store(VC + at + 1, yo.to(dt), mask=ok)
 
     @triton.jit
-    def _gate_up_kernel(X, NW, W, OUT, PART, COUNT, R, F, EPS: tl.constexpr, K: tl.constexpr, KP: tl.constexpr,
+    def _gate_up_kernel(X, NW, W, S, OUT, PART, COUNT, R, F, EPS: tl.constexpr, K: tl.constexpr, KP: tl.constexpr,
                         RP: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, DOT: tl.constexpr, PDL: tl.constexpr,
-                        PREC: tl.constexpr, SPLIT: tl.constexpr):
+                        PREC: tl.constexpr, SPLIT: tl.constexpr, QUANT: tl.constexpr):
         """OUT = SiLU(g) * u where [g | u] = RMSNorm(X) @ W13.T, W13 (2F, K) = [w1; w3]."""
         rows = tl.program_id(0) * BN + tl.arange(0, BN)
         rows_ok = rows < F
         dt = OUT.dtype.element_ty
-        g, u, live = _project(X, NW, W, PART, COUNT, rows, rows + F, rows_ok, R, EPS, K, KP, RP, BN, BK, True, True,
-                              DOT, PDL, PREC, SPLIT, dt)
+        g, u, live = _project(X, NW, W, S, PART, COUNT, rows, rows + F, rows_ok, R, EPS, K, KP, RP, BN, BK, True, True,
+                              DOT, PDL, PREC, SPLIT, QUANT, dt)
         silu = (g / (1.0 + tl.exp(-g))).to(dt).to(tl.float32)
         offs_r = tl.arange(0, RP)
         ok = (offs_r < live)[:, None] & rows_ok[None, :]
         tl.store(OUT + offs_r[:, None] * F + rows[None, :], (silu * u).to(dt), mask=ok)
 
 
-def rows_per_program(rows, warps, tiles, K):
-    """GEMV path: `rows`, capped so a program's weight tiles stay at <= 128 elements per thread:
-    GPT-XL's swept tilings sit at that cap; more spills, which wider models (GPT-7B's K = 11,008)
-    would hit at the same setting. A power of two."""
-    cap = max(1, 128 * 32 * warps // (tiles * triton.next_power_of_2(K)))
+def rows_per_program(rows, warps, tiles, weight):
+    """GEMV path: `rows`, capped so a program's weight tiles stay at <= 128 elements per thread (256
+    for int8, packed four to a register): GPT-XL's swept tilings sit at that cap; more spills, which
+    wider models (GPT-7B's K = 11,008) would hit at the same setting. A power of two."""
+    per_thread = 256 if weight.element_size() == 1 else 128
+    cap = max(1, per_thread * 32 * warps // (tiles * triton.next_power_of_2(weight.shape[1])))
     return min(rows, 1 << (cap.bit_length() - 1))
 
 
-def plan(name, x, K, tiles, pdl):
-    """(weight rows per program, kernel arguments) of kernel `name` for x (R, K): the GEMV path at
-    <= GEMV_ROWS rows, else the dot path; `tiles` weight tiles (rows_a, rows_b) per program."""
-    R, p2 = x.shape[0], triton.next_power_of_2
+def plan(name, x, weight, tiles, pdl):
+    """(weight rows per program, kernel arguments) of kernel `name` for x (R, K) and weight (N, K): the
+    GEMV path at <= GEMV_ROWS rows, else the dot path; `tiles` weight tiles (rows_a, rows_b) per program."""
+    (R, K), p2 = x.shape, triton.next_power_of_2
     kw = dict(PREC="ieee" if x.dtype == torch.float32 else "tf32", **launch(pdl))  # fp32 (tests): exact dots
     if R <= GEMV_ROWS:
-        rows, warps = CONFIG[name]
-        return rows_per_program(rows, warps, tiles, K), dict(kw, DOT=False, RP=max(2, p2(R)), KP=p2(K), BK=16,
+        rows, warps = (CONFIG_INT8 if weight.dtype == torch.int8 else CONFIG)[name]
+        return rows_per_program(rows, warps, tiles, weight), dict(kw, DOT=False, RP=max(2, p2(R)), KP=p2(K), BK=16,
                                                              SPLIT=1, num_warps=warps)
     rows, bk, warps, stages, split = DOT_CONFIG[name]
     bk = max(16, bk * 4 // x.element_size() ** 2)  # float32 (tests): a quarter, or the pair kernels spill
@@ -288,41 +314,53 @@ def split_buffers(x, tiles, kw, bn):
     return (tiles, split), torch.empty(tiles * split * 2 * kw["RP"] * bn, device=x.device), counts
 
 
-def linear(x, weight, norm=None, residual=None, name="wo", pdl=False):
-    """[residual +] [norm](x) @ weight.T for x (R, K) contiguous, R <= MAX_ROWS, with kernel `name`'s tiling."""
+def row_scales(linear):
+    """The row scales of an int8 projection (model.Int8Linear), None for a float one."""
+    return getattr(linear, "scales", None)
+
+
+def _or(t, x):
+    return x if t is None else t  # a kernel's unused pointer argument
+
+
+def linear(x, weight, scales=None, norm=None, residual=None, name="wo", pdl=False):
+    """[residual +] [norm](x) @ weight.T for x (R, K) contiguous, R <= MAX_ROWS, with kernel `name`'s tiling;
+    an int8 weight with its row scales (quantize.py) as model.int8_linear."""
     R, K = x.shape
     N = weight.shape[0]
-    bn, kw = plan(name, x, K, 1, pdl)
+    bn, kw = plan(name, x, weight, 1, pdl)
     grid, part, counts = split_buffers(x, triton.cdiv(N, bn), kw, bn)
     out = torch.empty(R, N, device=x.device, dtype=x.dtype)
     _linear_kernel[grid](
-        x, norm.weight if norm is not None else x, weight, residual if residual is not None else x, out, part, counts,
-        R, N, EPS=norm.eps if norm is not None else 0.0, K=K, BN=bn, NORM=norm is not None, RESIDUAL=residual is not None,
-        **kw)
+        x, norm.weight if norm is not None else x, weight, _or(scales, x), _or(residual, x), out, part, counts, R, N,
+        EPS=norm.eps if norm is not None else 0.0, K=K, BN=bn, NORM=norm is not None, RESIDUAL=residual is not None,
+        QUANT=scales is not None, **kw)
     return out
 
 
-def qkv_rope(x, norm, weight, freqs, input_pos, k_cache, v_cache, n_head, pdl=False):
+def qkv_rope(x, norm, weight, scales, freqs, input_pos, k_cache, v_cache, n_head, pdl=False):
     """q (R, H, 1, hd); k and v written into the caches at input_pos."""
     R, D = x.shape
     hd = D // n_head
-    pairs, kw = plan("qkv", x, D, 2, pdl)  # each pair is two weight rows
+    pairs, kw = plan("qkv", x, weight, 2, pdl)  # each pair is two weight rows
     bp = min(pairs, hd // 2)  # a divisor of hd / 2 (both powers of two)
     grid, part, counts = split_buffers(x, 3 * D // (2 * bp), kw, bp)
     q = torch.empty(R, n_head, 1, hd, device=x.device, dtype=x.dtype)
     _qkv_kernel[grid](
-        x, norm.weight, weight, freqs, input_pos, q, k_cache, v_cache, part, counts, R,
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), EPS=norm.eps, D=D, HD=hd, BP=bp, **kw)
+        x, norm.weight, weight, _or(scales, x), freqs, input_pos, q, k_cache, v_cache, part, counts, R,
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), EPS=norm.eps, D=D, HD=hd, BP=bp,
+        QUANT=scales is not None, **kw)
     return q
 
 
-def gate_up(x, norm, w13, pdl=False):
+def gate_up(x, norm, w13, scales=None, pdl=False):
     R, K = x.shape
     F = w13.shape[0] // 2
-    bn, kw = plan("gate_up", x, K, 2, pdl)  # gate and up rows
+    bn, kw = plan("gate_up", x, w13, 2, pdl)  # gate and up rows
     grid, part, counts = split_buffers(x, triton.cdiv(F, bn), kw, bn)
     out = torch.empty(R, F, device=x.device, dtype=x.dtype)
-    _gate_up_kernel[grid](x, norm.weight, w13, out, part, counts, R, F, EPS=norm.eps, K=K, BN=bn, **kw)
+    _gate_up_kernel[grid](x, norm.weight, w13, _or(scales, x), out, part, counts, R, F, EPS=norm.eps, K=K, BN=bn,
+                          QUANT=scales is not None, **kw)
     return out
 
 
@@ -335,12 +373,12 @@ def decode_block(layer, x, freqs, attend, input_pos):
     x = x.view(R, D)
     cache = attn.kv_cache
     pdl = pdl_for(R, x.device)
-    q = qkv_rope(x, layer.attention_norm, attn.wqkv.weight, freqs, input_pos, cache.k_cache, cache.v_cache,
-                 attn.n_head, pdl)
+    q = qkv_rope(x, layer.attention_norm, attn.wqkv.weight, row_scales(attn.wqkv), freqs, input_pos, cache.k_cache,
+                 cache.v_cache, attn.n_head, pdl)
     y = attend(q, cache.k_cache[:R], cache.v_cache[:R])  # (R, H, 1, hd): its flat rows are heads side by side
-    h = linear(y.view(R, D), attn.wo.weight, residual=x, name="wo", pdl=pdl)
-    a = gate_up(h, layer.ffn_norm, ff.w13, pdl)
-    return linear(a, ff.w2.weight, residual=h, name="w2", pdl=pdl).view(R, 1, D)
+    h = linear(y.view(R, D), attn.wo.weight, row_scales(attn.wo), residual=x, name="wo", pdl=pdl)
+    a = gate_up(h, layer.ffn_norm, ff.w13, ff.w13_scales, pdl)
+    return linear(a, ff.w2.weight, row_scales(ff.w2), residual=h, name="w2", pdl=pdl).view(R, 1, D)
 
 
 def logits(model, h):
@@ -348,7 +386,8 @@ def logits(model, h):
     weights' dtype: model.logits' float32 cast is left to the reader (the fused draw reads them so)."""
     R, _, D = h.shape
     # K is the model width as for wo, so wo's tiling (the output projection was not swept on its own)
-    out = linear(h.view(R, D), model.output.weight, norm=model.norm, name="wo", pdl=pdl_for(R, h.device))
+    out = linear(h.view(R, D), model.output.weight, row_scales(model.output), norm=model.norm, name="wo",
+                 pdl=pdl_for(R, h.device))
     return out.view(R, 1, -1)
 
 

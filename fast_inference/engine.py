@@ -11,7 +11,8 @@ can be captured once and replayed N-1 times:
                        instead, with nothing compiled (fused_block=True); the sampling in one
                        Triton kernel (decode_sampling; sampling.py's ops compiled for top-p < 1);
                        compile_scope "step": torch.compile(step, mode=reduce-overhead|max-autotune,
-                       fullgraph=True), as gpt-fast
+                       fullgraph=True), as gpt-fast; int8 weights (quantize.py): the fused
+                       kernels up to 16 rows, the eager block beyond, nothing compiled
   backend "cudagraph": torch.cuda.CUDAGraph captured by hand around the eager step (no Triton)
   backend "eager":     the same step run op by op (CPU, debugging)
 It computes what generate.py computes; only the draw differs (same distribution, see sampling.py).
@@ -26,6 +27,7 @@ import torch.nn as nn
 
 from fast_inference import decode_attention, decode_block, decode_sampling
 from fast_inference.generate import prepare
+from fast_inference.quantize import is_int8
 from fast_inference.sampling import cfg_merge, sample
 
 log = logging.getLogger("fast_inference")
@@ -133,6 +135,10 @@ class Engine:
             os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", cache_dir or default_cache_dir())
         if model.layers[0].feed_forward.w13 is None:
             model.fuse_projections()
+        # inductor turns int8 projections into slow kernels: decode_block's or eager ones instead
+        self.int8 = is_int8(model)
+        if self.int8 and backend == "inductor" and compile_scope == "step":
+            raise ValueError("int8 weights run with compile_scope 'block'")
         self.block_scope = backend == "inductor" and compile_scope == "block"
         self.block_fn = None  # the compiled block, made when a shape first needs it
         self.compile_seconds = 0.0
@@ -164,10 +170,15 @@ class Engine:
         if fused:  # up to 16 rows the fused kernels beat the compiled block, and need no compiler at all
             block_fn = decode_block.decode_block
             attention = functools.partial(attention, pdl=decode_block.pdl_for(rows, self.device))
+        elif self.block_scope and self.int8:
+            log.warning("int8 weights at %d rows: the block runs eagerly, slower than bf16 there (fused kernels up "
+                        "to %d rows); use --quantize none for large batches", rows, decode_block.MAX_ROWS)
+            block_fn = run_block
         elif self.block_scope:
             block_fn = self.compiled_block()
         if self.block_scope:
-            log.info("decode block for %d rows: %s", rows, "fused Triton kernels" if fused else "compiled (inductor)")
+            log.info("decode block for %d rows: %s", rows, "fused Triton kernels" if fused else
+                     "eager (int8)" if self.int8 else "compiled (inductor)")
         # The draw in one kernel where the attention is Triton's (the cudagraph backend promises no Triton).
         fused_draw = attention is not None and decode_sampling.supported(self.device, top_p)
         s = Sampler(self.model, batch, num_tokens, prefix_len, num_controls, cfg, top_k, top_p, sample_logits,

@@ -27,6 +27,7 @@ from fast_inference.checkpoint import (CheckpointError, fit_null_caption, gpt_fi
 from fast_inference.engine import BACKENDS, COMPILE_SCOPES, Engine  # noqa: F401  (the seed-compatible entry point)
 from fast_inference.generate import generate
 from fast_inference.model import GPT_CONFIGS, ModelArgs, Transformer
+from fast_inference.quantize import MODES as QUANTIZE_MODES, quantize_int8
 
 log = logging.getLogger("fast_inference")
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -85,6 +86,10 @@ def add_model_args(p):
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--precision", choices=["auto", "fp32", "none", "bf16", "fp16"], default="auto",
                    help="auto: bf16 on GPUs that support it, fp16 on other GPUs, fp32 on CPU ('none' = fp32)")
+    p.add_argument("--quantize", choices=list(QUANTIZE_MODES), default="none",
+                   help="int8: the blocks' projections and the output head as weight-only int8, one scale per row "
+                        "(as gpt-fast's int8 mode): half the bytes each step reads; on an H200 12%% faster for one "
+                        "image, slower above 8 images; the images change slightly")
     p.add_argument("--device", default=None, help="cpu | cuda | cuda:N (default: cuda if available)")
     p.add_argument("--engine", choices=["fast", "reference"], default="fast")
     p.add_argument("--backend", choices=list(BACKENDS), default=None,
@@ -202,7 +207,10 @@ def build_gpt(args, device, dtype):
     else:
         with torch.device(device):
             model = Transformer(margs)
-    return model.to(dtype).eval().requires_grad_(False), image_size
+    model = model.to(dtype).eval().requires_grad_(False)
+    if args.quantize == "int8":
+        quantize_int8(model)
+    return model, image_size
 
 
 def build_vq(args, device):
@@ -224,6 +232,8 @@ def build_vq(args, device):
 
 def check_args(args):
     """Everything that can be checked cheaply, so a mistake costs no model loading."""
+    if args.quantize == "int8" and args.compile_scope == "step":
+        raise UserError("--quantize int8 runs with --compile-scope block (the default); drop --compile-scope step")
     if args.condition_type not in CONDITION_TYPES:
         raise UserError(f"unknown --condition-type {args.condition_type!r}; use one of {', '.join(CONDITION_TYPES)}")
     for flag in ("gpt_ckpt", "vq_ckpt", "condition_path", "caption_emb", "prompt_file"):
@@ -465,9 +475,10 @@ def run(args):
     vq = build_vq(args, device)
     t_models += time.perf_counter() - t0
     engine = make_engine(args, model, backend)
+    weights = " (int8 weights)" if args.quantize == "int8" else ""
     print(f"{describe(args, model, demo)} | {args.engine} engine{'' if engine is None else ' (' + backend + ')'} | "
-          f"{str(dtype).replace('torch.', '')} on {device} | {len(prompts)} prompt(s) x {args.num_images} image(s) "
-          f"| {H}x{W} = {num_tokens} tokens")
+          f"{str(dtype).replace('torch.', '')}{weights} on {device} | {len(prompts)} prompt(s) x {args.num_images} "
+          f"image(s) | {H}x{W} = {num_tokens} tokens")
     if demo:
         print("  the weights are random, so the image is noise: load real ones with --gpt-ckpt, --vq-ckpt "
               "and --t5-path (see checkpoints/README.md); example control maps: condition/example/*.png")

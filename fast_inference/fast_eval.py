@@ -300,7 +300,9 @@ def generate_split(args):
         raise UserError(f"--start {args.start} --end {args.end} selects nothing of the {len(samples)} samples")
     check_settings(args, dict(precision=str(dtype).replace("torch.", ""), device_type=device.type,
                               backend=backend if args.engine == "fast" else None,
-                              compile_scope=args.compile_scope if (args.engine, backend) == ("fast", "inductor") else None))
+                              compile_scope=args.compile_scope if (args.engine, backend) == ("fast", "inductor") else None,
+                              # only when on: settings.json files written before the flag existed still match
+                              **({"quantize": args.quantize} if args.quantize != "none" else {})))
     mine = shard(args.start, end, args.batch, rank, world)
     batches = [(first, [p for p in positions if not finished(args.sample_dir, samples[p].name)])
                for first, positions in mine]

@@ -135,6 +135,23 @@ class RMSNorm(nn.Module):
         return y.type_as(x) * self.weight
 
 
+class Int8Linear(nn.Module):
+    """A bias-free Linear whose weight is int8 with one scale per output row (quantize.py makes them)."""
+
+    def __init__(self, weight, scales):
+        super().__init__()
+        self.register_buffer("weight", weight)
+        self.register_buffer("scales", scales)
+
+    def forward(self, x):
+        return int8_linear(x, self.weight, self.scales)
+
+
+def int8_linear(x, weight, scales):
+    # As gpt-fast's int8 mode: the product rounded to x's dtype, then times the row scales (rounded again).
+    return F.linear(x, weight.to(x.dtype)) * scales
+
+
 class MLP(nn.Module):
     """Linear -> tanh-GELU -> Linear, no biases (the official MLP used by every embedder)."""
 
@@ -197,6 +214,7 @@ class FeedForward(nn.Module):
         self.w3 = nn.Linear(args.dim, args.ffn_hidden, bias=False)
         self.w2 = nn.Linear(args.ffn_hidden, args.dim, bias=False)
         self.register_buffer("w13", None, persistent=False)
+        self.register_buffer("w13_scales", None, persistent=False)  # int8 w13 (quantize.py)
 
     def fuse(self):
         """One GEMM for gate and up: w1 and w3 become views of one (2F, D) weight (same keys).
@@ -208,7 +226,8 @@ class FeedForward(nn.Module):
     def forward(self, x):
         if self.w13 is None:
             return self.w2(F.silu(self.w1(x)) * self.w3(x))
-        gate, up = F.linear(x, self.w13).chunk(2, dim=-1)
+        w13 = F.linear(x, self.w13) if self.w13_scales is None else int8_linear(x, self.w13, self.w13_scales)
+        gate, up = w13.chunk(2, dim=-1)
         return self.w2(F.silu(gate) * up)
 
 

@@ -4,10 +4,11 @@ the others at their default: (rows per program, warps) on the GEMV path (<= 4 ro
 (rows per program, K chunk, warps, stages, split-K) on the dot path (more rows, without PDL, as the engine
 runs them; any row count, so where the dot path stops beating the compiled block shows).
 
-    python scripts/bench_decode_block.py [--rows 2,4,16,32] [--position 700]
+    python scripts/bench_decode_block.py [--rows 2,4,16,32] [--position 700] [--quantize int8]
 
 CUDA-graph timed (blocks back to back, as in the captured step), bf16, random weights; prints us per
-block and the block's weight bytes over that time. decode_block.CONFIG and DOT_CONFIG come from here.
+block and the block's weight bytes over that time. decode_block.CONFIG, CONFIG_INT8 and DOT_CONFIG
+come from here.
 """
 import argparse
 import itertools
@@ -20,9 +21,11 @@ import torch
 import triton
 
 from fast_inference import decode_block
+from fast_inference.bench import weight_bytes
 from fast_inference.decode_attention import decode_attention
 from fast_inference.engine import run_block
 from fast_inference.model import ModelArgs, Transformer
+from fast_inference.quantize import quantize_int8
 
 
 def time_us(f):
@@ -30,14 +33,14 @@ def time_us(f):
     return triton.testing.do_bench_cudagraph(f, return_mode="median") * 1e3
 
 
-def sweep(name, base, tilings, fused):
-    """(us, tiling) of the block with kernel `name` at each tiling, the others as in base; sorted."""
-    table = "DOT_CONFIG" if len(tilings[0]) == 5 else "CONFIG"
+def sweep(name, base, tilings, fused, table):
+    """(us, tiling) of the block with kernel `name` at each tiling (decode_block.<table>), the others
+    as in base; sorted."""
     times = []
     for tiling in tilings:
         setattr(decode_block, table, dict(base, **{name: tiling}))
         try:
-            times.append((time_us(fused(table == "CONFIG")), tiling))  # the dot path runs without PDL
+            times.append((time_us(fused(table != "DOT_CONFIG")), tiling))  # the dot path runs without PDL
         except Exception as e:  # e.g. out of registers / shared memory
             print(f"  {name} {tiling}: failed ({type(e).__name__})", flush=True)
     return sorted(times)
@@ -54,14 +57,17 @@ def main():
     ap.add_argument("--dot-stages", default="4,6", help="dot path: pipeline stages tried at the best rows and chunk")
     ap.add_argument("--dot-splits", default="2,3,4,5,7",
                     help="dot path: split-K tried last, at the best tiling and at 128-wide K chunks")
+    ap.add_argument("--quantize", choices=["none", "int8"], default="none", help="int8: the block's weights as int8")
     args = ap.parse_args()
     args_xl = ModelArgs.from_name("GPT-XL", block_size=1024, condition_type="hed", n_layer=1)
     with torch.device("cuda"):
         model = Transformer(args_xl).to(torch.bfloat16).eval().requires_grad_(False)
     model.fuse_projections()
+    if args.quantize == "int8":
+        quantize_int8(model)
     layer, D = model.layers[0], args_xl.dim
     compiled = torch.compile(run_block, fullgraph=True, dynamic=False)
-    mb = sum(p.numel() * p.element_size() for p in layer.parameters()) / 1e6
+    mb = weight_bytes(layer) / 1e6
     with torch.no_grad():
         for R in map(int, args.rows.split(",")):
             model.setup_caches(R, 120 + 1024, torch.bfloat16)
@@ -85,7 +91,7 @@ def main():
                 return lambda: decode_block.decode_block(layer, x, freqs, attend, pos)
 
             dot = R > decode_block.GEMV_ROWS
-            table = "DOT_CONFIG" if dot else "CONFIG"
+            table = "DOT_CONFIG" if dot else "CONFIG_INT8" if args.quantize == "int8" else "CONFIG"
             default = dict(getattr(decode_block, table))
             for pdl in (False, True):
                 err = ((fused(pdl)().float() - want).norm() / want.norm()).item()
@@ -99,15 +105,15 @@ def main():
                                                                      if c)] or [best[name]]
                 else:
                     first = list(itertools.product(map(int, args.tilings.split(",")), (4, 8)))
-                times = sweep(name, best, first, fused)
+                times = sweep(name, best, first, fused, table)
                 if dot and args.dot_tilings:  # then warps and stages around the best rows and chunk
                     bn, bk = times[0][1][:2]
                     more = [(bn, bk, 8, 3, 1)] + [(bn, bk, 4, int(st), 1) for st in args.dot_stages.split(",")]
-                    times = sorted(times + sweep(name, best, more, fused))
+                    times = sorted(times + sweep(name, best, more, fused, table))
                 if dot and args.dot_splits:  # then split-K
                     bn, bk, warps, stages, _ = times[0][1]
                     splits = [(bn, c, warps, stages, int(k)) for k in args.dot_splits.split(",") for c in {bk, 128}]
-                    times = sorted(times + sweep(name, best, splits, fused))
+                    times = sorted(times + sweep(name, best, splits, fused, table))
                 best[name] = times[0][1]
                 print(f"  {name:8s}: " + ", ".join(f"{c} {t:.1f}" for t, c in times[:5]), flush=True)
             setattr(decode_block, table, best)

@@ -7,9 +7,13 @@ A backend is backend[:compile-scope[:nofuse]] (nofuse: the compiled block even a
 the default runs decode_block's fused kernels). For each precision and backend: greedy tokens
 (first divergence, if any), teacher-forced max |delta log p| over every position (the reference's
 greedy tokens fed to both), and the same seed twice with top-k 2000 sampling on the fast engine.
-fp32 runs with TF32 off.
+fp32 runs with TF32 off. --quantize int8: the same on an int8 copy of the model (reference and
+fast engine both on it), and the quantization's own drift: the reference on the int8 copy against
+the reference on the model, teacher-forced on the model's greedy tokens (max |delta log p|, mean
+KL divergence per position, greedy tokens).
 """
 import argparse
+import copy
 import os
 import sys
 
@@ -20,6 +24,7 @@ import torch
 import fast_inference.generate as ref
 from fast_inference.engine import Engine
 from fast_inference.model import ModelArgs, Transformer
+from fast_inference.quantize import quantize_int8
 
 
 def max_dlogp(a, b):
@@ -47,15 +52,34 @@ def kernel_check():
         print(f"decode kernel vs SDPA ({dtype}): worst relative error {worst:.2e}", flush=True)
 
 
-def check(model, dtype, backends, N, B):
+def inputs(model, B):
     g = torch.Generator().manual_seed(0)
     T = model.args.cls_token_num
     cond = (torch.randn(B, T, model.args.caption_dim, generator=g) * 0.2).cuda()
     mask = torch.zeros(B, T, dtype=torch.long)
     for b in range(B):
         mask[b, T - (15, 60)[b % 2]:] = 1
-    mask = mask.cuda()
     condition = (torch.rand(B, 3, 512, 512, generator=g) * 2 - 1).cuda()
+    return cond, mask.cuda(), condition
+
+
+def drift(model, quantized, dtype, N, B):
+    """The reference on `quantized` against the reference on `model`, on the model's greedy tokens."""
+    cond, mask, condition = inputs(model, B)
+    kw = dict(emb_masks=mask, condition=condition, cfg_scale=4.0, control_strength=1.0)
+    greedy = ref.generate(model, cond, N, top_k=1, **kw)
+    _, want = ref.generate(model, cond, N, forced=greedy, return_logits=True, **kw)
+    _, got = ref.generate(quantized, cond, N, forced=greedy, return_logits=True, **kw)
+    kl = torch.stack([torch.nn.functional.kl_div(y.log_softmax(-1), x.log_softmax(-1), log_target=True,
+                                                 reduction="none").sum(-1).mean() for x, y in zip(want, got)])
+    same = (ref.generate(quantized, cond, N, top_k=1, **kw) == greedy).float().mean().item()
+    print(f"{str(dtype):15s} int8 drift (reference on int8 vs on the model) n={B}: teacher-forced max|dlogp| "
+          f"{max_dlogp(want, got):.2e}, mean KL {kl.mean().item():.2e} (max over positions {kl.max().item():.2e}) | "
+          f"greedy tokens equal: {100 * same:.1f}%", flush=True)
+
+
+def check(model, dtype, backends, N, B):
+    cond, mask, condition = inputs(model, B)
     kw = dict(cfg_scale=4.0, control_strength=1.0)
     greedy_ref = ref.generate(model, cond, N, emb_masks=mask, condition=condition, top_k=1, **kw)
     _, ref_logits = ref.generate(model, cond, N, emb_masks=mask, condition=condition, forced=greedy_ref,
@@ -87,6 +111,7 @@ def main():
                    help="backend[:compile-scope[:nofuse]], comma-separated")
     p.add_argument("--batch", type=int, default=2, help="images (rows: twice that, under CFG)")
     p.add_argument("--precisions", default="fp32,bf16")
+    p.add_argument("--quantize", choices=["none", "int8"], default="none")
     a = p.parse_args()
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
@@ -98,6 +123,10 @@ def main():
         for name in a.precisions.split(","):
             dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[name]
             model = base.to(dtype).requires_grad_(False)
+            if a.quantize == "int8":
+                quantized = quantize_int8(copy.deepcopy(model))
+                drift(model, quantized, dtype, a.tokens, a.batch)
+                model = quantized
             check(model, dtype, a.backends.split(","), a.tokens, a.batch)
 
 

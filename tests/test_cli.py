@@ -206,6 +206,25 @@ def test_bf16_on_cpu(files, tmp_path, capsys, engine):
     assert t.shape == (1, 16) and 0 <= t.min() and t.max() < 16384
 
 
+def test_quantize_int8(files, tmp_path, capsys):
+    """--quantize int8 loads the checkpoint, then makes the per-step projections int8; the fast and the
+    reference engine sample the same greedy tokens from it."""
+    tokens = []
+    for engine in ("fast", "reference"):
+        code, out, err = cli(capsys, *t2i_argv(files, tmp_path, "--quantize", "int8", "--engine", engine, "--top-k", 1,
+                                               "--save-tokens", tmp_path / "t.npy"))
+        assert code == 0, err
+        assert "float32 (int8 weights) on cpu" in out
+        tokens.append(np.load(tmp_path / "t.npy"))
+    assert np.array_equal(*tokens)
+    args = fast_engine.parse_args([str(a) for a in t2i_argv(files, tmp_path, "--quantize", "int8")])
+    model, _ = fast_engine.build_gpt(args, torch.device("cpu"), torch.float32)
+    assert model.output.weight.dtype == torch.int8 and model.layers[0].feed_forward.w13.dtype == torch.int8
+    code, _, err = cli(capsys, *t2i_argv(files, tmp_path, "--quantize", "int8", "--compile-scope", "step"))
+    assert code == 2 and err.strip() == ("error: --quantize int8 runs with --compile-scope block (the default); "
+                                         "drop --compile-scope step")
+
+
 @pytest.mark.parametrize("argv,block", [([], True), (["--compile-scope", "step"], False)])
 def test_compile_scope_flag(argv, block):
     """--compile-scope reaches the engine (block by default); nothing is compiled until a step runs."""

@@ -20,26 +20,29 @@ from fast_inference.decode_attention import decode_attention
 # The interpreter has no grid dependency control: the PDL data paths run with these as no-ops.
 tl.extra.cuda.gdc_wait = tl.extra.cuda.gdc_launch_dependents = lambda *args, **kwargs: None
 from fast_inference.generate import prepare
+from fast_inference.quantize import quantize_int8
 from test_reference import tiny_inputs, tiny_model
 
 worst, cache_worst = 0.0, 0.0
 tile = lambda n: dict(qkv=(n, 4), wo=(n, 4), gate_up=(n, 2), w2=(n, 4))
 dot = lambda n, bk, s=1: dict(qkv=(16, bk, 4, 2, s), wo=(n, bk, 4, 2, s), gate_up=(n, bk, 4, 3, s), w2=(16, bk, 4, 2, s))
-# (batch, cfg, model widths, GEMV tiling, dot tiling, PDL data paths); > 4 rows take the dot path, whose K
+# (batch, cfg, model widths, GEMV tiling, dot tiling, PDL data paths, int8 weights); > 4 rows take the dot path, whose K
 # chunks (bk) here are smaller than K so its loops run several times, or wider than K (128: masked);
 # split-K (s): more splits than chunks (capped), or 3 uneven runs of chunks, some empty. `wide`: widths
 # that are no powers of two (dim 160 = 128 + 32, hidden 448 = 256 + 192), so the GEMV rows run in two pieces
 narrow, wide = dict(n_head=2), dict(dim=160, n_head=5, multiple_of=32, n_layer=1)  # one layer: the interpreter is slow
-cases = [(1, 4.0, narrow, tile(4), None, True), (1, 1.0, dict(n_head=4), tile(2), None, False),
-         (2, 4.0, narrow, tile(16), None, True), (1, 4.0, wide, tile(4), None, True),
-         (3, 4.0, narrow, None, dot(16, 32), True), (5, 1.0, narrow, None, dot(32, 128, 4), False),
-         (8, 4.0, narrow, None, dot(16, 16, 3), True), (3, 4.0, wide, None, dot(16, 64), False)]
-for B, cfg, widths, config, dot_config, pdl in cases:
+cases = [(1, 4.0, narrow, tile(4), None, True, False), (1, 1.0, dict(n_head=4), tile(2), None, False, False),
+         (2, 4.0, narrow, tile(16), None, True, True), (1, 4.0, wide, tile(4), None, True, False),
+         (3, 4.0, narrow, None, dot(16, 32), True, False), (5, 1.0, narrow, None, dot(32, 128, 4), False, True),
+         (8, 4.0, narrow, None, dot(16, 16, 3), True, False), (3, 4.0, wide, None, dot(16, 64), False, False)]
+for B, cfg, widths, config, dot_config, pdl, int8 in cases:
     decode_block.CONFIG, decode_block.DOT_CONFIG = config, dot_config
     decode_block.use_pdl = lambda device: pdl
     attention = functools.partial(decode_attention, pdl=pdl)
     ref = tiny_model(cls=8, seed=4, vocab_size=512, **widths)  # the interpreter runs every program
     ref.fuse_projections()
+    if int8:  # then the model's int8 projections are the reference
+        quantize_int8(ref)
     fast = copy.deepcopy(ref)
     cond, mask, condition = tiny_inputs(ref, B=B)
     p = prepare(ref, cond, condition, mask, cfg, 0.9)
@@ -150,39 +153,43 @@ def build(kernel, sig, consts, options):
         assert "STACK:0 " in usage, (kernel.__name__, consts, usage)
 
 
-def args(name, dtype, rows, K, tiles):
-    # plan() with the launch options split off, PDL as the engine launches it; a meta tensor stands in for x
+def args(name, dtype, rows, K, tiles, int8):
+    # plan() with the launch options split off, PDL as the engine launches it; meta tensors stand in for x and W
     pdl = rows <= db.GEMV_ROWS or db.DOT_PDL
-    bn, kw = db.plan(name, torch.empty(rows, K, dtype=dtype, device="meta"), K, tiles, pdl)
+    meta = lambda n, dt: torch.empty(n, K, dtype=dt, device="meta")
+    bn, kw = db.plan(name, meta(rows, dtype), meta(1, torch.int8 if int8 else dtype), tiles, pdl)
     options = {"launch_pdl": kw.pop("launch_pdl", False), **{o: kw.pop(o) for o in ("num_warps", "num_stages") if o in kw}}
-    return bn, dict(kw, EPS=1e-5, K=K), options
+    return bn, dict(kw, EPS=1e-5, K=K, QUANT=int8), options
 
 
-# GPT-XL and GPT-7B in bf16 (the GEMV tiling is capped for wide K), GPT-XL in fp32; GEMV and dot paths
-for dt, D, F, hd in (("bf16", 1280, 3584, 64), ("bf16", 4096, 11008, 128), ("fp32", 1280, 3584, 64)):
+# GPT-XL and GPT-7B in bf16 (the GEMV tiling is capped for wide K), GPT-XL in fp32 and with int8 weights;
+# GEMV and dot paths
+for dt, D, F, hd, int8 in (("bf16", 1280, 3584, 64, False), ("bf16", 4096, 11008, 128, False),
+                           ("fp32", 1280, 3584, 64, False), ("bf16", 1280, 3584, 64, True)):
     t, dtype = "*" + dt, torch.bfloat16 if dt == "bf16" else torch.float32
+    w = {"W": "*i8" if int8 else t, "S": t}
     split = {"PART": "*fp32", "COUNT": "*i32"}
-    lin = {"X": t, "NW": t, "W": t, "RES": t, "OUT": t, **split, "R": "i32", "N": "i32"}
-    qkv = {"X": t, "NW": t, "W": t, "FREQS": "*fp32", "POS": "*i64", "Q": t, "KC": t, "VC": t, **split, "R": "i32",
+    lin = {"X": t, "NW": t, **w, "RES": t, "OUT": t, **split, "R": "i32", "N": "i32"}
+    qkv = {"X": t, "NW": t, **w, "FREQS": "*fp32", "POS": "*i64", "Q": t, "KC": t, "VC": t, **split, "R": "i32",
            "stride_cr": "i32", "stride_ch": "i32", "stride_cn": "i32"}
-    gu = {"X": t, "NW": t, "W": t, "OUT": t, **split, "R": "i32", "F": "i32"}
+    gu = {"X": t, "NW": t, **w, "OUT": t, **split, "R": "i32", "F": "i32"}
     # the dot path's tilings were swept for GPT-XL; GPT-7B (not a ControlAR model) spills 8 B in gate/up
     for rows in (2, 8, 16) if D == 1280 else (2,):
         for name, K in (("wo", D), ("w2", F)):
-            bn, kw, options = args(name, dtype, rows, K, 1)
+            bn, kw, options = args(name, dtype, rows, K, 1, int8)
             build(db._linear_kernel, lin, dict(kw, BN=bn, NORM=name == "wo" and rows == 16, RESIDUAL=True), options)
-        pairs, kw, options = args("qkv", dtype, rows, D, 2)
+        pairs, kw, options = args("qkv", dtype, rows, D, 2, int8)
         kw.pop("K")
         build(db._qkv_kernel, qkv, dict(kw, D=D, HD=hd, BP=min(pairs, hd // 2)), options)
-        bn, kw, options = args("gate_up", dtype, rows, D, 2)
+        bn, kw, options = args("gate_up", dtype, rows, D, 2, int8)
         build(db._gate_up_kernel, gu, dict(kw, BN=bn), options)
 print("compiled")
 """
 
 
 def test_kernels_compile_for_sm90():
-    """GPT-XL and GPT-7B shapes in bf16, GPT-XL in fp32, at 2 rows (GEMV path, its tiling capped for
-    wide K, with programmatic dependent launch) and 8 and 16 rows (dot path): an H100/H200 cubin
+    """GPT-XL and GPT-7B shapes in bf16, GPT-XL in fp32 and with int8 weights, at 2 rows (GEMV path, its
+    tiling capped for wide K, with programmatic dependent launch) and 8 and 16 rows (dot path): an H100/H200 cubin
     with Triton's bundled ptxas, and no register spills."""
     pytest.importorskip("triton.compiler")
     env = dict(os.environ, PYTHONPATH=ROOT)

@@ -208,6 +208,8 @@ def test_user_errors_are_one_line_and_write_nothing(split, tmp_path, capsys):
 def test_settings_change_is_refused(split, uninterrupted, capsys):
     err = run_error(capsys, common(split, "--sample-dir", uninterrupted, "--seed", 5, "--num-workers", 0))
     assert "seed: 0 -> 5" in err and "another --sample-dir" in err
+    err = run_error(capsys, common(split, "--sample-dir", uninterrupted, "--quantize", "int8", "--num-workers", 0))
+    assert "quantize: None -> 'int8'" in err  # settings.json without the key: made unquantized
 
 
 def test_shard_covers_every_index_once():
