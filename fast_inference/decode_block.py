@@ -279,7 +279,7 @@ def rows_per_program(rows, warps, tiles, weight):
     """GEMV path: `rows`, capped so a program's weight tiles stay at <= 128 elements per thread (256
     for int8, packed four to a register): GPT-XL's swept tilings sit at that cap; more spills, which
     wider models (GPT-7B's K = 11,008) would hit at the same setting. A power of two."""
-    per_thread = 256 if weight.element_size() == 1 else 128
+    per_thread = 256 if weight.dtype == torch.int8 else 128
     cap = max(1, per_thread * 32 * warps // (tiles * triton.next_power_of_2(weight.shape[1])))
     return min(rows, 1 << (cap.bit_length() - 1))
 

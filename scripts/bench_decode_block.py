@@ -25,7 +25,7 @@ from fast_inference.bench import weight_bytes
 from fast_inference.decode_attention import decode_attention
 from fast_inference.engine import run_block
 from fast_inference.model import ModelArgs, Transformer
-from fast_inference.quantize import quantize_int8
+from fast_inference.quantize import MODES as QUANTIZE_MODES, quantize_int8
 
 
 def time_us(f):
@@ -57,7 +57,7 @@ def main():
     ap.add_argument("--dot-stages", default="4,6", help="dot path: pipeline stages tried at the best rows and chunk")
     ap.add_argument("--dot-splits", default="2,3,4,5,7",
                     help="dot path: split-K tried last, at the best tiling and at 128-wide K chunks")
-    ap.add_argument("--quantize", choices=["none", "int8"], default="none", help="int8: the block's weights as int8")
+    ap.add_argument("--quantize", choices=list(QUANTIZE_MODES), default="none", help="int8: the block's weights as int8")
     args = ap.parse_args()
     args_xl = ModelArgs.from_name("GPT-XL", block_size=1024, condition_type="hed", n_layer=1)
     with torch.device("cuda"):

@@ -24,7 +24,7 @@ import torch
 import fast_inference.generate as ref
 from fast_inference.engine import Engine
 from fast_inference.model import ModelArgs, Transformer
-from fast_inference.quantize import quantize_int8
+from fast_inference.quantize import MODES as QUANTIZE_MODES, quantize_int8
 
 
 def max_dlogp(a, b):
@@ -111,7 +111,7 @@ def main():
                    help="backend[:compile-scope[:nofuse]], comma-separated")
     p.add_argument("--batch", type=int, default=2, help="images (rows: twice that, under CFG)")
     p.add_argument("--precisions", default="fp32,bf16")
-    p.add_argument("--quantize", choices=["none", "int8"], default="none")
+    p.add_argument("--quantize", choices=list(QUANTIZE_MODES), default="none")
     a = p.parse_args()
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
