@@ -6,7 +6,8 @@ token, position, output, mask and control buffers. So it has no inputs to copy, 
 can be captured once and replayed N-1 times:
   backend "inductor":  compile_scope "block" (default): one compiled transformer block shared by
                        all layers (regional compilation, ~1/n_layer of the compile time) and a
-                       compiled head (norm, output), in a step captured by hand as below;
+                       compiled head (norm, output), in a step captured by hand as below
+                       (inductor's kernels with programmatic dependent launch on Hopper+);
                        at <= 16 rows (n <= 8 under CFG) decode_block's fused Triton kernels
                        instead, with nothing compiled (fused_block=True); the sampling in one
                        Triton kernel (decode_sampling; sampling.py's ops compiled for top-p < 1);
@@ -27,12 +28,28 @@ import torch.nn as nn
 
 from fast_inference import decode_attention, decode_block, decode_sampling
 from fast_inference.generate import prepare
+from fast_inference.pdl import use_pdl
 from fast_inference.quantize import is_int8
 from fast_inference.sampling import cfg_merge, sample
 
 log = logging.getLogger("fast_inference")
 BACKENDS = ("inductor", "cudagraph", "eager")
 COMPILE_SCOPES = ("step", "block")
+
+
+def inductor_pdl(device):
+    """Inductor's programmatic dependent launch on Hopper+: each of its kernels starts while the one
+    before it drains (n = 32 on an H200: 3.58 -> 3.38 ms/step; docs/PERF_NOTES.md #18). Off with
+    TORCHINDUCTOR_ENABLE_PDL=0. Process-wide, as the compile cache directory: the config, and the
+    environment for inductor's compile workers. Called just before compiling: importing inductor
+    takes seconds, and the fused path (<= 16 rows) never needs it."""
+    if os.environ.get("TORCHINDUCTOR_ENABLE_PDL", "1") != "1" or not use_pdl(device):
+        return
+    import torch._inductor.config
+
+    if hasattr(torch._inductor.config.triton, "enable_pdl"):  # torch >= 2.9
+        os.environ["TORCHINDUCTOR_ENABLE_PDL"] = "1"
+        torch._inductor.config.triton.enable_pdl = True
 
 
 def default_cache_dir():
@@ -194,6 +211,7 @@ class Engine:
         inputs, so one compiled block serves every layer; CUDA graphs are then captured by hand."""
         if self.block_fn is None:  # the first torch.compile imports dynamo and inductor (seconds)
             mode = "max-autotune-no-cudagraphs" if self.compile_mode == "max-autotune" else None
+            inductor_pdl(self.device)
             self.block_fn = torch.compile(run_block, mode=mode, fullgraph=True, dynamic=False)
         return self.block_fn
 
@@ -201,6 +219,7 @@ class Engine:
         self.graphs = {}
         self.prefill_fn = s.prefill
         if self.backend == "inductor" and self.compile_prefill:
+            inductor_pdl(self.device)
             self.prefill_fn = torch.compile(s.prefill, fullgraph=True, dynamic=False)
         self.step_fns = {True: s.step, False: s.step_conditional}
         if s.block_fn is not None and s.block_fn is self.block_fn:
@@ -211,6 +230,7 @@ class Engine:
             else:
                 s.finish_fn = torch.compile(s.finish, fullgraph=True, dynamic=False, options={"fallback_random": True})
         if self.backend == "inductor" and not self.block_scope:
+            inductor_pdl(self.device)
             compile_kw = dict(mode=self.compile_mode, fullgraph=True, dynamic=False)
             if self.device.type == "cpu":
                 compile_kw.pop("mode")  # CUDA graphs do not exist on the CPU

@@ -1,5 +1,6 @@
 """The fast engine against the reference sampler (CPU, fp32, tiny random models)."""
 import math
+import os
 
 import pytest
 import torch
@@ -118,3 +119,26 @@ def test_block_compiled_step_matches_reference():
         torch.manual_seed(3)
         draws.append(e.generate(cond, 4, emb_masks=mask, condition=condition, cfg_scale=4.0, top_k=20))
     assert torch.equal(*draws)
+
+
+def test_inductor_pdl_switch(monkeypatch):
+    """On a PDL device, compiling turns on inductor's programmatic dependent launch for the process (its
+    config and, for its compile workers, the environment); TORCHINDUCTOR_ENABLE_PDL=0 keeps it off; the
+    CPU never gets it."""
+    import torch._inductor.config as config
+
+    from fast_inference import engine
+
+    if not hasattr(config.triton, "enable_pdl"):
+        pytest.skip("this torch's inductor has no PDL option")
+    monkeypatch.setattr(config.triton, "enable_pdl", False)
+    monkeypatch.setenv("TORCHINDUCTOR_ENABLE_PDL", "0")
+    monkeypatch.setattr(engine, "use_pdl", lambda device: True)
+    engine.inductor_pdl(torch.device("cuda"))
+    assert config.triton.enable_pdl is False
+    monkeypatch.delenv("TORCHINDUCTOR_ENABLE_PDL")
+    monkeypatch.setattr(engine, "use_pdl", lambda device: device.type == "cuda")
+    engine.inductor_pdl(torch.device("cpu"))
+    assert config.triton.enable_pdl is False and "TORCHINDUCTOR_ENABLE_PDL" not in os.environ
+    engine.inductor_pdl(torch.device("cuda"))
+    assert config.triton.enable_pdl is True and os.environ["TORCHINDUCTOR_ENABLE_PDL"] == "1"
