@@ -39,7 +39,8 @@ COMPILE_SCOPES = ("step", "block")
 
 def inductor_pdl(device):
     """Inductor's programmatic dependent launch on Hopper+: each of its kernels starts while the one
-    before it drains (n = 32 on an H200: 3.58 -> 3.38 ms/step; docs/PERF_NOTES.md #18). Off with
+    before it drains (n = 32 on an H200: 3.58 -> 3.38 ms/step, only while the block's step graph is the
+    process's one CUDA graph capture; docs/PERF_NOTES.md #18). Off with
     TORCHINDUCTOR_ENABLE_PDL=0. Process-wide, as the compile cache directory: the config, and the
     environment for inductor's compile workers. Called just before compiling: importing inductor
     takes seconds, and the fused path (<= 16 rows) never needs it."""
