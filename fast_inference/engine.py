@@ -14,8 +14,10 @@ can be captured once and replayed N-1 times:
                        compile_scope "step": torch.compile(step, mode=reduce-overhead|max-autotune,
                        fullgraph=True), as gpt-fast; int8 weights (quantize.py): the fused
                        kernels up to 16 rows, the eager block beyond, nothing compiled
-  backend "cudagraph": torch.cuda.CUDAGraph captured by hand around the eager step (no Triton)
-  backend "eager":     the same step run op by op (CPU, debugging)
+  backend "cudagraph": torch.cuda.CUDAGraph captured by hand around the eager step (no Triton);
+                       its SDPA reads a static window of the cache per group of steps (one graph
+                       per window, CACHE_WINDOWS), not the whole cache
+  backend "eager":     the same steps run op by op (CPU, debugging)
 It computes what generate.py computes; only the draw differs (same distribution, see sampling.py).
 """
 import functools
@@ -33,6 +35,11 @@ from fast_inference.quantize import is_int8
 from fast_inference.sampling import cfg_merge, sample
 
 log = logging.getLogger("fast_inference")
+
+# Without the Triton decode attention (backends cudagraph and eager) a step's SDPA reads a static
+# window of the cache, one per run of steps: with 8 runs a step reads on average 1/16 of the
+# image's keys past the filled part, instead of the whole cache. One captured graph per window.
+CACHE_WINDOWS = 8
 BACKENDS = ("inductor", "cudagraph", "eager")
 COMPILE_SCOPES = ("step", "block")
 
@@ -53,6 +60,17 @@ def inductor_pdl(device):
         torch._inductor.config.triton.enable_pdl = True
 
 
+def cache_windows(prefix_len, num_tokens, max_seq, groups):
+    """The decode steps in `groups` runs of equal length -> (cache lengths, the window of each step).
+    Step i writes and attends up to position prefix_len + i, so its run's length covers the run's
+    last position (rounded up to 8, at most max_seq); runs of equal length share one window."""
+    steps = max(num_tokens - 1, 1)
+    per = -(-steps // groups)
+    need = [min(max_seq, -(-(prefix_len + (i // per + 1) * per) // 8) * 8) for i in range(steps)]
+    lengths = sorted(set(need))
+    return lengths, [lengths.index(n) for n in need]
+
+
 def default_cache_dir():
     return os.path.join(os.path.expanduser("~"), ".cache", "controlar_fast", "inductor")
 
@@ -61,7 +79,7 @@ class Sampler(nn.Module):
     """Static buffers and the step functions for one (batch, tokens, control grid, settings) shape."""
 
     def __init__(self, model, batch, num_tokens, prefix_len, num_controls, cfg, top_k, top_p, sample_logits,
-                 decode_attention=None, block_fn=None, fused_draw=False):
+                 decode_attention=None, block_fn=None, fused_draw=False, windows=1):
         super().__init__()
         self.model = model
         self.decode_attention, self.block_fn, self.fused_draw = decode_attention, block_fn, fused_draw
@@ -72,6 +90,11 @@ class Sampler(nn.Module):
         rows = 2 * batch if cfg else batch
         model.setup_caches(rows, prefix_len + num_tokens, model.tok_embeddings.weight.dtype)
         self.cache = model.layers[0].attention.kv_cache  # graphs are bound to these cache tensors
+        # The cache length SDPA reads in each window of steps (None: the whole cache, or the kernel's own)
+        if decode_attention is None and windows > 1:
+            self.kv_lens, self.step_window = cache_windows(prefix_len, num_tokens, model.max_seq, windows)
+        else:
+            self.kv_lens, self.step_window = [None], [0]
         device, dtype, D = model.output.weight.device, model.tok_embeddings.weight.dtype, model.args.dim
         buf = lambda name, t: self.register_buffer(name, t, persistent=False)
         buf("token", torch.zeros(batch, 1, dtype=torch.long, device=device))
@@ -100,18 +123,30 @@ class Sampler(nn.Module):
         self.input_pos.fill_(T - 1)  # the position whose next token is drawn: out[:, 0]
         self.emit(logits, self.cfg)
 
-    def step(self):
+    def window(self, i):
+        """The window (index into kv_lens) of decode step i."""
+        return self.step_window[min(i, len(self.step_window) - 1)]
+
+    def step_fn(self, guided, w):
+        """The step to capture or compile, reading the cache window w: `step` if guided, else
+        `step_conditional`."""
+        kv_len = self.kv_lens[w]
+        if guided:
+            return lambda: self.step(kv_len)
+        return lambda: self.step_conditional(kv_len)
+
+    def step(self, kv_len=None):
         """One guided decode step over all rows (both CFG halves when cfg is on)."""
         x = torch.cat([self.token, self.token]) if self.cfg else self.token
-        self._advance(x, self.key_valid, self.controls, guided=self.cfg)
+        self._advance(x, self.key_valid, self.controls, self.cfg, kv_len)
 
-    def step_conditional(self):
+    def step_conditional(self, kv_len=None):
         """After cfg_interval: the conditional half only, at half the batch (same tokens out)."""
-        self._advance(self.token, self.key_valid[: self.batch], self.controls[:, : self.batch], guided=False)
+        self._advance(self.token, self.key_valid[: self.batch], self.controls[:, : self.batch], False, kv_len)
 
-    def _advance(self, x, key_valid, controls, guided):
+    def _advance(self, x, key_valid, controls, guided, kv_len):
         h = self.model(self.model.tok_embeddings(x), self.input_pos, key_valid, controls, last_only=True,
-                       decode_attention=self.decode_attention, block_fn=self.block_fn, hidden=True)
+                       decode_attention=self.decode_attention, block_fn=self.block_fn, hidden=True, kv_len=kv_len)
         self.finish_fn(h, guided)
 
     def finish(self, h, guided):
@@ -199,8 +234,10 @@ class Engine:
                      "eager (int8)" if self.int8 else "compiled (inductor)")
         # The draw in one kernel where the attention is Triton's (the cudagraph backend promises no Triton).
         fused_draw = attention is not None and decode_sampling.supported(self.device, top_p)
+        # Cache windows where the steps are captured or run eagerly: a compiler would compile each.
+        windows = CACHE_WINDOWS if self.backend in ("cudagraph", "eager") else 1
         s = Sampler(self.model, batch, num_tokens, prefix_len, num_controls, cfg, top_k, top_p, sample_logits,
-                    attention, block_fn, fused_draw)
+                    attention, block_fn, fused_draw, windows)
         if fused:
             s.logits_fn = functools.partial(decode_block.logits, self.model)
         self._build(s)
@@ -222,7 +259,8 @@ class Engine:
         if self.backend == "inductor" and self.compile_prefill:
             inductor_pdl(self.device)
             self.prefill_fn = torch.compile(s.prefill, fullgraph=True, dynamic=False)
-        self.step_fns = {True: s.step, False: s.step_conditional}
+        self.step_fns = {(guided, w): s.step_fn(guided, w) for guided in (True, False)
+                         for w in range(len(s.kv_lens))}
         if s.block_fn is not None and s.block_fn is self.block_fn:
             # The head too (final norm and output projection; without the fused draw also CFG merge,
             # top-k and draw: ~40 small kernels eager); fallback_random keeps the eager random stream.
@@ -235,31 +273,32 @@ class Engine:
             compile_kw = dict(mode=self.compile_mode, fullgraph=True, dynamic=False)
             if self.device.type == "cpu":
                 compile_kw.pop("mode")  # CUDA graphs do not exist on the CPU
-            self.step_fns = {guided: torch.compile(f, **compile_kw) for guided, f in self.step_fns.items()}
-        self.warm = {True: False, False: False}
+            self.step_fns = {key: torch.compile(f, **compile_kw) for key, f in self.step_fns.items()}
+        self.warm = dict.fromkeys(self.step_fns, False)
 
-    def _run_step(self, s, guided):
-        """One decode step; the first call of each kind is timed as compile/capture time."""
-        if self.warm[guided]:
+    def _run_step(self, s, key):
+        """One decode step of kind key = (guided, window); the first call of each kind is timed as
+        compile/capture time."""
+        if self.warm[key]:
             if self.hand_capture:
-                self.graphs[guided].replay()
+                self.graphs[key].replay()
             else:
-                self.step_fns[guided]()
+                self.step_fns[key]()
             return
         t0 = time.perf_counter()
         if self.hand_capture:
-            self.graphs[guided] = capture(s, self.step_fns[guided])
+            self.graphs[key] = capture(s, self.step_fns[key])
         else:
             # reduce-overhead records its graph on the first calls; run them on a saved state.
             saved = snapshot(s)
             for _ in range(3 if self.device.type == "cuda" else 1):
                 restore(s, saved)
-                self.step_fns[guided]()
+                self.step_fns[key]()
             restore(s, saved)
-            self.step_fns[guided]()
+            self.step_fns[key]()
         sync(self.device)
         self.compile_seconds += time.perf_counter() - t0
-        self.warm[guided] = True
+        self.warm[key] = True
 
     # ---- generation ----------------------------------------------------------------------------
 
@@ -299,7 +338,7 @@ class Engine:
             if forced is not None:
                 s.token[:B].copy_(forced[:, i : i + 1])
             guided = cfg and not (-1 < cfg_interval < i)
-            self._run_step(s, guided)
+            self._run_step(s, (guided, s.window(i)))
             if forced is not None:
                 logits.append(s.logits[: (2 * s.batch if guided else s.batch)].clone())
         tokens = s.out[:B].clone()

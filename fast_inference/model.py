@@ -362,7 +362,7 @@ class Transformer(nn.Module):
             layer.feed_forward.fuse()
 
     def forward(self, x, input_pos, key_valid, controls=None, last_only=False, decode_attention=None, block_fn=None,
-                hidden=False):
+                hidden=False, kv_len=None):
         """Run the blocks over embeddings x (B,S,D) at absolute positions input_pos (S,).
 
         key_valid (B, max_seq) bool: which cache positions a query may see besides itself (the text
@@ -375,15 +375,18 @@ class Transformer(nn.Module):
         block_fn(layer, x, freqs, attend, input_pos): runs a block instead of layer(...) (the fast
         engine passes one compiled function shared by all blocks). hidden: return the last block's
         output instead of the logits (`logits` finishes it; the fast engine's head runs that).
+        kv_len: SDPA reads only the first kv_len cache positions, a static window past every position
+        in input_pos (the later keys are masked out anyway); the fast engine's graphs without Triton.
         """
         if decode_attention is not None and x.shape[1] == 1:
             def attend(q, k, v):
                 return decode_attention(q, k, v, key_valid, input_pos)
         else:
-            mask = attention_mask(key_valid, input_pos)
+            n = key_valid.shape[1] if kv_len is None else kv_len
+            mask = attention_mask(key_valid[:, :n], input_pos)
 
             def attend(q, k, v):
-                return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+                return F.scaled_dot_product_attention(q, k[:, :, :n], v[:, :, :n], attn_mask=mask)
 
         freqs = self.freqs_cis[input_pos]
         if controls is not None:

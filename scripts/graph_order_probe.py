@@ -101,10 +101,10 @@ def main():
             elif item == "graph":
                 keep.append(trivial_graph())
             elif item == "recapture":
-                graphs.append(capture(engine.sampler, engine.step_fns[True]))
+                graphs.append(capture(engine.sampler, engine.step_fns[True, 0]))
             elif item == "recapture-keep":  # the same with torch.cuda.empty_cache a no-op
                 empty, torch.cuda.empty_cache = torch.cuda.empty_cache, lambda: None
-                graphs.append(capture(engine.sampler, engine.step_fns[True]))
+                graphs.append(capture(engine.sampler, engine.step_fns[True, 0]))
                 torch.cuda.empty_cache = empty
             elif item == "drop":  # every other graph destroyed: only the last shape's first step graph lives
                 graphs, keep = graphs[:1], []
@@ -119,7 +119,7 @@ def main():
                 cond, mask, condition = inputs(model, int(item), 512, "cuda")
                 for _ in range(2):
                     engine.generate(cond, 1024, emb_masks=mask, condition=condition, cfg_scale=4.0, top_k=2000)
-                graphs = [engine.graphs[True]]
+                graphs = [engine.graphs[True, 0]]
                 print(f"n = {item}: decode {engine.last_timings['decode'] / 1023 * 1e3:.3f} ms/step", flush=True)
         for g in mlps:
             print(f"mlp chain replayed at the end: {replay_ms(None, g):.3f} ms", flush=True)

@@ -42,7 +42,7 @@ def main():
             with profile(activities=[ProfilerActivity.CUDA]) as prof:
                 for _ in range(a.steps):
                     s.input_pos.fill_(700)
-                    engine.step_fns[True]()
+                    engine.step_fns[True, 0]()
                 torch.cuda.synchronize()
             events = [e for e in prof.key_averages() if e.device_type.name == "CUDA"]
             events.sort(key=lambda e: -e.device_time_total)
@@ -51,7 +51,7 @@ def main():
             start.record()
             for _ in range(a.steps):
                 s.input_pos.fill_(700)
-                engine.graphs[True].replay()
+                engine.graphs[True, 0].replay()
             end.record()
             torch.cuda.synchronize()
             print(f"batch {B}: {total / 1e3:.2f} ms of kernels per step, {sum(e.count for e in events) // a.steps} "

@@ -5,7 +5,7 @@ import os
 import pytest
 import torch
 
-from fast_inference.engine import Engine
+from fast_inference.engine import CACHE_WINDOWS, Engine, cache_windows
 from fast_inference.generate import generate
 from test_reference import FIXTURES, build_fixture_model, tiny_inputs, tiny_model
 
@@ -36,6 +36,46 @@ def test_teacher_forced_logits_match_reference(cfg_scale, cfg_interval):
         if f.shape != r.shape:  # after cfg_interval the fast step runs the conditional half only
             r = r.chunk(2)[0]
         assert (r - f).abs().max().item() <= 1e-4, f"position {i}"
+
+
+@pytest.mark.parametrize("prefix,tokens,max_seq", [(120, 1024, 1144), (8, 16, 24), (3, 2, 8), (120, 257, 384)])
+def test_cache_windows_cover_every_step(prefix, tokens, max_seq):
+    """Each decode step's window holds every key up to its position; windows grow, stay within the
+    cache, and (for a real image) the first reads far less than the whole cache."""
+    lengths, step_window = cache_windows(prefix, tokens, max_seq, CACHE_WINDOWS)
+    assert 1 <= len(lengths) <= CACHE_WINDOWS and lengths == sorted(set(lengths)) and lengths[-1] <= max_seq
+    assert len(step_window) == max(tokens - 1, 1) and step_window == sorted(step_window)
+    for i in range(tokens - 1):  # step i attends up to position prefix + i
+        assert prefix + i < lengths[step_window[i]] <= max_seq
+    if tokens == 1024:  # 8 runs of 128 steps
+        assert lengths == [248, 376, 504, 632, 760, 888, 1016, 1144]
+
+
+def test_eager_steps_read_cache_windows(monkeypatch):
+    """The backends without the Triton attention read a window of the cache per run of steps: the
+    windows are really used (most shorter than the cache), and teacher-forced logits with CFG and a
+    cfg_interval stay within 1e-4 of the reference's whole-cache attention."""
+    import torch.nn.functional as F
+
+    sdpa, used = F.scaled_dot_product_attention, []
+
+    def recording(q, k, v, **kw):
+        if q.shape[2] == 1:  # a decode step (the prefill's queries are the whole prefix)
+            used.append(k.shape[2])
+        return sdpa(q, k, v, **kw)
+
+    model = tiny_model(cls=8, seed=4)
+    cond, mask, condition = tiny_inputs(model)
+    forced = torch.randint(0, model.args.vocab_size, (2, 16), generator=torch.Generator().manual_seed(6))
+    kw = dict(emb_masks=mask, condition=condition, cfg_scale=4.0, cfg_interval=9, forced=forced)
+    _, ref_logits = generate(model, cond, 16, return_logits=True, **kw)
+    monkeypatch.setattr(F, "scaled_dot_product_attention", recording)
+    _, fast_logits = Engine(model, backend="eager").generate(cond, 16, **kw)
+    lengths, _ = cache_windows(model.args.cls_token_num, 16, model.max_seq, CACHE_WINDOWS)
+    assert len(lengths) > 1 and sorted(set(used)) == lengths and min(used) < model.max_seq
+    for r, f in zip(ref_logits, fast_logits):
+        r = r if r.shape == f.shape else r.chunk(2)[0]
+        assert (r - f).abs().max().item() <= 1e-4
 
 
 def test_same_seed_same_tokens_and_partial_batch():
