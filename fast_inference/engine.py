@@ -90,8 +90,9 @@ class Sampler(nn.Module):
         rows = 2 * batch if cfg else batch
         model.setup_caches(rows, prefix_len + num_tokens, model.tok_embeddings.weight.dtype)
         self.cache = model.layers[0].attention.kv_cache  # graphs are bound to these cache tensors
-        # The cache length SDPA reads in each window of steps (None: the whole cache, or the kernel's own)
-        if decode_attention is None and windows > 1:
+        # The cache length SDPA reads in each window of steps (None: the whole cache, or the kernel's own;
+        # the engine asks for windows only where there is no decode_attention kernel)
+        if windows > 1:
             self.kv_lens, self.step_window = cache_windows(prefix_len, num_tokens, model.max_seq, windows)
         else:
             self.kv_lens, self.step_window = [None], [0]
