@@ -30,8 +30,10 @@ dot = lambda n, bk, s=1: dict(qkv=(16, bk, 4, 2, s), wo=(n, bk, 4, 2, s), gate_u
 # chunks (bk) here are smaller than K so its loops run several times, or wider than K (128: masked);
 # split-K (s): more splits than chunks (capped), or 3 uneven runs of chunks, some empty. `wide`: widths
 # that are no powers of two (dim 160 = 128 + 32, hidden 448 = 256 + 192), so the GEMV rows run in two pieces
-narrow, wide = dict(n_head=2), dict(dim=160, n_head=5, multiple_of=32, n_layer=1)  # one layer: the interpreter is slow
-cases = [(1, 4.0, narrow, tile(4), None, True, False), (1, 1.0, dict(n_head=4), tile(2), None, False, False),
+# Two layers (one for `wide`) and three steps: the interpreter is slow, and one block feeding the next is what counts
+narrow, wide = dict(n_head=2, n_layer=2), dict(dim=160, n_head=5, multiple_of=32, n_layer=1)
+STEPS = 3
+cases = [(1, 4.0, narrow, tile(4), None, True, False), (1, 1.0, dict(n_head=4, n_layer=2), tile(2), None, False, False),
          (2, 4.0, narrow, tile(16), None, True, True), (1, 4.0, wide, tile(4), None, True, False),
          (3, 4.0, narrow, None, dot(16, 32), True, False), (5, 1.0, narrow, None, dot(32, 128, 4), False, True),
          (8, 4.0, narrow, None, dot(16, 16, 3), True, False), (3, 4.0, wide, None, dot(16, 64), False, False)]
@@ -47,12 +49,12 @@ for B, cfg, widths, config, dot_config, pdl, int8 in cases:
     cond, mask, condition = tiny_inputs(ref, B=B)
     p = prepare(ref, cond, condition, mask, cfg, 0.9)
     rows, T = p.prefix.shape[:2]
-    tokens = torch.randint(0, ref.args.vocab_size, (rows, 6), generator=torch.Generator().manual_seed(2))
+    tokens = torch.randint(0, ref.args.vocab_size, (rows, STEPS), generator=torch.Generator().manual_seed(2))
     for m in (ref, fast):
-        m.setup_caches(rows, T + 6, torch.float32)
+        m.setup_caches(rows, T + STEPS, torch.float32)
         key_valid = p.key_valid(m.max_seq)
         m(p.prefix, torch.arange(T), key_valid, p.controls, last_only=True)
-    for i in range(6):
+    for i in range(STEPS):
         pos = torch.tensor([T + i])
         x = ref.tok_embeddings(tokens[:, i : i + 1])
         want = ref(x, pos, key_valid, p.controls, last_only=True)
@@ -70,7 +72,7 @@ print(worst, cache_worst)
 
 
 def test_fused_block_matches_model_in_interpreter():
-    """Six teacher-forced decode steps after a prefill: logits within 1e-4 and identical cache rows
+    """Three teacher-forced decode steps through two layers after a prefill: logits within 1e-4 and identical cache rows
     (up to float32 rounding) for 1, 2 and 4 rows (GEMV path) and 5, 6 and 16 rows (dot path, also
     split-K), with and without CFG, several tilings, power-of-two widths and others (the GEMV rows in
     two pieces); and the head (final norm fused into the output projection)."""
@@ -95,22 +97,23 @@ decode_attention.available = lambda device: True
 decode_block.supported = lambda model, rows: rows <= decode_block.MAX_ROWS
 decode_block.use_pdl = lambda device: True
 decode_sampling.supported = lambda device, top_p: top_p >= 1.0
-model = tiny_model(cls=8, seed=6, vocab_size=512)  # a small vocabulary: the interpreter runs every program
+model = tiny_model(cls=8, seed=6, vocab_size=512, n_layer=2)  # small: the interpreter runs every program
 cond, mask, condition = tiny_inputs(model, B=2)
-forced = torch.randint(0, model.args.vocab_size, (2, 6), generator=torch.Generator().manual_seed(3))
-kw = dict(emb_masks=mask, condition=condition, cfg_scale=4.0, cfg_interval=2, forced=forced)
-_, want = generate(model, cond, 6, return_logits=True, **kw)
+# 4 tokens: the prefill's and 3 decode steps, 2 guided and, after cfg_interval, 1 unguided
+forced = torch.randint(0, model.args.vocab_size, (2, 4), generator=torch.Generator().manual_seed(3))
+kw = dict(emb_masks=mask, condition=condition, cfg_scale=4.0, cfg_interval=1, forced=forced)
+_, want = generate(model, cond, 4, return_logits=True, **kw)
 engine = Engine(model, backend="inductor", compile_scope="block")
-_, got = engine.generate(cond, 6, **kw)
+_, got = engine.generate(cond, 4, **kw)
 assert engine.sampler.block_fn is decode_block.decode_block and engine.block_fn is None  # nothing compiled
 assert engine.sampler.fused_draw
 worst = max((w if w.shape == g.shape else w.chunk(2)[0]).sub(g).abs().max().item() for w, g in zip(want, got))
-greedy = engine.generate(cond, 6, emb_masks=mask, condition=condition, cfg_scale=4.0, top_k=1)
-same = torch.equal(greedy, generate(model, cond, 6, emb_masks=mask, condition=condition, cfg_scale=4.0, top_k=1))
+greedy = engine.generate(cond, 4, emb_masks=mask, condition=condition, cfg_scale=4.0, top_k=1)
+same = torch.equal(greedy, generate(model, cond, 4, emb_masks=mask, condition=condition, cfg_scale=4.0, top_k=1))
 draws = []
 for seed in (5, 5, 6):  # the fused draw's Philox key comes from torch's generator
     torch.manual_seed(seed)
-    draws.append(engine.generate(cond, 6, emb_masks=mask, condition=condition, cfg_scale=4.0, top_k=20))
+    draws.append(engine.generate(cond, 4, emb_masks=mask, condition=condition, cfg_scale=4.0, top_k=20))
 same = same and torch.equal(draws[0], draws[1]) and not torch.equal(draws[0], draws[2])
 print(worst, same)
 """
