@@ -12,12 +12,10 @@ Items run in order:
 - `recapture`: captures the current step a second time (`recapture-keep`: the same with
   torch.cuda.empty_cache a no-op, as torch.cuda.graph calls it);
 - `drop`: destroys every graph but the last shape's first step graph;
-- `gc`: gc.collect() only; `free`: 1 GiB allocated, freed and handed back to the driver, no capture;
-- `mlp`: no engine: a chain of 12 RMSNorm + gate/up + SiLU + down + residual layers at 64 rows, compiled
-  by inductor with PDL and captured by hand (timed at once, and again at the end).
+- `gc`: gc.collect() only; `free`: 1 GiB allocated, freed and handed back to the driver, no capture.
 At the end the step graphs are replayed at position 700 (a mid-image cache), the first one again last.
 
-    python scripts/graph_order_probe.py mlp,graph     # does the standalone chain lose PDL too?
+The same question without the engine: scripts/capture_probe.py.
 """
 import gc
 import os
@@ -28,7 +26,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch
 
 from fast_inference.bench import inputs
-from fast_inference.engine import Engine, capture, inductor_pdl
+from fast_inference.engine import Engine, capture
 from fast_inference.model import ModelArgs, Transformer
 
 
@@ -56,49 +54,16 @@ def trivial_graph():
     return g
 
 
-def mlp_graph(layers=12, rows=64, dim=1280, hidden=3584):
-    """The compiled block's GEMM + element-wise pattern without the engine, captured as the engine does."""
-    inductor_pdl(torch.device("cuda"))
-    with torch.device("cuda"):
-        ws = [(torch.randn(2 * hidden, dim, dtype=torch.bfloat16) * 0.02, torch.randn(dim, hidden, dtype=torch.bfloat16)
-               * 0.02) for _ in range(layers)]
-        x = torch.randn(rows, dim, dtype=torch.bfloat16)
-
-    def chain(x):
-        for gate_up, down in ws:
-            h = torch.nn.functional.rms_norm(x.float(), (dim,), eps=1e-5).to(x.dtype)
-            g, u = (h @ gate_up.T).chunk(2, -1)
-            x = x + (torch.nn.functional.silu(g) * u) @ down.T
-        return x
-
-    f = torch.compile(chain, fullgraph=True, dynamic=False)
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(2):
-            f(x)
-    torch.cuda.current_stream().wait_stream(stream)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        f(x)
-    g.replay()
-    return g
-
-
 def main():
     items = sys.argv[1].split(",") if len(sys.argv) > 1 else ["32"]
-    model, engine, keep, graphs, mlps = None, None, [], [], []
-    if any(item.isdigit() for item in items):
-        with torch.device("cuda"):
-            model = Transformer(ModelArgs.from_name("GPT-XL", block_size=1024, condition_type="hed"))
-        model = model.to(torch.bfloat16).eval().requires_grad_(False)
-        engine = Engine(model)
+    keep, graphs = [], []
+    with torch.device("cuda"):
+        model = Transformer(ModelArgs.from_name("GPT-XL", block_size=1024, condition_type="hed"))
+    model = model.to(torch.bfloat16).eval().requires_grad_(False)
+    engine = Engine(model)
     with torch.no_grad():
         for item in items:
-            if item == "mlp":
-                mlps.append(mlp_graph())
-                print(f"mlp chain replayed: {replay_ms(None, mlps[-1]):.3f} ms", flush=True)
-            elif item == "graph":
+            if item == "graph":
                 keep.append(trivial_graph())
             elif item == "recapture":
                 graphs.append(capture(engine.sampler, engine.step_fns[True, 0]))
@@ -121,8 +86,6 @@ def main():
                     engine.generate(cond, 1024, emb_masks=mask, condition=condition, cfg_scale=4.0, top_k=2000)
                 graphs = [engine.graphs[True, 0]]
                 print(f"n = {item}: decode {engine.last_timings['decode'] / 1023 * 1e3:.3f} ms/step", flush=True)
-        for g in mlps:
-            print(f"mlp chain replayed at the end: {replay_ms(None, g):.3f} ms", flush=True)
         if not graphs:
             return
         s = engine.sampler
