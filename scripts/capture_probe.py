@@ -8,7 +8,8 @@ rows (GPT-XL widths, bf16), compiled by inductor with PDL, replayed 200 times. O
 
 Items run in order; at the end every chain's graph is replayed and timed:
 - `mlp` / `rawmlp`: the chain captured with torch.cuda.graph / with cuStreamBeginCapture (the caching
-  allocator routed to a private pool meanwhile, as torch.cuda.graph does);
+  allocator routed to a private pool meanwhile, as torch.cuda.graph does); `mlp36`, `rawmlp36`: of 36
+  layers (the engine's n = 32 step, ~490 kernels, loses the gain to a second driver capture of itself);
 - torch captures: `empty` (torch.cuda.graph around nothing), `elt` (x.add_(1)), `mm` (a 64 x 1280 x 1280
   matmul), `bare` (CUDAGraph.capture_begin/capture_end around x.add_(1) alone: no synchronize or
   empty_cache), `barekeep` (the same with keep_graph=True: never instantiated), `barekeepinst` (then
@@ -155,8 +156,9 @@ def raw_add(item):
 def main():
     items = sys.argv[1].split(",") if len(sys.argv) > 1 else ["mlp"]
     for item in items:
-        if item in ("mlp", "rawmlp"):
-            CHAINS.append(chain_graph(raw=item == "rawmlp"))
+        if item.rstrip("0123456789") in ("mlp", "rawmlp"):  # mlp36: a chain of 36 layers
+            layers = int(item.lstrip("rawmlp") or 12)
+            CHAINS.append(chain_graph(raw=item.startswith("raw"), layers=layers))
             print(f"chain {len(CHAINS)} ({item}) at once: {replay_ms(CHAINS[-1]):.4f} ms", flush=True)
         elif item.startswith("raw"):
             raw_add(item)
