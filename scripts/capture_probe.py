@@ -113,9 +113,10 @@ def chain_graph(raw, layers=12, rows=64, dim=1280, hidden=3584):
 
 def torch_capture(item):
     x = torch.zeros(1024, device="cuda")
-    a, w = torch.randn(64, 1280, device="cuda", dtype=torch.bfloat16), torch.randn(1280, 1280, device="cuda",
-                                                                                    dtype=torch.bfloat16)
-    a @ w
+    if item == "mm":  # the operands, and cuBLAS's handle and workspace, made before the capture
+        a, w = (torch.randn(n, 1280, device="cuda", dtype=torch.bfloat16) for n in (64, 1280))
+        a @ w
+        KEEP.append((a, w))
     work = {"empty": lambda: None, "elt": lambda: x.add_(1), "mm": lambda: a @ w, "sharedpool": lambda: x.add_(1)}
     if item in work:
         g = torch.cuda.CUDAGraph()
@@ -133,7 +134,7 @@ def torch_capture(item):
             g.instantiate()
         KEEP.append(stream)
     torch.cuda.synchronize()
-    KEEP.append((g, x, a, w))
+    KEEP.append((g, x))
 
 
 def raw_add(item):
@@ -156,9 +157,10 @@ def raw_add(item):
 def main():
     items = sys.argv[1].split(",") if len(sys.argv) > 1 else ["mlp"]
     for item in items:
-        if item.rstrip("0123456789") in ("mlp", "rawmlp"):  # mlp36: a chain of 36 layers
-            layers = int(item.lstrip("rawmlp") or 12)
-            CHAINS.append(chain_graph(raw=item.startswith("raw"), layers=layers))
+        name = item.rstrip("0123456789")
+        if name in ("mlp", "rawmlp"):  # mlp36: a chain of 36 layers
+            layers = int(item[len(name):] or 12)
+            CHAINS.append(chain_graph(raw=name == "rawmlp", layers=layers))
             print(f"chain {len(CHAINS)} ({item}) at once: {replay_ms(CHAINS[-1]):.4f} ms", flush=True)
         elif item.startswith("raw"):
             raw_add(item)

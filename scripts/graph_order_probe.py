@@ -35,8 +35,7 @@ def replay_ms(s, graph, n=50):
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
     for _ in range(n):
-        if s is not None:
-            s.input_pos.fill_(700)
+        s.input_pos.fill_(700)
         graph.replay()
     end.record()
     torch.cuda.synchronize()
