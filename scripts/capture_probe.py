@@ -30,7 +30,10 @@ import torch
 
 from fast_inference.engine import inductor_pdl
 
-cuda = ctypes.CDLL("libcuda.so.1")
+try:
+    cuda = ctypes.CDLL("libcuda.so.1")
+except OSError:
+    sys.exit("capture_probe.py needs a CUDA GPU and its driver (libcuda.so.1); run it on the GPU machine")
 KEEP, POOLS, CHAINS, FNS = [], [], [], []
 
 
