@@ -24,10 +24,11 @@ try:
 except ImportError:  # the cudagraph/eager backends work without Triton
     triton = None
 
-# (BLOCK, num_warps). scripts/bench_decode_attention.py on the H200 (GPT-XL, CUDA-graph timed, this
-# kernel with the merge): at 64 rows, position 700, 64.3 us (best 62.4 with 256-key tiles; SDPA over
-# the whole cache 110.2, ideal 53.8); at 2 rows 6.1 us (best 6.0).
-CONFIG = (128, 4)
+# (BLOCK, num_warps) by row count: the first entry whose bound is >= the rows. scripts/bench_decode_attention.py
+# on the H200 (GPT-XL, CUDA-graph timed, with the merge, summed over positions 200/450/700/950/1100):
+# 16 rows 87.9 us with (64, 2) against 91.7 with (128, 4); 64 rows 287.3 with (128, 2) against 292.7.
+# Up to 4 rows the kernel runs under PDL (decode_block), where (128, 4) was tuned: ~6 us at 2 rows.
+CONFIGS = ((4, (128, 4)), (16, (64, 2)), (None, (128, 2)))
 LEAD = 128  # leading keys searched for the first attendable one (the t2i text prefix is 120)
 
 
@@ -119,7 +120,7 @@ def decode_attention(q, k_cache, v_cache, key_valid, input_pos, config=None, pdl
     """q (R,H,1,hd); caches (R,H,L,hd); key_valid (R,L) bool; input_pos (1,) -> (R,H,1,hd)."""
     R, H, _, hd = q.shape
     L = k_cache.shape[2]
-    block, num_warps = config or CONFIG
+    block, num_warps = config or config_for(R)
     n_splits = triton.cdiv(L, block)
     m = torch.empty(R, H, n_splits, device=q.device, dtype=torch.float32)
     l = torch.empty_like(m)
@@ -134,6 +135,10 @@ def decode_attention(q, k_cache, v_cache, key_valid, input_pos, config=None, pdl
     _merge_kernel[(R * H,)](m, l, acc, key_valid, input_pos, out, key_valid.stride(0), H, n_splits, BLOCK=block,
                             SPLITS=triton.next_power_of_2(n_splits), HEAD_DIM=hd, LEAD=LEAD, **launch(pdl))
     return out
+
+
+def config_for(rows):
+    return next(config for bound, config in CONFIGS if bound is None or rows <= bound)
 
 
 def available(device):
