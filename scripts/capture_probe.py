@@ -17,6 +17,8 @@ Items run in order; at the end every chain's graph is replayed and timed:
 - driver captures of x.add_(1) on a side stream: `rawnoinst` (never instantiated), `rawinst` (not launched),
   `raw` (relaxed mode), `rawg` (global mode), `rawf<N>` (instantiate flags N: 1 auto-free, 8 node
   priority), `rawpool` (global mode, flags 9, allocating, torch's allocator routed to a pool);
+- `rtbare`: x.add_(1) captured through the runtime API (cudaStreamBeginCapture, global mode, as
+  torch's capture_begin calls it, without torch's allocator steps), the graph destroyed uninstantiated;
 - no capture: `mempool` (an allocation through torch.cuda.use_mem_pool), `hostempty` (the pinned-memory
   cache emptied, as torch.cuda.graph does), `eager` (the first chain run once without its graph).
 """
@@ -140,6 +142,26 @@ def torch_capture(item):
     KEEP.append((g, x))
 
 
+def runtime_capture():
+    """x.add_(1) between cudaStreamBeginCapture and cudaStreamEndCapture of the CUDA runtime torch loaded."""
+    torch.cuda.init()
+    path = next((line.split()[-1] for line in open("/proc/self/maps") if "libcudart.so" in line), None)
+    if path is None:
+        sys.exit("rtbare: this torch build has no shared libcudart loaded")
+    cudart = ctypes.CDLL(path)
+    x = torch.ones(1 << 16, device="cuda")
+    stream, graph = torch.cuda.Stream(), ctypes.c_void_p()
+    torch.cuda.synchronize()
+    handle = ctypes.c_void_p(stream.cuda_stream)
+    with torch.cuda.stream(stream):
+        check(cudart.cudaStreamBeginCapture(handle, 0), "begin")
+        x.add_(1)
+        check(cudart.cudaStreamEndCapture(handle, ctypes.byref(graph)), "end")
+    check(cudart.cudaGraphDestroy(graph), "destroy")
+    torch.cuda.synchronize()
+    KEEP.append((x, stream))
+
+
 def raw_add(item):
     x = torch.ones(1 << 16, device="cuda")
     stream = torch.cuda.Stream()
@@ -167,6 +189,8 @@ def main():
             print(f"chain {len(CHAINS)} ({item}) at once: {replay_ms(CHAINS[-1]):.4f} ms", flush=True)
         elif item.startswith("raw"):
             raw_add(item)
+        elif item == "rtbare":
+            runtime_capture()
         elif item == "mempool":
             pool = torch.cuda.MemPool()
             with torch.cuda.use_mem_pool(pool):
