@@ -2,11 +2,13 @@
 
 The static cache is sized for the whole image, but at step p only keys 0..p exist. SDPA over the
 static cache reads all of it every step; here each program takes one tile of BLOCK keys of one
-(row, head) and returns at once if the tile starts past p, so the bytes per step follow the filled
+(row, head), and a tile that starts past p reads nothing, so the bytes per step follow the filled
 length. Tiles start at a row's first attendable key: a caption shorter than the text prefix is
 left-padded (the padding keys are masked for every image position), so its padding is skipped too.
 A program writes a partial result (max, sum, weighted values); a second kernel merges the
-partials of each (row, head) and writes the output in the layout the output projection reads.
+partials of each (row, head) and writes the output in the layout the output projection reads. A tile
+past p writes a partial that weighs nothing, so the merge needs neither the position nor the padding:
+it loads the partials right after its wait.
 Same function as SDPA with the mask rule of model.attention_mask: query p sees key q iff q == p or
 (q <= p and key_valid[q]).
 With pdl=True (programmatic dependent launch, from decode_block) a program loads the keys and values
@@ -45,10 +47,16 @@ if triton is not None:
         h = rh % n_heads
         pos = tl.load(POS)  # written by the previous step, before any kernel of this one
         start = _first_key(KEY_VALID + r * stride_valid, pos, LEAD) + split * BLOCK
-        if start <= pos:  # a tile past pos has nothing to do (the merge skips it)
-            _tile(Q, K, V, KEY_VALID, M_OUT, L_OUT, ACC_OUT, r, h, rh * n_splits + split, start, pos,
+        out = rh * n_splits + split
+        if start <= pos:
+            _tile(Q, K, V, KEY_VALID, M_OUT, L_OUT, ACC_OUT, r, h, out, start, pos,
                   stride_qr, stride_qh, stride_kr, stride_kh, stride_kn, stride_vr, stride_vh, stride_vn,
                   stride_valid, SCALE, BLOCK, HEAD_DIM, PDL)
+        else:  # past pos: a partial that weighs nothing (written after the wait, as every write of a PDL kernel)
+            pdl_wait(PDL)
+            tl.store(M_OUT + out, float("-inf"))
+            tl.store(L_OUT + out, 0.0)
+            tl.store(ACC_OUT + out * HEAD_DIM + tl.arange(0, HEAD_DIM), tl.zeros((HEAD_DIM,), tl.float32))
 
     @triton.jit
     def _first_key(VALID, pos, LEAD: tl.constexpr):
@@ -99,15 +107,12 @@ if triton is not None:
         tl.store(ACC_OUT + out * HEAD_DIM + offs_d, acc)
 
     @triton.jit
-    def _merge_kernel(M, L, ACC, KEY_VALID, POS, OUT, stride_valid, n_heads, n_splits, BLOCK: tl.constexpr,
-                      SPLITS: tl.constexpr, HEAD_DIM: tl.constexpr, LEAD: tl.constexpr, PDL: tl.constexpr):
+    def _merge_kernel(M, L, ACC, OUT, n_splits, SPLITS: tl.constexpr, HEAD_DIM: tl.constexpr, PDL: tl.constexpr):
         pdl_wait(PDL)
         rh = tl.program_id(0)
         offs_s = tl.arange(0, SPLITS)
         offs_d = tl.arange(0, HEAD_DIM)
-        pos = tl.load(POS)
-        first = _first_key(KEY_VALID + rh // n_heads * stride_valid, pos, LEAD)
-        ok = offs_s <= (pos - first) // BLOCK  # the tiles up to the current position
+        ok = offs_s < n_splits
         m = tl.load(M + rh * n_splits + offs_s, mask=ok, other=float("-inf"))
         l = tl.load(L + rh * n_splits + offs_s, mask=ok, other=0.0)
         acc = tl.load(ACC + (rh * n_splits + offs_s)[:, None] * HEAD_DIM + offs_d[None, :], mask=ok[:, None], other=0.0)
@@ -132,8 +137,8 @@ def decode_attention(q, k_cache, v_cache, key_valid, input_pos, config=None, pdl
         SCALE=hd**-0.5, BLOCK=block, HEAD_DIM=hd, LEAD=LEAD, num_warps=num_warps, **launch(pdl),
     )
     out = torch.empty(R, H, 1, hd, device=q.device, dtype=q.dtype)
-    _merge_kernel[(R * H,)](m, l, acc, key_valid, input_pos, out, key_valid.stride(0), H, n_splits, BLOCK=block,
-                            SPLITS=triton.next_power_of_2(n_splits), HEAD_DIM=hd, LEAD=LEAD, **launch(pdl))
+    _merge_kernel[(R * H,)](m, l, acc, out, n_splits, SPLITS=triton.next_power_of_2(n_splits), HEAD_DIM=hd,
+                            **launch(pdl))
     return out
 
 

@@ -19,6 +19,14 @@ from fast_inference.model import attention_mask
 # The interpreter has no grid dependency control; without PDL launches the calls are no-ops anyway.
 tl.extra.cuda.gdc_wait = tl.extra.cuda.gdc_launch_dependents = lambda *args, **kwargs: None
 
+# Scratch as garbage: NaN in every float buffer the wrapper allocates, so a partial that a tile past the
+# position did not write poisons the merge.
+def poisoned(make):
+    return lambda *args, **kwargs: (lambda t: t.fill_(float("nan")) if t.is_floating_point() else t)(make(*args, **kwargs))
+
+
+torch.empty, torch.empty_like = poisoned(torch.empty), poisoned(torch.empty_like)
+
 torch.manual_seed(0)
 worst = 0.0
 # (rows, heads, cache length, position, tile, text prefix, leading keys searched); in each, row 0's
@@ -41,7 +49,7 @@ for R, H, L, pos, block, T, lead in cases:
     want = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=attention_mask(key_valid, p))
     for pdl in (False, True):  # PDL: the current key and value are read apart from the tile
         got = da.decode_attention(q, k, v, key_valid, p, config=(block, 4), pdl=pdl)
-        worst = max(worst, (got - want).abs().max().item())
+        worst = max(worst, (got - want).abs().nan_to_num(float("inf")).max().item())
 print(worst)
 """
 
@@ -76,9 +84,8 @@ aligned = ["Q", "K", "V", "KEY_VALID", "POS", "M_OUT", "L_OUT", "ACC_OUT", "stri
            "stride_vr", "stride_vh", "stride_vn"]
 attrs = {(list(sig).index(name),): [["tt.divisibility", 16]] for name in aligned}
 cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
-merge_sig = {"M": "*fp32", "L": "*fp32", "ACC": "*fp32", "KEY_VALID": "*i1", "POS": "*i64", "OUT": "*bf16",
-             "stride_valid": "i32", "n_heads": "i32", "n_splits": "i32", "BLOCK": "constexpr",
-             "SPLITS": "constexpr", "HEAD_DIM": "constexpr", "LEAD": "constexpr", "PDL": "constexpr"}
+merge_sig = {"M": "*fp32", "L": "*fp32", "ACC": "*fp32", "OUT": "*bf16", "n_splits": "i32", "SPLITS": "constexpr",
+             "HEAD_DIM": "constexpr", "PDL": "constexpr"}
 # every (tile, warps) of the table; the compiled block launches without PDL, decode_block with it
 for (block, warps), pdl in itertools.product([config for _, config in da.CONFIGS], (False, True)):
     consts = {"SCALE": 0.125, "BLOCK": block, "HEAD_DIM": 64, "LEAD": da.LEAD, "PDL": pdl}
@@ -91,7 +98,7 @@ for (block, warps), pdl in itertools.product([config for _, config in da.CONFIGS
             usage = subprocess.run([cuobjdump, "-res-usage", f.name], capture_output=True, text=True).stdout
         assert "STACK:0 " in usage, (block, warps, pdl, usage)
     for splits in (1, 16):
-        consts = {"BLOCK": block, "SPLITS": splits, "HEAD_DIM": 64, "LEAD": da.LEAD, "PDL": pdl}
+        consts = {"SPLITS": splits, "HEAD_DIM": 64, "PDL": pdl}
         triton.compile(ASTSource(da._merge_kernel, merge_sig, constexprs=consts), target=target,
                        options={"launch_pdl": pdl})
 print("compiled")
