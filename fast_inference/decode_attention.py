@@ -26,11 +26,12 @@ try:
 except ImportError:  # the cudagraph/eager backends work without Triton
     triton = None
 
-# (BLOCK, num_warps) by row count: the first entry whose bound is >= the rows. scripts/bench_decode_attention.py
-# on the H200 (GPT-XL, CUDA-graph timed, with the merge, summed over positions 200/450/700/950/1100):
-# 16 rows 87.9 us with (64, 2) against 91.7 with (128, 4); 64 rows 287.3 with (128, 2) against 292.7.
-# Up to 4 rows the kernel runs under PDL (decode_block), where (128, 4) was tuned: ~6 us at 2 rows.
-CONFIGS = ((4, (128, 4)), (16, (64, 2)), (None, (128, 2)))
+# (BLOCK, num_warps, the merge's num_warps) by row count: the first entry whose bound is >= the rows.
+# scripts/bench_decode_attention.py on the H200 (GPT-XL, CUDA-graph timed, with the merge, summed over
+# positions 200/450/700/950/1100): 16 rows 87.9 us with (64, 2) against 91.7 with (128, 4); 64 rows 287.3
+# with (128, 2) against 292.7. The merge with one warp, in the model: n = 8 1.881 -> 1.863 ms/step, n = 32
+# 3.533 -> 3.480. Up to 4 rows the kernels run under PDL (decode_block), where (128, 4, 4) was tuned.
+CONFIGS = ((4, (128, 4, 4)), (16, (64, 2, 1)), (None, (128, 2, 1)))
 LEAD = 128  # leading keys searched for the first attendable one (the t2i text prefix is 120)
 
 
@@ -125,7 +126,7 @@ def decode_attention(q, k_cache, v_cache, key_valid, input_pos, config=None, pdl
     """q (R,H,1,hd); caches (R,H,L,hd); key_valid (R,L) bool; input_pos (1,) -> (R,H,1,hd)."""
     R, H, _, hd = q.shape
     L = k_cache.shape[2]
-    block, num_warps = config or config_for(R)
+    block, num_warps, merge_warps = config or config_for(R)
     n_splits = triton.cdiv(L, block)
     m = torch.empty(R, H, n_splits, device=q.device, dtype=torch.float32)
     l = torch.empty_like(m)
@@ -138,7 +139,7 @@ def decode_attention(q, k_cache, v_cache, key_valid, input_pos, config=None, pdl
     )
     out = torch.empty(R, H, 1, hd, device=q.device, dtype=q.dtype)
     _merge_kernel[(R * H,)](m, l, acc, out, n_splits, SPLITS=triton.next_power_of_2(n_splits), HEAD_DIM=hd,
-                            **launch(pdl))
+                            num_warps=merge_warps, **launch(pdl))
     return out
 
 

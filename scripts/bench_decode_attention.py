@@ -1,4 +1,4 @@
-"""Sweep the split-KV decode kernel's (BLOCK, num_warps) against SDPA at GPT-XL shapes.
+"""Sweep the split-KV decode kernel's (BLOCK, num_warps, merge num_warps) against SDPA at GPT-XL shapes.
 
     python scripts/bench_decode_attention.py [--rows 2,16,64] [--positions 300,700,1100]
 
@@ -24,7 +24,7 @@ PAD = 100  # leading text keys that are padding (skipped by the kernel), as in b
 
 
 def configs():
-    yield from itertools.product((32, 64, 128, 256), (2, 4, 8))
+    yield from itertools.product((32, 64, 128, 256), (2, 4, 8), (1, 4))
 
 
 def time_us(f):
@@ -54,7 +54,7 @@ def main():
             err = ((f().float() - want).norm() / want.norm()).item()
             rows.append((time_us(f), cfg, err))
         for t, cfg, err in sorted(rows)[:12]:
-            print(f"  block {cfg[0]:3d} warps {cfg[1]}: {t:7.1f} us "
+            print(f"  block {cfg[0]:3d} warps {cfg[1]} merge warps {cfg[2]}: {t:7.1f} us "
                   f"({ideal / t:4.0%} of ideal)  rel err {err:.1e}", flush=True)
         t, cfg, err = next(r for r in rows if r[1] == config_for(R))
         print(f"  default {cfg}: {t:.1f} us; worst rel err over all configs {max(r[2] for r in rows):.1e}", flush=True)

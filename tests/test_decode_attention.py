@@ -22,7 +22,10 @@ tl.extra.cuda.gdc_wait = tl.extra.cuda.gdc_launch_dependents = lambda *args, **k
 # Scratch as garbage: NaN in every float buffer the wrapper allocates, so a partial that a tile past the
 # position did not write poisons the merge.
 def poisoned(make):
-    return lambda *args, **kwargs: (lambda t: t.fill_(float("nan")) if t.is_floating_point() else t)(make(*args, **kwargs))
+    def make_nan(*args, **kwargs):
+        t = make(*args, **kwargs)
+        return t.fill_(float("nan")) if t.is_floating_point() else t
+    return make_nan
 
 
 torch.empty, torch.empty_like = poisoned(torch.empty), poisoned(torch.empty_like)
@@ -48,7 +51,7 @@ for R, H, L, pos, block, T, lead in cases:
     p = torch.tensor([pos])
     want = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=attention_mask(key_valid, p))
     for pdl in (False, True):  # PDL: the current key and value are read apart from the tile
-        got = da.decode_attention(q, k, v, key_valid, p, config=(block, 4), pdl=pdl)
+        got = da.decode_attention(q, k, v, key_valid, p, config=(block, 4, 1 + 3 * pdl), pdl=pdl)
         worst = max(worst, (got - want).abs().nan_to_num(float("inf")).max().item())
 print(worst)
 """
@@ -87,7 +90,7 @@ cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia",
 merge_sig = {"M": "*fp32", "L": "*fp32", "ACC": "*fp32", "OUT": "*bf16", "n_splits": "i32", "SPLITS": "constexpr",
              "HEAD_DIM": "constexpr", "PDL": "constexpr"}
 # every (tile, warps) of the table; the compiled block launches without PDL, decode_block with it
-for (block, warps), pdl in itertools.product([config for _, config in da.CONFIGS], (False, True)):
+for (block, warps, merge_warps), pdl in itertools.product([config for _, config in da.CONFIGS], (False, True)):
     consts = {"SCALE": 0.125, "BLOCK": block, "HEAD_DIM": 64, "LEAD": da.LEAD, "PDL": pdl}
     k = triton.compile(ASTSource(da._partial_kernel, sig, constexprs=consts, attrs=attrs), target=target,
                        options={"num_warps": warps, "launch_pdl": pdl})
@@ -100,7 +103,7 @@ for (block, warps), pdl in itertools.product([config for _, config in da.CONFIGS
     for splits in (1, 16):
         consts = {"SPLITS": splits, "HEAD_DIM": 64, "PDL": pdl}
         triton.compile(ASTSource(da._merge_kernel, merge_sig, constexprs=consts), target=target,
-                       options={"launch_pdl": pdl})
+                       options={"num_warps": merge_warps, "launch_pdl": pdl})
 print("compiled")
 """
 
