@@ -89,7 +89,7 @@ attrs = {(list(sig).index(name),): [["tt.divisibility", 16]] for name in aligned
 cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
 merge_sig = {"M": "*fp32", "L": "*fp32", "ACC": "*fp32", "OUT": "*bf16", "n_splits": "i32", "SPLITS": "constexpr",
              "HEAD_DIM": "constexpr", "PDL": "constexpr"}
-# every (tile, warps) of the table; the compiled block launches without PDL, decode_block with it
+# every entry of the table; the compiled block launches without PDL, decode_block with it
 for (block, warps, merge_warps), pdl in itertools.product([config for _, config in da.CONFIGS], (False, True)):
     consts = {"SCALE": 0.125, "BLOCK": block, "HEAD_DIM": 64, "LEAD": da.LEAD, "PDL": pdl}
     k = triton.compile(ASTSource(da._partial_kernel, sig, constexprs=consts, attrs=attrs), target=target,
