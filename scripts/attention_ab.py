@@ -25,12 +25,16 @@ from fast_inference.model import ModelArgs, Transformer
 
 def parse_table(text):
     """'4=128x4x4,all=128x2x1' -> ((4, (128, 4, 4)), (None, (128, 2, 1)))."""
-    table = []
-    for entry in text.split(","):
-        bound, config = entry.split("=")
-        table.append((None if bound == "all" else int(bound), tuple(int(v) for v in config.split("x"))))
+    want = f"{text!r}: want bound=BLOCKxWARPSxMERGE_WARPS entries, the last one all=..."
+    try:
+        table = []
+        for entry in text.split(","):
+            bound, config = entry.split("=")
+            table.append((None if bound == "all" else int(bound), tuple(int(v) for v in config.split("x"))))
+    except ValueError:
+        raise ValueError(want) from None
     if table[-1][0] is not None or any(len(config) != 3 for _, config in table):
-        raise ValueError(f"{text!r}: want bound=BLOCKxWARPSxMERGE_WARPS entries, the last one all=...")
+        raise ValueError(want)
     return tuple(table)
 
 
@@ -39,8 +43,11 @@ def main():
     ap.add_argument("tables", nargs="*", help="config tables to compare (default: the merge with 4 warps, the current)")
     ap.add_argument("--batch-sizes", default="8,32")
     args = ap.parse_args()
-    tables = [parse_table(t) for t in args.tables] or [
-        tuple((bound, (block, warps, 4)) for bound, (block, warps, _) in da.CONFIGS), da.CONFIGS]
+    try:
+        tables = [parse_table(t) for t in args.tables] or [
+            tuple((bound, (block, warps, 4)) for bound, (block, warps, _) in da.CONFIGS), da.CONFIGS]
+    except ValueError as e:
+        ap.error(str(e))
     if not torch.cuda.is_available():
         sys.exit("attention_ab.py needs a CUDA GPU (the decode attention is a Triton kernel)")
     with torch.device("cuda"):
