@@ -7,7 +7,8 @@ can be captured once and replayed N-1 times:
   backend "inductor":  compile_scope "block" (default): one compiled transformer block shared by
                        all layers (regional compilation, ~1/n_layer of the compile time) and a
                        compiled head (norm, output), in a step captured by hand as below
-                       (inductor's kernels with programmatic dependent launch on Hopper+);
+                       (inductor's kernels with programmatic dependent launch on Hopper+); the
+                       embeddings, RoPE row and control rows in one Triton kernel (decode_inputs);
                        at <= 16 rows (n <= 8 under CFG) decode_block's fused Triton kernels
                        instead, with nothing compiled (fused_block=True); the sampling in one
                        Triton kernel (decode_sampling; sampling.py's ops compiled for top-p < 1);
@@ -28,7 +29,7 @@ import time
 import torch
 import torch.nn as nn
 
-from fast_inference import decode_attention, decode_block, decode_sampling
+from fast_inference import decode_attention, decode_block, decode_inputs, decode_sampling
 from fast_inference.generate import prepare
 from fast_inference.pdl import use_pdl
 from fast_inference.quantize import is_int8
@@ -79,10 +80,11 @@ class Sampler(nn.Module):
     """Static buffers and the step functions for one (batch, tokens, control grid, settings) shape."""
 
     def __init__(self, model, batch, num_tokens, prefix_len, num_controls, cfg, top_k, top_p, sample_logits,
-                 decode_attention=None, block_fn=None, fused_draw=False, windows=1):
+                 decode_attention=None, block_fn=None, fused_draw=False, windows=1, fused_inputs=False):
         super().__init__()
         self.model = model
         self.decode_attention, self.block_fn, self.fused_draw = decode_attention, block_fn, fused_draw
+        self.fused_inputs = fused_inputs
         self.batch, self.num_tokens, self.prefix_len, self.cfg = batch, num_tokens, prefix_len, cfg
         self.top_k, self.top_p, self.sample_logits = top_k, top_p, sample_logits
         self.finish_fn = self.finish  # the engine may compile it
@@ -138,16 +140,19 @@ class Sampler(nn.Module):
 
     def step(self, kv_len=None):
         """One guided decode step over all rows (both CFG halves when cfg is on)."""
-        x = torch.cat([self.token, self.token]) if self.cfg else self.token
-        self._advance(x, self.key_valid, self.controls, self.cfg, kv_len)
+        self._advance(self.key_valid, self.controls, self.cfg, kv_len)
 
     def step_conditional(self, kv_len=None):
         """After cfg_interval: the conditional half only, at half the batch (same tokens out)."""
-        self._advance(self.token, self.key_valid[: self.batch], self.controls[:, : self.batch], False, kv_len)
+        self._advance(self.key_valid[: self.batch], self.controls[:, : self.batch], False, kv_len)
 
-    def _advance(self, x, key_valid, controls, guided, kv_len):
-        h = self.model(self.model.tok_embeddings(x), self.input_pos, key_valid, controls, last_only=True,
-                       decode_attention=self.decode_attention, block_fn=self.block_fn, hidden=True, kv_len=kv_len)
+    def _advance(self, key_valid, controls, guided, kv_len):
+        if self.fused_inputs:  # embeddings, RoPE row and control rows in one kernel
+            x, inputs = decode_inputs.step_inputs(self.model, self.token, self.input_pos, controls, guided)
+        else:
+            x, inputs = self.model.tok_embeddings(torch.cat([self.token, self.token]) if guided else self.token), None
+        h = self.model(x, self.input_pos, key_valid, controls, last_only=True, decode_attention=self.decode_attention,
+                       block_fn=self.block_fn, hidden=True, kv_len=kv_len, inputs=inputs)
         self.finish_fn(h, guided)
 
     def finish(self, h, guided):
@@ -237,8 +242,10 @@ class Engine:
         fused_draw = attention is not None and decode_sampling.supported(self.device, top_p)
         # Cache windows where the steps are captured or run eagerly: a compiler would compile each.
         windows = CACHE_WINDOWS if self.backend in ("cudagraph", "eager") else 1
+        # The step's inputs in one kernel where the ops around the blocks run eagerly (block scope)
+        fused_inputs = self.block_scope and attention is not None and decode_inputs.supported(self.device)
         s = Sampler(self.model, batch, num_tokens, prefix_len, num_controls, cfg, top_k, top_p, sample_logits,
-                    attention, block_fn, fused_draw, windows)
+                    attention, block_fn, fused_draw, windows, fused_inputs)
         if fused:
             s.logits_fn = functools.partial(decode_block.logits, self.model)
         self._build(s)

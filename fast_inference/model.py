@@ -361,15 +361,26 @@ class Transformer(nn.Module):
         for layer in self.layers:
             layer.feed_forward.fuse()
 
+    def step_inputs(self, input_pos, controls):
+        """What the blocks read at input_pos besides x: the RoPE rows (S, hd/2, 2) and the control rows
+        added before blocks 0, L, 2L (3, B, S, D; None without controls). The control token added at
+        position p is number p - cls_token_num + 1 (zero where there is none), so token j is added where
+        image token j is predicted (only the last prefix position during the prefill)."""
+        freqs = self.freqs_cis[input_pos]
+        if controls is None:
+            return freqs, None
+        idx = input_pos - self.args.cls_token_num + 1
+        present = ((idx >= 0) & (idx < controls.shape[2])).to(controls.dtype)
+        return freqs, controls[:, :, idx.clamp(0, controls.shape[2] - 1)] * present[None, None, :, None]
+
     def forward(self, x, input_pos, key_valid, controls=None, last_only=False, decode_attention=None, block_fn=None,
-                hidden=False, kv_len=None):
+                hidden=False, kv_len=None, inputs=None):
         """Run the blocks over embeddings x (B,S,D) at absolute positions input_pos (S,).
 
         key_valid (B, max_seq) bool: which cache positions a query may see besides itself (the text
-        mask for the prefix, True elsewhere). controls (3, B, Nc, D): the control token added at
-        position p is number p - cls_token_num + 1, so token j is added where image token j is
-        predicted (only the last prefix position during the prefill). Returns float32 logits, of the
-        last position only if last_only (the only one sampling uses; norm and output are per token).
+        mask for the prefix, True elsewhere). controls (3, B, Nc, D): the control lists (step_inputs
+        picks the rows). Returns float32 logits, of the last position only if last_only (the only one
+        sampling uses; norm and output are per token).
         decode_attention: a kernel (q, k_cache, v_cache, key_valid, input_pos) for one-token steps
         that reads only the filled cache (fast engine); default SDPA with the boolean mask.
         block_fn(layer, x, freqs, attend, input_pos): runs a block instead of layer(...) (the fast
@@ -377,6 +388,8 @@ class Transformer(nn.Module):
         output instead of the logits (`logits` finishes it; the fast engine's head runs that).
         kv_len: SDPA reads only the first kv_len cache positions, a static window past every position
         in input_pos (the later keys are masked out anyway); the fast engine's graphs without Triton.
+        inputs: step_inputs(input_pos, controls) computed ahead (the fast engine's embedding kernel,
+        decode_inputs.py), where a control row already added into x is None.
         """
         if decode_attention is not None and x.shape[1] == 1:
             def attend(q, k, v):
@@ -388,16 +401,13 @@ class Transformer(nn.Module):
             def attend(q, k, v):
                 return F.scaled_dot_product_attention(q, k[:, :, :n], v[:, :, :n], attn_mask=mask)
 
-        freqs = self.freqs_cis[input_pos]
-        if controls is not None:
-            idx = input_pos - self.args.cls_token_num + 1
-            present = ((idx >= 0) & (idx < controls.shape[2])).to(controls.dtype)
-            picked = controls[:, :, idx.clamp(0, controls.shape[2] - 1)] * present[None, None, :, None]
+        freqs, picked = self.step_inputs(input_pos, controls) if inputs is None else inputs
         for i, layer in enumerate(self.layers):
-            if controls is not None and i % self.args.layer_internal == 0:
-                k = i // self.args.layer_internal
+            if picked is not None and i % self.args.layer_internal == 0:
                 # Official code indexes a 4th list for GPT-1B/7B and crashes; we reuse the last one.
-                x = x + picked[min(k, NUM_CONTROL_LISTS - 1)]
+                control = picked[min(i // self.args.layer_internal, NUM_CONTROL_LISTS - 1)]
+                if control is not None:
+                    x = x + control
             x = layer(x, freqs, attend, input_pos) if block_fn is None else block_fn(layer, x, freqs, attend, input_pos)
         if last_only:
             x = x[:, -1:]

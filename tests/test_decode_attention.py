@@ -8,6 +8,8 @@ import sys
 
 import pytest
 
+import sm90
+
 pytest.importorskip("triton")
 
 SCRIPT = r"""
@@ -67,43 +69,27 @@ def test_kernel_matches_sdpa_in_interpreter():
 
 AOT_SCRIPT = r"""
 import itertools
-import os
-import subprocess
-import tempfile
 
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
 from fast_inference import decode_attention as da
+from sm90 import build
 
-target = GPUTarget("cuda", 90, 32)  # H100/H200
 ints = ["stride_qr", "stride_qh", "stride_kr", "stride_kh", "stride_kn", "stride_vr", "stride_vh", "stride_vn",
         "stride_valid", "n_heads", "n_splits"]
 sig = {"Q": "*bf16", "K": "*bf16", "V": "*bf16", "KEY_VALID": "*i1", "POS": "*i64", "M_OUT": "*fp32",
-       "L_OUT": "*fp32", "ACC_OUT": "*fp32", **{n: "i32" for n in ints},
-       "SCALE": "constexpr", "BLOCK": "constexpr", "HEAD_DIM": "constexpr", "LEAD": "constexpr", "PDL": "constexpr"}
+       "L_OUT": "*fp32", "ACC_OUT": "*fp32", **{n: "i32" for n in ints}}
 # As the JIT specialises them at GPT-XL shapes: 16-byte aligned buffers, cache strides that are multiples of 16
 aligned = ["Q", "K", "V", "KEY_VALID", "POS", "M_OUT", "L_OUT", "ACC_OUT", "stride_kr", "stride_kh", "stride_kn",
            "stride_vr", "stride_vh", "stride_vn"]
 attrs = {(list(sig).index(name),): [["tt.divisibility", 16]] for name in aligned}
-cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
-merge_sig = {"M": "*fp32", "L": "*fp32", "ACC": "*fp32", "OUT": "*bf16", "n_splits": "i32", "SPLITS": "constexpr",
-             "HEAD_DIM": "constexpr", "PDL": "constexpr"}
-# every entry of the table; the compiled block launches without PDL, decode_block with it
+merge_sig = {"M": "*fp32", "L": "*fp32", "ACC": "*fp32", "OUT": "*bf16", "n_splits": "i32"}
+# every entry of the table; the compiled block launches without PDL, decode_block with it. A K/V tile spilled
+# to local memory would halve the kernel's speed.
 for (block, warps, merge_warps), pdl in itertools.product([config for _, config in da.CONFIGS], (False, True)):
     consts = {"SCALE": 0.125, "BLOCK": block, "HEAD_DIM": 64, "LEAD": da.LEAD, "PDL": pdl}
-    k = triton.compile(ASTSource(da._partial_kernel, sig, constexprs=consts, attrs=attrs), target=target,
-                       options={"num_warps": warps, "launch_pdl": pdl})
-    if os.path.exists(cuobjdump):  # a K/V tile spilled to local memory halves the kernel's speed
-        with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-            f.write(k.asm["cubin"])
-            f.flush()
-            usage = subprocess.run([cuobjdump, "-res-usage", f.name], capture_output=True, text=True).stdout
-        assert "STACK:0 " in usage, (block, warps, pdl, usage)
+    build(da._partial_kernel, sig, consts, {"num_warps": warps, "launch_pdl": pdl}, attrs=attrs)
     for splits in (1, 16):
-        consts = {"SPLITS": splits, "HEAD_DIM": 64, "PDL": pdl}
-        triton.compile(ASTSource(da._merge_kernel, merge_sig, constexprs=consts), target=target,
-                       options={"num_warps": merge_warps, "launch_pdl": pdl})
+        build(da._merge_kernel, merge_sig, {"SPLITS": splits, "HEAD_DIM": 64, "PDL": pdl},
+              {"num_warps": merge_warps, "launch_pdl": pdl})
 print("compiled")
 """
 
@@ -111,11 +97,4 @@ print("compiled")
 def test_kernels_compile_for_sm90():
     """Ahead-of-time compile to an H100/H200 cubin with Triton's bundled ptxas (no GPU needed), so a
     kernel that only the interpreter accepts fails here rather than on the first GPU run."""
-    pytest.importorskip("triton.compiler")
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = dict(os.environ, PYTHONPATH=root, TRITON_DEFAULT_FP_FUSION="1")
-    out = subprocess.run([sys.executable, "-c", AOT_SCRIPT], env=env, capture_output=True, text=True, timeout=300)
-    if "ptxas" in out.stderr and "not found" in out.stderr.lower():
-        pytest.skip("Triton's ptxas is not available here")
-    assert out.returncode == 0, out.stderr[-2000:]
-    assert out.stdout.strip().endswith("compiled")
+    sm90.run(AOT_SCRIPT, TRITON_DEFAULT_FP_FUSION="1")

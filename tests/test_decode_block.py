@@ -6,6 +6,8 @@ import sys
 
 import pytest
 
+import sm90
+
 pytest.importorskip("triton")
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -86,7 +88,7 @@ def test_fused_block_matches_model_in_interpreter():
 ENGINE_SCRIPT = r"""
 import torch
 import triton.language as tl
-from fast_inference import decode_attention, decode_block, decode_sampling
+from fast_inference import decode_attention, decode_block, decode_inputs, decode_sampling
 from fast_inference.engine import Engine
 from fast_inference.generate import generate
 from test_reference import tiny_inputs, tiny_model
@@ -97,6 +99,7 @@ decode_attention.available = lambda device: True
 decode_block.supported = lambda model, rows: rows <= decode_block.MAX_ROWS
 decode_block.use_pdl = lambda device: True
 decode_sampling.supported = lambda device, top_p: top_p >= 1.0
+decode_inputs.supported = lambda device: True
 model = tiny_model(cls=8, seed=6, vocab_size=512, n_layer=2)  # small: the interpreter runs every program
 cond, mask, condition = tiny_inputs(model, B=2)
 # 4 tokens: the prefill's and 3 decode steps, 2 guided and, after cfg_interval, 1 unguided
@@ -106,7 +109,7 @@ _, want = generate(model, cond, 4, return_logits=True, **kw)
 engine = Engine(model, backend="inductor", compile_scope="block")
 _, got = engine.generate(cond, 4, **kw)
 assert engine.sampler.block_fn is decode_block.decode_block and engine.block_fn is None  # nothing compiled
-assert engine.sampler.fused_draw
+assert engine.sampler.fused_draw and engine.sampler.fused_inputs
 worst = max((w if w.shape == g.shape else w.chunk(2)[0]).sub(g).abs().max().item() for w, g in zip(want, got))
 greedy = engine.generate(cond, 4, emb_masks=mask, condition=condition, cfg_scale=4.0, top_k=1)
 same = torch.equal(greedy, generate(model, cond, 4, emb_masks=mask, condition=condition, cfg_scale=4.0, top_k=1))
@@ -120,7 +123,7 @@ print(worst, same)
 
 
 def test_engine_runs_the_fused_block_in_interpreter():
-    """The engine's own wiring of the fused path (block, PDL attention, fused head and draw) at 4 rows
+    """The engine's own wiring of the fused path (step inputs, block, PDL attention, fused head and draw) at 4 rows
     with CFG and a cfg_interval: teacher-forced logits within 1e-4 of the reference, same greedy tokens,
     the same sampled tokens for the same seed and others for another."""
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join([ROOT, os.path.join(ROOT, "tests")]))
@@ -131,29 +134,9 @@ def test_engine_runs_the_fused_block_in_interpreter():
 
 
 AOT_SCRIPT = r"""
-import os
-import subprocess
-import tempfile
-
 import torch
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
 from fast_inference import decode_block as db
-
-target = GPUTarget("cuda", 90, 32)  # H100/H200
-cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
-
-
-def build(kernel, sig, consts, options):
-    k = triton.compile(ASTSource(kernel, {**sig, **{k: "constexpr" for k in consts}}, constexprs=consts),
-                       target=target, options=options)
-    if os.path.exists(cuobjdump):  # a GEMV whose weight rows spill to local memory would crawl
-        with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-            f.write(k.asm["cubin"])
-            f.flush()
-            usage = subprocess.run([cuobjdump, "-res-usage", f.name], capture_output=True, text=True).stdout
-        assert "STACK:0 " in usage, (kernel.__name__, consts, usage)
+from sm90 import build
 
 
 def args(name, dtype, rows, K, tiles, int8):
@@ -193,11 +176,5 @@ print("compiled")
 def test_kernels_compile_for_sm90():
     """GPT-XL and GPT-7B shapes in bf16, GPT-XL in fp32 and with int8 weights, at 2 rows (GEMV path, its
     tiling capped for wide K, with programmatic dependent launch) and 8 and 16 rows (dot path): an H100/H200 cubin
-    with Triton's bundled ptxas, and no register spills."""
-    pytest.importorskip("triton.compiler")
-    env = dict(os.environ, PYTHONPATH=ROOT)
-    out = subprocess.run([sys.executable, "-c", AOT_SCRIPT], env=env, capture_output=True, text=True, timeout=300)
-    if "ptxas" in out.stderr and "not found" in out.stderr.lower():
-        pytest.skip("Triton's ptxas is not available here")
-    assert out.returncode == 0, out.stderr[-2000:]
-    assert out.stdout.strip().endswith("compiled")
+    with Triton's bundled ptxas, and no register spills (a GEMV whose weight rows spill would crawl)."""
+    sm90.run(AOT_SCRIPT)
