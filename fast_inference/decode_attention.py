@@ -22,7 +22,7 @@ try:
     import triton
     import triton.language as tl
 
-    from fast_inference.pdl import pdl_wait
+    from fast_inference.pdl import pdl_trigger, pdl_wait
 except ImportError:  # the cudagraph/eager backends work without Triton
     triton = None
 
@@ -55,6 +55,7 @@ if triton is not None:
                   stride_valid, SCALE, BLOCK, HEAD_DIM, PDL)
         else:  # past pos: a partial that weighs nothing (written after the wait, as every write of a PDL kernel)
             pdl_wait(PDL)
+            pdl_trigger(PDL)
             tl.store(M_OUT + out, float("-inf"))
             tl.store(L_OUT + out, 0.0)
             tl.store(ACC_OUT + out * HEAD_DIM + tl.arange(0, HEAD_DIM), tl.zeros((HEAD_DIM,), tl.float32))
@@ -103,6 +104,7 @@ if triton is not None:
         if PDL:
             v_cur = tl.load(V + r * stride_vr + h * stride_vh + pos * stride_vn + offs_d, mask=here, other=0.0)
             acc += tl.sum(tl.where(current, p, 0.0), 0) * v_cur.to(tl.float32)
+        pdl_trigger(PDL)
         tl.store(M_OUT + out, m)
         tl.store(L_OUT + out, tl.sum(p, 0))
         tl.store(ACC_OUT + out * HEAD_DIM + offs_d, acc)
@@ -119,6 +121,7 @@ if triton is not None:
         acc = tl.load(ACC + (rh * n_splits + offs_s)[:, None] * HEAD_DIM + offs_d[None, :], mask=ok[:, None], other=0.0)
         w = tl.exp(m - tl.max(m, 0))  # the tile holding the current key is never empty, so the max is finite
         out = tl.sum(w[:, None] * acc, 0) / tl.sum(w * l, 0)
+        pdl_trigger(PDL)
         tl.store(OUT + rh * HEAD_DIM + offs_d, out.to(OUT.dtype.element_ty))
 
 

@@ -11,8 +11,9 @@ before it drains and fetches its weights before waiting for it, so the weight st
 at kernel boundaries. Two ways to multiply, one set of kernels:
   <= 4 rows (GEMV): a program holds whole rows of the weight (all of K) in registers, loaded before
                     the wait, and multiplies on the CUDA cores, the rows unrolled;
-  5..16 rows (dot): a program walks K in chunks on the tensor cores (tl.dot), launched without PDL
-                    (with it the block was slower: it has nothing to fetch before the wait); a
+  5..16 rows (dot): a program walks K in chunks on the tensor cores (tl.dot), with nothing to fetch
+                    before the wait: up to 12 rows the next kernel may launch once the results are
+                    computed (pdl.LATE; right after the wait its programs slowed this one); a
                     projection may split K over several programs per tile (split-K), the last of
                     them to finish adding the partial sums in split order (the same bits every run).
 int8 weights (quantize.py) load as int8 and become floats in registers; each projection's row scales
@@ -23,13 +24,13 @@ rows), so overlapping the previous kernel is safe.
 """
 import torch
 
-from fast_inference.pdl import launch, use_pdl
+from fast_inference.pdl import EARLY, LATE, launch, use_pdl
 
 try:
     import triton
     import triton.language as tl
 
-    from fast_inference.pdl import pdl_wait
+    from fast_inference.pdl import pdl_trigger, pdl_wait
 except ImportError:
     triton = None
 
@@ -39,10 +40,13 @@ MAX_ROWS = 16  # more rows run the compiled block (faster there from 32 rows: do
 # scripts/bench_decode_block.py on the H200 (GPT-XL, 2 rows, position 700, with PDL): 29.3 us per
 # block vs 32.2 for (4, 4) everywhere with w2 at (2, 4), and 41.9 for the compiled block; the other
 # tilings within 1 us of these.
-CONFIG = dict(qkv=(8, 8), wo=(4, 4), gate_up=(4, 4), w2=(4, 4))
+# The output projection (the head) at wo's tiling: in the model at n = 1 it ran as fast as the dot path's
+# (1.136 / 1.146 against 1.139 / 1.140 ms/step), which is faster alone (13.7 against 20.1 us): this one
+# fetches its weights during the last block.
+CONFIG = dict(qkv=(8, 8), wo=(4, 4), gate_up=(4, 4), w2=(4, 4), output=(4, 4))
 # int8 weights, the same script with --quantize int8: 25.4-25.9 us per block with these, 27.5 with CONFIG
 # (27.5 for bf16 in the same run)
-CONFIG_INT8 = dict(qkv=(4, 4), wo=(4, 4), gate_up=(4, 4), w2=(4, 4))
+CONFIG_INT8 = dict(qkv=(4, 4), wo=(4, 4), gate_up=(4, 4), w2=(4, 4), output=(4, 4))
 # dot path: rows of W per program (>= 16; pairs for qkv), K chunk, warps, pipeline stages, and
 # split-K (programs per row tile, each a run of K chunks; the last to finish adds the partials).
 # scripts/bench_decode_block.py on the H200 (GPT-XL, 16 rows, position 700, no PDL): 51.9 us per
@@ -50,13 +54,24 @@ CONFIG_INT8 = dict(qkv=(4, 4), wo=(4, 4), gate_up=(4, 4), w2=(4, 4))
 # K chunks of 128 were 4-6 us slower unsplit; split-K gains only in w2 (K = 3,584, 3 splits: 54.1 ->
 # 52.2 us; 52.0 with 128-wide chunks, which leave a 16 B stack frame at sm_90), elsewhere it lost
 # up to 9 us.
-DOT_CONFIG = dict(qkv=(32, 256, 4, 3, 1), wo=(16, 256, 4, 3, 1), gate_up=(32, 256, 4, 4, 1), w2=(16, 256, 4, 6, 3))
-DOT_PDL = False  # with PDL the same block took 57-59 us (the bench script measures both)
+# The output projection (16,384 x 1,280 for GPT-XL, the final norm fused), alone, 4 weights in turn: 13.7 us
+# at 16 rows against 24.8 with wo's tiling; in the model n = 8 1.837 / 1.838 -> 1.828 / 1.827 ms/step.
+DOT_CONFIG = dict(qkv=(32, 256, 4, 3, 1), wo=(16, 256, 4, 3, 1), gate_up=(32, 256, 4, 4, 1), w2=(16, 256, 4, 6, 3),
+                  output=(64, 128, 8, 4, 1))
+DOT_CONFIG_INT8 = dict(DOT_CONFIG, output=DOT_CONFIG["wo"])  # int8's 64-row output tiles spill 16 B at sm_90
+# The dot path launches with PDL up to DOT_PDL_ROWS rows, letting the next kernel launch only once its
+# results are computed (pdl.LATE). GPT-XL in the model, ms/step: n = 4 (8 rows) 1.585 -> 1.530, n = 6 (12
+# rows) 1.706 -> 1.681, n = 8 (16 rows) 1.835 -> 1.849. Letting it launch right after the wait made the
+# 16-row block slower (53 -> 57-59 us): the next kernel's early programs hold SM resources the running ones need.
+DOT_PDL_ROWS = 12
 
 
 def pdl_for(rows, device):
-    """Whether the kernels of a block at `rows` rows launch with PDL."""
-    return use_pdl(device) and (rows <= GEMV_ROWS or DOT_PDL)
+    """How the kernels of a block at `rows` rows launch: pdl.EARLY on the GEMV path (the weights are
+    fetched before the wait), pdl.LATE on the dot path up to DOT_PDL_ROWS rows, else without PDL."""
+    if not use_pdl(device):
+        return False
+    return EARLY if rows <= GEMV_ROWS else LATE if rows <= DOT_PDL_ROWS else False
 
 
 if triton is not None:
@@ -200,6 +215,7 @@ if triton is not None:
                 live = tl.where(last, R, 0)
         else:
             a, b = _gemv(X, NW, W, rows_a, rows_b, rows_ok, R, EPS, K, KP, RP, NORM, PAIR, PDL)
+        pdl_trigger(PDL)
         a, b = a.to(dt).to(tl.float32), b.to(dt).to(tl.float32)
         if QUANT:
             a, b = (a * s_a[None, :]).to(dt).to(tl.float32), (b * s_b[None, :]).to(dt).to(tl.float32)
@@ -293,7 +309,7 @@ def plan(name, x, weight, tiles, pdl):
         rows, warps = (CONFIG_INT8 if weight.dtype == torch.int8 else CONFIG)[name]
         return rows_per_program(rows, warps, tiles, weight), dict(kw, DOT=False, RP=max(2, p2(R)), KP=p2(K), BK=16,
                                                              SPLIT=1, num_warps=warps)
-    rows, bk, warps, stages, split = DOT_CONFIG[name]
+    rows, bk, warps, stages, split = (DOT_CONFIG_INT8 if weight.dtype == torch.int8 else DOT_CONFIG)[name]
     bk = max(16, bk * 4 // x.element_size() ** 2)  # float32 (tests): a quarter, or the pair kernels spill
     return rows, dict(kw, DOT=True, RP=max(16, p2(R)), KP=16, BK=bk, num_warps=warps, num_stages=stages,
                       SPLIT=min(split, triton.cdiv(K, bk)))
@@ -385,8 +401,7 @@ def logits(model, h):
     """model.logits(h) for h (R, 1, D), the final RMSNorm fused into the output projection, in the
     weights' dtype: model.logits' float32 cast is left to the reader (the fused draw reads them so)."""
     R, _, D = h.shape
-    # K is the model width as for wo, so wo's tiling (the output projection was not swept on its own)
-    out = linear(h.view(R, D), model.output.weight, row_scales(model.output), norm=model.norm, name="wo",
+    out = linear(h.view(R, D), model.output.weight, row_scales(model.output), norm=model.norm, name="output",
                  pdl=pdl_for(R, h.device))
     return out.view(R, 1, -1)
 

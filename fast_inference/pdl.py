@@ -2,8 +2,9 @@
 
 A kernel launched with PDL may start while the kernel before it drains. Until it calls
 `pdl_wait`, it may only read memory that no kernel of the current step writes (weights, earlier
-cache rows), and it writes nothing. After the wait, the previous kernel's writes are visible, and
-the next kernel may launch.
+cache rows), and it writes nothing. After the wait, the previous kernel's writes are visible. The
+next kernel may launch right after the wait (EARLY) or once the results are computed (LATE,
+`pdl_trigger`); either way its own wait holds it until this kernel has finished.
 """
 import functools
 import os
@@ -24,17 +25,30 @@ def use_pdl(device):
             and torch.cuda.get_device_capability(device)[0] >= 9)
 
 
+# When a PDL kernel lets the next one launch: right after its wait (the next one fetches its weights
+# meanwhile), or once its results are computed, before its stores (the next one's programs then take no
+# SM resources from programs of this one still to run; as its programs exit was slower, docs/PERF_NOTES.md).
+EARLY, LATE = 1, 2
+
+
 def launch(pdl):
-    """Launch arguments of a kernel with a PDL constexpr; launch_pdl only where it is used (Triton's
-    interpreter knows no such option)."""
-    return dict(PDL=pdl, **({"launch_pdl": True} if pdl else {}))
+    """Launch arguments of a kernel with a PDL constexpr: pdl False, True (EARLY) or LATE; launch_pdl only
+    where it is used (Triton's interpreter knows no such option)."""
+    return dict(PDL=int(pdl), **({"launch_pdl": True} if pdl else {}))
 
 
 if triton is not None:
 
     @triton.jit
     def pdl_wait(PDL: tl.constexpr):
-        """Wait for the previous kernel (its writes become visible), then let the next one launch."""
+        """Wait for the previous kernel (its writes become visible); EARLY: then let the next one launch."""
         if PDL:
             tl.extra.cuda.gdc_wait()
+        if PDL == 1:
+            tl.extra.cuda.gdc_launch_dependents()
+
+    @triton.jit
+    def pdl_trigger(PDL: tl.constexpr):
+        """LATE: let the next kernel launch (call it once the results are computed, before the stores)."""
+        if PDL == 2:
             tl.extra.cuda.gdc_launch_dependents()

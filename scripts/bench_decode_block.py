@@ -1,8 +1,8 @@
 """One GPT-XL block of a one-token step: the compiled block (inductor) against decode_block's fused
 kernels, with and without programmatic dependent launch, and a sweep of each kernel's tiling with
-the others at their default: (rows per program, warps) on the GEMV path (<= 4 rows, with PDL),
-(rows per program, K chunk, warps, stages, split-K) on the dot path (more rows, without PDL, as the engine
-runs them; any row count, so where the dot path stops beating the compiled block shows).
+the others at their default: (rows per program, warps) on the GEMV path (<= 4 rows), (rows per program,
+K chunk, warps, stages, split-K) on the dot path (more rows; any row count, so where the dot path stops
+beating the compiled block shows), PDL as the engine launches them.
 
     python scripts/bench_decode_block.py [--rows 2,4,16,32] [--position 700] [--quantize int8]
 
@@ -40,7 +40,7 @@ def sweep(name, base, tilings, fused, table):
     for tiling in tilings:
         setattr(decode_block, table, dict(base, **{name: tiling}))
         try:
-            times.append((time_us(fused(table != "DOT_CONFIG")), tiling))  # the dot path runs without PDL
+            times.append((time_us(fused(None)), tiling))  # PDL as the engine launches it
         except Exception as e:  # e.g. out of registers / shared memory
             print(f"  {name} {tiling}: failed ({type(e).__name__})", flush=True)
     return sorted(times)
@@ -59,6 +59,7 @@ def main():
                     help="dot path: split-K tried last, at the best tiling and at 128-wide K chunks")
     ap.add_argument("--quantize", choices=list(QUANTIZE_MODES), default="none", help="int8: the block's weights as int8")
     args = ap.parse_args()
+    dot_pdl_rows = decode_block.DOT_PDL_ROWS
     args_xl = ModelArgs.from_name("GPT-XL", block_size=1024, condition_type="hed", n_layer=1)
     with torch.device("cuda"):
         model = Transformer(args_xl).to(torch.bfloat16).eval().requires_grad_(False)
@@ -85,13 +86,16 @@ def main():
             print(f"rows {R}, position {args.position}: compiled block {t:.1f} us ({mb / t:.2f} TB/s)", flush=True)
 
             def fused(pdl):
-                attend = lambda q, k, v: decode_attention(q, k, v, key_valid, pos, pdl=pdl)
-                decode_block.use_pdl = lambda device: pdl
-                decode_block.DOT_PDL = pdl
+                """The block with PDL as the engine launches it at R rows (pdl None), on (pdl.LATE on the dot
+                path) or off."""
+                decode_block.use_pdl = lambda device: pdl is not False
+                decode_block.DOT_PDL_ROWS = dot_pdl_rows if pdl is None else decode_block.MAX_ROWS
+                attend = lambda q, k, v: decode_attention(q, k, v, key_valid, pos, pdl=decode_block.pdl_for(R, "cuda"))
                 return lambda: decode_block.decode_block(layer, x, freqs, attend, pos)
 
             dot = R > decode_block.GEMV_ROWS
-            table = "DOT_CONFIG" if dot else "CONFIG_INT8" if args.quantize == "int8" else "CONFIG"
+            int8 = args.quantize == "int8"
+            table = ("DOT_CONFIG_INT8" if int8 else "DOT_CONFIG") if dot else "CONFIG_INT8" if int8 else "CONFIG"
             default = dict(getattr(decode_block, table))
             for pdl in (False, True):
                 err = ((fused(pdl)().float() - want).norm() / want.norm()).item()
@@ -99,7 +103,7 @@ def main():
                 print(f"  fused, pdl={pdl}, default {default}: {t:.1f} us ({mb / t:.2f} TB/s), rel err vs compiled "
                       f"{err:.1e}", flush=True)
             best = dict(default)
-            for name in default:
+            for name in (n for n in default if n != "output"):  # the head is not part of the block
                 if dot:
                     first = [(int(a), int(b), 4, 3, 1) for a, b in (c.split("x") for c in args.dot_tilings.split(",")
                                                                      if c)] or [best[name]]
@@ -117,8 +121,8 @@ def main():
                 best[name] = times[0][1]
                 print(f"  {name:8s}: " + ", ".join(f"{c} {t:.1f}" for t, c in times[:5]), flush=True)
             setattr(decode_block, table, best)
-            t = time_us(fused(not dot))
-            print(f"  fused, pdl={not dot}, best {best}: {t:.1f} us ({mb / t:.2f} TB/s)", flush=True)
+            t = time_us(fused(None))
+            print(f"  fused, best {best}: {t:.1f} us ({mb / t:.2f} TB/s)", flush=True)
             setattr(decode_block, table, default)
         # top-k 2000 of one row: PyTorch picks its single-block or multi-block radix select by width.
         for width in (16384, 20000, 20480, 32768):

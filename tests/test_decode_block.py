@@ -26,8 +26,9 @@ from fast_inference.quantize import quantize_int8
 from test_reference import tiny_inputs, tiny_model
 
 worst, cache_worst = 0.0, 0.0
-tile = lambda n: dict(qkv=(n, 4), wo=(n, 4), gate_up=(n, 2), w2=(n, 4))
-dot = lambda n, bk, s=1: dict(qkv=(16, bk, 4, 2, s), wo=(n, bk, 4, 2, s), gate_up=(n, bk, 4, 3, s), w2=(16, bk, 4, 2, s))
+tile = lambda n: dict(qkv=(n, 4), wo=(n, 4), gate_up=(n, 2), w2=(n, 4), output=(n, 4))
+dot = lambda n, bk, s=1: dict(qkv=(16, bk, 4, 2, s), wo=(n, bk, 4, 2, s), gate_up=(n, bk, 4, 3, s), w2=(16, bk, 4, 2, s),
+                             output=(n, bk, 4, 2, s))
 # (batch, cfg, model widths, GEMV tiling, dot tiling, PDL data paths, int8 weights); > 4 rows take the dot path, whose K
 # chunks (bk) here are smaller than K so its loops run several times, or wider than K (128: masked);
 # split-K (s): more splits than chunks (capped), or 3 uneven runs of chunks, some empty. `wide`: widths
@@ -41,6 +42,7 @@ cases = [(1, 4.0, narrow, tile(4), None, True, False), (1, 1.0, dict(n_head=4, n
          (8, 4.0, narrow, None, dot(16, 16, 3), True, False), (3, 4.0, wide, None, dot(16, 64), False, False)]
 for B, cfg, widths, config, dot_config, pdl, int8 in cases:
     decode_block.CONFIG, decode_block.DOT_CONFIG = config, dot_config
+    decode_block.DOT_CONFIG_INT8 = dot_config  # int8 weights too (their GEMV tiling stays CONFIG_INT8's)
     decode_block.use_pdl = lambda device: pdl
     attention = functools.partial(decode_attention, pdl=pdl)
     ref = tiny_model(cls=8, seed=4, vocab_size=512, **widths)  # the interpreter runs every program
@@ -139,9 +141,12 @@ from fast_inference import decode_block as db
 from sm90 import build
 
 
+db.use_pdl = lambda device: True  # as on an H100/H200
+
+
 def args(name, dtype, rows, K, tiles, int8):
     # plan() with the launch options split off, PDL as the engine launches it; meta tensors stand in for x and W
-    pdl = rows <= db.GEMV_ROWS or db.DOT_PDL
+    pdl = db.pdl_for(rows, "cuda")
     meta = lambda n, dt: torch.empty(n, K, dtype=dt, device="meta")
     bn, kw = db.plan(name, meta(rows, dtype), meta(1, torch.int8 if int8 else dtype), tiles, pdl)
     options = {"launch_pdl": kw.pop("launch_pdl", False), **{o: kw.pop(o) for o in ("num_warps", "num_stages") if o in kw}}
@@ -161,9 +166,9 @@ for dt, D, F, hd, int8 in (("bf16", 1280, 3584, 64, False), ("bf16", 4096, 11008
     gu = {"X": t, "NW": t, **w, "OUT": t, **split, "R": "i32", "F": "i32"}
     # the dot path's tilings were swept for GPT-XL; GPT-7B (not a ControlAR model) spills 8 B in gate/up
     for rows in (2, 8, 16) if D == 1280 else (2,):
-        for name, K in (("wo", D), ("w2", F)):
+        for name, K in (("wo", D), ("w2", F), ("output", D)):
             bn, kw, options = args(name, dtype, rows, K, 1, int8)
-            build(db._linear_kernel, lin, dict(kw, BN=bn, NORM=name == "wo" and rows == 16, RESIDUAL=True), options)
+            build(db._linear_kernel, lin, dict(kw, BN=bn, NORM=name == "output", RESIDUAL=name != "output"), options)
         pairs, kw, options = args("qkv", dtype, rows, D, 2, int8)
         kw.pop("K")
         build(db._qkv_kernel, qkv, dict(kw, D=D, HD=hd, BP=min(pairs, hd // 2)), options)
@@ -175,6 +180,7 @@ print("compiled")
 
 def test_kernels_compile_for_sm90():
     """GPT-XL and GPT-7B shapes in bf16, GPT-XL in fp32 and with int8 weights, at 2 rows (GEMV path, its
-    tiling capped for wide K, with programmatic dependent launch) and 8 and 16 rows (dot path): an H100/H200 cubin
+    tiling capped for wide K, with programmatic dependent launch) and 8 and 16 rows (dot path, with PDL's late
+    trigger at 8), each projection and the head: an H100/H200 cubin
     with Triton's bundled ptxas, and no register spills (a GEMV whose weight rows spill would crawl)."""
     sm90.run(AOT_SCRIPT)
