@@ -12,8 +12,8 @@ at kernel boundaries. Two ways to multiply, one set of kernels:
   <= 4 rows (GEMV): a program holds whole rows of the weight (all of K) in registers, loaded before
                     the wait, and multiplies on the CUDA cores, the rows unrolled;
   5..16 rows (dot): a program walks K in chunks on the tensor cores (tl.dot), with nothing to fetch
-                    before the wait: up to 12 rows the next kernel may launch once the results are
-                    computed (pdl.LATE; right after the wait its programs slowed this one); a
+                    before the wait: the next kernel may launch once the results are computed
+                    (pdl.LATE; right after the wait its programs slowed this one); a
                     projection may split K over several programs per tile (split-K), the last of
                     them to finish adding the partial sums in split order (the same bits every run).
 int8 weights (quantize.py) load as int8 and become floats in registers; each projection's row scales
@@ -59,19 +59,22 @@ CONFIG_INT8 = dict(qkv=(4, 4), wo=(4, 4), gate_up=(4, 4), w2=(4, 4), output=(4, 
 DOT_CONFIG = dict(qkv=(32, 256, 4, 3, 1), wo=(16, 256, 4, 3, 1), gate_up=(32, 256, 4, 4, 1), w2=(16, 256, 4, 6, 3),
                   output=(64, 128, 8, 4, 1))
 DOT_CONFIG_INT8 = dict(DOT_CONFIG, output=DOT_CONFIG["wo"])  # int8's 64-row output tiles spill 16 B at sm_90
-# The dot path launches with PDL up to DOT_PDL_ROWS rows, letting the next kernel launch only once its
-# results are computed (pdl.LATE). GPT-XL in the model, ms/step: n = 4 (8 rows) 1.585 -> 1.530, n = 6 (12
-# rows) 1.706 -> 1.681, n = 8 (16 rows) 1.835 -> 1.849. Letting it launch right after the wait made the
-# 16-row block slower (53 -> 57-59 us): the next kernel's early programs hold SM resources the running ones need.
-DOT_PDL_ROWS = 12
-
-
 def pdl_for(rows, device):
     """How the kernels of a block at `rows` rows launch: pdl.EARLY on the GEMV path (the weights are
-    fetched before the wait), pdl.LATE on the dot path up to DOT_PDL_ROWS rows, else without PDL."""
+    fetched before the wait), pdl.LATE on the dot path: the next kernel may launch once the results are
+    computed. Right after the wait made the 16-row block slower (53 -> 57-59 us): the next kernel's
+    early programs hold SM resources the running ones need. GPT-XL in the model, no PDL -> LATE (the
+    attention without it), ms/step: n = 6 1.689 / 1.686 -> 1.668 / 1.668, n = 8 1.831 / 1.828 -> 1.794 / 1.794."""
     if not use_pdl(device):
         return False
-    return EARLY if rows <= GEMV_ROWS else LATE if rows <= DOT_PDL_ROWS else False
+    return EARLY if rows <= GEMV_ROWS else LATE
+
+
+def attention_pdl(rows, device):
+    """Whether the decode attention between the block's kernels launches with PDL: on the GEMV path. At
+    5-16 rows its PDL data path (the current key and value read apart, after the wait) cost more than
+    the overlap saved: n = 8 1.845 ms/step with it, 1.794 without (the block's kernels LATE)."""
+    return pdl_for(rows, device) == EARLY
 
 
 if triton is not None:
@@ -383,7 +386,7 @@ def gate_up(x, norm, w13, scales=None, pdl=False):
 def decode_block(layer, x, freqs, attend, input_pos):
     """TransformerBlock.forward(x, ...) for x (R, 1, D): same arguments, usable as model block_fn.
 
-    attend should launch with PDL where this block does: decode_attention(..., pdl=pdl_for(R, device))."""
+    attend should launch with PDL where attention_pdl says: decode_attention(..., pdl=attention_pdl(R, device))."""
     attn, ff = layer.attention, layer.feed_forward
     R, _, D = x.shape
     x = x.view(R, D)

@@ -228,7 +228,7 @@ class Engine:
         fused = self.fused_block and attention is not None and decode_block.supported(self.model, rows)
         if fused:  # up to 16 rows the fused kernels beat the compiled block, and need no compiler at all
             block_fn = decode_block.decode_block
-            attention = functools.partial(attention, pdl=decode_block.pdl_for(rows, self.device))
+            attention = functools.partial(attention, pdl=decode_block.attention_pdl(rows, self.device))
         elif self.block_scope and self.int8:
             log.warning("int8 weights at %d rows: the block runs eagerly, slower than bf16 there (fused kernels up "
                         "to %d rows); use --quantize none for large batches", rows, decode_block.MAX_ROWS)

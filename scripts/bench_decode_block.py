@@ -59,7 +59,6 @@ def main():
                     help="dot path: split-K tried last, at the best tiling and at 128-wide K chunks")
     ap.add_argument("--quantize", choices=list(QUANTIZE_MODES), default="none", help="int8: the block's weights as int8")
     args = ap.parse_args()
-    dot_pdl_rows = decode_block.DOT_PDL_ROWS
     args_xl = ModelArgs.from_name("GPT-XL", block_size=1024, condition_type="hed", n_layer=1)
     with torch.device("cuda"):
         model = Transformer(args_xl).to(torch.bfloat16).eval().requires_grad_(False)
@@ -86,11 +85,10 @@ def main():
             print(f"rows {R}, position {args.position}: compiled block {t:.1f} us ({mb / t:.2f} TB/s)", flush=True)
 
             def fused(pdl):
-                """The block with PDL as the engine launches it at R rows (pdl None), on (pdl.LATE on the dot
-                path) or off."""
+                """The block with PDL as the engine launches it at R rows (pdl True or None) or without."""
                 decode_block.use_pdl = lambda device: pdl is not False
-                decode_block.DOT_PDL_ROWS = dot_pdl_rows if pdl is None else decode_block.MAX_ROWS
-                attend = lambda q, k, v: decode_attention(q, k, v, key_valid, pos, pdl=decode_block.pdl_for(R, "cuda"))
+                attend = lambda q, k, v: decode_attention(q, k, v, key_valid, pos,
+                                                          pdl=decode_block.attention_pdl(R, "cuda"))
                 return lambda: decode_block.decode_block(layer, x, freqs, attend, pos)
 
             dot = R > decode_block.GEMV_ROWS

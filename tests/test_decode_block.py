@@ -181,6 +181,6 @@ print("compiled")
 def test_kernels_compile_for_sm90():
     """GPT-XL and GPT-7B shapes in bf16, GPT-XL in fp32 and with int8 weights, at 2 rows (GEMV path, its
     tiling capped for wide K, with programmatic dependent launch) and 8 and 16 rows (dot path, with PDL's late
-    trigger at 8), each projection and the head: an H100/H200 cubin
+    trigger), each projection and the head: an H100/H200 cubin
     with Triton's bundled ptxas, and no register spills (a GEMV whose weight rows spill would crawl)."""
     sm90.run(AOT_SCRIPT)

@@ -1,0 +1,78 @@
+"""The kernels of one replayed decode step graph in start order (default engine, GPT-XL bf16, random weights,
+cfg 4, top-k 2000): start, duration and the gap after the kernel before, for the kernels outside the blocks
+and the first and last few, so the small kernels around the blocks show.
+
+    python scripts/step_timeline.py --batch-sizes 1,8 [--position 700] [--replays 6]
+
+torch.profiler over `--replays` replays of the step graph at one position (the third is printed); the
+profiler adds a little to each step. One CUDA GPU.
+"""
+import argparse
+import json
+import os
+import sys
+import tempfile
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from fast_inference.bench import inputs
+from fast_inference.engine import Engine
+from fast_inference.model import ModelArgs, Transformer
+
+BLOCK = ("_qkv_kernel", "_partial_kernel", "_merge_kernel", "_linear_kernel", "_gate_up_kernel")
+
+
+def kernels(graph, replays):
+    """The kernel events of `replays` replays of graph, in start order."""
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(replays):
+            graph.replay()
+        torch.cuda.synchronize()
+    with tempfile.TemporaryDirectory() as d:
+        path = os.path.join(d, "trace.json")
+        prof.export_chrome_trace(path)
+        with open(path) as f:
+            events = [e for e in json.load(f)["traceEvents"] if e.get("cat") == "kernel"]
+    return sorted(events, key=lambda e: e["ts"])
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--batch-sizes", default="1,8")
+    ap.add_argument("--position", type=int, default=700)
+    ap.add_argument("--replays", type=int, default=6)
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("step_timeline.py needs a CUDA GPU")
+    with torch.device("cuda"):
+        model = Transformer(ModelArgs.from_name("GPT-XL", block_size=1024, condition_type="hed"))
+    model = model.to(torch.bfloat16).eval().requires_grad_(False)
+    with torch.no_grad():
+        for B in map(int, args.batch_sizes.split(",")):
+            model.clear_caches()
+            engine = Engine(model)
+            cond, mask, condition = inputs(model, B, 512, "cuda")
+            engine.generate(cond, 1024, emb_masks=mask, condition=condition, cfg_scale=4.0, top_k=2000)
+            engine.sampler.input_pos.fill_(args.position)  # each replay advances it by one
+            graph = engine.graphs[True, 0]
+            for _ in range(3):
+                graph.replay()
+            events = kernels(graph, args.replays)
+            per = len(events) // args.replays
+            span = (events[-1]["ts"] + events[-1]["dur"] - events[0]["ts"]) / args.replays
+            print(f"n = {B}: {per} kernels per step, {span:.1f} us per step under the profiler", flush=True)
+            step = events[2 * per: 3 * per]
+            end = step[0]["ts"]
+            for i, e in enumerate(step):
+                name = e["name"][:70]
+                if not name.startswith(BLOCK) or i < 8 or i >= len(step) - 8:
+                    print(f"  {i:4d} start {e['ts'] - step[0]['ts']:8.1f} us  duration {e['dur']:6.1f}  "
+                          f"gap {e['ts'] - end:5.1f}  {name}", flush=True)
+                end = e["ts"] + e["dur"]
+
+
+if __name__ == "__main__":
+    main()
