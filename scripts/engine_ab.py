@@ -1,0 +1,98 @@
+"""Settings of the fast engine against each other in the model: one process, the settings alternating
+twice, decode ms/step of the second of two 1,024-token images each time (GPT-XL bf16, random weights,
+default engine, cfg 4, top-k 2000, the same seed), and whether the tokens equal the first setting's.
+
+    python scripts/engine_ab.py --batch-sizes 8 "" "decode_block.attention_pdl = decode_block.pdl_for"
+
+A setting is Python run with the fast_inference modules in scope (decode_attention, decode_block,
+decode_inputs, decode_sampling, engine, pdl), after every attribute of those modules is put back as
+it was (config tables copied, so a setting may change them in place); "" is the code as it stands.
+docs/PERF_NOTES.md gives the settings of its A/Bs. Settings in one process share its CUDA-graph
+history (PERF_NOTES, "Inductor's PDL and a second capture": the process's first capture may run
+faster), so bench.py gives the figures to quote. One CUDA GPU.
+"""
+import argparse
+import copy
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch
+
+from fast_inference import decode_attention, decode_block, decode_inputs, decode_sampling, engine, pdl
+from fast_inference.bench import inputs
+from fast_inference.model import ModelArgs, Transformer
+
+MODULES = dict(decode_attention=decode_attention, decode_block=decode_block, decode_inputs=decode_inputs,
+               decode_sampling=decode_sampling, engine=engine, pdl=pdl)
+
+
+def snapshot():
+    """Every module attribute but the dunder ones, its dicts, lists and sets copied."""
+    return {name: {k: copy.deepcopy(v) if isinstance(v, (dict, list, set)) else v for k, v in vars(m).items()
+                   if not k.startswith("__")} for name, m in MODULES.items()}
+
+
+def restore(saved):
+    """The modules as in `saved`: attributes set since are removed, the others put back (fresh copies)."""
+    for name, attrs in saved.items():
+        module = MODULES[name]
+        for k in {k for k in vars(module) if not k.startswith("__")} - set(attrs):
+            delattr(module, k)
+        for k, v in attrs.items():
+            setattr(module, k, copy.deepcopy(v) if isinstance(v, (dict, list, set)) else v)
+
+
+def compile_settings(settings):
+    """Each setting as a code object; a SyntaxError becomes a ValueError naming the setting."""
+    codes = []
+    for text in settings:
+        try:
+            codes.append(compile(text, "<setting>", "exec"))
+        except SyntaxError as e:
+            raise ValueError(f"setting {text!r} is not Python: {e.msg}") from None
+    return codes
+
+
+def apply(saved, code):
+    restore(saved)
+    exec(code, dict(MODULES))
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("settings", nargs="+", help='Python per setting, e.g. "" (as it stands) and "decode_block.X = 1"')
+    ap.add_argument("--batch-sizes", default="8")
+    args = ap.parse_args()
+    try:
+        codes = compile_settings(args.settings)
+    except ValueError as e:
+        ap.error(str(e))
+    if not torch.cuda.is_available():
+        sys.exit("engine_ab.py needs a CUDA GPU (the engine's fast paths are Triton kernels and CUDA graphs)")
+    saved = snapshot()
+    with torch.device("cuda"):
+        model = Transformer(ModelArgs.from_name("GPT-XL", block_size=1024, condition_type="hed"))
+    model = model.to(torch.bfloat16).eval().requires_grad_(False)
+    with torch.no_grad():
+        for B in map(int, args.batch_sizes.split(",")):
+            cond, mask, condition = inputs(model, B, 512, "cuda")
+            first = None
+            for text, code in list(zip(args.settings, codes)) * 2:
+                apply(saved, code)
+                torch._dynamo.reset()  # a compiled block reads the settings when it is traced
+                model.clear_caches()
+                fast = engine.Engine(model)
+                for _ in range(2):
+                    torch.manual_seed(0)
+                    tokens = fast.generate(cond, 1024, emb_masks=mask, condition=condition, cfg_scale=4.0, top_k=2000)
+                first = tokens if first is None else first
+                ms = fast.last_timings["decode"] / 1023 * 1e3
+                print(f"n = {B}, {text or 'as it stands'}: decode {ms:.3f} ms/step ({B * 1000 / ms:,.0f} tok/s), "
+                      f"tokens as the first setting's: {bool(first.equal(tokens))}", flush=True)
+    restore(saved)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,37 @@
+"""scripts/engine_ab.py's settings on the CPU: each starts from the modules as they were, and a setting that
+is not Python is a one-line usage error."""
+import os
+import subprocess
+import sys
+
+from conftest import ROOT
+
+sys.path.insert(0, os.path.join(ROOT, "scripts"))
+import engine_ab  # noqa: E402
+from fast_inference import decode_block  # noqa: E402
+
+
+def test_each_setting_starts_from_the_code_as_it_stands():
+    saved = engine_ab.snapshot()
+    table, pdl_for = dict(decode_block.DOT_CONFIG), decode_block.pdl_for
+    first, second, plain = engine_ab.compile_settings([
+        "decode_block.DOT_CONFIG['w2'] = (1, 2, 3, 4, 5)\ndecode_block.pdl_for = None\ndecode_block.NEW = 1",
+        "decode_block.DOT_CONFIG.update(wo=(0, 0, 0, 0, 0))", ""])
+    try:
+        engine_ab.apply(saved, first)
+        assert decode_block.DOT_CONFIG["w2"] == (1, 2, 3, 4, 5) and decode_block.pdl_for is None
+        engine_ab.apply(saved, second)  # the first setting's changes are gone
+        assert decode_block.DOT_CONFIG == dict(table, wo=(0, 0, 0, 0, 0))
+        assert decode_block.pdl_for is pdl_for and not hasattr(decode_block, "NEW")
+        engine_ab.apply(saved, plain)
+        assert decode_block.DOT_CONFIG == table
+    finally:
+        engine_ab.restore(saved)
+    assert decode_block.DOT_CONFIG == table and decode_block.pdl_for is pdl_for
+
+
+def test_a_setting_that_is_not_python_is_a_usage_error():
+    out = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "engine_ab.py"), "", "decode_block.X ="],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2 and "Traceback" not in out.stderr
+    assert "setting 'decode_block.X =' is not Python" in out.stderr.splitlines()[-1]
