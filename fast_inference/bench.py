@@ -87,6 +87,13 @@ def weight_bytes(*modules):
     return sum(storages.values())
 
 
+def random_gpt_xl():
+    """The model the GPU scripts time: GPT-XL t2i for 512 px images, bf16, random weights, on CUDA."""
+    with torch.device("cuda"):
+        model = Transformer(ModelArgs.from_name("GPT-XL", block_size=1024, condition_type="hed"))
+    return model.to(torch.bfloat16).eval().requires_grad_(False)
+
+
 def inputs(model, B, image_size, device):
     g = torch.Generator(device="cpu").manual_seed(0)
     T = model.args.cls_token_num

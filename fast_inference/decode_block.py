@@ -60,9 +60,8 @@ CONFIG_INT8 = dict(qkv=(4, 4), wo=(4, 4), gate_up=(4, 4), w2=(4, 4), output=(4, 
 # 128-wide K chunks split 4 and 3 ways: n = 8 1.791 -> 1.779 ms/step, n = 4 1.541 -> 1.533 in the model.
 DOT_CONFIG = dict(qkv=(32, 256, 4, 3, 1), wo=(16, 128, 4, 6, 4), gate_up=(32, 256, 4, 4, 1), w2=(16, 128, 4, 4, 3),
                   output=(64, 128, 8, 4, 1))
-# int8 weights: the tilings swept before the dot path had PDL (not re-swept); the head at wo's (int8 64-row tiles spill)
-DOT_CONFIG_INT8 = dict(qkv=(32, 256, 4, 3, 1), wo=(16, 256, 4, 3, 1), gate_up=(32, 256, 4, 4, 1), w2=(16, 256, 4, 6, 3),
-                       output=(16, 256, 4, 3, 1))
+# int8 weights: wo and w2 as swept before the dot path had PDL (not re-swept); the head at wo's (int8 64-row tiles spill)
+DOT_CONFIG_INT8 = dict(DOT_CONFIG, wo=(16, 256, 4, 3, 1), w2=(16, 256, 4, 6, 3), output=(16, 256, 4, 3, 1))
 
 
 def pdl_for(rows, device):

@@ -21,8 +21,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch
 
 from fast_inference import decode_attention, decode_block, decode_inputs, decode_sampling, engine, pdl
-from fast_inference.bench import inputs
-from fast_inference.model import ModelArgs, Transformer
+from fast_inference.bench import inputs, random_gpt_xl
 
 MODULES = dict(decode_attention=decode_attention, decode_block=decode_block, decode_inputs=decode_inputs,
                decode_sampling=decode_sampling, engine=engine, pdl=pdl)
@@ -72,9 +71,7 @@ def main():
     if not torch.cuda.is_available():
         sys.exit("engine_ab.py needs a CUDA GPU (the engine's fast paths are Triton kernels and CUDA graphs)")
     saved = snapshot()
-    with torch.device("cuda"):
-        model = Transformer(ModelArgs.from_name("GPT-XL", block_size=1024, condition_type="hed"))
-    model = model.to(torch.bfloat16).eval().requires_grad_(False)
+    model = random_gpt_xl()
     with torch.no_grad():
         for B in map(int, args.batch_sizes.split(",")):
             cond, mask, condition = inputs(model, B, 512, "cuda")

@@ -25,9 +25,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch
 
-from fast_inference.bench import inputs
+from fast_inference.bench import inputs, random_gpt_xl
 from fast_inference.engine import Engine, capture
-from fast_inference.model import ModelArgs, Transformer
 
 
 def replay_ms(s, graph, n=50):
@@ -56,9 +55,7 @@ def trivial_graph():
 def main():
     items = sys.argv[1].split(",") if len(sys.argv) > 1 else ["32"]
     keep, graphs = [], []
-    with torch.device("cuda"):
-        model = Transformer(ModelArgs.from_name("GPT-XL", block_size=1024, condition_type="hed"))
-    model = model.to(torch.bfloat16).eval().requires_grad_(False)
+    model = random_gpt_xl()
     engine = Engine(model)
     with torch.no_grad():
         for item in items:

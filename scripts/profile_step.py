@@ -16,9 +16,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from fast_inference.bench import inputs
+from fast_inference.bench import inputs, random_gpt_xl
 from fast_inference.engine import Engine
-from fast_inference.model import ModelArgs, Transformer
 
 
 def main():
@@ -27,9 +26,7 @@ def main():
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--top", type=int, default=14)
     a = p.parse_args()
-    with torch.device("cuda"):
-        model = Transformer(ModelArgs.from_name("GPT-XL", block_size=1024, condition_type="hed"))
-    model = model.to(torch.bfloat16).eval().requires_grad_(False)
+    model = random_gpt_xl()
     with torch.no_grad():
         for B in map(int, a.batch_sizes.split(",")):
             model.clear_caches()

@@ -18,9 +18,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from fast_inference.bench import inputs
+from fast_inference.bench import inputs, random_gpt_xl
 from fast_inference.engine import Engine
-from fast_inference.model import ModelArgs, Transformer
 
 BLOCK = ("_qkv_kernel", "_partial_kernel", "_merge_kernel", "_linear_kernel", "_gate_up_kernel")
 
@@ -47,9 +46,7 @@ def main():
     args = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("step_timeline.py needs a CUDA GPU")
-    with torch.device("cuda"):
-        model = Transformer(ModelArgs.from_name("GPT-XL", block_size=1024, condition_type="hed"))
-    model = model.to(torch.bfloat16).eval().requires_grad_(False)
+    model = random_gpt_xl()
     with torch.no_grad():
         for B in map(int, args.batch_sizes.split(",")):
             model.clear_caches()
