@@ -1,6 +1,12 @@
-"""Reference vs fast engine, in one process on one GPU: tok/s, ratio, ms/step, % of roofline.
+"""Reference vs fast engine on one GPU: tok/s, ratio, ms/step, % of roofline.
 
     python fast_inference/bench.py --random-weights                  # GPT-XL t2i 512px, n = 1, 8, 32
+
+Each batch size runs in a process of its own, reference and fast engine, as the CLI and
+fast_eval.py run one shape: a process's second CUDA-graph capture takes the programmatic dependent
+launch's overlap from its step graphs (docs/PERF_NOTES.md, "Inductor's PDL and a second capture"),
+so later shapes in one process step slower (n = 8 1.71 -> 1.78 ms, n = 32 3.39 -> 3.47 on an H200).
+--in-process times them all in this process, one after the other.
 
 Reference: the official loop (generate.py) timed over --ref-steps decode steps, as the difference
 of two runs (10 and 10 + ref-steps steps, caches sized for the full image), so prefill and set-up
@@ -14,7 +20,9 @@ import copy
 import itertools
 import json
 import os
+import subprocess
 import sys
+import tempfile
 import time
 
 if __package__ in (None, ""):
@@ -52,6 +60,10 @@ def parse_args(argv=None):
     p.add_argument("--fast-runs", type=int, default=2, help="timed fast images per batch size")
     p.add_argument("--out-dir", default="sample/bench")
     p.add_argument("--tag", default="", help="name suffix of the JSON/PNG files")
+    p.add_argument("--in-process", action="store_true",
+                   help="every batch size in this process (default: each in a process of its own)")
+    p.add_argument("--part", default=None, help=argparse.SUPPRESS)  # a child's JSON (one batch size)
+    p.add_argument("--no-header", action="store_true", help=argparse.SUPPRESS)
     return p.parse_args(argv)
 
 
@@ -179,11 +191,52 @@ def plot(rows, path):
 
 
 def main(argv=None):
+    argv = sys.argv[1:] if argv is None else list(argv)
     args = parse_args(argv)
     if not torch.cuda.is_available():
         sys.exit("error: bench.py needs a CUDA GPU")
     if not args.random_weights and not args.gpt_ckpt:
         sys.exit("error: pass --random-weights or --gpt-ckpt PATH")
+    sizes = [int(b) for b in args.batch_sizes.split(",")]
+    if len(sizes) > 1 and not args.in_process:
+        result = isolated(args, argv, sizes)
+    else:
+        result = measure(args, sizes)
+        if args.part:  # a child of isolated(): its parent prints the rest and writes the files
+            with open(args.part, "w") as f:
+                json.dump(result, f)
+            return
+    if result["end_to_end_s"] is not None:
+        print(f"end-to-end, one image (condition encoder + prefill + decode + VQ decode, warm): "
+              f"{result['end_to_end_s']:.3f} s")
+    os.makedirs(args.out_dir, exist_ok=True)
+    stem = os.path.join(args.out_dir, f"bench_{args.gpt_model}_{args.backend}{args.tag}")
+    with open(stem + ".json", "w") as f:
+        json.dump(result, f, indent=1)
+    plot(result["rows"], stem + ".png")
+    print(f"wrote {stem}.json and {stem}.png")
+
+
+def isolated(args, argv, sizes):
+    """Each batch size measured by a process of its own (this script with --in-process), one after the
+    other; their rows in one result. A failed child ends the run with nothing written."""
+    parts = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for i, B in enumerate(sizes):
+            part = os.path.join(tmp, f"n{B}.json")
+            cmd = [sys.executable, os.path.abspath(__file__), *argv, "--batch-sizes", str(B), "--in-process",
+                   "--part", part] + (["--no-header"] if i else [])
+            if subprocess.run(cmd).returncode != 0:
+                sys.exit(f"error: the n = {B} process failed (its error is above); nothing written")
+            with open(part) as f:
+                parts.append(json.load(f))
+    e2e = [p["end_to_end_s"] for p in parts if p["end_to_end_s"] is not None]
+    return dict(parts[0], args=vars(args), rows=[r for p in parts for r in p["rows"]],
+                end_to_end_s=e2e[0] if e2e else None)
+
+
+def measure(args, sizes):
+    """Every batch size in this process: the model, the VQ decoder and one engine, built once."""
     device = torch.device("cuda")
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.precision]
     torch.backends.cuda.matmul.allow_tf32 = True  # as the official scripts
@@ -215,32 +268,27 @@ def main(argv=None):
             f", fused block at <= {decode_block.MAX_ROWS} rows"
         scope = f" (compile scope {args.compile_scope}{fused})"
     weights = " (fast: int8 weights)" if args.quantize == "int8" else ""
-    print(f"{torch.cuda.get_device_name()} | {args.gpt_model} {args.image_size}px ({N} tokens) | cfg {args.cfg_scale} "
-          f"top-k {args.top_k} | {args.precision}{weights} | backend {args.backend}{scope} | copy bandwidth "
-          f"{bw / 1e12:.2f} TB/s", flush=True)
+    where = "one process" if args.in_process and not args.part else "a process per batch size"
+    if not args.no_header:
+        print(f"{torch.cuda.get_device_name()} | {args.gpt_model} {args.image_size}px ({N} tokens) | cfg "
+              f"{args.cfg_scale} top-k {args.top_k} | {args.precision}{weights} | backend {args.backend}{scope} | "
+              f"{where} | copy bandwidth {bw / 1e12:.2f} TB/s", flush=True)
     with torch.no_grad():
-        for B in [int(b) for b in args.batch_sizes.split(",")]:
+        for B in sizes:
             torch.cuda.reset_peak_memory_stats()
             ref = bench_reference(model, B, N, args, kw, device)
             model.clear_caches()
             fast = bench_fast(engine, fast_model, B, N, args, kw, device)
             rows_ = 2 * B if args.cfg_scale > 1 else B
             roof_ms = step_bytes(fast_model, rows_, margs.cls_token_num, N) / bw * 1e3
-            row = dict(n=B, reference=ref, fast=fast, roofline_step_ms=roof_ms,
+            row = dict(n=B, reference=ref, fast=fast, roofline_step_ms=roof_ms, copy_bandwidth_Bps=bw,
                        roofline_pct=100 * roof_ms / fast["step_ms"], peak_mem_gb=torch.cuda.max_memory_allocated() / 1e9)
             rows.append(row)
             print_row(row, flush=True)
             if B == 1:  # while the n=1 graphs are warm
                 e2e = end_to_end(engine, fast_model, vq, args, kw, device)
-    if e2e is not None:
-        print(f"end-to-end, one image (condition encoder + prefill + decode + VQ decode, warm): {e2e:.3f} s")
-    os.makedirs(args.out_dir, exist_ok=True)
-    stem = os.path.join(args.out_dir, f"bench_{args.gpt_model}_{args.backend}{args.tag}")
-    with open(stem + ".json", "w") as f:
-        json.dump(dict(args=vars(args), device=torch.cuda.get_device_name(), torch=torch.__version__,
-                       copy_bandwidth_Bps=bw, rows=rows, end_to_end_s=e2e), f, indent=1)
-    plot(rows, stem + ".png")
-    print(f"wrote {stem}.json and {stem}.png")
+    return dict(args=vars(args), device=torch.cuda.get_device_name(), torch=torch.__version__, copy_bandwidth_Bps=bw,
+                rows=rows, end_to_end_s=e2e)
 
 
 def print_row(r, flush=False):

@@ -1,0 +1,73 @@
+"""bench.py's process per batch size, on the CPU: the children it starts stand in for GPU runs (each writes
+the result a child would), so what is checked is the orchestration: the children's command lines, the
+rows merged in order, end to end from the n = 1 child, and nothing written when a child fails."""
+import json
+import os
+import subprocess
+import types
+
+import pytest
+
+from fast_inference import bench
+
+
+def fake_children(monkeypatch, fail=None):
+    """subprocess.run replaced: each child writes its --part JSON as bench.py --in-process would."""
+    calls = []
+
+    def run(cmd):
+        calls.append(cmd)
+        B = int(cmd[len(cmd) - cmd[::-1].index("--batch-sizes")])  # the last --batch-sizes wins
+        if B == fail:
+            return types.SimpleNamespace(returncode=1)
+        part = cmd[cmd.index("--part") + 1]
+        row = dict(n=B, reference=dict(tok_s=1.0 * B, step_ms=10.0), fast=dict(tok_s=100.0 * B, step_ms=1.0 + B),
+                   roofline_step_ms=0.5, roofline_pct=50.0, peak_mem_gb=1.0)
+        with open(part, "w") as f:
+            json.dump(dict(args={}, device="fake", torch="x", copy_bandwidth_Bps=4e12 + B, rows=[row],
+                           end_to_end_s=1.25 if B == 1 else None), f)
+        return types.SimpleNamespace(returncode=0)
+
+    monkeypatch.setattr(bench.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(bench.subprocess, "run", run)
+    return calls
+
+
+def test_each_batch_size_in_a_process_of_its_own(monkeypatch, tmp_path, capsys):
+    calls = fake_children(monkeypatch)
+    argv = ["--random-weights", "--batch-sizes", "8,1,32", "--ref-steps", "5", "--out-dir", str(tmp_path)]
+    bench.main(argv)
+    assert [c[c.index("--part") - 2] for c in calls] == ["8", "1", "32"]
+    for i, c in enumerate(calls):
+        assert c[2:2 + len(argv)] == argv and "--in-process" in c  # the user's flags, then the child's
+        assert ("--no-header" in c) == (i > 0)
+        assert bench.parse_args(c[2:]).batch_sizes == c[c.index("--part") - 2]
+    result = json.load(open(tmp_path / "bench_GPT-XL_inductor.json"))
+    assert [r["n"] for r in result["rows"]] == [8, 1, 32]
+    assert result["end_to_end_s"] == 1.25 and result["args"]["batch_sizes"] == "8,1,32"
+    assert result["copy_bandwidth_Bps"] == 4e12 + 8
+    assert (tmp_path / "bench_GPT-XL_inductor.png").exists()
+    assert "end-to-end, one image" in capsys.readouterr().out
+
+
+def test_a_failed_child_writes_nothing(monkeypatch, tmp_path):
+    calls = fake_children(monkeypatch, fail=8)
+    with pytest.raises(SystemExit) as e:
+        bench.main(["--random-weights", "--batch-sizes", "1,8,32", "--out-dir", str(tmp_path / "out")])
+    assert "n = 8 process failed" in str(e.value) and "nothing written" in str(e.value)
+    assert len(calls) == 2 and not (tmp_path / "out").exists()
+
+
+def test_one_batch_size_or_in_process_starts_no_child(monkeypatch, tmp_path):
+    calls = fake_children(monkeypatch)
+    measured = []
+    monkeypatch.setattr(bench, "measure", lambda args, sizes: measured.append(sizes) or dict(rows=[], end_to_end_s=None))
+    monkeypatch.setattr(bench, "plot", lambda rows, path: None)
+    for argv in (["--batch-sizes", "32"], ["--batch-sizes", "1,8", "--in-process"]):
+        bench.main(["--random-weights", "--out-dir", str(tmp_path), *argv])
+    assert measured == [[32], [1, 8]] and calls == []
+
+
+def test_the_help_names_in_process():
+    out = subprocess.run([bench.sys.executable, bench.__file__, "--help"], capture_output=True, text=True).stdout
+    assert "--in-process" in out and "--part" not in out
