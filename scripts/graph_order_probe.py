@@ -7,7 +7,8 @@
     python scripts/graph_order_probe.py 32,recapture    # the n = 32 step captured again afterwards
 
 Items run in order:
-- a batch size: two 1,024-token images (the decode ms/step of the second is printed);
+- a batch size: two 1,024-token images (the decode ms/step of the second is printed); one smaller
+  than the batch before it replays that batch's graph (the engine pads a batch up to the captured one);
 - `graph`: captures and replays a CUDA graph of one 64 x 1,280 x 1,280 matmul;
 - `recapture`: captures the current step a second time (`recapture-keep`: the same with
   torch.cuda.empty_cache a no-op, as torch.cuda.graph calls it);
