@@ -19,6 +19,9 @@ can be captured once and replayed N-1 times:
                        its SDPA reads a static window of the cache per group of steps (one graph
                        per window, CACHE_WINDOWS), not the whole cache
   backend "eager":     the same steps run op by op (CPU, debugging)
+Where the steps are captured by hand, the prefill is captured too from a shape's second image on
+(replayed per image, its prefix copied in) at <= 4 rows and on the cudagraph backend
+(captures_prefill says why not elsewhere).
 It computes what generate.py computes; only the draw differs (same distribution, see sampling.py).
 """
 import functools
@@ -72,6 +75,14 @@ def cache_windows(prefix_len, num_tokens, max_seq, groups):
     return lengths, [lengths.index(n) for n in need]
 
 
+def captures_prefill(backend, rows):
+    """Whether a hand-captured engine captures the prefill too, replaying it for every image of a shape: its
+    ~1,900 small eager kernels take 30-45 ms of CPU for ~6 ms of GPU work at n = 1 (H200). Not past 4 rows
+    with Triton: a process's second CUDA-graph capture costs the steps' programmatic dependent launch its
+    overlap there (docs/PERF_NOTES.md, "The dot path's PDL and the first capture"), ~4% of every step."""
+    return backend == "cudagraph" or rows <= decode_block.GEMV_ROWS
+
+
 def default_cache_dir():
     return os.path.join(os.path.expanduser("~"), ".cache", "controlar_fast", "inductor")
 
@@ -110,6 +121,8 @@ class Sampler(nn.Module):
         buf("cfg_scale", torch.ones((), device=device))
         buf("temperature", torch.ones((), device=device))
         buf("seed", torch.zeros((), dtype=torch.long, device=device))  # the fused draw's Philox key, per call
+        self.capture_prefill = False  # the engine decides (captures_prefill)
+        self.prefix = None  # a captured prefill's input, copied in for each image
 
     def key(self):
         return (self.batch, self.num_tokens, self.prefix_len, self.controls.shape[2], self.cfg,
@@ -248,6 +261,7 @@ class Engine:
                     attention, block_fn, fused_draw, windows, fused_inputs)
         if fused:
             s.logits_fn = functools.partial(decode_block.logits, self.model)
+        s.capture_prefill = self.hand_capture and captures_prefill(self.backend, rows)
         self._build(s)
         self.sampler = s
         return s
@@ -283,6 +297,24 @@ class Engine:
                 compile_kw.pop("mode")  # CUDA graphs do not exist on the CPU
             self.step_fns = {key: torch.compile(f, **compile_kw) for key, f in self.step_fns.items()}
         self.warm = dict.fromkeys(self.step_fns, False)
+
+    def _run_prefill(self, s, prefix):
+        """The prefill, replayed from its graph where the engine captures it. A shape's first image runs
+        it as it comes (a one-image process would pay the capture, ~2 more prefills, for nothing); the
+        second captures it (timed as compile/capture time; the capture runs it once), later ones replay."""
+        if "prefill" in self.graphs:
+            s.prefix.copy_(prefix)
+            self.graphs["prefill"].replay()
+        elif s.capture_prefill and s.prefix is not None:
+            t0 = time.perf_counter()
+            s.prefix.copy_(prefix)
+            self.graphs["prefill"] = capture(s, lambda: self.prefill_fn(s.prefix))
+            sync(self.device)
+            self.compile_seconds += time.perf_counter() - t0
+        else:
+            self.prefill_fn(prefix)
+            if s.capture_prefill:
+                s.prefix = prefix.clone()  # the graph's input from the next image on
 
     def _run_step(self, s, key):
         """One decode step of kind key = (guided, window); the first call of each kind is timed as
@@ -337,8 +369,9 @@ class Engine:
             s.seed.copy_(torch.randint(0, 2**62, (), device=self.device))
 
         t0 = time.perf_counter()
-        self.prefill_fn(p.prefix)
-        timings["prefill"] = elapsed(t0, self.device)
+        compile_before = self.compile_seconds
+        self._run_prefill(s, p.prefix)
+        timings["prefill"] = elapsed(t0, self.device) - (self.compile_seconds - compile_before)
         logits = [s.logits.clone()] if forced is not None else None
         t0 = time.perf_counter()
         compile_before = self.compile_seconds

@@ -5,7 +5,8 @@ import os
 import pytest
 import torch
 
-from fast_inference.engine import CACHE_WINDOWS, Engine, cache_windows
+from fast_inference import engine as engine_module
+from fast_inference.engine import CACHE_WINDOWS, Engine, cache_windows, captures_prefill
 from fast_inference.generate import generate
 from test_reference import FIXTURES, build_fixture_model, tiny_inputs, tiny_model
 
@@ -95,6 +96,47 @@ def test_same_seed_same_tokens_and_partial_batch():
     assert engine.sampler.batch == 2
     want = generate(model, cond[1:], 16, emb_masks=mask[1:], condition=condition[1:], cfg_scale=4.0, top_k=1)
     assert torch.equal(greedy, want)
+
+
+def test_captured_prefill_replays_each_images_prefix(monkeypatch):
+    """Where the steps are captured by hand, the prefill is too: a shape's first image runs it as it comes,
+    the second captures it, later ones copy their prefix in and replay. CUDA graphs do not exist on the
+    CPU, so a stand-in graph replays the captured function; the tokens must equal those of the engine
+    that never captures the prefill."""
+    captured = []
+
+    class Graph:
+        def __init__(self, fn):
+            self.replay = fn
+
+    def capture(s, fn):  # as engine.capture: the state after it is that of one run
+        captured.append(fn)
+        fn()
+        return Graph(fn)
+
+    monkeypatch.setattr(engine_module, "capture", capture)
+    model = tiny_model()
+    cond, mask, condition = tiny_inputs(model)
+    a, b = (cond, mask, condition), (cond.flip(0), mask.flip(0), condition)  # one shape, other prefixes
+    run = lambda engine, p: engine.generate(p[0], 16, emb_masks=p[1], condition=p[2], cfg_scale=4.0, top_k=50)
+    plain = Engine(model, backend="eager")
+    want = [torch.manual_seed(3) and run(plain, p) for p in (a, b, a)]
+    assert not torch.equal(want[0], want[1])  # a stale prefix would show
+    hand = Engine(model, backend="eager")
+    hand.hand_capture = True
+    prefills = []
+    for i, p in enumerate((a, b, a)):
+        torch.manual_seed(3)
+        assert torch.equal(run(hand, p), want[i]), i
+        prefills.append(sum("_run_prefill" in f.__qualname__ for f in captured))
+    assert hand.sampler.capture_prefill and prefills == [0, 1, 1]
+
+
+def test_prefill_captured_where_a_second_capture_costs_nothing():
+    """PDL's overlap past 4 rows is lost after a process's second capture (docs/PERF_NOTES.md)."""
+    assert captures_prefill("inductor", 2) and captures_prefill("inductor", 4)
+    assert not captures_prefill("inductor", 6) and not captures_prefill("inductor", 64)
+    assert captures_prefill("cudagraph", 64)
 
 
 def test_sampling_distribution_matches_reference():
