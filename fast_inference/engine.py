@@ -77,9 +77,10 @@ def cache_windows(prefix_len, num_tokens, max_seq, groups):
 
 def captures_prefill(backend, rows):
     """Whether a hand-captured engine captures the prefill too, replaying it for every image of a shape: its
-    ~1,900 small eager kernels take 30-45 ms of CPU for ~6 ms of GPU work at n = 1 (H200). Not past 4 rows
-    with Triton: a process's second CUDA-graph capture costs the steps' programmatic dependent launch its
-    overlap there (docs/PERF_NOTES.md, "The dot path's PDL and the first capture"), ~4% of every step."""
+    ~1,900 small eager kernels take 30-45 ms of CPU for ~6 ms of GPU work at n = 1 (H200). A process's second
+    CUDA-graph capture costs the steps' programmatic dependent launch some overlap (docs/PERF_NOTES.md #27,
+    #28): 0.7% of a step at 2 rows (~9 ms per image, less than the prefill saves), ~4% past 4 rows with
+    Triton (~70 ms per image at n = 8, more than it saves)."""
     return backend == "cudagraph" or rows <= decode_block.GEMV_ROWS
 
 
