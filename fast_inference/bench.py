@@ -5,7 +5,7 @@
 Each batch size runs in a process of its own, reference and fast engine, as the CLI and
 fast_eval.py run one shape: a process's second CUDA-graph capture takes the programmatic dependent
 launch's overlap from its step graphs (docs/PERF_NOTES.md, "Inductor's PDL and a second capture"),
-so later shapes in one process step slower (n = 8 1.71 -> 1.78 ms, n = 32 3.39 -> 3.47 on an H200).
+so later shapes in one process step slower (n = 8 1.71 -> 1.78 ms, n = 32 3.26 -> 3.47 on an H200).
 --in-process times them all in this process, one after the other.
 
 Reference: the official loop (generate.py) timed over --ref-steps decode steps, as the difference
