@@ -197,7 +197,10 @@ def main(argv=None):
         sys.exit("error: bench.py needs a CUDA GPU")
     if not args.random_weights and not args.gpt_ckpt:
         sys.exit("error: pass --random-weights or --gpt-ckpt PATH")
-    sizes = [int(b) for b in args.batch_sizes.split(",")]
+    try:
+        sizes = [int(b) for b in args.batch_sizes.split(",")]
+    except ValueError:
+        sys.exit(f"error: --batch-sizes {args.batch_sizes!r}: give whole numbers separated by commas, e.g. 1,8,32")
     if len(sizes) > 1 and not args.in_process:
         result = isolated(args, argv, sizes)
     else:

@@ -68,6 +68,14 @@ def test_one_batch_size_or_in_process_starts_no_child(monkeypatch, tmp_path):
     assert measured == [[32], [1, 8]] and calls == []
 
 
+def test_batch_sizes_not_numbers_is_a_usage_error(monkeypatch, tmp_path):
+    calls = fake_children(monkeypatch)
+    with pytest.raises(SystemExit) as e:
+        bench.main(["--random-weights", "--batch-sizes", "1,eight", "--out-dir", str(tmp_path / "out")])
+    assert "--batch-sizes '1,eight'" in str(e.value) and "e.g. 1,8,32" in str(e.value)
+    assert calls == [] and not (tmp_path / "out").exists()
+
+
 def test_the_help_names_in_process():
     out = subprocess.run([bench.sys.executable, bench.__file__, "--help"], capture_output=True, text=True).stdout
     assert "--in-process" in out and "--part" not in out
