@@ -20,7 +20,9 @@ int8 weights (quantize.py) load as int8 and become floats in registers; each pro
 apply to its rounded output, as model.int8_linear.
 Computes TransformerBlock.forward for S = 1 (tests/test_decode_block.py checks it against it).
 Before its wait a kernel only reads what no kernel of this step writes (weights, earlier cache
-rows), so overlapping the previous kernel is safe.
+rows, the position), or on the GEMV path the residual, which the kernel just before never writes:
+every kernel waits before it lets the next one launch, so a kernel two back has finished by then.
+Those loads skip L1 (.cg), where a line of the same address from before could linger.
 """
 import torch
 
@@ -98,15 +100,15 @@ if triton is not None:
         return ((x.to(tl.float32) * rstd[:, None]).to(x.dtype).to(tl.float32) * nw.to(tl.float32)[None, :]).to(x.dtype)
 
     @triton.jit
-    def _input(X, NW, offs_r, r_ok, EPS: tl.constexpr, K: tl.constexpr, KP: tl.constexpr, NORM: tl.constexpr):
-        """(RP, KP) float32 rows of X as the projection reads them, RMS-normalised if NORM."""
+    def _input(X, nw, offs_r, r_ok, EPS: tl.constexpr, K: tl.constexpr, KP: tl.constexpr, NORM: tl.constexpr):
+        """(RP, KP) float32 rows of X as the projection reads them, RMS-normalised by the weights nw if NORM."""
         offs_k = tl.arange(0, KP)
         k_ok = offs_k < K
         x = tl.load(X + offs_r[:, None] * K + offs_k[None, :], mask=r_ok[:, None] & k_ok[None, :], other=0.0)
         if NORM:
             xf = x.to(tl.float32)
             rstd = tl.rsqrt(tl.sum(xf * xf, 1) / K + EPS)
-            x = _rmsnorm(x, rstd, tl.load(NW + offs_k, mask=k_ok, other=0.0))
+            x = _rmsnorm(x, rstd, nw)
         return x.to(tl.float32)
 
     @triton.jit
@@ -133,9 +135,13 @@ if triton is not None:
         w_b = w_a
         if PAIR:
             w_b = _rows(W, rows_b, rows_ok, K, KP)
+        offs_k = tl.arange(0, KP)
+        nw = tl.zeros([KP], NW.dtype.element_ty)
+        if NORM:  # a weight too
+            nw = tl.load(NW + offs_k, mask=offs_k < K, other=0.0)
         pdl_wait(PDL)
         offs_r = tl.arange(0, RP)
-        x = _input(X, NW, offs_r, offs_r < R, EPS, K, KP, NORM)
+        x = _input(X, nw, offs_r, offs_r < R, EPS, K, KP, NORM)
         a = _matvec(x, w_a)
         b = a
         if PAIR:
@@ -238,13 +244,20 @@ if triton is not None:
         rows = tl.program_id(0) * BN + tl.arange(0, BN)
         rows_ok = rows < N
         dt = OUT.dtype.element_ty
+        offs_r = tl.arange(0, RP)
+        at = offs_r[:, None] * N + rows[None, :]
+        res = tl.zeros([RP, BN], tl.float32)
+        if RESIDUAL and not DOT:  # before the wait: the kernel just before never writes it (see linear())
+            res = tl.load(RES + at, mask=(offs_r < R)[:, None] & rows_ok[None, :], other=0.0,
+                          cache_modifier=".cg").to(tl.float32)
         y, _, live = _project(X, NW, W, S, PART, COUNT, rows, rows, rows_ok, R, EPS, K, KP, RP, BN, BK, NORM, False,
                               DOT, PDL, PREC, SPLIT, QUANT, dt)
-        offs_r = tl.arange(0, RP)
         ok = (offs_r < live)[:, None] & rows_ok[None, :]
         if RESIDUAL:
-            y += tl.load(RES + offs_r[:, None] * N + rows[None, :], mask=ok, other=0.0).to(tl.float32)
-        tl.store(OUT + offs_r[:, None] * N + rows[None, :], y.to(dt), mask=ok)
+            if DOT:  # after it: ahead of the wait, n = 4 and 8 ran ~1.3% slower
+                res = tl.load(RES + at, mask=ok, other=0.0).to(tl.float32)
+            y += res
+        tl.store(OUT + at, y.to(dt), mask=ok)
 
     @triton.jit
     def _qkv_kernel(X, NW, W, S, FREQS, POS, Q, KC, VC, PART, COUNT, R, stride_cr, stride_ch, stride_cn,
@@ -259,11 +272,12 @@ if triton is not None:
         col = first + 2 * tl.arange(0, BP)
         all_ok = col >= 0
         dt = Q.dtype.element_ty
+        d = col % HD
+        pos = tl.load(POS, cache_modifier=".cg")  # before the wait: the previous step wrote it
         ye, yo, live = _project(X, NW, W, S, PART, COUNT, col, col + 1, all_ok, R, EPS, D, KP, RP, BP, BK, True, True,
                                 DOT, PDL, PREC, SPLIT, QUANT, dt)
         offs_r = tl.arange(0, RP)
         r_ok = offs_r < live
-        d = col % HD
         if section < 2:  # rotate pair j = d / 2 by this position's (cos, sin), in float32 as the model
             c = tl.load(FREQS + d)[None, :]
             s = tl.load(FREQS + d + 1)[None, :]
@@ -274,7 +288,6 @@ if triton is not None:
             tl.store(q, ye.to(dt), mask=ok)
             tl.store(q + 1, yo.to(dt), mask=ok)
         else:
-            pos = tl.load(POS)
             at = offs_r[:, None] * stride_cr + h * stride_ch + pos * stride_cn + d[None, :]
             if section == 1:
                 tl.store(KC + at, ye.to(dt), mask=ok)
@@ -349,7 +362,9 @@ def _or(t, x):
 
 def linear(x, weight, scales=None, norm=None, residual=None, name="wo", pdl=False):
     """[residual +] [norm](x) @ weight.T for x (R, K) contiguous, R <= MAX_ROWS, with kernel `name`'s tiling;
-    an int8 weight with its row scales (quantize.py) as model.int8_linear."""
+    an int8 weight with its row scales (quantize.py) as model.int8_linear. With pdl, `residual` must not be
+    written by the kernel just before (the GEMV path reads it before its wait; in the block it is wo's
+    input, 4 kernels back, or w2's, 2 back)."""
     R, K = x.shape
     N = weight.shape[0]
     bn, kw = plan(name, x, weight, 1, pdl)
