@@ -19,10 +19,9 @@ at kernel boundaries. Two ways to multiply, one set of kernels:
 int8 weights (quantize.py) load as int8 and become floats in registers; each projection's row scales
 apply to its rounded output, as model.int8_linear.
 Computes TransformerBlock.forward for S = 1 (tests/test_decode_block.py checks it against it).
-Before its wait a kernel only reads what no kernel of this step writes (weights, earlier cache
-rows; on the GEMV path the position too) or, on the GEMV path, the residual, which the kernel just
-before never writes: every kernel waits before it lets the next one launch, so a kernel two back has
-finished by then. Those loads skip L1 (.cg), where a line of the same address from before could linger.
+Before its wait a kernel reads what pdl.py allows: weights and earlier cache rows, and on the GEMV
+path also the position (the previous step's) and the residual (wo's is 4 kernels back, w2's 2), both
+from L2 (.cg).
 """
 import torch
 

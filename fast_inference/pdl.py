@@ -1,10 +1,13 @@
 """Programmatic dependent launch (PDL, Hopper and later), shared by the decode kernels.
 
 A kernel launched with PDL may start while the kernel before it drains. Until it calls
-`pdl_wait`, it may only read memory that no kernel of the current step writes (weights, earlier
-cache rows), and it writes nothing. After the wait, the previous kernel's writes are visible. The
-next kernel may launch right after the wait (EARLY) or once the results are computed (LATE,
-`pdl_trigger`); either way its own wait holds it until this kernel has finished.
+`pdl_wait`, it writes nothing, and it may only read memory that no kernel of the current step writes
+(weights, earlier cache rows) or that a kernel two or more launches back wrote: every kernel waits
+before it lets the next one launch, so by then that one has finished. Reads of what a kernel of this
+step wrote go to L2 (.cg): L1 is not coherent, and no wait has refreshed it yet. After the wait, the
+previous kernel's writes are visible. The next kernel may launch right after the wait (EARLY) or once
+the results are computed (LATE, `pdl_trigger`); either way its own wait holds it until this kernel has
+finished.
 """
 import functools
 import os
