@@ -25,12 +25,14 @@ from L2 (.cg).
 """
 import torch
 
+from fast_inference import decode_sampling
 from fast_inference.pdl import EARLY, LATE, launch, use_pdl
 
 try:
     import triton
     import triton.language as tl
 
+    from fast_inference.decode_sampling import race_noise
     from fast_inference.pdl import pdl_trigger, pdl_wait
 except ImportError:
     triton = None
@@ -235,28 +237,48 @@ if triton is not None:
         return a, b, live
 
     @triton.jit
-    def _linear_kernel(X, NW, W, S, RES, OUT, PART, COUNT, R, N, EPS: tl.constexpr, K: tl.constexpr,
-                       KP: tl.constexpr, RP: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, NORM: tl.constexpr,
-                       RESIDUAL: tl.constexpr, DOT: tl.constexpr, PDL: tl.constexpr, PREC: tl.constexpr,
+    def _linear_kernel(X, W, S, RES, OUT, PART, COUNT, R, N, K: tl.constexpr, KP: tl.constexpr, RP: tl.constexpr,
+                       BN: tl.constexpr, BK: tl.constexpr, DOT: tl.constexpr, PDL: tl.constexpr, PREC: tl.constexpr,
                        SPLIT: tl.constexpr, QUANT: tl.constexpr):
-        """OUT = [RES +] [RMSNorm](X) @ W.T for X (R, K), W (N, K)."""
+        """OUT = RES + X @ W.T for X (R, K), W (N, K): the output and down projections."""
         rows = tl.program_id(0) * BN + tl.arange(0, BN)
         rows_ok = rows < N
         dt = OUT.dtype.element_ty
         offs_r = tl.arange(0, RP)
         at = offs_r[:, None] * N + rows[None, :]
         res = tl.zeros([RP, BN], tl.float32)
-        if RESIDUAL and not DOT:  # before the wait: the kernel just before never writes it (see linear())
+        if not DOT:  # before the wait: the kernel just before never writes it (see linear())
             res = tl.load(RES + at, mask=(offs_r < R)[:, None] & rows_ok[None, :], other=0.0,
                           cache_modifier=".cg").to(tl.float32)
-        y, _, live = _project(X, NW, W, S, PART, COUNT, rows, rows, rows_ok, R, EPS, K, KP, RP, BN, BK, NORM, False,
+        y, _, live = _project(X, X, W, S, PART, COUNT, rows, rows, rows_ok, R, 0.0, K, KP, RP, BN, BK, False, False,
                               DOT, PDL, PREC, SPLIT, QUANT, dt)
         ok = (offs_r < live)[:, None] & rows_ok[None, :]
-        if RESIDUAL:
-            if DOT:  # after it: ahead of the wait, n = 4 and 8 ran ~1.3% slower
-                res = tl.load(RES + at, mask=ok, other=0.0).to(tl.float32)
-            y += res
-        tl.store(OUT + at, y.to(dt), mask=ok)
+        if DOT:  # after it: ahead of the wait, n = 4 and 8 ran ~1.3% slower
+            res = tl.load(RES + at, mask=ok, other=0.0).to(tl.float32)
+        tl.store(OUT + at, (y + res).to(dt), mask=ok)
+
+    @triton.jit
+    def _head_kernel(X, NW, W, S, OUT, NOISE, POS, SEED, PART, COUNT, R, N, EPS: tl.constexpr, K: tl.constexpr,
+                     KP: tl.constexpr, RP: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, DOT: tl.constexpr,
+                     PDL: tl.constexpr, PREC: tl.constexpr, SPLIT: tl.constexpr, QUANT: tl.constexpr,
+                     IMAGES: tl.constexpr, IP: tl.constexpr, VP: tl.constexpr, CHUNK: tl.constexpr):
+        """OUT = RMSNorm(X) @ W.T, the logits; with IMAGES > 0 also the draw's race noise of these tokens for
+        images 0..IMAGES-1 to NOISE (IMAGES, N) (decode_sampling.race_noise): made before the wait from the
+        seed and the position, which no kernel of the step writes, and stored after it."""
+        rows = tl.program_id(0) * BN + tl.arange(0, BN)
+        rows_ok = rows < N
+        dt = OUT.dtype.element_ty
+        img = tl.arange(0, IP)[:, None]
+        if IMAGES > 0:
+            log_e = race_noise(tl.load(SEED), tl.load(POS, cache_modifier=".cg"), img, IMAGES, rows[None, :], VP,
+                               CHUNK)
+        y, _, live = _project(X, NW, W, S, PART, COUNT, rows, rows, rows_ok, R, EPS, K, KP, RP, BN, BK, True, False,
+                              DOT, PDL, PREC, SPLIT, QUANT, dt)
+        offs_r = tl.arange(0, RP)
+        tl.store(OUT + offs_r[:, None] * N + rows[None, :], y.to(dt), mask=(offs_r < live)[:, None] & rows_ok[None, :])
+        if IMAGES > 0:  # (a tile mask: the interpreter takes no scalar one)
+            mine = (img < tl.where(live > 0, IMAGES, 0)) & rows_ok[None, :]
+            tl.store(NOISE + img * N + rows[None, :], log_e, mask=mine)
 
     @triton.jit
     def _qkv_kernel(X, NW, W, S, FREQS, POS, Q, KC, VC, PART, COUNT, R, stride_cr, stride_ch, stride_cn,
@@ -362,20 +384,18 @@ def _or(t, x):
     return x if t is None else t  # a kernel's unused pointer argument
 
 
-def linear(x, weight, scales=None, norm=None, residual=None, name="wo", pdl=False):
-    """[residual +] [norm](x) @ weight.T for x (R, K) contiguous, R <= MAX_ROWS, with kernel `name`'s tiling;
-    an int8 weight with its row scales (quantize.py) as model.int8_linear. With pdl, `residual` must not be
-    written by the kernel just before (the GEMV path reads it before its wait; in the block it is wo's
-    input, 4 kernels back, or w2's, 2 back)."""
+def linear(x, weight, scales=None, residual=None, name="wo", pdl=False):
+    """residual + x @ weight.T for x (R, K) contiguous, R <= MAX_ROWS, with kernel `name`'s tiling; an int8
+    weight with its row scales (quantize.py) as model.int8_linear. With pdl, `residual` must not be written
+    by the kernel just before (the GEMV path reads it before its wait; in the block it is wo's input, 4
+    kernels back, or w2's, 2 back)."""
     R, K = x.shape
     N = weight.shape[0]
     bn, kw = plan(name, x, weight, 1, pdl)
     grid, part, counts = split_buffers(x, triton.cdiv(N, bn), kw, bn)
     out = torch.empty(R, N, device=x.device, dtype=x.dtype)
-    _linear_kernel[grid](
-        x, norm.weight if norm is not None else x, weight, _or(scales, x), _or(residual, x), out, part, counts, R, N,
-        EPS=norm.eps if norm is not None else 0.0, K=K, BN=bn, NORM=norm is not None, RESIDUAL=residual is not None,
-        QUANT=scales is not None, **kw)
+    _linear_kernel[grid](x, weight, _or(scales, x), residual, out, part, counts, R, N, K=K, BN=bn,
+                         QUANT=scales is not None, **kw)
     return out
 
 
@@ -422,12 +442,23 @@ def decode_block(layer, x, freqs, attend, input_pos):
     return linear(a, ff.w2.weight, row_scales(ff.w2), residual=h, name="w2", pdl=pdl).view(R, 1, D)
 
 
-def logits(model, h):
+def logits(model, h, noise=None):
     """model.logits(h) for h (R, 1, D), the final RMSNorm fused into the output projection, in the
-    weights' dtype: model.logits' float32 cast is left to the reader (the fused draw reads them so)."""
+    weights' dtype: model.logits' float32 cast is left to the reader (the fused draw reads them so).
+    noise = (buffer (images, V) float32, input_pos, seed): also the race noise of the step's draw at
+    input_pos into the buffer (decode_sampling.draw's `noise`)."""
     R, _, D = h.shape
-    out = linear(h.view(R, D), model.output.weight, row_scales(model.output), norm=model.norm, name="output",
-                 pdl=pdl_for(R, h.device))
+    x, weight, scales = h.view(R, D), model.output.weight, row_scales(model.output)
+    N = weight.shape[0]
+    bn, kw = plan("output", x, weight, 1, pdl_for(R, h.device))
+    grid, part, counts = split_buffers(x, triton.cdiv(N, bn), kw, bn)
+    out = torch.empty(R, N, device=x.device, dtype=x.dtype)
+    buf, pos, seed = (out, x, x) if noise is None else noise  # unused pointers without noise
+    images = 0 if noise is None else buf.shape[0]
+    VP, chunk = decode_sampling.layout(N)
+    _head_kernel[grid](x, model.norm.weight, weight, _or(scales, x), out, buf, pos, seed, part, counts, R, N,
+                       EPS=model.norm.eps, K=D, BN=bn, QUANT=scales is not None, IMAGES=images,
+                       IP=triton.next_power_of_2(max(images, 1)), VP=VP, CHUNK=chunk, **kw)
     return out.view(R, 1, -1)
 
 

@@ -116,6 +116,9 @@ class Sampler(nn.Module):
         buf("input_pos", torch.zeros(1, dtype=torch.long, device=device))
         buf("out", torch.zeros(batch, num_tokens, dtype=torch.long, device=device))
         buf("logits", torch.zeros(rows, model.args.vocab_size, device=device))
+        # The race's noise for the fused draw, where the fused head makes it (head_noise; engine decides)
+        self.head_noise = False
+        buf("noise", torch.zeros(batch, model.args.vocab_size, device=device))
         buf("key_valid", torch.ones(rows, model.max_seq, dtype=torch.bool, device=device))
         buf("controls", torch.zeros(3, rows, num_controls, D, dtype=dtype, device=device))
         # Tensors, not constants, so a new cfg scale or temperature replays the same graph.
@@ -171,14 +174,15 @@ class Sampler(nn.Module):
 
     def finish(self, h, guided):
         """Last hidden state -> logits -> CFG merge -> filtered draw -> token written, position advanced."""
-        self.emit(self.logits_fn(h)[:, -1], guided)
+        self.emit(self.logits_fn(h)[:, -1], guided, self.noise if self.head_noise else None)
 
-    def emit(self, logits, guided):
+    def emit(self, logits, guided, noise=None):
         """Logits (rows, V) predicting the token after input_pos -> the token drawn, to `token` and `out`
-        (and the logits, in float32, to `logits`); the position advanced."""
+        (and the logits, in float32, to `logits`); the position advanced. noise: the fused draw's, made
+        for this step (decode_block.logits)."""
         if self.fused_draw:
             decode_sampling.draw(logits, self.logits, self.token, self.out, self.input_pos, self.seed, self.cfg_scale,
-                                 self.temperature, self.prefix_len, self.top_k, guided, self.sample_logits)
+                                 self.temperature, self.prefix_len, self.top_k, guided, self.sample_logits, noise)
         else:
             logits = logits.float()
             self.logits[: logits.shape[0]].copy_(logits)
@@ -260,8 +264,10 @@ class Engine:
         fused_inputs = self.block_scope and attention is not None and decode_inputs.supported(self.device)
         s = Sampler(self.model, batch, num_tokens, prefix_len, num_controls, cfg, top_k, top_p, sample_logits,
                     attention, block_fn, fused_draw, windows, fused_inputs)
-        if fused:
-            s.logits_fn = functools.partial(decode_block.logits, self.model)
+        if fused:  # the fused head, which also makes the fused draw's noise
+            s.head_noise = fused_draw and sample_logits
+            noise = (s.noise, s.input_pos, s.seed) if s.head_noise else None
+            s.logits_fn = functools.partial(decode_block.logits, self.model, noise=noise)
         s.capture_prefill = self.hand_capture and captures_prefill(self.backend, rows)
         self._build(s)
         self.sampler = s

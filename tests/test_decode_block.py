@@ -16,7 +16,7 @@ import copy
 import functools
 import torch
 import triton.language as tl
-from fast_inference import decode_block
+from fast_inference import decode_block, decode_sampling
 from fast_inference.decode_attention import decode_attention
 
 # The interpreter has no grid dependency control: the PDL data paths run with these as no-ops.
@@ -67,6 +67,21 @@ for B, cfg, widths, config, dot_config, pdl, int8 in cases:
         worst = max(worst, (got - want).abs().max().item())
     h = torch.randn(rows, 1, ref.args.dim)
     worst = max(worst, (decode_block.logits(fast, h) - ref.logits(h)).abs().max().item())
+    # The head with the draw's race noise: the same logits, and sampled draws that read the noise equal
+    # those that make it (several of the draw's chunks: its counter layout)
+    images, (pos, seed) = rows // 2 if cfg > 1 else rows, (torch.tensor([T + 7]), torch.tensor(19))
+    noise = torch.full((images, ref.args.vocab_size), float("nan"))
+    decode_sampling.CHUNK, draws = 128, []
+    logits = decode_block.logits(fast, h, (noise, pos, seed))
+    assert torch.equal(logits, decode_block.logits(fast, h)) and noise.isfinite().all()
+    for n in (None, noise):
+        token = torch.zeros(images, 1, dtype=torch.long)
+        decode_sampling.draw(logits.view(rows, -1), torch.zeros(rows, ref.args.vocab_size), token,
+                             torch.zeros(images, 20, dtype=torch.long), pos, seed, torch.tensor(cfg), torch.tensor(1.0),
+                             T, 100, cfg > 1, True, n)
+        draws.append(token)
+    assert torch.equal(*draws), draws
+    decode_sampling.CHUNK = 4096
     for a, b in zip(ref.layers, fast.layers):
         for name in ("k_cache", "v_cache"):
             d = getattr(a.attention.kv_cache, name) - getattr(b.attention.kv_cache, name)
@@ -79,7 +94,8 @@ def test_fused_block_matches_model_in_interpreter():
     """Three teacher-forced decode steps through two layers after a prefill: logits within 1e-4 and identical cache rows
     (up to float32 rounding) for 1, 2 and 4 rows (GEMV path) and 5, 6 and 16 rows (dot path, also
     split-K), with and without CFG, several tilings, power-of-two widths and others (the GEMV rows in
-    two pieces); and the head (final norm fused into the output projection)."""
+    two pieces); and the head (final norm fused into the output projection), whose race noise draws the
+    same tokens as the draw's own."""
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join([ROOT, os.path.join(ROOT, "tests")]))
     out = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-2000:]
@@ -88,6 +104,7 @@ def test_fused_block_matches_model_in_interpreter():
 
 
 ENGINE_SCRIPT = r"""
+import functools
 import torch
 import triton.language as tl
 from fast_inference import decode_attention, decode_block, decode_inputs, decode_sampling
@@ -111,7 +128,7 @@ _, want = generate(model, cond, 4, return_logits=True, **kw)
 engine = Engine(model, backend="inductor", compile_scope="block")
 _, got = engine.generate(cond, 4, **kw)
 assert engine.sampler.block_fn is decode_block.decode_block and engine.block_fn is None  # nothing compiled
-assert engine.sampler.fused_draw and engine.sampler.fused_inputs
+assert engine.sampler.fused_draw and engine.sampler.fused_inputs and engine.sampler.head_noise
 worst = max((w if w.shape == g.shape else w.chunk(2)[0]).sub(g).abs().max().item() for w, g in zip(want, got))
 greedy = engine.generate(cond, 4, emb_masks=mask, condition=condition, cfg_scale=4.0, top_k=1)
 same = torch.equal(greedy, generate(model, cond, 4, emb_masks=mask, condition=condition, cfg_scale=4.0, top_k=1))
@@ -120,6 +137,11 @@ for seed in (5, 5, 6):  # the fused draw's Philox key comes from torch's generat
     torch.manual_seed(seed)
     draws.append(engine.generate(cond, 4, emb_masks=mask, condition=condition, cfg_scale=4.0, top_k=20))
 same = same and torch.equal(draws[0], draws[1]) and not torch.equal(draws[0], draws[2])
+# The head without the race's noise, the draw making its own: the same draws
+engine.sampler.head_noise, engine.sampler.logits_fn = False, functools.partial(decode_block.logits, model)
+torch.manual_seed(5)
+same = same and torch.equal(draws[0], engine.generate(cond, 4, emb_masks=mask, condition=condition, cfg_scale=4.0,
+                                                      top_k=20))
 print(worst, same)
 """
 
@@ -127,7 +149,8 @@ print(worst, same)
 def test_engine_runs_the_fused_block_in_interpreter():
     """The engine's own wiring of the fused path (step inputs, block, PDL attention, fused head and draw) at 4 rows
     with CFG and a cfg_interval: teacher-forced logits within 1e-4 of the reference, same greedy tokens,
-    the same sampled tokens for the same seed and others for another."""
+    the same sampled tokens for the same seed and others for another, and the same again with the draw
+    making its race noise instead of the head."""
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join([ROOT, os.path.join(ROOT, "tests")]))
     out = subprocess.run([sys.executable, "-c", ENGINE_SCRIPT], env=env, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-2000:]
@@ -160,15 +183,22 @@ for dt, D, F, hd, int8 in (("bf16", 1280, 3584, 64, False), ("bf16", 4096, 11008
     t, dtype = "*" + dt, torch.bfloat16 if dt == "bf16" else torch.float32
     w = {"W": "*i8" if int8 else t, "S": t}
     split = {"PART": "*fp32", "COUNT": "*i32"}
-    lin = {"X": t, "NW": t, **w, "RES": t, "OUT": t, **split, "R": "i32", "N": "i32"}
+    lin = {"X": t, **w, "RES": t, "OUT": t, **split, "R": "i32", "N": "i32"}
+    head = {"X": t, "NW": t, **w, "OUT": t, "NOISE": "*fp32", "POS": "*i64", "SEED": "*i64", **split, "R": "i32",
+            "N": "i32"}
     qkv = {"X": t, "NW": t, **w, "FREQS": "*fp32", "POS": "*i64", "Q": t, "KC": t, "VC": t, **split, "R": "i32",
            "stride_cr": "i32", "stride_ch": "i32", "stride_cn": "i32"}
     gu = {"X": t, "NW": t, **w, "OUT": t, **split, "R": "i32", "F": "i32"}
     # the dot path's tilings were swept for GPT-XL; GPT-7B (not a ControlAR model) spills 8 B in gate/up
     for rows in (2, 8, 16) if D == 1280 else (2,):
-        for name, K in (("wo", D), ("w2", F), ("output", D)):
+        for name, K in (("wo", D), ("w2", F)):
             bn, kw, options = args(name, dtype, rows, K, 1, int8)
-            build(db._linear_kernel, lin, dict(kw, BN=bn, NORM=name == "output", RESIDUAL=name != "output"), options)
+            kw.pop("EPS")
+            build(db._linear_kernel, lin, dict(kw, BN=bn), options)
+        bn, kw, options = args("output", dtype, rows, D, 1, int8)
+        for images in (0, rows // 2):  # the head with and without the draw's noise (16,384 tokens)
+            build(db._head_kernel, head, dict(kw, BN=bn, IMAGES=images, IP=max(1, images), VP=16384, CHUNK=4096),
+                  options)
         pairs, kw, options = args("qkv", dtype, rows, D, 2, int8)
         kw.pop("K")
         build(db._qkv_kernel, qkv, dict(kw, D=D, HD=hd, BP=min(pairs, hd // 2)), options)
@@ -181,6 +211,6 @@ print("compiled")
 def test_kernels_compile_for_sm90():
     """GPT-XL and GPT-7B shapes in bf16, GPT-XL in fp32 and with int8 weights, at 2 rows (GEMV path, its
     tiling capped for wide K, with programmatic dependent launch) and 8 and 16 rows (dot path, with PDL's late
-    trigger), each projection and the head: an H100/H200 cubin
+    trigger), each projection and the head (with the draw's noise and without): an H100/H200 cubin
     with Triton's bundled ptxas, and no register spills (a GEMV whose weight rows spill would crawl)."""
     sm90.run(AOT_SCRIPT)

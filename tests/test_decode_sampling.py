@@ -21,6 +21,13 @@ from fast_inference.sampling import cfg_merge, filter_logits, kth_largest
 
 
 @triton.jit
+def noise_kernel(NOISE, POS, SEED, batch, V, VP: tl.constexpr, CHUNK: tl.constexpr):
+    j = tl.arange(0, VP)
+    b = tl.program_id(0)
+    tl.store(NOISE + b * V + j, ds.race_noise(tl.load(SEED), tl.load(POS), b, batch, j, VP, CHUNK), mask=j < V)
+
+
+@triton.jit
 def kth_kernel(X, OUT, V, K, VP: tl.constexpr):
     offs = tl.arange(0, VP)
     x = tl.load(X + tl.program_id(0) * V + offs, mask=offs < V, other=0.0)
@@ -87,6 +94,21 @@ for seed, pos in ((11, 0), (11, 0), (12, 0), (11, 1)):
     draws.append(t)
 assert torch.equal(draws[0], first[:8]) and torch.equal(draws[0], draws[1])
 assert not torch.equal(draws[0], draws[2]) and not torch.equal(draws[0], draws[3])
+# The race's noise made apart (race_noise, as the fused head makes it) draws the same tokens as the draw's
+# own, over several chunks and a width not a power of two
+ds.CHUNK, m = 16, 64
+for guided in (True, False):
+    logits = torch.randn(2 * m if guided else m, V, generator=g)
+    got = []
+    for apart in (False, True):
+        t = torch.zeros(m, 1, dtype=torch.long)
+        noise = torch.full((m, V), float("nan"))
+        pos, seed = torch.tensor([9]), torch.tensor(13)
+        noise_kernel[(m,)](noise, pos, seed, m, V, VP=64, CHUNK=16)
+        ds.draw(logits, torch.zeros(2 * m, V), t, torch.zeros(m, 12, dtype=torch.long), pos, seed, scale, temp, 0, 20,
+                guided, True, noise if apart else None)
+        got.append(t)
+    assert torch.equal(*got) and len(got[0].unique()) > 10, got
 print("ok", chi2, bound)
 """
 
@@ -95,7 +117,8 @@ def test_draw_matches_sampling_in_interpreter():
     """Top-k's k-th value identical to sampling.kth_largest (ties, infinities, signed zeros), greedy
     draws identical to sampling.py's arg-max with and without CFG (float32 and bfloat16 logits), and
     400 sampled draws: the kept set exactly (a tie at the k-th value included), a chi-square fit to
-    sampling.py's filtered softmax, the same draws for the same seed and position."""
+    sampling.py's filtered softmax, the same draws for the same seed and position, and the same draws
+    with the race's noise made apart (race_noise)."""
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=ROOT)
     out = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-2000:]
@@ -108,15 +131,19 @@ from sm90 import build
 
 for logits in ("*bf16", "*fp32"):
     for guided in (True, False):
-        sig = {"LOGITS": logits, "LOGITS_OUT": "*fp32", "TOKEN": "*i64", "OUT": "*i64", "POS": "*i64", "SEED": "*i64",
-               "CFG_SCALE": "*fp32", "TEMPERATURE": "*fp32", "batch": "i32", "stride_out": "i32", "prefix_len": "i32"}
-        consts = {"V": 16384, "TOP_K": 2000, "GUIDED": guided, "SAMPLE": True, "VP": 16384, "CHUNK": ds.CHUNK}
-        build(ds._draw_kernel, sig, consts, {"num_warps": ds.WARPS, "enable_fp_fusion": False})
+        for noise in (False, True):
+            sig = {"LOGITS": logits, "LOGITS_OUT": "*fp32", "NOISE": "*fp32", "TOKEN": "*i64", "OUT": "*i64",
+                   "POS": "*i64", "SEED": "*i64", "CFG_SCALE": "*fp32", "TEMPERATURE": "*fp32", "batch": "i32",
+                   "stride_out": "i32", "prefix_len": "i32"}
+            consts = {"V": 16384, "TOP_K": 2000, "GUIDED": guided, "SAMPLE": True, "HAS_NOISE": noise, "VP": 16384,
+                      "CHUNK": ds.CHUNK}
+            build(ds._draw_kernel, sig, consts, {"num_warps": ds.WARPS, "enable_fp_fusion": False})
 print("compiled")
 """
 
 
 def test_draw_kernel_compiles_for_sm90():
-    """GPT-XL's 16,384-token vocabulary, bf16 and float32 logits, with and without CFG: an H100/H200
+    """GPT-XL's 16,384-token vocabulary, bf16 and float32 logits, with and without CFG, the race's noise
+    read or made: an H100/H200
     cubin with Triton's bundled ptxas, and no register spills (a row of logits in local memory would be slow)."""
     sm90.run(AOT_SCRIPT)
