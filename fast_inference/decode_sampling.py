@@ -3,18 +3,20 @@ and the token written where the step needs it.
 
 sampling.py's routine, eager, is ~20 small kernels per step around PyTorch's top-k: 80-100 us on an
 H200 (scripts/bench_sampling.py), about 7% of a one-image step. Here one program per image does it
-all in ~30 us:
+all:
   - the CFG merge and temperature in sampling.py's float32 rounding order (no fused multiply-add,
     a correctly rounded division);
-  - top-k as sampling.filter_logits (values equal to the k-th largest survive). The k-th largest
-    is found by bisection over the floats' 32-bit order-preserving keys, the row in registers: one
-    block-wide count per pass, no sort;
   - the exponential race, argmax(logit - log E) with E = -log(U): no sync, the same distribution as
     torch.multinomial. U comes from Philox keyed by a per-call seed (drawn from torch's generator),
     at a counter unique to (position, image, token). log E depends on neither the logits nor the
     previous kernels, so the fused head (decode_block.logits) computes it before its PDL wait, spread
-    over its programs (`race_noise`), and the draw reads it (NOISE) instead of two logarithms and a
-    Philox round per logit on its one SM;
+    over its programs (`race_noise`), and the draw reads it (NOISE_READY) instead of two logarithms
+    and a Philox round per logit on its one SM; elsewhere the draw makes it first;
+  - top-k as sampling.filter_logits (values equal to the k-th largest survive), decided for the
+    race's winner alone: it is kept if fewer than k logits exceed its own. If not, the next winner
+    races (TRIES in all), and then the k-th largest is found by bisection over the floats' 32-bit
+    order-preserving keys, the row in registers, one block-wide count per pass. Either way the token
+    is the race's among the kept logits, the same bits;
   - the token to `token` and `out`; the logits (float32) to the Sampler's buffer for teacher forcing.
 Top-p needs a sorted cumulative sum and stays on sampling.py's path.
 """
@@ -26,7 +28,9 @@ try:
 except ImportError:
     triton = None
 
-CHUNK = 4096  # logits per pass of the draw's loop: 8 per thread at 16 warps
+CHUNK = 4096  # logits per pass of the draw's noise loop: 8 per thread at 16 warps
+RACE_CHUNK = 2048  # logits per pass of the race's and the counts' loops (4,096 spills at sm_90)
+TRIES = 5  # race winners checked against top-k before the k-th largest is searched (0: at once)
 WARPS = 16  # for a 16,384-token row: 32 logits per thread, 128 registers (sm_90), no spills
 
 
@@ -39,11 +43,16 @@ if triton is not None:
         return bits ^ ((bits >> 31) & 0x7FFFFFFF)
 
     @triton.jit
-    def _kth_largest(x, ok, k):
-        """The k-th largest of x[ok] (float32): the smallest of the keys >= the largest key t with at
-        least k keys >= t, found by bisection, one block-wide count per pass. It stops early where
-        exactly k keys are >= the midpoint (typically after ~20 of the 32 passes)."""
-        key = tl.where(ok, _order_key(x + 0.0), -2147483648)  # + 0.0: -0.0 compares equal to 0.0, as in torch
+    def _keys(x, ok):
+        """Order keys of x, -inf's past ok; + 0.0: -0.0 compares equal to 0.0, as in torch. _order_key(key)
+        gives the floats back (as x + 0.0)."""
+        return _order_key(tl.where(ok, x, float("-inf")) + 0.0)
+
+    @triton.jit
+    def _kth_key(key, k):
+        """The k-th largest key: the smallest of the keys >= the largest t with at least k keys >= t, found
+        by bisection, one block-wide count per pass. It stops early where exactly k keys are >= the
+        midpoint (typically after ~20 of the 32 passes)."""
         lo = tl.full((), -2147483648, tl.int64)
         hi = tl.full((), 2147483647, tl.int64)
         while lo < hi:  # at least k keys are >= lo; fewer than k are > hi
@@ -51,8 +60,12 @@ if triton is not None:
             count = tl.sum((key >= mid.to(tl.int32)).to(tl.int32), 0)
             lo = tl.where(count >= k, mid, lo)
             hi = tl.where(count > k, hi, tl.where(count == k, mid, mid - 1))
-        kth = tl.min(tl.where(key >= lo.to(tl.int32), key, 2147483647), 0)
-        return _order_key(kth).to(tl.float32, bitcast=True)
+        return tl.min(tl.where(key >= lo.to(tl.int32), key, 2147483647), 0)
+
+    @triton.jit
+    def _kth_largest(x, ok, k):
+        """The k-th largest of x[ok] (float32), k <= the count of ok."""
+        return _order_key(_kth_key(_keys(x, ok), k)).to(tl.float32, bitcast=True)
 
     @triton.jit
     def _counter(pos, batch, b, c, VP: tl.constexpr):
@@ -81,65 +94,96 @@ if triton is not None:
         return tl.where(ok, x, float("-inf"))
 
     @triton.jit
-    def _race(LOGITS, b, batch, V: tl.constexpr, offs, scale, temperature, kth, log_e, best, token,
-              GUIDED: tl.constexpr, SAMPLE: tl.constexpr):
-        """Each lane's running (best score, its token) updated with the logits at offs: those below kth
-        out, and if SAMPLE the race's score x - log E (U = 0: E = inf, a score of -inf).
-        Strictly greater keeps a lane's first maximum."""
-        x = _tempered(LOGITS, b, batch, V, offs, scale, temperature, GUIDED)
-        x = tl.where(x < kth, float("-inf"), x)
-        if SAMPLE:
-            x = x - log_e
-        return tl.where(x > best, x, best), tl.where(x > best, offs, token)
+    def _next_winner(LOGITS, NOISE, b, batch, V: tl.constexpr, scale, temperature, kth, best, token,
+                     GUIDED: tl.constexpr, SAMPLE: tl.constexpr, VP: tl.constexpr, RC: tl.constexpr):
+        """The race's winner among the logits >= kth that come after (best, token) in (score descending,
+        index ascending) order: its score x - log E (greedy: x) and its index, the first of equal scores
+        (as torch.argmax). A chunk at a time, the logits read again from cache, each lane keeping its
+        first best."""
+        t = tl.arange(0, RC)
+        run = tl.full([RC], float("-inf"), tl.float32)
+        lane = tl.zeros([RC], tl.int32)
+        for c in range(0, VP, RC):
+            x = _tempered(LOGITS, b, batch, V, c + t, scale, temperature, GUIDED)
+            x = tl.where(x < kth, float("-inf"), x)
+            if SAMPLE:  # U = 0: E = inf, a score of -inf
+                x = x - tl.load(NOISE + b * V + c + t, mask=c + t < V, other=0.0)
+            x = tl.where((x < best) | ((x == best) & (c + t > token)), x, float("-inf"))
+            lane = tl.where(x > run, c + t, lane)
+            run = tl.where(x > run, x, run)
+        top = tl.max(run, 0)
+        return top, tl.min(tl.where(run == top, lane, VP), 0)
+
+    @triton.jit
+    def _count_above(LOGITS, b, batch, V: tl.constexpr, scale, temperature, x, GUIDED: tl.constexpr, VP: tl.constexpr,
+                     RC: tl.constexpr):
+        """How many of image b's logits exceed x, a chunk at a time."""
+        t = tl.arange(0, RC)
+        n = tl.zeros([RC], tl.int32)
+        for c in range(0, VP, RC):
+            n += (_tempered(LOGITS, b, batch, V, c + t, scale, temperature, GUIDED) > x).to(tl.int32)
+        return tl.sum(n, 0)
+
+    @triton.jit
+    def _make_noise(NOISE, b, batch, V: tl.constexpr, pos, seed, VP: tl.constexpr, CHUNK: tl.constexpr):
+        """race_noise's values for image b into NOISE[b], a chunk at a time (over the whole row at once
+        Philox would not fit in registers): a chunk's quarter q takes Philox output q, four per call."""
+        Q: tl.constexpr = CHUNK // 4
+        t = tl.arange(0, Q)
+        for c in range(0, VP, CHUNK):
+            u0, u1, u2, u3 = tl.rand4x(seed, _counter(pos, batch, b, c, VP) + t)
+            at = NOISE + b * V + c + t
+            tl.store(at, tl.log(-tl.log(u0)), mask=c + t < V)
+            tl.store(at + Q, tl.log(-tl.log(u1)), mask=c + Q + t < V)
+            tl.store(at + 2 * Q, tl.log(-tl.log(u2)), mask=c + 2 * Q + t < V)
+            tl.store(at + 3 * Q, tl.log(-tl.log(u3)), mask=c + 3 * Q + t < V)
+        tl.debug_barrier()  # the row is read back by other threads
 
     @triton.jit
     def _draw_kernel(LOGITS, LOGITS_OUT, NOISE, TOKEN, OUT, POS, SEED, CFG_SCALE, TEMPERATURE, batch, stride_out,
                      prefix_len, V: tl.constexpr, TOP_K: tl.constexpr, GUIDED: tl.constexpr, SAMPLE: tl.constexpr,
-                     HAS_NOISE: tl.constexpr, VP: tl.constexpr, CHUNK: tl.constexpr):
+                     NOISE_READY: tl.constexpr, TRIES: tl.constexpr, VP: tl.constexpr, CHUNK: tl.constexpr,
+                     RC: tl.constexpr):
         """Image b: rows b (and batch + b, unconditional, if GUIDED) of LOGITS (rows, V) -> TOKEN[b] and
-        OUT[b, POS - prefix_len + 1]; the rows, in float32, to LOGITS_OUT. HAS_NOISE: the race's log E
-        read from NOISE (batch, V), as race_noise made it, instead of drawn here."""
+        OUT[b, POS - prefix_len + 1]; the rows, in float32, to LOGITS_OUT. The race's log E is read from
+        NOISE (batch, V): made by race_noise for this step (NOISE_READY), or here first."""
         b = tl.program_id(0)
         offs = tl.arange(0, VP)
         ok = offs < V
+        scale = tl.load(CFG_SCALE)
+        temperature = tl.maximum(tl.load(TEMPERATURE), 1e-5)
+        pos = tl.load(POS)
+        if SAMPLE and not NOISE_READY:
+            _make_noise(NOISE, b, batch, V, pos, tl.load(SEED), VP, CHUNK)
+        # The race's winner over all tokens is top-k's if fewer than k logits exceed its own (x_i >= the k-th
+        # largest exactly then); else it drops out and the next in (score, -index) order races, TRIES in
+        # all. With GPT-XL's merged logits the first winner is in the top 2,000 ~90% of the time (its share
+        # of the softmax, random weights): two passes instead of the k-th largest's 20-32 counts. The passes
+        # read the logits again from cache a chunk at a time, and the tries are unrolled, each under its own
+        # branch: a row held in registers beside the k-th largest's spills at sm_90.
+        best = tl.full((), float("inf"), tl.float32)
+        token = tl.full((), -1, tl.int32)
+        pending = tl.full((), 1, tl.int32)
+        for _try in tl.static_range(TRIES):
+            if pending != 0:
+                best, token = _next_winner(LOGITS, NOISE, b, batch, V, scale, temperature, float("-inf"), best, token,
+                                           GUIDED, SAMPLE, VP, RC)
+                pending = tl.zeros((), tl.int32)
+                if TOP_K > 0:  # (no finite score left: the k-th largest decides)
+                    x = _tempered(LOGITS, b, batch, V, token, scale, temperature, GUIDED)
+                    above = _count_above(LOGITS, b, batch, V, scale, temperature, x, GUIDED, VP, RC)
+                    pending = ((above >= TOP_K) | (best == float("-inf"))).to(tl.int32)
+        if pending != 0:  # then the race among the logits >= the k-th largest
+            kth = float("-inf")
+            if TOP_K > 0:
+                kth = _kth_largest(_tempered(LOGITS, b, batch, V, offs, scale, temperature, GUIDED), ok, TOP_K)
+            best, token = _next_winner(LOGITS, NOISE, b, batch, V, scale, temperature, kth, float("inf"), -1, GUIDED,
+                                       SAMPLE, VP, RC)
+        tl.store(TOKEN + b, token.to(tl.int64))
+        tl.store(OUT + b * stride_out + pos - prefix_len + 1, token.to(tl.int64))
         tl.store(LOGITS_OUT + b * V + offs, tl.load(LOGITS + b * V + offs, mask=ok), mask=ok)
         if GUIDED:
             tl.store(LOGITS_OUT + (batch + b) * V + offs, tl.load(LOGITS + (batch + b) * V + offs, mask=ok), mask=ok)
-        scale = tl.load(CFG_SCALE)
-        temperature = tl.maximum(tl.load(TEMPERATURE), 1e-5)
-        kth = float("-inf")
-        if TOP_K > 0:  # the whole row in registers
-            kth = _kth_largest(_tempered(LOGITS, b, batch, V, offs, scale, temperature, GUIDED), ok, TOP_K)
-        pos = tl.load(POS)
-        seed = tl.load(SEED)
-        # The draw a chunk at a time (Philox over a whole row at once would not fit in registers), the
-        # logits read again from cache, each lane keeping its best (a reduction per chunk would cost
-        # more than the chunk). A chunk is four quarters, one per Philox output (each call makes four).
-        Q: tl.constexpr = CHUNK // 4
-        t = tl.arange(0, Q)
-        best = tl.full([Q], float("-inf"), tl.float32)
-        lane = tl.zeros([Q], tl.int32)
-        for c in range(0, VP, CHUNK):
-            e0, e1, e2, e3 = 0.0, 0.0, 0.0, 0.0
-            if SAMPLE and HAS_NOISE:
-                noise = NOISE + b * V + c + t
-                e0 = tl.load(noise, mask=c + t < V, other=0.0)
-                e1 = tl.load(noise + Q, mask=c + Q + t < V, other=0.0)
-                e2 = tl.load(noise + 2 * Q, mask=c + 2 * Q + t < V, other=0.0)
-                e3 = tl.load(noise + 3 * Q, mask=c + 3 * Q + t < V, other=0.0)
-            elif SAMPLE:
-                u0, u1, u2, u3 = tl.rand4x(seed, _counter(pos, batch, b, c, VP) + t)
-                e0, e1, e2, e3 = tl.log(-tl.log(u0)), tl.log(-tl.log(u1)), tl.log(-tl.log(u2)), tl.log(-tl.log(u3))
-            best, lane = _race(LOGITS, b, batch, V, c + t, scale, temperature, kth, e0, best, lane, GUIDED, SAMPLE)
-            best, lane = _race(LOGITS, b, batch, V, c + Q + t, scale, temperature, kth, e1, best, lane, GUIDED, SAMPLE)
-            best, lane = _race(LOGITS, b, batch, V, c + 2 * Q + t, scale, temperature, kth, e2, best, lane, GUIDED,
-                               SAMPLE)
-            best, lane = _race(LOGITS, b, batch, V, c + 3 * Q + t, scale, temperature, kth, e3, best, lane, GUIDED,
-                               SAMPLE)
-        # The first token with the best score, as torch.argmax: the smallest among the lanes holding it.
-        token = tl.min(tl.where(best == tl.max(best, 0), lane, VP), 0)
-        tl.store(TOKEN + b, token.to(tl.int64))
-        tl.store(OUT + b * stride_out + pos - prefix_len + 1, token.to(tl.int64))
 
 
 def layout(V):
@@ -149,21 +193,24 @@ def layout(V):
 
 
 def draw(logits, logits_out, token, out, input_pos, seed, cfg_scale, temperature, prefix_len, top_k, guided,
-         sample_logits, noise=None):
+         sample_logits, noise=None, noise_ready=False):
     """sampling.sample(cfg_merge(logits) if guided else logits, temperature, top_k, race=True) for
     logits (rows, V) of one step at input_pos: the tokens (batch, 1) to `token` and to out[:, input_pos -
-    prefix_len + 1]; logits, as float32, copied to logits_out[:rows]. noise: the race's log E (batch, V),
-    made by race_noise for this step and seed (else drawn here). Tensors stay on the device: no sync."""
+    prefix_len + 1]; logits, as float32, copied to logits_out[:rows]. noise (batch, V) float32: the race's
+    log E, made for this step by race_noise (noise_ready), or made here into it (None: a buffer of its
+    own). Tensors stay on the device: no sync."""
     batch, V = token.shape[0], logits.shape[-1]
     assert logits.shape[0] == (2 * batch if guided else batch) and logits.is_contiguous()
-    assert noise is None or (noise.shape == (batch, V) and noise.is_contiguous())
+    if noise is None:
+        assert not noise_ready
+        noise = torch.empty(batch, V, device=logits.device)
+    assert noise.shape == (batch, V) and noise.is_contiguous()
     VP, chunk = layout(V)
     k = min(top_k, V) if top_k > 0 else 0
     _draw_kernel[(batch,)](
-        logits, logits_out, logits_out if noise is None else noise, token, out, input_pos, seed, cfg_scale,
-        temperature, batch, out.stride(0), prefix_len, V=V, TOP_K=0 if k == V else k, GUIDED=guided,
-        SAMPLE=sample_logits, HAS_NOISE=noise is not None, VP=VP, CHUNK=chunk,
-        num_warps=max(1, min(WARPS, VP // 1024)), enable_fp_fusion=False)
+        logits, logits_out, noise, token, out, input_pos, seed, cfg_scale, temperature, batch, out.stride(0),
+        prefix_len, V=V, TOP_K=0 if k == V else k, GUIDED=guided, SAMPLE=sample_logits, NOISE_READY=noise_ready,
+        TRIES=TRIES, VP=VP, CHUNK=chunk, RC=min(VP, RACE_CHUNK), num_warps=max(1, min(WARPS, VP // 1024)), enable_fp_fusion=False)
 
 
 def supported(device, top_p):

@@ -116,7 +116,7 @@ class Sampler(nn.Module):
         buf("input_pos", torch.zeros(1, dtype=torch.long, device=device))
         buf("out", torch.zeros(batch, num_tokens, dtype=torch.long, device=device))
         buf("logits", torch.zeros(rows, model.args.vocab_size, device=device))
-        # The race's noise for the fused draw, where the fused head makes it (head_noise; engine decides)
+        # The fused draw's race noise, made by the fused head where the engine says so (head_noise)
         self.head_noise = False
         buf("noise", torch.zeros(batch, model.args.vocab_size, device=device))
         buf("key_valid", torch.ones(rows, model.max_seq, dtype=torch.bool, device=device))
@@ -174,15 +174,16 @@ class Sampler(nn.Module):
 
     def finish(self, h, guided):
         """Last hidden state -> logits -> CFG merge -> filtered draw -> token written, position advanced."""
-        self.emit(self.logits_fn(h)[:, -1], guided, self.noise if self.head_noise else None)
+        self.emit(self.logits_fn(h)[:, -1], guided, self.head_noise)
 
-    def emit(self, logits, guided, noise=None):
+    def emit(self, logits, guided, noise_ready=False):
         """Logits (rows, V) predicting the token after input_pos -> the token drawn, to `token` and `out`
-        (and the logits, in float32, to `logits`); the position advanced. noise: the fused draw's, made
-        for this step (decode_block.logits)."""
+        (and the logits, in float32, to `logits`); the position advanced. noise_ready: the fused draw's
+        race noise is made for this step (decode_block.logits), else the draw makes it."""
         if self.fused_draw:
             decode_sampling.draw(logits, self.logits, self.token, self.out, self.input_pos, self.seed, self.cfg_scale,
-                                 self.temperature, self.prefix_len, self.top_k, guided, self.sample_logits, noise)
+                                 self.temperature, self.prefix_len, self.top_k, guided, self.sample_logits, self.noise,
+                                 noise_ready)
         else:
             logits = logits.float()
             self.logits[: logits.shape[0]].copy_(logits)

@@ -95,20 +95,25 @@ for seed, pos in ((11, 0), (11, 0), (12, 0), (11, 1)):
 assert torch.equal(draws[0], first[:8]) and torch.equal(draws[0], draws[1])
 assert not torch.equal(draws[0], draws[2]) and not torch.equal(draws[0], draws[3])
 # The race's noise made apart (race_noise, as the fused head makes it) draws the same tokens as the draw's
-# own, over several chunks and a width not a power of two
-ds.CHUNK, m = 16, 64
-for guided in (True, False):
+# own, over several chunks and a width not a power of two; and so do the race's winners checked against
+# top-k one by one (TRIES), the last falling back, and the k-th largest searched at once (TRIES = 0),
+# k = 20 of 48 and k = 3 (the first winners mostly outside it)
+ds.CHUNK, ds.RACE_CHUNK, m = 16, 16, 64
+for guided, k in ((True, 20), (False, 20), (True, 3)):
     logits = torch.randn(2 * m if guided else m, V, generator=g)
     got = []
-    for apart in (False, True):
+    for apart, tries in ((False, 5), (True, 5), (True, 1), (True, 0)):
+        ds.TRIES = tries
         t = torch.zeros(m, 1, dtype=torch.long)
         noise = torch.full((m, V), float("nan"))
         pos, seed = torch.tensor([9]), torch.tensor(13)
         noise_kernel[(m,)](noise, pos, seed, m, V, VP=64, CHUNK=16)
-        ds.draw(logits, torch.zeros(2 * m, V), t, torch.zeros(m, 12, dtype=torch.long), pos, seed, scale, temp, 0, 20,
-                guided, True, noise if apart else None)
+        ds.draw(logits, torch.zeros(2 * m, V), t, torch.zeros(m, 12, dtype=torch.long), pos, seed, scale, temp, 0, k,
+                guided, True, noise if apart else None, apart)
         got.append(t)
-    assert torch.equal(*got) and len(got[0].unique()) > 10, got
+    assert all(torch.equal(got[0], t) for t in got) and len(got[0].unique()) > 2, got
+    kept = filter_logits(cfg_merge(logits, scale) if guided else logits, temp, k) > float("-inf")
+    assert kept.gather(1, got[0]).all()
 print("ok", chi2, bound)
 """
 
@@ -135,8 +140,8 @@ for logits in ("*bf16", "*fp32"):
             sig = {"LOGITS": logits, "LOGITS_OUT": "*fp32", "NOISE": "*fp32", "TOKEN": "*i64", "OUT": "*i64",
                    "POS": "*i64", "SEED": "*i64", "CFG_SCALE": "*fp32", "TEMPERATURE": "*fp32", "batch": "i32",
                    "stride_out": "i32", "prefix_len": "i32"}
-            consts = {"V": 16384, "TOP_K": 2000, "GUIDED": guided, "SAMPLE": True, "HAS_NOISE": noise, "VP": 16384,
-                      "CHUNK": ds.CHUNK}
+            consts = {"V": 16384, "TOP_K": 2000, "GUIDED": guided, "SAMPLE": True, "NOISE_READY": noise, "TRIES": ds.TRIES,
+                      "VP": 16384, "CHUNK": ds.CHUNK, "RC": ds.RACE_CHUNK}
             build(ds._draw_kernel, sig, consts, {"num_warps": ds.WARPS, "enable_fp_fusion": False})
 print("compiled")
 """
