@@ -22,9 +22,13 @@ Top-p needs a sorted cumulative sum and stays on sampling.py's path.
 """
 import torch
 
+from fast_inference.pdl import EARLY, launch, use_pdl
+
 try:
     import triton
     import triton.language as tl
+
+    from fast_inference.pdl import pdl_wait
 except ImportError:
     triton = None
 
@@ -140,21 +144,22 @@ if triton is not None:
         tl.debug_barrier()  # the row is read back by other threads
 
     @triton.jit
-    def _draw_kernel(LOGITS, LOGITS_OUT, NOISE, TOKEN, OUT, POS, SEED, CFG_SCALE, TEMPERATURE, batch, stride_out,
-                     prefix_len, V: tl.constexpr, TOP_K: tl.constexpr, GUIDED: tl.constexpr, SAMPLE: tl.constexpr,
-                     NOISE_READY: tl.constexpr, TRIES: tl.constexpr, VP: tl.constexpr, CHUNK: tl.constexpr,
-                     RC: tl.constexpr):
+    def _draw_kernel(LOGITS, LOGITS_OUT, NOISE, TOKEN, OUT, POS, SEED, CFG_SCALE, TEMPERATURE, COUNT, batch,
+                     stride_out, prefix_len, V: tl.constexpr, TOP_K: tl.constexpr, GUIDED: tl.constexpr,
+                     SAMPLE: tl.constexpr, NOISE_READY: tl.constexpr, ADVANCE: tl.constexpr, TRIES: tl.constexpr,
+                     VP: tl.constexpr, CHUNK: tl.constexpr, RC: tl.constexpr, PDL: tl.constexpr):
         """Image b: rows b (and batch + b, unconditional, if GUIDED) of LOGITS (rows, V) -> TOKEN[b] and
         OUT[b, POS - prefix_len + 1]; the rows, in float32, to LOGITS_OUT. The race's log E is read from
-        NOISE (batch, V): made by race_noise for this step (NOISE_READY), or here first."""
+        NOISE (batch, V): made by race_noise for this step (NOISE_READY), or here first. ADVANCE: POS + 1
+        to POS, by the last program to finish (an acq_rel count, left at zero)."""
         b = tl.program_id(0)
         offs = tl.arange(0, VP)
         ok = offs < V
-        scale = tl.load(CFG_SCALE)
+        scale = tl.load(CFG_SCALE)  # before the wait: set before the prefill
         temperature = tl.maximum(tl.load(TEMPERATURE), 1e-5)
-        pos = tl.load(POS)
+        pdl_wait(PDL)  # the position after it: the prefill sets it right before its draw
         if SAMPLE and not NOISE_READY:
-            _make_noise(NOISE, b, batch, V, pos, tl.load(SEED), VP, CHUNK)
+            _make_noise(NOISE, b, batch, V, tl.load(POS), tl.load(SEED), VP, CHUNK)
         # The race's winner over all tokens is top-k's if fewer than k logits exceed its own (x_i >= the k-th
         # largest exactly then); else it drops out and the next in (score, -index) order races, TRIES in
         # all. With GPT-XL's merged logits the first winner is in the top 2,000 ~90% of the time (its share
@@ -179,11 +184,17 @@ if triton is not None:
                 kth = _kth_largest(_tempered(LOGITS, b, batch, V, offs, scale, temperature, GUIDED), ok, TOP_K)
             best, token = _next_winner(LOGITS, NOISE, b, batch, V, scale, temperature, kth, float("inf"), -1, GUIDED,
                                        SAMPLE, VP, RC)
+        pos = tl.load(POS)  # here: held through the tries it spilled
         tl.store(TOKEN + b, token.to(tl.int64))
         tl.store(OUT + b * stride_out + pos - prefix_len + 1, token.to(tl.int64))
         tl.store(LOGITS_OUT + b * V + offs, tl.load(LOGITS + b * V + offs, mask=ok), mask=ok)
         if GUIDED:
             tl.store(LOGITS_OUT + (batch + b) * V + offs, tl.load(LOGITS + (batch + b) * V + offs, mask=ok), mask=ok)
+        if ADVANCE:  # every program has read the position once the count reaches batch
+            tl.debug_barrier()
+            last = tl.atomic_add(COUNT, 1, sem="acq_rel", scope="gpu") == batch - 1
+            tl.store(POS, pos + 1, mask=last)
+            tl.store(COUNT, 0, mask=last)
 
 
 def layout(V):
@@ -193,12 +204,14 @@ def layout(V):
 
 
 def draw(logits, logits_out, token, out, input_pos, seed, cfg_scale, temperature, prefix_len, top_k, guided,
-         sample_logits, noise=None, noise_ready=False):
+         sample_logits, noise=None, noise_ready=False, count=None):
     """sampling.sample(cfg_merge(logits) if guided else logits, temperature, top_k, race=True) for
     logits (rows, V) of one step at input_pos: the tokens (batch, 1) to `token` and to out[:, input_pos -
     prefix_len + 1]; logits, as float32, copied to logits_out[:rows]. noise (batch, V) float32: the race's
     log E, made for this step by race_noise (noise_ready), or made here into it (None: a buffer of its
-    own). Tensors stay on the device: no sync."""
+    own). count: an int32 zero; then input_pos is advanced here too, one kernel less per step. With PDL
+    where it exists (before its wait it reads only cfg_scale and temperature, set before the prefill).
+    Tensors stay on the device: no sync."""
     batch, V = token.shape[0], logits.shape[-1]
     assert logits.shape[0] == (2 * batch if guided else batch) and logits.is_contiguous()
     if noise is None:
@@ -208,9 +221,11 @@ def draw(logits, logits_out, token, out, input_pos, seed, cfg_scale, temperature
     VP, chunk = layout(V)
     k = min(top_k, V) if top_k > 0 else 0
     _draw_kernel[(batch,)](
-        logits, logits_out, noise, token, out, input_pos, seed, cfg_scale, temperature, batch, out.stride(0),
-        prefix_len, V=V, TOP_K=0 if k == V else k, GUIDED=guided, SAMPLE=sample_logits, NOISE_READY=noise_ready,
-        TRIES=TRIES, VP=VP, CHUNK=chunk, RC=min(VP, RACE_CHUNK), num_warps=max(1, min(WARPS, VP // 1024)), enable_fp_fusion=False)
+        logits, logits_out, noise, token, out, input_pos, seed, cfg_scale, temperature,
+        input_pos if count is None else count, batch, out.stride(0), prefix_len, V=V, TOP_K=0 if k == V else k,
+        GUIDED=guided, SAMPLE=sample_logits, NOISE_READY=noise_ready, ADVANCE=count is not None, TRIES=TRIES, VP=VP,
+        CHUNK=chunk, RC=min(VP, RACE_CHUNK), num_warps=max(1, min(WARPS, VP // 1024)), enable_fp_fusion=False,
+        **launch(EARLY if use_pdl(logits.device) else False))
 
 
 def supported(device, top_p):

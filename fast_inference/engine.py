@@ -119,6 +119,7 @@ class Sampler(nn.Module):
         # The fused draw's race noise, made by the fused head where the engine says so (head_noise)
         self.head_noise = False
         buf("noise", torch.zeros(batch, model.args.vocab_size, device=device))
+        buf("draws", torch.zeros(1, dtype=torch.int32, device=device))  # the fused draw's count of programs done
         buf("key_valid", torch.ones(rows, model.max_seq, dtype=torch.bool, device=device))
         buf("controls", torch.zeros(3, rows, num_controls, D, dtype=dtype, device=device))
         # Tensors, not constants, so a new cfg scale or temperature replays the same graph.
@@ -180,16 +181,16 @@ class Sampler(nn.Module):
         """Logits (rows, V) predicting the token after input_pos -> the token drawn, to `token` and `out`
         (and the logits, in float32, to `logits`); the position advanced. noise_ready: the fused draw's
         race noise is made for this step (decode_block.logits), else the draw makes it."""
-        if self.fused_draw:
+        if self.fused_draw:  # the position advanced by the draw too
             decode_sampling.draw(logits, self.logits, self.token, self.out, self.input_pos, self.seed, self.cfg_scale,
                                  self.temperature, self.prefix_len, self.top_k, guided, self.sample_logits, self.noise,
-                                 noise_ready)
-        else:
-            logits = logits.float()
-            self.logits[: logits.shape[0]].copy_(logits)
-            token = self._sample(cfg_merge(logits, self.cfg_scale) if guided else logits)
-            self.token.copy_(token)
-            self.out.index_copy_(1, self.input_pos - self.prefix_len + 1, token)
+                                 noise_ready, self.draws)
+            return
+        logits = logits.float()
+        self.logits[: logits.shape[0]].copy_(logits)
+        token = self._sample(cfg_merge(logits, self.cfg_scale) if guided else logits)
+        self.token.copy_(token)
+        self.out.index_copy_(1, self.input_pos - self.prefix_len + 1, token)
         self.input_pos.add_(1)
 
 

@@ -97,7 +97,8 @@ assert not torch.equal(draws[0], draws[2]) and not torch.equal(draws[0], draws[3
 # The race's noise made apart (race_noise, as the fused head makes it) draws the same tokens as the draw's
 # own, over several chunks and a width not a power of two; and so do the race's winners checked against
 # top-k one by one (TRIES), the last falling back, and the k-th largest searched at once (TRIES = 0),
-# k = 20 of 48 and k = 3 (the first winners mostly outside it)
+# k = 20 of 48 and k = 3 (the first winners mostly outside it). With a count the draw advances the
+# position (once for all 64 images) and leaves the count at zero.
 ds.CHUNK, ds.RACE_CHUNK, m = 16, 16, 64
 for guided, k in ((True, 20), (False, 20), (True, 3)):
     logits = torch.randn(2 * m if guided else m, V, generator=g)
@@ -108,8 +109,10 @@ for guided, k in ((True, 20), (False, 20), (True, 3)):
         noise = torch.full((m, V), float("nan"))
         pos, seed = torch.tensor([9]), torch.tensor(13)
         noise_kernel[(m,)](noise, pos, seed, m, V, VP=64, CHUNK=16)
+        count = torch.zeros(1, dtype=torch.int32) if apart else None  # the position advanced by the draw
         ds.draw(logits, torch.zeros(2 * m, V), t, torch.zeros(m, 12, dtype=torch.long), pos, seed, scale, temp, 0, k,
-                guided, True, noise if apart else None, apart)
+                guided, True, noise if apart else None, apart, count)
+        assert pos.item() == (10 if apart else 9) and (count is None or count.item() == 0), (pos, count)
         got.append(t)
     assert all(torch.equal(got[0], t) for t in got) and len(got[0].unique()) > 2, got
     kept = filter_logits(cfg_merge(logits, scale) if guided else logits, temp, k) > float("-inf")
@@ -138,17 +141,18 @@ for logits in ("*bf16", "*fp32"):
     for guided in (True, False):
         for noise in (False, True):
             sig = {"LOGITS": logits, "LOGITS_OUT": "*fp32", "NOISE": "*fp32", "TOKEN": "*i64", "OUT": "*i64",
-                   "POS": "*i64", "SEED": "*i64", "CFG_SCALE": "*fp32", "TEMPERATURE": "*fp32", "batch": "i32",
-                   "stride_out": "i32", "prefix_len": "i32"}
-            consts = {"V": 16384, "TOP_K": 2000, "GUIDED": guided, "SAMPLE": True, "NOISE_READY": noise, "TRIES": ds.TRIES,
-                      "VP": 16384, "CHUNK": ds.CHUNK, "RC": ds.RACE_CHUNK}
-            build(ds._draw_kernel, sig, consts, {"num_warps": ds.WARPS, "enable_fp_fusion": False})
+                   "POS": "*i64", "SEED": "*i64", "CFG_SCALE": "*fp32", "TEMPERATURE": "*fp32", "COUNT": "*i32",
+                   "batch": "i32", "stride_out": "i32", "prefix_len": "i32"}
+            consts = {"V": 16384, "TOP_K": 2000, "GUIDED": guided, "SAMPLE": True, "NOISE_READY": noise,
+                      "ADVANCE": noise, "TRIES": ds.TRIES, "VP": 16384, "CHUNK": ds.CHUNK, "RC": ds.RACE_CHUNK,
+                      "PDL": 1}
+            build(ds._draw_kernel, sig, consts, {"num_warps": ds.WARPS, "enable_fp_fusion": False, "launch_pdl": True})
 print("compiled")
 """
 
 
 def test_draw_kernel_compiles_for_sm90():
     """GPT-XL's 16,384-token vocabulary, bf16 and float32 logits, with and without CFG, the race's noise
-    read or made: an H100/H200
+    read or made (and the position advanced or not), with PDL: an H100/H200
     cubin with Triton's bundled ptxas, and no register spills (a row of logits in local memory would be slow)."""
     sm90.run(AOT_SCRIPT)
