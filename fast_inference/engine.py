@@ -19,9 +19,8 @@ can be captured once and replayed N-1 times:
                        its SDPA reads a static window of the cache per group of steps (one graph
                        per window, CACHE_WINDOWS), not the whole cache
   backend "eager":     the same steps run op by op (CPU, debugging)
-Where the steps are captured by hand, the prefill is captured too from a shape's second image on
-(replayed per image, its prefix copied in) at <= 4 rows and on the cudagraph backend
-(captures_prefill says why not elsewhere).
+On the cudagraph backend the prefill is captured too from a shape's second image on (replayed per
+image, its prefix copied in; captures_prefill says why not with Triton's kernels).
 It computes what generate.py computes; only the draw differs (same distribution, see sampling.py).
 """
 import functools
@@ -77,11 +76,11 @@ def cache_windows(prefix_len, num_tokens, max_seq, groups):
 
 def captures_prefill(backend, rows):
     """Whether a hand-captured engine captures the prefill too, replaying it for every image of a shape: its
-    ~1,900 small eager kernels take 30-45 ms of CPU for ~6 ms of GPU work at n = 1 (H200). A process's second
-    CUDA-graph capture costs the steps' programmatic dependent launch some overlap (docs/PERF_NOTES.md #27,
-    #28): 0.7% of a step at 2 rows (~9 ms per image, less than the prefill saves), ~4% past 4 rows with
-    Triton (~70 ms per image at n = 8, more than it saves)."""
-    return backend == "cudagraph" or rows <= decode_block.GEMV_ROWS
+    ~1,900 small eager kernels take 30-45 ms of CPU for ~6 ms of GPU work at n = 1 (H200). The cudagraph
+    backend does. With Triton's kernels the prefill's graph costs every step of the shape the programmatic
+    dependent launch's overlap (docs/PERF_NOTES.md #28, #32): n = 1 1.042 -> 1.069 ms/step (28 ms per image,
+    more than the 22 the replay saves), n = 8 ~4%, n = 32 ~6%, so they run it as it comes."""
+    return backend == "cudagraph"
 
 
 def default_cache_dir():

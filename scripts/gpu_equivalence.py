@@ -94,7 +94,7 @@ def check(model, dtype, backends, N, B):
         first = "none" if same.all() else int((~same).nonzero()[0])
         model.clear_caches()
         engine = make()
-        # Twice: a shape's second image replays graphs the first did not have (the prefill's, at <= 4 rows)
+        # Twice: a shape's second image replays graphs the first did not have (the prefill's, on the cudagraph backend)
         d = [max_dlogp(ref_logits, engine.generate(cond, N, emb_masks=mask, condition=condition, top_k=1,
                                                    forced=greedy_ref, **kw)[1]) for _ in range(2)]
         runs = []
