@@ -78,7 +78,7 @@ def captures_prefill(backend, rows):
     """Whether a hand-captured engine captures the prefill too, replaying it for every image of a shape: its
     ~1,900 small eager kernels take 30-45 ms of CPU for ~6 ms of GPU work at n = 1 (H200). The cudagraph
     backend does. With Triton's kernels the prefill's graph costs every step of the shape the programmatic
-    dependent launch's overlap (docs/PERF_NOTES.md #28, #32): n = 1 1.042 -> 1.069 ms/step (28 ms per image,
+    dependent launch's overlap (docs/PERF_NOTES.md #28, #33): n = 1 1.042 -> 1.069 ms/step (28 ms per image,
     more than the 22 the replay saves), n = 8 ~4%, n = 32 ~6%, so they run it as it comes."""
     return backend == "cudagraph"
 
