@@ -5,8 +5,9 @@
 Each batch size runs in a process of its own, reference and fast engine, as the CLI and
 fast_eval.py run one shape: a process's second CUDA-graph capture takes the programmatic dependent
 launch's overlap from its step graphs (docs/PERF_NOTES.md, "Inductor's PDL and a second capture"),
-so later shapes in one process step slower (n = 8 1.71 -> 1.78 ms, n = 32 3.26 -> 3.47 on an H200).
---in-process times them all in this process, one after the other.
+so later shapes in one process stepped slower (n = 8 1.71 -> 1.78 ms, n = 32 3.26 -> 3.47 on an H200,
+0af2a2b; since 8592fe6 step graphs captured earlier no longer cost a later shape: "Second captures after
+#32"). --in-process times them all in this process, one after the other.
 
 Reference: the official loop (generate.py) timed over --ref-steps decode steps, as the difference
 of two runs (10 and 10 + ref-steps steps, caches sized for the full image), so prefill and set-up

@@ -47,16 +47,11 @@ if triton is not None:
         return bits ^ ((bits >> 31) & 0x7FFFFFFF)
 
     @triton.jit
-    def _keys(x, ok):
-        """Order keys of x, -inf's past ok; + 0.0: -0.0 compares equal to 0.0, as in torch. _order_key(key)
-        gives the floats back (as x + 0.0)."""
-        return _order_key(tl.where(ok, x, float("-inf")) + 0.0)
-
-    @triton.jit
-    def _kth_key(key, k):
-        """The k-th largest key: the smallest of the keys >= the largest t with at least k keys >= t, found
-        by bisection, one block-wide count per pass. It stops early where exactly k keys are >= the
-        midpoint (typically after ~20 of the 32 passes)."""
+    def _kth_largest(x, ok, k):
+        """The k-th largest of x[ok] (float32): the smallest of the keys >= the largest key t with at
+        least k keys >= t, found by bisection, one block-wide count per pass. It stops early where
+        exactly k keys are >= the midpoint (typically after ~20 of the 32 passes)."""
+        key = tl.where(ok, _order_key(x + 0.0), -2147483648)  # + 0.0: -0.0 compares equal to 0.0, as in torch
         lo = tl.full((), -2147483648, tl.int64)
         hi = tl.full((), 2147483647, tl.int64)
         while lo < hi:  # at least k keys are >= lo; fewer than k are > hi
@@ -64,12 +59,8 @@ if triton is not None:
             count = tl.sum((key >= mid.to(tl.int32)).to(tl.int32), 0)
             lo = tl.where(count >= k, mid, lo)
             hi = tl.where(count > k, hi, tl.where(count == k, mid, mid - 1))
-        return tl.min(tl.where(key >= lo.to(tl.int32), key, 2147483647), 0)
-
-    @triton.jit
-    def _kth_largest(x, ok, k):
-        """The k-th largest of x[ok] (float32), k <= the count of ok."""
-        return _order_key(_kth_key(_keys(x, ok), k)).to(tl.float32, bitcast=True)
+        kth = tl.min(tl.where(key >= lo.to(tl.int32), key, 2147483647), 0)
+        return _order_key(kth).to(tl.float32, bitcast=True)
 
     @triton.jit
     def _counter(pos, batch, b, c, VP: tl.constexpr):

@@ -74,7 +74,7 @@ def cache_windows(prefix_len, num_tokens, max_seq, groups):
     return lengths, [lengths.index(n) for n in need]
 
 
-def captures_prefill(backend, rows):
+def captures_prefill(backend):
     """Whether a hand-captured engine captures the prefill too, replaying it for every image of a shape: its
     ~1,900 small eager kernels take 30-45 ms of CPU for ~6 ms of GPU work at n = 1 (H200). The cudagraph
     backend does. With Triton's kernels the prefill's graph costs every step of the shape the programmatic
@@ -269,7 +269,7 @@ class Engine:
             s.head_noise = fused_draw and sample_logits
             noise = (s.noise, s.input_pos, s.seed) if s.head_noise else None
             s.logits_fn = functools.partial(decode_block.logits, self.model, noise=noise)
-        s.capture_prefill = self.hand_capture and captures_prefill(self.backend, rows)
+        s.capture_prefill = self.hand_capture and captures_prefill(self.backend)
         self._build(s)
         self.sampler = s
         return s

@@ -6,8 +6,8 @@
 A backend is backend[:compile-scope[:nofuse]] (nofuse: the compiled block even at <= 16 rows, where
 the default runs decode_block's fused kernels). For each precision and backend: greedy tokens
 (first divergence, if any), teacher-forced max |delta log p| over every position (the reference's
-greedy tokens fed to both; a shape's first image, then its second, which replays the prefill's
-graph), and the same seed twice with top-k 2000 sampling on the fast engine.
+greedy tokens fed to both; a shape's first image, then its second, which on the cudagraph backend
+replays the prefill's graph), and the same seed twice with top-k 2000 sampling on the fast engine.
 fp32 runs with TF32 off. --quantize int8: the same on an int8 copy of the model (reference and
 fast engine both on it), and the quantization's own drift: the reference on the int8 copy against
 the reference on the model, teacher-forced on the model's greedy tokens (max |delta log p|, mean

@@ -134,8 +134,7 @@ def test_captured_prefill_replays_each_images_prefix(monkeypatch):
 
 def test_prefill_captured_only_without_triton():
     """With Triton's kernels the prefill's graph costs the steps PDL's overlap (docs/PERF_NOTES.md #33)."""
-    assert not captures_prefill("inductor", 2) and not captures_prefill("inductor", 64)
-    assert captures_prefill("cudagraph", 2) and captures_prefill("cudagraph", 64)
+    assert not captures_prefill("inductor") and captures_prefill("cudagraph")
 
 
 def test_sampling_distribution_matches_reference():
