@@ -34,6 +34,7 @@ try:
 
     from fast_inference.decode_sampling import race_noise
     from fast_inference.pdl import pdl_trigger, pdl_wait
+    from fast_inference.prefetch import bump
 except ImportError:
     triton = None
 
@@ -237,10 +238,11 @@ if triton is not None:
         return a, b, live
 
     @triton.jit
-    def _linear_kernel(X, W, S, RES, OUT, PART, COUNT, R, N, K: tl.constexpr, KP: tl.constexpr, RP: tl.constexpr,
-                       BN: tl.constexpr, BK: tl.constexpr, DOT: tl.constexpr, PDL: tl.constexpr, PREC: tl.constexpr,
-                       SPLIT: tl.constexpr, QUANT: tl.constexpr):
+    def _linear_kernel(X, W, S, RES, OUT, PART, COUNT, PROGRESS, R, N, K: tl.constexpr, KP: tl.constexpr,
+                       RP: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, DOT: tl.constexpr, PDL: tl.constexpr,
+                       PREC: tl.constexpr, SPLIT: tl.constexpr, QUANT: tl.constexpr, BUMP: tl.constexpr):
         """OUT = RES + X @ W.T for X (R, K), W (N, K): the output and down projections."""
+        bump(PROGRESS, BUMP)
         rows = tl.program_id(0) * BN + tl.arange(0, BN)
         rows_ok = rows < N
         dt = OUT.dtype.element_ty
@@ -258,13 +260,15 @@ if triton is not None:
         tl.store(OUT + at, (y + res).to(dt), mask=ok)
 
     @triton.jit
-    def _head_kernel(X, NW, W, S, OUT, NOISE, POS, SEED, PART, COUNT, R, N, EPS: tl.constexpr, K: tl.constexpr,
-                     KP: tl.constexpr, RP: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, DOT: tl.constexpr,
-                     PDL: tl.constexpr, PREC: tl.constexpr, SPLIT: tl.constexpr, QUANT: tl.constexpr,
-                     IMAGES: tl.constexpr, IP: tl.constexpr, VP: tl.constexpr, CHUNK: tl.constexpr):
+    def _head_kernel(X, NW, W, S, OUT, NOISE, POS, SEED, PART, COUNT, PROGRESS, R, N, EPS: tl.constexpr,
+                     K: tl.constexpr, KP: tl.constexpr, RP: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                     DOT: tl.constexpr, PDL: tl.constexpr, PREC: tl.constexpr, SPLIT: tl.constexpr,
+                     QUANT: tl.constexpr, IMAGES: tl.constexpr, IP: tl.constexpr, VP: tl.constexpr,
+                     CHUNK: tl.constexpr, BUMP: tl.constexpr):
         """OUT = RMSNorm(X) @ W.T, the logits; with IMAGES > 0 also the draw's race noise of these tokens for
         images 0..IMAGES-1 to NOISE (IMAGES, N) (decode_sampling.race_noise): made before the wait from the
         seed and the position, which no kernel of the step writes, and stored after it."""
+        bump(PROGRESS, BUMP)
         rows = tl.program_id(0) * BN + tl.arange(0, BN)
         rows_ok = rows < N
         dt = OUT.dtype.element_ty
@@ -281,13 +285,14 @@ if triton is not None:
             tl.store(NOISE + img * N + rows[None, :], log_e, mask=mine)
 
     @triton.jit
-    def _qkv_kernel(X, NW, W, S, FREQS, POS, Q, KC, VC, PART, COUNT, R, stride_cr, stride_ch, stride_cn,
+    def _qkv_kernel(X, NW, W, S, FREQS, POS, Q, KC, VC, PART, COUNT, PROGRESS, R, stride_cr, stride_ch, stride_cn,
                     EPS: tl.constexpr, D: tl.constexpr, KP: tl.constexpr, HD: tl.constexpr, RP: tl.constexpr,
                     BP: tl.constexpr, BK: tl.constexpr, DOT: tl.constexpr, PDL: tl.constexpr, PREC: tl.constexpr,
-                    SPLIT: tl.constexpr, QUANT: tl.constexpr):
+                    SPLIT: tl.constexpr, QUANT: tl.constexpr, BUMP: tl.constexpr):
         """RMSNorm(X) @ Wqkv.T, RoPE on q and k, q to Q (R, D), k and v into the caches at POS.
 
         A program owns BP adjacent (even, odd) column pairs of one head, so the rotation is local."""
+        bump(PROGRESS, BUMP)
         first = tl.program_id(0) * BP * 2  # first column: BP pairs never straddle a head (HD / 2 % BP == 0)
         section, h = first // D, first % D // HD  # section 0, 1, 2: q, k, v
         col = first + 2 * tl.arange(0, BP)
@@ -321,10 +326,12 @@ if triton is not None:
                 tl.store(VC + at + 1, yo.to(dt), mask=ok)
 
     @triton.jit
-    def _gate_up_kernel(X, NW, W, S, OUT, PART, COUNT, R, F, EPS: tl.constexpr, K: tl.constexpr, KP: tl.constexpr,
-                        RP: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, DOT: tl.constexpr, PDL: tl.constexpr,
-                        PREC: tl.constexpr, SPLIT: tl.constexpr, QUANT: tl.constexpr):
+    def _gate_up_kernel(X, NW, W, S, OUT, PART, COUNT, PROGRESS, R, F, EPS: tl.constexpr, K: tl.constexpr,
+                        KP: tl.constexpr, RP: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, DOT: tl.constexpr,
+                        PDL: tl.constexpr, PREC: tl.constexpr, SPLIT: tl.constexpr, QUANT: tl.constexpr,
+                        BUMP: tl.constexpr):
         """OUT = SiLU(g) * u where [g | u] = RMSNorm(X) @ W13.T, W13 (2F, K) = [w1; w3]."""
+        bump(PROGRESS, BUMP)
         rows = tl.program_id(0) * BN + tl.arange(0, BN)
         rows_ok = rows < F
         dt = OUT.dtype.element_ty
@@ -345,17 +352,20 @@ def rows_per_program(rows, warps, tiles, weight):
     return min(rows, 1 << (cap.bit_length() - 1))
 
 
-def plan(name, x, weight, tiles, pdl):
+def plan(name, x, weight, tiles, pdl, progress=None):
     """(weight rows per program, kernel arguments) of kernel `name` for x (R, K) and weight (N, K): the
-    GEMV path at <= GEMV_ROWS rows, else the dot path; `tiles` weight tiles (rows_a, rows_b) per program."""
+    GEMV path at <= GEMV_ROWS rows, else the dot path; `tiles` weight tiles (rows_a, rows_b) per program.
+    progress: an int32 count the kernel's first program adds one to as it starts (prefetch.py), or None."""
     (R, K), p2 = x.shape, triton.next_power_of_2
-    kw = dict(PREC="ieee" if x.dtype == torch.float32 else "tf32", **launch(pdl))  # fp32 (tests): exact dots
+    kw = dict(PREC="ieee" if x.dtype == torch.float32 else "tf32",  # fp32 (tests): exact dots
+              PROGRESS=x if progress is None else progress, BUMP=progress is not None, **launch(pdl))
     if R <= GEMV_ROWS:
         rows, warps = (CONFIG_INT8 if weight.dtype == torch.int8 else CONFIG)[name]
         return rows_per_program(rows, warps, tiles, weight), dict(kw, DOT=False, RP=max(2, p2(R)), KP=p2(K), BK=16,
                                                              SPLIT=1, num_warps=warps)
     rows, bk, warps, stages, split = (DOT_CONFIG_INT8 if weight.dtype == torch.int8 else DOT_CONFIG)[name]
-    bk = max(16, bk * 4 // x.element_size() ** 2)  # float32 (tests): a quarter, or the pair kernels spill
+    if x.element_size() > 2:  # float32 (tests): a quarter of the chunk, an eighth in the pair kernels, or they spill
+        bk = max(16, bk // (4 * tiles))
     return rows, dict(kw, DOT=True, RP=max(16, p2(R)), KP=16, BK=bk, num_warps=warps, num_stages=stages,
                       SPLIT=min(split, triton.cdiv(K, bk)))
 
@@ -384,62 +394,64 @@ def _or(t, x):
     return x if t is None else t  # a kernel's unused pointer argument
 
 
-def linear(x, weight, scales=None, residual=None, name="wo", pdl=False):
+def linear(x, weight, scales=None, residual=None, name="wo", pdl=False, progress=None):
     """residual + x @ weight.T for x (R, K) contiguous, R <= MAX_ROWS, with kernel `name`'s tiling; an int8
     weight with its row scales (quantize.py) as model.int8_linear. With pdl, `residual` must not be written
     by the kernel just before (the GEMV path reads it before its wait; in the block it is wo's input, 4
     kernels back, or w2's, 2 back)."""
     R, K = x.shape
     N = weight.shape[0]
-    bn, kw = plan(name, x, weight, 1, pdl)
+    bn, kw = plan(name, x, weight, 1, pdl, progress)
     grid, part, counts = split_buffers(x, triton.cdiv(N, bn), kw, bn)
     out = torch.empty(R, N, device=x.device, dtype=x.dtype)
-    _linear_kernel[grid](x, weight, _or(scales, x), residual, out, part, counts, R, N, K=K, BN=bn,
+    _linear_kernel[grid](x, weight, _or(scales, x), residual, out, part, counts, R=R, N=N, K=K, BN=bn,
                          QUANT=scales is not None, **kw)
     return out
 
 
-def qkv_rope(x, norm, weight, scales, freqs, input_pos, k_cache, v_cache, n_head, pdl=False):
+def qkv_rope(x, norm, weight, scales, freqs, input_pos, k_cache, v_cache, n_head, pdl=False, progress=None):
     """q (R, H, 1, hd); k and v written into the caches at input_pos."""
     R, D = x.shape
     hd = D // n_head
-    pairs, kw = plan("qkv", x, weight, 2, pdl)  # each pair is two weight rows
+    pairs, kw = plan("qkv", x, weight, 2, pdl, progress)  # each pair is two weight rows
     bp = min(pairs, hd // 2)  # a divisor of hd / 2 (both powers of two)
     grid, part, counts = split_buffers(x, 3 * D // (2 * bp), kw, bp)
     q = torch.empty(R, n_head, 1, hd, device=x.device, dtype=x.dtype)
     _qkv_kernel[grid](
-        x, norm.weight, weight, _or(scales, x), freqs, input_pos, q, k_cache, v_cache, part, counts, R,
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), EPS=norm.eps, D=D, HD=hd, BP=bp,
-        QUANT=scales is not None, **kw)
+        x, norm.weight, weight, _or(scales, x), freqs, input_pos, q, k_cache, v_cache, part, counts, R=R,
+        stride_cr=k_cache.stride(0), stride_ch=k_cache.stride(1), stride_cn=k_cache.stride(2), EPS=norm.eps, D=D,
+        HD=hd, BP=bp, QUANT=scales is not None, **kw)
     return q
 
 
-def gate_up(x, norm, w13, scales=None, pdl=False):
+def gate_up(x, norm, w13, scales=None, pdl=False, progress=None):
     R, K = x.shape
     F = w13.shape[0] // 2
-    bn, kw = plan("gate_up", x, w13, 2, pdl)  # gate and up rows
+    bn, kw = plan("gate_up", x, w13, 2, pdl, progress)  # gate and up rows
     grid, part, counts = split_buffers(x, triton.cdiv(F, bn), kw, bn)
     out = torch.empty(R, F, device=x.device, dtype=x.dtype)
-    _gate_up_kernel[grid](x, norm.weight, w13, _or(scales, x), out, part, counts, R, F, EPS=norm.eps, K=K, BN=bn,
+    _gate_up_kernel[grid](x, norm.weight, w13, _or(scales, x), out, part, counts, R=R, F=F, EPS=norm.eps, K=K, BN=bn,
                           QUANT=scales is not None, **kw)
     return out
 
 
-def decode_block(layer, x, freqs, attend, input_pos):
+def decode_block(layer, x, freqs, attend, input_pos, prefetcher=None):
     """TransformerBlock.forward(x, ...) for x (R, 1, D): same arguments, usable as model block_fn.
 
-    attend should launch with PDL where attention_pdl says: decode_attention(..., pdl=attention_pdl(R, device))."""
+    attend should launch with PDL where attention_pdl says: decode_attention(..., pdl=attention_pdl(R, device)).
+    prefetcher (prefetch.Prefetcher): its count() is bumped by each of the 4 projections as it starts."""
     attn, ff = layer.attention, layer.feed_forward
     R, _, D = x.shape
     x = x.view(R, D)
     cache = attn.kv_cache
     pdl = pdl_for(R, x.device)
+    progress = None if prefetcher is None else prefetcher.count()
     q = qkv_rope(x, layer.attention_norm, attn.wqkv.weight, row_scales(attn.wqkv), freqs, input_pos, cache.k_cache,
-                 cache.v_cache, attn.n_head, pdl)
+                 cache.v_cache, attn.n_head, pdl, progress)
     y = attend(q, cache.k_cache[:R], cache.v_cache[:R])  # (R, H, 1, hd): its flat rows are heads side by side
-    h = linear(y.view(R, D), attn.wo.weight, row_scales(attn.wo), residual=x, name="wo", pdl=pdl)
-    a = gate_up(h, layer.ffn_norm, ff.w13, ff.w13_scales, pdl)
-    return linear(a, ff.w2.weight, row_scales(ff.w2), residual=h, name="w2", pdl=pdl).view(R, 1, D)
+    h = linear(y.view(R, D), attn.wo.weight, row_scales(attn.wo), residual=x, name="wo", pdl=pdl, progress=progress)
+    a = gate_up(h, layer.ffn_norm, ff.w13, ff.w13_scales, pdl, progress)
+    return linear(a, ff.w2.weight, row_scales(ff.w2), residual=h, name="w2", pdl=pdl, progress=progress).view(R, 1, D)
 
 
 def logits(model, h, noise=None):
@@ -456,7 +468,7 @@ def logits(model, h, noise=None):
     buf, pos, seed = (out, x, x) if noise is None else noise  # unused pointers without noise
     images = 0 if noise is None else buf.shape[0]
     VP, chunk = decode_sampling.layout(N)
-    _head_kernel[grid](x, model.norm.weight, weight, _or(scales, x), out, buf, pos, seed, part, counts, R, N,
+    _head_kernel[grid](x, model.norm.weight, weight, _or(scales, x), out, buf, pos, seed, part, counts, R=R, N=N,
                        EPS=model.norm.eps, K=D, BN=bn, QUANT=scales is not None, IMAGES=images,
                        IP=triton.next_power_of_2(max(images, 1)), VP=VP, CHUNK=chunk, **kw)
     return out.view(R, 1, -1)

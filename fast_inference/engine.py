@@ -10,8 +10,10 @@ can be captured once and replayed N-1 times:
                        (inductor's kernels with programmatic dependent launch on Hopper+); the
                        embeddings, RoPE row and control rows in one Triton kernel (decode_inputs);
                        at <= 16 rows (n <= 8 under CFG) decode_block's fused Triton kernels
-                       instead, with nothing compiled (fused_block=True); the sampling in one
-                       Triton kernel (decode_sampling; sampling.py's ops compiled for top-p < 1);
+                       instead, with nothing compiled (fused_block=True), their weights pulled
+                       into L2 just ahead of them by a kernel beside the step (prefetch); the
+                       sampling in one Triton kernel (decode_sampling; sampling.py's ops compiled
+                       for top-p < 1);
                        compile_scope "step": torch.compile(step, mode=reduce-overhead|max-autotune,
                        fullgraph=True), as gpt-fast; int8 weights (quantize.py): the fused
                        kernels up to 16 rows, the eager block beyond, nothing compiled
@@ -31,7 +33,7 @@ import time
 import torch
 import torch.nn as nn
 
-from fast_inference import decode_attention, decode_block, decode_inputs, decode_sampling
+from fast_inference import decode_attention, decode_block, decode_inputs, decode_sampling, prefetch
 from fast_inference.generate import prepare
 from fast_inference.pdl import use_pdl
 from fast_inference.quantize import is_int8
@@ -126,6 +128,7 @@ class Sampler(nn.Module):
         buf("temperature", torch.ones((), device=device))
         buf("seed", torch.zeros((), dtype=torch.long, device=device))  # the fused draw's Philox key, per call
         self.capture_prefill = False  # the engine decides (captures_prefill)
+        self.prefetcher = None  # prefetch.Prefetcher where block_fn is the fused block, which counts for it
         self.prefix = None  # a captured prefill's input, copied in for each image
 
     def key(self):
@@ -164,6 +167,10 @@ class Sampler(nn.Module):
         self._advance(self.key_valid[: self.batch], self.controls[:, : self.batch], False, kv_len)
 
     def _advance(self, key_valid, controls, guided, kv_len):
+        # Weights into L2 ahead of the fused kernels, beside the step: inside its CUDA graph only (prefetch.py)
+        fetch = self.prefetcher if self.prefetcher is not None and torch.cuda.is_current_stream_capturing() else None
+        if fetch is not None:
+            fetch.start()
         if self.fused_inputs:  # embeddings, RoPE row and control rows in one kernel
             x, inputs = decode_inputs.step_inputs(self.model, self.token, self.input_pos, controls, guided)
         else:
@@ -171,6 +178,8 @@ class Sampler(nn.Module):
         h = self.model(x, self.input_pos, key_valid, controls, last_only=True, decode_attention=self.decode_attention,
                        block_fn=self.block_fn, hidden=True, kv_len=kv_len, inputs=inputs)
         self.finish_fn(h, guided)
+        if fetch is not None:
+            fetch.join()
 
     def finish(self, h, guided):
         """Last hidden state -> logits -> CFG merge -> filtered draw -> token written, position advanced."""
@@ -245,8 +254,12 @@ class Engine:
         rows = 2 * batch if cfg else batch
         block_fn, attention = None, self.decode_attention
         fused = self.fused_block and attention is not None and decode_block.supported(self.model, rows)
+        prefetcher = None
         if fused:  # up to 16 rows the fused kernels beat the compiled block, and need no compiler at all
             block_fn = decode_block.decode_block
+            if prefetch.available(self.device):
+                prefetcher = prefetch.Prefetcher(self.model)
+                block_fn = functools.partial(block_fn, prefetcher=prefetcher)
             attention = functools.partial(attention, pdl=decode_block.attention_pdl(rows, self.device))
         elif self.block_scope and self.int8:
             log.warning("int8 weights at %d rows: the block runs eagerly, slower than bf16 there (fused kernels up "
@@ -269,6 +282,7 @@ class Engine:
             s.head_noise = fused_draw and sample_logits
             noise = (s.noise, s.input_pos, s.seed) if s.head_noise else None
             s.logits_fn = functools.partial(decode_block.logits, self.model, noise=noise)
+        s.prefetcher = prefetcher
         s.capture_prefill = self.hand_capture and captures_prefill(self.backend)
         self._build(s)
         self.sampler = s

@@ -5,8 +5,9 @@ default engine, cfg 4, top-k 2000, the same seed), and whether the tokens equal 
     python scripts/engine_ab.py --batch-sizes 8 "" "decode_block.attention_pdl = decode_block.pdl_for"
 
 A setting is Python run with the fast_inference modules in scope (decode_attention, decode_block,
-decode_inputs, decode_sampling, engine, pdl), after every attribute of those modules is put back as
-it was (config tables copied, so a setting may change them in place); "" is the code as it stands.
+decode_inputs, decode_sampling, engine, pdl, prefetch), after every attribute of those modules is put
+back as it was (config tables copied, so a setting may change them in place); "" is the code as it
+stands.
 docs/PERF_NOTES.md gives the settings of its A/Bs. Settings in one process share its CUDA-graph
 history (PERF_NOTES, "Inductor's PDL and a second capture": the process's first capture may run
 faster), so bench.py gives the figures to quote. One CUDA GPU.
@@ -20,11 +21,11 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch
 
-from fast_inference import decode_attention, decode_block, decode_inputs, decode_sampling, engine, pdl
+from fast_inference import decode_attention, decode_block, decode_inputs, decode_sampling, engine, pdl, prefetch
 from fast_inference.bench import inputs, random_gpt_xl
 
 MODULES = dict(decode_attention=decode_attention, decode_block=decode_block, decode_inputs=decode_inputs,
-               decode_sampling=decode_sampling, engine=engine, pdl=pdl)
+               decode_sampling=decode_sampling, engine=engine, pdl=pdl, prefetch=prefetch)
 
 
 def snapshot():

@@ -16,7 +16,7 @@ import copy
 import functools
 import torch
 import triton.language as tl
-from fast_inference import decode_block, decode_sampling
+from fast_inference import decode_block, decode_sampling, prefetch
 from fast_inference.decode_attention import decode_attention
 
 # The interpreter has no grid dependency control: the PDL data paths run with these as no-ops.
@@ -26,6 +26,26 @@ from fast_inference.quantize import quantize_int8
 from test_reference import tiny_inputs, tiny_model
 
 worst, cache_worst = 0.0, 0.0
+
+
+class Counter:  # a prefetch.Prefetcher's count, as the fused block sees it
+    def __init__(self):
+        self.t = torch.zeros(1, dtype=torch.int32)
+
+    def count(self):
+        return self.t
+
+
+plan, read = decode_block.plan, []
+
+
+def recording(name, x, weight, tiles, pdl, progress=None):  # the weights of the kernels that count, in launch order
+    if progress is not None:
+        read.append(weight.data_ptr())
+    return plan(name, x, weight, tiles, pdl, progress)
+
+
+decode_block.plan = recording
 tile = lambda n: dict(qkv=(n, 4), wo=(n, 4), gate_up=(n, 2), w2=(n, 4), output=(n, 4))
 dot = lambda n, bk, s=1: dict(qkv=(16, bk, 4, 2, s), wo=(n, bk, 4, 2, s), gate_up=(n, bk, 4, 3, s), w2=(16, bk, 4, 2, s),
                              output=(n, bk, 4, 2, s))
@@ -58,13 +78,17 @@ for B, cfg, widths, config, dot_config, pdl, int8 in cases:
         m.setup_caches(rows, T + STEPS, torch.float32)
         key_valid = p.key_valid(m.max_seq)
         m(p.prefix, torch.arange(T), key_valid, p.controls, last_only=True)
+    counter, read[:] = Counter(), []
     for i in range(STEPS):
         pos = torch.tensor([T + i])
         x = ref.tok_embeddings(tokens[:, i : i + 1])
         want = ref(x, pos, key_valid, p.controls, last_only=True)
         got = fast(x, pos, key_valid, p.controls, last_only=True, decode_attention=attention,
-                   block_fn=decode_block.decode_block)
+                   block_fn=functools.partial(decode_block.decode_block, prefetcher=counter))
         worst = max(worst, (got - want).abs().max().item())
+    # Each projection counted once as it ran, in the order of the weights the prefetcher fetches
+    assert counter.t.item() == len(read) == 4 * len(fast.layers) * STEPS, (counter.t, len(read))
+    assert read == [w.data_ptr() for w in prefetch.segments(fast)] * STEPS
     h = torch.randn(rows, 1, ref.args.dim)
     worst = max(worst, (decode_block.logits(fast, h) - ref.logits(h)).abs().max().item())
     # The head with the draw's race noise: the same logits, and sampled draws that read the noise equal
@@ -94,8 +118,9 @@ def test_fused_block_matches_model_in_interpreter():
     """Three teacher-forced decode steps through two layers after a prefill: logits within 1e-4 and identical cache rows
     (up to float32 rounding) for 1, 2 and 4 rows (GEMV path) and 5, 6 and 16 rows (dot path, also
     split-K), with and without CFG, several tilings, power-of-two widths and others (the GEMV rows in
-    two pieces); and the head (final norm fused into the output projection), whose race noise draws the
-    same tokens as the draw's own."""
+    two pieces), each projection counted once for a prefetcher, in prefetch.segments' order; and the
+    head (final norm fused into the output projection), whose race noise draws the same tokens as the
+    draw's own."""
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join([ROOT, os.path.join(ROOT, "tests")]))
     out = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-2000:]
@@ -160,7 +185,7 @@ def test_engine_runs_the_fused_block_in_interpreter():
 
 AOT_SCRIPT = r"""
 import torch
-from fast_inference import decode_block as db
+from fast_inference import decode_block as db, prefetch
 from sm90 import build
 
 
@@ -173,7 +198,8 @@ def args(name, dtype, rows, K, tiles, int8):
     meta = lambda n, dt: torch.empty(n, K, dtype=dt, device="meta")
     bn, kw = db.plan(name, meta(rows, dtype), meta(1, torch.int8 if int8 else dtype), tiles, pdl)
     options = {"launch_pdl": kw.pop("launch_pdl", False), **{o: kw.pop(o) for o in ("num_warps", "num_stages") if o in kw}}
-    return bn, dict(kw, EPS=1e-5, K=K, QUANT=int8), options
+    kw.pop("PROGRESS")  # a pointer (in the signatures below), counted where BUMP: as with a prefetcher
+    return bn, dict(kw, EPS=1e-5, K=K, QUANT=int8, BUMP=True), options
 
 
 # GPT-XL and GPT-7B in bf16 (the GEMV tiling is capped for wide K), GPT-XL in fp32 and with int8 weights;
@@ -182,7 +208,7 @@ for dt, D, F, hd, int8 in (("bf16", 1280, 3584, 64, False), ("bf16", 4096, 11008
                            ("fp32", 1280, 3584, 64, False), ("bf16", 1280, 3584, 64, True)):
     t, dtype = "*" + dt, torch.bfloat16 if dt == "bf16" else torch.float32
     w = {"W": "*i8" if int8 else t, "S": t}
-    split = {"PART": "*fp32", "COUNT": "*i32"}
+    split = {"PART": "*fp32", "COUNT": "*i32", "PROGRESS": "*i32"}
     lin = {"X": t, **w, "RES": t, "OUT": t, **split, "R": "i32", "N": "i32"}
     head = {"X": t, "NW": t, **w, "OUT": t, "NOISE": "*fp32", "POS": "*i64", "SEED": "*i64", **split, "R": "i32",
             "N": "i32"}
