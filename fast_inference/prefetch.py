@@ -24,9 +24,10 @@ try:
 except ImportError:
     triton = None
 
-# H200, GPT-XL, `python scripts/engine_ab.py --batch-sizes 1,8` against no prefetch (1.044 / 1.689 ms/step):
-# AHEAD 1 1.035 / 1.650, 2 1.055 / 1.737, 4 1.110 / 1.816, 0 1.046 / 1.700; 8 / 32 / 64 programs, 4 KB / 64 KB
-# chunks all slower at n = 1 (the step waits for the prefetcher at its end); the head's weight too: no gain.
+# H200, GPT-XL, `python scripts/engine_ab.py --batch-sizes 1,8`, ms/step, no prefetch 1.044 / 1.689: AHEAD 1
+# 1.036 / 1.645 (0: 1.046 / 1.700, 2: 1.055 / 1.737, 4: 1.110 / 1.816, these with the head's weight, which
+# gained nothing at 1); 4 / 8 / 32 / 64 programs 1.77 / 1.09 / 1.06 / 1.08 at n = 1 (the step waits for the
+# prefetcher at its end); 8 KB chunks 1.036 / 1.655, 64 KB 1.36 / 1.69.
 PROGRAMS = 16  # prefetching programs, one warp each
 CHUNK = 16384  # bytes per bulk prefetch
 AHEAD = 1  # segment j is fetched once projection j - AHEAD has started
