@@ -21,7 +21,8 @@ apply to its rounded output, as model.int8_linear.
 Computes TransformerBlock.forward for S = 1 (tests/test_decode_block.py checks it against it).
 Before its wait a kernel reads what pdl.py allows: weights and earlier cache rows, and on the GEMV
 path also the position (the previous step's) and the residual (wo's is 4 kernels back, w2's 2), both
-from L2 (.cg).
+from L2 (.cg). Given a prefetcher (prefetch.py), each projection's first program counts its start, which
+paces the prefetcher's pull of the next projection's weights into L2.
 """
 import torch
 
