@@ -27,8 +27,9 @@ except ImportError:
 # H200, GPT-XL, `python scripts/engine_ab.py --batch-sizes 1,8`, ms/step, no prefetch 1.044 / 1.689: AHEAD 1
 # 1.036 / 1.645 (0: 1.046 / 1.700, 2: 1.055 / 1.737, 4: 1.110 / 1.816, these with the head's weight, which
 # gained nothing at 1); 4 / 8 / 32 / 64 programs 1.77 / 1.09 / 1.06 / 1.08 at n = 1 (the step waits for the
-# prefetcher at its end); 8 KB chunks 1.036 / 1.655, 64 KB 1.36 / 1.69.
-PROGRAMS = 16  # prefetching programs, one warp each
+# prefetcher at its end); 8 KB chunks 1.036 / 1.655, 64 KB 1.36 / 1.69. Then 12 / 16 / 24 programs at n = 1 1.027 /
+# 1.032 / 1.047, 8 / 12 / 16 at n = 8 1.637 / 1.604 / 1.648.
+PROGRAMS = 12  # prefetching programs, one warp each
 CHUNK = 16384  # bytes per bulk prefetch
 AHEAD = 1  # segment j is fetched once projection j - AHEAD has started
 
