@@ -168,9 +168,7 @@ class Sampler(nn.Module):
 
     def _advance(self, key_valid, controls, guided, kv_len):
         # Weights into L2 ahead of the fused kernels, beside the step: inside its CUDA graph only (prefetch.py)
-        fetch = self.prefetcher if self.prefetcher is not None and torch.cuda.is_current_stream_capturing() else None
-        if fetch is not None:
-            fetch.start()
+        fetching = self.prefetcher is not None and self.prefetcher.start()
         if self.fused_inputs:  # embeddings, RoPE row and control rows in one kernel
             x, inputs = decode_inputs.step_inputs(self.model, self.token, self.input_pos, controls, guided)
         else:
@@ -178,8 +176,8 @@ class Sampler(nn.Module):
         h = self.model(x, self.input_pos, key_valid, controls, last_only=True, decode_attention=self.decode_attention,
                        block_fn=self.block_fn, hidden=True, kv_len=kv_len, inputs=inputs)
         self.finish_fn(h, guided)
-        if fetch is not None:
-            fetch.join()
+        if fetching:
+            self.prefetcher.join()
 
     def finish(self, h, guided):
         """Last hidden state -> logits -> CFG merge -> filtered draw -> token written, position advanced."""

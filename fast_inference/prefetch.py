@@ -24,11 +24,10 @@ try:
 except ImportError:
     triton = None
 
-# H200, GPT-XL, `python scripts/engine_ab.py --batch-sizes 1,8`, ms/step, no prefetch 1.044 / 1.689: AHEAD 1
-# 1.036 / 1.645 (0: 1.046 / 1.700, 2: 1.055 / 1.737, 4: 1.110 / 1.816, these with the head's weight, which
-# gained nothing at 1); 4 / 8 / 32 / 64 programs 1.77 / 1.09 / 1.06 / 1.08 at n = 1 (the step waits for the
-# prefetcher at its end); 8 KB chunks 1.036 / 1.655, 64 KB 1.36 / 1.69. Then 12 / 16 / 24 programs at n = 1 1.027 /
-# 1.032 / 1.047, 8 / 12 / 16 at n = 8 1.637 / 1.604 / 1.648.
+# H200, GPT-XL, `python scripts/engine_ab.py --batch-sizes 1,8`, ms/step at n = 1 / 8 (docs/PERF_NOTES.md, "The
+# L2 prefetcher"): none 1.044 / 1.689; 12 programs 1.027 / 1.604 (8: 1.09 / 1.637, 16: 1.032 / 1.648, 24: 1.047 at
+# n = 1, 32: 1.06 / 1.88); AHEAD 0, 2 and 4 lost (further ahead, the prefetches compete with the running kernels);
+# 8 KB chunks no better, 64 KB slower; fetching the head's weight too gained nothing.
 PROGRAMS = 12  # prefetching programs, one warp each
 CHUNK = 16384  # bytes per bulk prefetch
 AHEAD = 1  # segment j is fetched once projection j - AHEAD has started
@@ -104,11 +103,15 @@ class Prefetcher:
         return self.progress if torch.cuda.is_current_stream_capturing() else self.scratch
 
     def start(self):
-        """Launch the prefetcher on its stream, after what the current stream has queued (inside a capture)."""
+        """Inside a capture: launch the prefetcher on its stream, after what the current stream has queued, and
+        return True (then `join` it at the step's end). Outside one: nothing, False."""
+        if not torch.cuda.is_current_stream_capturing():
+            return False
         self.stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(self.stream):
             _prefetch_kernel[(PROGRAMS,)](self.segs, self.progress, self.segs.shape[0], CHUNK=CHUNK, AHEAD=AHEAD,
                                           num_warps=1)
+        return True
 
     def join(self):
         """The current stream waits for the prefetcher."""

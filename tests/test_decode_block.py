@@ -132,10 +132,21 @@ ENGINE_SCRIPT = r"""
 import functools
 import torch
 import triton.language as tl
-from fast_inference import decode_attention, decode_block, decode_inputs, decode_sampling
+from fast_inference import decode_attention, decode_block, decode_inputs, decode_sampling, prefetch
 from fast_inference.engine import Engine
 from fast_inference.generate import generate
 from test_reference import tiny_inputs, tiny_model
+
+
+class Prefetcher:  # prefetch.Prefetcher's part outside a capture (its kernel is Hopper's): the count
+    def __init__(self, model):
+        self.t = torch.zeros(1, dtype=torch.int32)
+
+    def count(self):
+        return self.t
+
+    def start(self):
+        return False
 
 tl.extra.cuda.gdc_wait = tl.extra.cuda.gdc_launch_dependents = lambda *args, **kwargs: None
 # The engine takes these paths on CUDA only; here the interpreter runs them on the CPU.
@@ -144,6 +155,7 @@ decode_block.supported = lambda model, rows: rows <= decode_block.MAX_ROWS
 decode_block.use_pdl = lambda device: True
 decode_sampling.supported = lambda device, top_p: top_p >= 1.0
 decode_inputs.supported = lambda device: True
+prefetch.available, prefetch.Prefetcher = lambda device: True, Prefetcher
 model = tiny_model(cls=8, seed=6, vocab_size=512, n_layer=2)  # small: the interpreter runs every program
 cond, mask, condition = tiny_inputs(model, B=2)
 # 4 tokens: the prefill's and 3 decode steps, 2 guided and, after cfg_interval, 1 unguided
@@ -152,7 +164,9 @@ kw = dict(emb_masks=mask, condition=condition, cfg_scale=4.0, cfg_interval=1, fo
 _, want = generate(model, cond, 4, return_logits=True, **kw)
 engine = Engine(model, backend="inductor", compile_scope="block")
 _, got = engine.generate(cond, 4, **kw)
-assert engine.sampler.block_fn is decode_block.decode_block and engine.block_fn is None  # nothing compiled
+assert engine.sampler.block_fn.func is decode_block.decode_block and engine.block_fn is None  # nothing compiled
+count = engine.sampler.prefetcher.t.item()  # every projection of every step counted, for the prefetcher
+assert count > 0 and count % (4 * len(model.layers)) == 0, count
 assert engine.sampler.fused_draw and engine.sampler.fused_inputs and engine.sampler.head_noise
 worst = max((w if w.shape == g.shape else w.chunk(2)[0]).sub(g).abs().max().item() for w, g in zip(want, got))
 greedy = engine.generate(cond, 4, emb_masks=mask, condition=condition, cfg_scale=4.0, top_k=1)
@@ -172,10 +186,10 @@ print(worst, same)
 
 
 def test_engine_runs_the_fused_block_in_interpreter():
-    """The engine's own wiring of the fused path (step inputs, block, PDL attention, fused head and draw) at 4 rows
-    with CFG and a cfg_interval: teacher-forced logits within 1e-4 of the reference, same greedy tokens,
-    the same sampled tokens for the same seed and others for another, and the same again with the draw
-    making its race noise instead of the head."""
+    """The engine's own wiring of the fused path (step inputs, block, PDL attention, fused head and draw, the
+    prefetcher's count) at 4 rows with CFG and a cfg_interval: teacher-forced logits within 1e-4 of the
+    reference, same greedy tokens, the same sampled tokens for the same seed and others for another, and the
+    same again with the draw making its race noise instead of the head."""
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join([ROOT, os.path.join(ROOT, "tests")]))
     out = subprocess.run([sys.executable, "-c", ENGINE_SCRIPT], env=env, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-2000:]
