@@ -244,6 +244,9 @@ for dt, D, F, hd, int8 in (("bf16", 1280, 3584, 64, False), ("bf16", 4096, 11008
         build(db._qkv_kernel, qkv, dict(kw, D=D, HD=hd, BP=min(pairs, hd // 2)), options)
         bn, kw, options = args("gate_up", dtype, rows, D, 2, int8)
         build(db._gate_up_kernel, gu, dict(kw, BN=bn), options)
+# The prefetcher beside the step (one warp per program: bulk L2 prefetches, spins on the count)
+build(prefetch._prefetch_kernel, {"SEGS": "*i64", "PROGRESS": "*i32", "n_segs": "i32"},
+      dict(CHUNK=prefetch.CHUNK, AHEAD=prefetch.AHEAD), {"num_warps": 1})
 print("compiled")
 """
 
@@ -251,6 +254,7 @@ print("compiled")
 def test_kernels_compile_for_sm90():
     """GPT-XL and GPT-7B shapes in bf16, GPT-XL in fp32 and with int8 weights, at 2 rows (GEMV path, its
     tiling capped for wide K, with programmatic dependent launch) and 8 and 16 rows (dot path, with PDL's late
-    trigger), each projection and the head (with the draw's noise and without): an H100/H200 cubin
-    with Triton's bundled ptxas, and no register spills (a GEMV whose weight rows spill would crawl)."""
+    trigger), each projection (counting for a prefetcher) and the head (with the draw's noise and without),
+    and the prefetcher's kernel: an H100/H200 cubin with Triton's bundled ptxas, and no register spills (a
+    GEMV whose weight rows spill would crawl)."""
     sm90.run(AOT_SCRIPT)
