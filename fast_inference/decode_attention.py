@@ -23,6 +23,7 @@ try:
     import triton.language as tl
 
     from fast_inference.pdl import pdl_trigger, pdl_wait
+    from fast_inference.prefetch import bump
 except ImportError:  # the cudagraph/eager backends work without Triton
     triton = None
 
@@ -33,15 +34,22 @@ except ImportError:  # the cudagraph/eager backends work without Triton
 # 3.533 -> 3.480. Up to 4 rows the kernels run under PDL (decode_block), where (128, 4, 4) was tuned.
 CONFIGS = ((4, (128, 4, 4)), (16, (64, 2, 1)), (None, (128, 2, 1)))
 LEAD = 128  # leading keys searched for the first attendable one (the t2i text prefix is 120)
+# With a prefetcher's count (the compiled block, prefetch.py): which kernel counts a layer ("partial": as the
+# keys start streaming; "merge": once they have), and whether K and V are loaded with L2's evict-first
+# hint, so that the stream does not push the prefetched weights out.
+COUNT_IN = "merge"
+EVICT_FIRST = True
 
 
 if triton is not None:
 
     @triton.jit
-    def _partial_kernel(Q, K, V, KEY_VALID, POS, M_OUT, L_OUT, ACC_OUT,
+    def _partial_kernel(Q, K, V, KEY_VALID, POS, M_OUT, L_OUT, ACC_OUT, PROGRESS,
                         stride_qr, stride_qh, stride_kr, stride_kh, stride_kn, stride_vr, stride_vh, stride_vn,
                         stride_valid, n_heads, n_splits, SCALE: tl.constexpr, BLOCK: tl.constexpr,
-                        HEAD_DIM: tl.constexpr, LEAD: tl.constexpr, PDL: tl.constexpr):
+                        HEAD_DIM: tl.constexpr, LEAD: tl.constexpr, PDL: tl.constexpr, BUMP: tl.constexpr,
+                        EVICT: tl.constexpr):
+        bump(PROGRESS, BUMP)
         rh = tl.program_id(0)
         split = tl.program_id(1)
         r = rh // n_heads
@@ -52,7 +60,7 @@ if triton is not None:
         if start <= pos:
             _tile(Q, K, V, KEY_VALID, M_OUT, L_OUT, ACC_OUT, r, h, out, start, pos,
                   stride_qr, stride_qh, stride_kr, stride_kh, stride_kn, stride_vr, stride_vh, stride_vn,
-                  stride_valid, SCALE, BLOCK, HEAD_DIM, PDL)
+                  stride_valid, SCALE, BLOCK, HEAD_DIM, PDL, EVICT)
         else:  # past pos: a partial that weighs nothing (written after the wait, as every write of a PDL kernel)
             pdl_wait(PDL)
             pdl_trigger(PDL)
@@ -71,7 +79,8 @@ if triton is not None:
     @triton.jit
     def _tile(Q, K, V, KEY_VALID, M_OUT, L_OUT, ACC_OUT, r, h, out, start, pos,
               stride_qr, stride_qh, stride_kr, stride_kh, stride_kn, stride_vr, stride_vh, stride_vn, stride_valid,
-              SCALE: tl.constexpr, BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr, PDL: tl.constexpr):
+              SCALE: tl.constexpr, BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr, PDL: tl.constexpr,
+              EVICT: tl.constexpr):
         """Keys start..start+BLOCK-1 of (row r, head h) -> partial (max, sum, weighted values) at `out`."""
         # Offsets within the tile, its start in the base pointers: the tile's vectors keep the same
         # compile-time form wherever it starts (a runtime start in them costs ~80 registers: spills).
@@ -86,8 +95,12 @@ if triton is not None:
         # With PDL the tile holds the keys of earlier steps only, loaded before the wait; the current
         # key and value (written by the kernel just before) are read after it, as vectors.
         tile = earlier if PDL else earlier | current
-        k = tl.load(k_ptrs, mask=tile[:, None], other=0.0)
-        v = tl.load(v_ptrs, mask=tile[:, None], other=0.0)
+        if EVICT:  # read once: evicted from L2 first, so that a prefetcher's weights stay (prefetch.py)
+            k = tl.load(k_ptrs, mask=tile[:, None], other=0.0, eviction_policy="evict_first")
+            v = tl.load(v_ptrs, mask=tile[:, None], other=0.0, eviction_policy="evict_first")
+        else:
+            k = tl.load(k_ptrs, mask=tile[:, None], other=0.0)
+            v = tl.load(v_ptrs, mask=tile[:, None], other=0.0)
         ok = tl.load(KEY_VALID + r * stride_valid + start + offs_n, mask=earlier, other=0) != 0
         pdl_wait(PDL)
         # SCALE is a constexpr so it stays fp32 (a runtime float becomes fp64 under inductor).
@@ -110,7 +123,9 @@ if triton is not None:
         tl.store(ACC_OUT + out * HEAD_DIM + offs_d, acc)
 
     @triton.jit
-    def _merge_kernel(M, L, ACC, OUT, n_splits, SPLITS: tl.constexpr, HEAD_DIM: tl.constexpr, PDL: tl.constexpr):
+    def _merge_kernel(M, L, ACC, OUT, PROGRESS, n_splits, SPLITS: tl.constexpr, HEAD_DIM: tl.constexpr,
+                      PDL: tl.constexpr, BUMP: tl.constexpr):
+        bump(PROGRESS, BUMP)
         pdl_wait(PDL)
         rh = tl.program_id(0)
         offs_s = tl.arange(0, SPLITS)
@@ -125,8 +140,9 @@ if triton is not None:
         tl.store(OUT + rh * HEAD_DIM + offs_d, out.to(OUT.dtype.element_ty))
 
 
-def decode_attention(q, k_cache, v_cache, key_valid, input_pos, config=None, pdl=False):
-    """q (R,H,1,hd); caches (R,H,L,hd); key_valid (R,L) bool; input_pos (1,) -> (R,H,1,hd)."""
+def decode_attention(q, k_cache, v_cache, key_valid, input_pos, config=None, pdl=False, progress=None):
+    """q (R,H,1,hd); caches (R,H,L,hd); key_valid (R,L) bool; input_pos (1,) -> (R,H,1,hd).
+    progress: a prefetcher's int32 count (prefetch.py), bumped once per call (COUNT_IN), or None."""
     R, H, _, hd = q.shape
     L = k_cache.shape[2]
     block, num_warps, merge_warps = config or config_for(R)
@@ -134,15 +150,18 @@ def decode_attention(q, k_cache, v_cache, key_valid, input_pos, config=None, pdl
     m = torch.empty(R, H, n_splits, device=q.device, dtype=torch.float32)
     l = torch.empty_like(m)
     acc = torch.empty(R, H, n_splits, hd, device=q.device, dtype=torch.float32)
+    counted = progress is not None
+    count = m if progress is None else progress  # an unused pointer without a count
     _partial_kernel[(R * H, n_splits)](
-        q, k_cache, v_cache, key_valid, input_pos, m, l, acc,
+        q, k_cache, v_cache, key_valid, input_pos, m, l, acc, count,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), key_valid.stride(0), H, n_splits,
-        SCALE=hd**-0.5, BLOCK=block, HEAD_DIM=hd, LEAD=LEAD, num_warps=num_warps, **launch(pdl),
+        SCALE=hd**-0.5, BLOCK=block, HEAD_DIM=hd, LEAD=LEAD, BUMP=counted and COUNT_IN == "partial",
+        EVICT=counted and EVICT_FIRST, num_warps=num_warps, **launch(pdl),
     )
     out = torch.empty(R, H, 1, hd, device=q.device, dtype=q.dtype)
-    _merge_kernel[(R * H,)](m, l, acc, out, n_splits, SPLITS=triton.next_power_of_2(n_splits), HEAD_DIM=hd,
-                            num_warps=merge_warps, **launch(pdl))
+    _merge_kernel[(R * H,)](m, l, acc, out, count, n_splits, SPLITS=triton.next_power_of_2(n_splits), HEAD_DIM=hd,
+                            BUMP=counted and COUNT_IN == "merge", num_warps=merge_warps, **launch(pdl))
     return out
 
 

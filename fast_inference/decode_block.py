@@ -440,13 +440,13 @@ def decode_block(layer, x, freqs, attend, input_pos, prefetcher=None):
     """TransformerBlock.forward(x, ...) for x (R, 1, D): same arguments, usable as model block_fn.
 
     attend should launch with PDL where attention_pdl says: decode_attention(..., pdl=attention_pdl(R, device)).
-    prefetcher (prefetch.Prefetcher): its count() is bumped by each of the 4 projections as it starts."""
+    prefetcher (prefetch.Prefetcher): its count is bumped by each of the 4 projections as it starts."""
     attn, ff = layer.attention, layer.feed_forward
     R, _, D = x.shape
     x = x.view(R, D)
     cache = attn.kv_cache
     pdl = pdl_for(R, x.device)
-    progress = None if prefetcher is None else prefetcher.count()
+    progress = None if prefetcher is None else prefetcher.progress
     q = qkv_rope(x, layer.attention_norm, attn.wqkv.weight, row_scales(attn.wqkv), freqs, input_pos, cache.k_cache,
                  cache.v_cache, attn.n_head, pdl, progress)
     y = attend(q, cache.k_cache[:R], cache.v_cache[:R])  # (R, H, 1, hd): its flat rows are heads side by side

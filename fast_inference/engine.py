@@ -178,6 +178,8 @@ class Sampler(nn.Module):
         self.finish_fn(h, guided)
         if fetching:
             self.prefetcher.join()
+        elif self.prefetcher is not None:
+            self.prefetcher.reset()
 
     def finish(self, h, guided):
         """Last hidden state -> logits -> CFG merge -> filtered draw -> token written, position advanced."""
@@ -265,6 +267,9 @@ class Engine:
             block_fn = run_block
         elif self.block_scope:
             block_fn = self.compiled_block()
+            if attention is not None and prefetch.available(self.device):  # paced by the attention's count
+                prefetcher = prefetch.Prefetcher(self.model, compiled=True)
+                attention = functools.partial(attention, progress=prefetcher.progress)
         if self.block_scope:
             log.info("decode block for %d rows: %s", rows, "fused Triton kernels" if fused else
                      "eager (int8)" if self.int8 else "compiled (inductor)")

@@ -30,10 +30,7 @@ worst, cache_worst = 0.0, 0.0
 
 class Counter:  # a prefetch.Prefetcher's count, as the fused block sees it
     def __init__(self):
-        self.t = torch.zeros(1, dtype=torch.int32)
-
-    def count(self):
-        return self.t
+        self.progress = torch.zeros(1, dtype=torch.int32)
 
 
 plan, read = decode_block.plan, []
@@ -87,7 +84,7 @@ for B, cfg, widths, config, dot_config, pdl, int8 in cases:
                    block_fn=functools.partial(decode_block.decode_block, prefetcher=counter))
         worst = max(worst, (got - want).abs().max().item())
     # Each projection counted once as it ran, in the order of the weights the prefetcher fetches
-    assert counter.t.item() == len(read) == 4 * len(fast.layers) * STEPS, (counter.t, len(read))
+    assert counter.progress.item() == len(read) == 4 * len(fast.layers) * STEPS, (counter.progress, len(read))
     assert read == [w.data_ptr() for w in prefetch.segments(fast)] * STEPS
     h = torch.randn(rows, 1, ref.args.dim)
     worst = max(worst, (decode_block.logits(fast, h) - ref.logits(h)).abs().max().item())
@@ -139,14 +136,15 @@ from test_reference import tiny_inputs, tiny_model
 
 
 class Prefetcher:  # prefetch.Prefetcher's part outside a capture (its kernel is Hopper's): the count
-    def __init__(self, model):
-        self.t = torch.zeros(1, dtype=torch.int32)
-
-    def count(self):
-        return self.t
+    def __init__(self, model, compiled=False):
+        self.progress, self.counted = torch.zeros(2, dtype=torch.int32), []
 
     def start(self):
         return False
+
+    def reset(self):  # after each step run outside a capture
+        self.counted.append(self.progress[0].item())
+        self.progress.zero_()
 
 tl.extra.cuda.gdc_wait = tl.extra.cuda.gdc_launch_dependents = lambda *args, **kwargs: None
 # The engine takes these paths on CUDA only; here the interpreter runs them on the CPU.
@@ -165,8 +163,8 @@ _, want = generate(model, cond, 4, return_logits=True, **kw)
 engine = Engine(model, backend="inductor", compile_scope="block")
 _, got = engine.generate(cond, 4, **kw)
 assert engine.sampler.block_fn.func is decode_block.decode_block and engine.block_fn is None  # nothing compiled
-count = engine.sampler.prefetcher.t.item()  # every projection of every step counted, for the prefetcher
-assert count > 0 and count % (4 * len(model.layers)) == 0, count
+counted = engine.sampler.prefetcher.counted  # every projection of every step counted, for the prefetcher
+assert counted and set(counted) == {4 * len(model.layers)}, counted
 assert engine.sampler.fused_draw and engine.sampler.fused_inputs and engine.sampler.head_noise
 worst = max((w if w.shape == g.shape else w.chunk(2)[0]).sub(g).abs().max().item() for w, g in zip(want, got))
 greedy = engine.generate(cond, 4, emb_masks=mask, condition=condition, cfg_scale=4.0, top_k=1)
@@ -245,8 +243,9 @@ for dt, D, F, hd, int8 in (("bf16", 1280, 3584, 64, False), ("bf16", 4096, 11008
         bn, kw, options = args("gate_up", dtype, rows, D, 2, int8)
         build(db._gate_up_kernel, gu, dict(kw, BN=bn), options)
 # The prefetcher beside the step (one warp per program: bulk L2 prefetches, spins on the count)
-build(prefetch._prefetch_kernel, {"SEGS": "*i64", "PROGRESS": "*i32", "n_segs": "i32"},
-      dict(CHUNK=prefetch.CHUNK, AHEAD=prefetch.AHEAD), {"num_warps": 1})
+for evict_last in (False, True):
+    build(prefetch._prefetch_kernel, {"SEGS": "*i64", "PROGRESS": "*i32", "n_segs": "i32", "total": "i32"},
+          dict(CHUNK=prefetch.CHUNK, EVICT_LAST=evict_last), {"num_warps": 1})
 print("compiled")
 """
 
