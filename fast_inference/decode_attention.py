@@ -34,22 +34,19 @@ except ImportError:  # the cudagraph/eager backends work without Triton
 # 3.533 -> 3.480. Up to 4 rows the kernels run under PDL (decode_block), where (128, 4, 4) was tuned.
 CONFIGS = ((4, (128, 4, 4)), (16, (64, 2, 1)), (None, (128, 2, 1)))
 LEAD = 128  # leading keys searched for the first attendable one (the t2i text prefix is 120)
-# With a prefetcher's count (the compiled block, prefetch.py): which kernel counts a layer ("partial": as the
-# keys start streaming; "merge": once they have), and whether K and V are loaded with L2's evict-first
-# hint, so that the stream does not push the prefetched weights out.
-COUNT_IN = "merge"
+# K and V are read once per step: loaded with L2's evict-first hint, so that their stream does not push out
+# the weights a prefetcher put there (prefetch.py). The compiled block at n = 32 (scripts/engine_ab.py):
+# 3.26 ms/step without the prefetcher, 3.15-3.17 with it and the hints, 3.19-3.34 with it alone.
 EVICT_FIRST = True
 
 
 if triton is not None:
 
     @triton.jit
-    def _partial_kernel(Q, K, V, KEY_VALID, POS, M_OUT, L_OUT, ACC_OUT, PROGRESS,
+    def _partial_kernel(Q, K, V, KEY_VALID, POS, M_OUT, L_OUT, ACC_OUT,
                         stride_qr, stride_qh, stride_kr, stride_kh, stride_kn, stride_vr, stride_vh, stride_vn,
                         stride_valid, n_heads, n_splits, SCALE: tl.constexpr, BLOCK: tl.constexpr,
-                        HEAD_DIM: tl.constexpr, LEAD: tl.constexpr, PDL: tl.constexpr, BUMP: tl.constexpr,
-                        EVICT: tl.constexpr):
-        bump(PROGRESS, BUMP)
+                        HEAD_DIM: tl.constexpr, LEAD: tl.constexpr, PDL: tl.constexpr, EVICT: tl.constexpr):
         rh = tl.program_id(0)
         split = tl.program_id(1)
         r = rh // n_heads
@@ -95,7 +92,7 @@ if triton is not None:
         # With PDL the tile holds the keys of earlier steps only, loaded before the wait; the current
         # key and value (written by the kernel just before) are read after it, as vectors.
         tile = earlier if PDL else earlier | current
-        if EVICT:  # read once: evicted from L2 first, so that a prefetcher's weights stay (prefetch.py)
+        if EVICT:  # read once: evicted from L2 first (EVICT_FIRST)
             k = tl.load(k_ptrs, mask=tile[:, None], other=0.0, eviction_policy="evict_first")
             v = tl.load(v_ptrs, mask=tile[:, None], other=0.0, eviction_policy="evict_first")
         else:
@@ -125,7 +122,7 @@ if triton is not None:
     @triton.jit
     def _merge_kernel(M, L, ACC, OUT, PROGRESS, n_splits, SPLITS: tl.constexpr, HEAD_DIM: tl.constexpr,
                       PDL: tl.constexpr, BUMP: tl.constexpr):
-        bump(PROGRESS, BUMP)
+        bump(PROGRESS, BUMP)  # a prefetcher's count: this layer's keys have streamed
         pdl_wait(PDL)
         rh = tl.program_id(0)
         offs_s = tl.arange(0, SPLITS)
@@ -142,7 +139,7 @@ if triton is not None:
 
 def decode_attention(q, k_cache, v_cache, key_valid, input_pos, config=None, pdl=False, progress=None):
     """q (R,H,1,hd); caches (R,H,L,hd); key_valid (R,L) bool; input_pos (1,) -> (R,H,1,hd).
-    progress: a prefetcher's int32 count (prefetch.py), bumped once per call (COUNT_IN), or None."""
+    progress: a prefetcher's int32 count (prefetch.py), bumped once per call by the merge, or None."""
     R, H, _, hd = q.shape
     L = k_cache.shape[2]
     block, num_warps, merge_warps = config or config_for(R)
@@ -150,18 +147,16 @@ def decode_attention(q, k_cache, v_cache, key_valid, input_pos, config=None, pdl
     m = torch.empty(R, H, n_splits, device=q.device, dtype=torch.float32)
     l = torch.empty_like(m)
     acc = torch.empty(R, H, n_splits, hd, device=q.device, dtype=torch.float32)
-    counted = progress is not None
-    count = m if progress is None else progress  # an unused pointer without a count
     _partial_kernel[(R * H, n_splits)](
-        q, k_cache, v_cache, key_valid, input_pos, m, l, acc, count,
+        q, k_cache, v_cache, key_valid, input_pos, m, l, acc,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), key_valid.stride(0), H, n_splits,
-        SCALE=hd**-0.5, BLOCK=block, HEAD_DIM=hd, LEAD=LEAD, BUMP=counted and COUNT_IN == "partial",
-        EVICT=counted and EVICT_FIRST, num_warps=num_warps, **launch(pdl),
+        SCALE=hd**-0.5, BLOCK=block, HEAD_DIM=hd, LEAD=LEAD, EVICT=EVICT_FIRST, num_warps=num_warps, **launch(pdl),
     )
     out = torch.empty(R, H, 1, hd, device=q.device, dtype=q.dtype)
-    _merge_kernel[(R * H,)](m, l, acc, out, count, n_splits, SPLITS=triton.next_power_of_2(n_splits), HEAD_DIM=hd,
-                            BUMP=counted and COUNT_IN == "merge", num_warps=merge_warps, **launch(pdl))
+    _merge_kernel[(R * H,)](m, l, acc, out, m if progress is None else progress, n_splits,  # m: an unused pointer
+                            SPLITS=triton.next_power_of_2(n_splits), HEAD_DIM=hd, BUMP=progress is not None,
+                            num_warps=merge_warps, **launch(pdl))
     return out
 
 

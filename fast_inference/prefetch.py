@@ -9,6 +9,11 @@ them there. It paces itself by a count that each projection kernel's first progr
 block), is fetched once projection j - AHEAD has started. It writes nothing the step reads, resets the
 count once every projection has counted, and the step waits for it at its end.
 
+The compiled block (n > 8: inductor's GEMMs are cuBLAS's, which cannot count) is paced by its decode
+attention instead, whose merge counts each layer: a layer's wo, gate/up and w2 and the next layer's qkv
+are fetched once its keys have streamed (schedule). K and V carry L2's evict-first hint and the
+prefetches an evict-last policy, so that ~230 MB of keys per layer at n = 32 do not push the weights out.
+
 It only runs inside the step's CUDA graph: run as it comes, it would spin while the host loads a module
 or allocates memory, which may wait for all running kernels (a deadlock). After a step run outside a
 capture (the warm-up) the count is put back to zero.
@@ -40,7 +45,7 @@ def available(device):
             and torch.cuda.get_device_capability(device)[0] >= 9)
 
 
-EVICT_LAST = True  # the prefetches with L2's evict-last policy (the compiled block: K and V are evicted first)
+EVICT_LAST = True  # the prefetches with L2's evict-last policy (decode_attention.EVICT_FIRST: K and V go first)
 
 
 def segments(model):
@@ -52,8 +57,8 @@ def segments(model):
 def schedule(model, compiled):
     """(weight, count it waits for) in fetch order. The fused block counts each projection as it starts:
     weight j once projection j - AHEAD has. The compiled block counts each layer's decode attention
-    (decode_attention.COUNT_IN): the first qkv at once, then a layer's wo, gate/up and w2 and the next
-    layer's qkv once its attention has counted."""
+    (its merge): the first qkv at once, then a layer's wo, gate/up and w2 and the next layer's qkv once its
+    attention has counted."""
     if not compiled:
         return [(w, max(0, j - AHEAD + 1)) for j, w in enumerate(segments(model))]
     layers = model.layers
