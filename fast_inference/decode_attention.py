@@ -35,8 +35,9 @@ except ImportError:  # the cudagraph/eager backends work without Triton
 CONFIGS = ((4, (128, 4, 4)), (16, (64, 2, 1)), (None, (128, 2, 1)))
 LEAD = 128  # leading keys searched for the first attendable one (the t2i text prefix is 120)
 # K and V are read once per step: loaded with L2's evict-first hint, so that their stream does not push out
-# the weights a prefetcher put there (prefetch.py). The compiled block at n = 32 (scripts/engine_ab.py):
-# 3.26 ms/step without the prefetcher, 3.15-3.17 with it and the hints, 3.19-3.34 with it alone.
+# the weights a prefetcher put there (prefetch.py). scripts/engine_ab.py on the H200: n = 8 1.605 -> 1.581
+# ms/step, n = 1 unchanged; n = 32 (the compiled block) 3.26 without the prefetcher, 3.15-3.17 with it and
+# the hints, 3.19-3.34 with it alone.
 EVICT_FIRST = True
 
 
