@@ -63,9 +63,12 @@ CONFIG_INT8 = dict(qkv=(4, 4), wo=(4, 4), gate_up=(4, 4), w2=(4, 4), output=(4, 
 # at 16 rows against 24.8 with wo's tiling; in the model n = 8 1.837 / 1.838 -> 1.828 / 1.827 ms/step.
 # Re-swept with PDL's late trigger (the same script, 16 rows: the block 49.6 -> 48.8 us), wo and w2 with
 # 128-wide K chunks split 4 and 3 ways: n = 8 1.791 -> 1.779 ms/step, n = 4 1.541 -> 1.533 in the model.
-DOT_CONFIG = dict(qkv=(32, 256, 4, 3, 1), wo=(16, 128, 4, 6, 4), gate_up=(32, 256, 4, 4, 1), w2=(16, 128, 4, 4, 3),
+# With the L2 prefetcher, in the model (scripts/engine_ab.py, n = 8, one setting changed at a time): wo with 3
+# stages instead of 6 (each split is 3 chunks) 1.586-1.589 -> 1.576-1.577 ms/step; the other 10 tried lost.
+DOT_CONFIG = dict(qkv=(32, 256, 4, 3, 1), wo=(16, 128, 4, 3, 4), gate_up=(32, 256, 4, 4, 1), w2=(16, 128, 4, 4, 3),
                   output=(64, 128, 8, 4, 1))
-# int8 weights: wo and w2 as swept before the dot path had PDL (not re-swept); the head at wo's (int8 64-row tiles spill)
+# int8 weights: wo and w2 as swept before the dot path had PDL; re-swept with it (`--quantize int8 --rows 16`), the
+# best was within noise (43.7 against 44.1 us per block). The head at wo's (int8 64-row tiles spill).
 DOT_CONFIG_INT8 = dict(DOT_CONFIG, wo=(16, 256, 4, 3, 1), w2=(16, 256, 4, 6, 3), output=(16, 256, 4, 3, 1))
 
 
