@@ -7,7 +7,8 @@ can be captured once and replayed N-1 times:
   backend "inductor":  compile_scope "block" (default): one compiled transformer block shared by
                        all layers (regional compilation, ~1/n_layer of the compile time) and a
                        compiled head (norm, output), in a step captured by hand as below
-                       (inductor's kernels with programmatic dependent launch on Hopper+); the
+                       (inductor's kernels with programmatic dependent launch on Hopper+; the
+                       weights pulled into L2 beside the step, paced by the attention); the
                        embeddings, RoPE row and control rows in one Triton kernel (decode_inputs);
                        at <= 16 rows (n <= 8 under CFG) decode_block's fused Triton kernels
                        instead, with nothing compiled (fused_block=True), their weights pulled
@@ -128,7 +129,7 @@ class Sampler(nn.Module):
         buf("temperature", torch.ones((), device=device))
         buf("seed", torch.zeros((), dtype=torch.long, device=device))  # the fused draw's Philox key, per call
         self.capture_prefill = False  # the engine decides (captures_prefill)
-        self.prefetcher = None  # prefetch.Prefetcher where block_fn is the fused block, which counts for it
+        self.prefetcher = None  # prefetch.Prefetcher, counted by the fused block or the compiled block's attention
         self.prefix = None  # a captured prefill's input, copied in for each image
 
     def key(self):
@@ -167,7 +168,7 @@ class Sampler(nn.Module):
         self._advance(self.key_valid[: self.batch], self.controls[:, : self.batch], False, kv_len)
 
     def _advance(self, key_valid, controls, guided, kv_len):
-        # Weights into L2 ahead of the fused kernels, beside the step: inside its CUDA graph only (prefetch.py)
+        # Weights into L2 ahead of the kernels that read them, beside the step: inside its CUDA graph only (prefetch.py)
         fetching = self.prefetcher is not None and self.prefetcher.start()
         if self.fused_inputs:  # embeddings, RoPE row and control rows in one kernel
             x, inputs = decode_inputs.step_inputs(self.model, self.token, self.input_pos, controls, guided)

@@ -1,4 +1,4 @@
-"""Weights pulled into L2 just ahead of the fused decode kernels that read them, by a kernel beside the step.
+"""Weights pulled into L2 just ahead of the decode kernels that read them, by a kernel beside the step.
 
 At up to 16 rows a block's kernels are bound by their chains, not by the bus: at n = 1 a block takes
 ~26 us for ~11 us of bytes, and the dot path (5-16 rows) walks its weights only after its PDL wait. A
