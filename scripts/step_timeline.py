@@ -2,11 +2,13 @@
 cfg 4, top-k 2000): start, duration and the gap after the kernel before, for the kernels outside the blocks
 and the first and last few, so the small kernels around the blocks show.
 
-    python scripts/step_timeline.py --batch-sizes 1,8 [--position 700] [--replays 6]
+    python scripts/step_timeline.py --batch-sizes 1,8 [--position 700] [--replays 6] [--by-name]
 
 torch.profiler over `--replays` replays of the step graph at one position (the third is printed); the
-profiler adds a little to each step. One CUDA GPU.
+profiler adds a little to each step. --by-name: that step's kernels counted and their time summed by name
+instead, largest first (where the time goes per kind of kernel). One CUDA GPU.
 """
+import collections
 import argparse
 import json
 import os
@@ -38,11 +40,21 @@ def kernels(graph, replays):
     return sorted(events, key=lambda e: e["ts"])
 
 
+def by_name(step, width=70):
+    """[(name cut to width, count, summed duration in us)] of a step's kernel events, largest sum first."""
+    count, total = collections.Counter(), collections.Counter()
+    for e in step:
+        count[e["name"][:width]] += 1
+        total[e["name"][:width]] += e["dur"]
+    return [(name, count[name], total[name]) for name in sorted(total, key=lambda n: -total[n])]
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--batch-sizes", default="1,8")
     ap.add_argument("--position", type=int, default=700)
     ap.add_argument("--replays", type=int, default=6)
+    ap.add_argument("--by-name", action="store_true", help="kernel count and time by name instead of the timeline")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("step_timeline.py needs a CUDA GPU")
@@ -62,6 +74,10 @@ def main():
             span = (events[-1]["ts"] + events[-1]["dur"] - events[0]["ts"]) / args.replays
             print(f"n = {B}: {per} kernels per step, {span:.1f} us per step under the profiler", flush=True)
             step = events[2 * per: 3 * per]
+            if args.by_name:
+                for name, n, us in by_name(step):
+                    print(f"  {n:4d} x {us:8.1f} us  {name}", flush=True)
+                continue
             end = step[0]["ts"]
             for i, e in enumerate(step):
                 name = e["name"][:70]
