@@ -13,6 +13,9 @@ Same function as SDPA with the mask rule of model.attention_mask: query p sees k
 (q <= p and key_valid[q]).
 With pdl=True (programmatic dependent launch, from decode_block) a program loads the keys and values
 of earlier steps before it waits for the kernel that wrote the current one.
+With fresh=(k, v, freqs) (the compiled block) q and the step's key come before RoPE: every program
+rotates q, and the program whose tile holds the position rotates the key and writes it and the value
+into the caches, which saves the compiled block its RoPE and cache-write kernels.
 """
 import torch
 
@@ -44,10 +47,11 @@ EVICT_FIRST = True
 if triton is not None:
 
     @triton.jit
-    def _partial_kernel(Q, K, V, KEY_VALID, POS, M_OUT, L_OUT, ACC_OUT,
+    def _partial_kernel(Q, K, V, KEY_VALID, POS, M_OUT, L_OUT, ACC_OUT, K_NEW, V_NEW, FREQS,
                         stride_qr, stride_qh, stride_kr, stride_kh, stride_kn, stride_vr, stride_vh, stride_vn,
-                        stride_valid, n_heads, n_splits, SCALE: tl.constexpr, BLOCK: tl.constexpr,
-                        HEAD_DIM: tl.constexpr, LEAD: tl.constexpr, PDL: tl.constexpr, EVICT: tl.constexpr):
+                        stride_valid, stride_nr, stride_nh, n_heads, n_splits, SCALE: tl.constexpr,
+                        BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr, LEAD: tl.constexpr, PDL: tl.constexpr,
+                        EVICT: tl.constexpr, FRESH: tl.constexpr):
         rh = tl.program_id(0)
         split = tl.program_id(1)
         r = rh // n_heads
@@ -56,9 +60,9 @@ if triton is not None:
         start = _first_key(KEY_VALID + r * stride_valid, pos, LEAD) + split * BLOCK
         out = rh * n_splits + split
         if start <= pos:
-            _tile(Q, K, V, KEY_VALID, M_OUT, L_OUT, ACC_OUT, r, h, out, start, pos,
+            _tile(Q, K, V, KEY_VALID, M_OUT, L_OUT, ACC_OUT, K_NEW, V_NEW, FREQS, r, h, out, start, pos,
                   stride_qr, stride_qh, stride_kr, stride_kh, stride_kn, stride_vr, stride_vh, stride_vn,
-                  stride_valid, SCALE, BLOCK, HEAD_DIM, PDL, EVICT)
+                  stride_valid, stride_nr, stride_nh, SCALE, BLOCK, HEAD_DIM, PDL, EVICT, FRESH)
         else:  # past pos: a partial that weighs nothing (written after the wait, as every write of a PDL kernel)
             pdl_wait(PDL)
             pdl_trigger(PDL)
@@ -75,10 +79,20 @@ if triton is not None:
         return tl.minimum(tl.min(tl.where(valid, offs, LEAD), 0), pos)
 
     @triton.jit
-    def _tile(Q, K, V, KEY_VALID, M_OUT, L_OUT, ACC_OUT, r, h, out, start, pos,
+    def _rope(ptr, x, FREQS, offs_d, mask):
+        """x (HEAD_DIM,) in float32, loaded from ptr, rotated as model.apply_rotary_emb (the pair 2j, 2j + 1 by
+        FREQS row j: cos, sin) and rounded to ptr's dtype, as the model's result is."""
+        other = tl.load(ptr + (offs_d ^ 1), mask=mask, other=0.0).to(tl.float32)  # the pair's other half
+        cos = tl.load(FREQS + offs_d // 2 * 2)
+        sin = tl.load(FREQS + offs_d // 2 * 2 + 1)
+        out = tl.where(offs_d % 2 == 0, x * cos - other * sin, x * cos + other * sin)
+        return out.to(ptr.dtype.element_ty).to(tl.float32)
+
+    @triton.jit
+    def _tile(Q, K, V, KEY_VALID, M_OUT, L_OUT, ACC_OUT, K_NEW, V_NEW, FREQS, r, h, out, start, pos,
               stride_qr, stride_qh, stride_kr, stride_kh, stride_kn, stride_vr, stride_vh, stride_vn, stride_valid,
-              SCALE: tl.constexpr, BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr, PDL: tl.constexpr,
-              EVICT: tl.constexpr):
+              stride_nr, stride_nh, SCALE: tl.constexpr, BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr,
+              PDL: tl.constexpr, EVICT: tl.constexpr, FRESH: tl.constexpr):
         """Keys start..start+BLOCK-1 of (row r, head h) -> partial (max, sum, weighted values) at `out`."""
         # Offsets within the tile, its start in the base pointers: the tile's vectors keep the same
         # compile-time form wherever it starts (a runtime start in them costs ~80 registers: spills).
@@ -88,6 +102,18 @@ if triton is not None:
         v_ptrs = V + r * stride_vr + h * stride_vh + start * stride_vn + offs_n[:, None] * stride_vn + offs_d[None, :]
         # K/V are masked by the filled length only (every filled slot is finite); padding is masked in
         # the scores. They stay bf16 in registers until used: a 128 x 64 tile in fp32 spills.
+        if FRESH:  # the tile holding pos writes the step's key (rotated) and value into the caches first; the
+            # barrier shows them to the loads of the program's other threads (no other program reads pos)
+            here = offs_d < tl.where(pos - start < BLOCK, HEAD_DIM, 0)
+            new_at = r * stride_nr + h * stride_nh
+            k_new = tl.load(K_NEW + new_at + offs_d, mask=here, other=0.0).to(tl.float32)
+            k_new = _rope(K_NEW + new_at, k_new, FREQS, offs_d, here)
+            v_new = tl.load(V_NEW + new_at + offs_d, mask=here, other=0.0)
+            tl.store(K + r * stride_kr + h * stride_kh + pos * stride_kn + offs_d, k_new.to(K.dtype.element_ty),
+                     mask=here)
+            tl.store(V + r * stride_vr + h * stride_vh + pos * stride_vn + offs_d, v_new.to(V.dtype.element_ty),
+                     mask=here)
+            tl.debug_barrier()
         earlier = offs_n < pos - start
         current = offs_n == pos - start
         # With PDL the tile holds the keys of earlier steps only, loaded before the wait; the current
@@ -101,8 +127,12 @@ if triton is not None:
             v = tl.load(v_ptrs, mask=tile[:, None], other=0.0)
         ok = tl.load(KEY_VALID + r * stride_valid + start + offs_n, mask=earlier, other=0) != 0
         pdl_wait(PDL)
+        q_at = Q + r * stride_qr + h * stride_qh
+        q = tl.load(q_at + offs_d).to(tl.float32)
+        if FRESH:
+            q = _rope(q_at, q, FREQS, offs_d, offs_d >= 0)
         # SCALE is a constexpr so it stays fp32 (a runtime float becomes fp64 under inductor).
-        q = tl.load(Q + r * stride_qr + h * stride_qh + offs_d).to(tl.float32) * SCALE
+        q = q * SCALE
         scores = tl.sum(k.to(tl.float32) * q[None, :], 1)
         if PDL:
             here = offs_d < tl.where(pos - start < BLOCK, HEAD_DIM, 0)  # the whole row iff this tile holds pos
@@ -138,21 +168,28 @@ if triton is not None:
         tl.store(OUT + rh * HEAD_DIM + offs_d, out.to(OUT.dtype.element_ty))
 
 
-def decode_attention(q, k_cache, v_cache, key_valid, input_pos, config=None, pdl=False, progress=None):
-    """q (R,H,1,hd); caches (R,H,L,hd); key_valid (R,L) bool; input_pos (1,) -> (R,H,1,hd).
-    progress: a prefetcher's int32 count (prefetch.py), bumped once per call by the merge, or None."""
+def decode_attention(q, k_cache, v_cache, key_valid, input_pos, config=None, pdl=False, progress=None, fresh=None):
+    """q (R,H,1,hd); caches (>= R,H,L,hd), rows past R untouched; key_valid (R,L) bool; input_pos (1,)
+    -> (R,H,1,hd). progress: a prefetcher's int32 count (prefetch.py), bumped once per call by the merge, or
+    None. fresh: None (q is rotated, the caches hold the step's key and value) or (k, v, freqs): the step's
+    key and value (R,H,1,hd) and q before RoPE, freqs the position's RoPE row (1,hd/2,2); the key (rotated)
+    and value are written to the caches at input_pos."""
     R, H, _, hd = q.shape
     L = k_cache.shape[2]
+    k_new, v_new, freqs = (q, q, q) if fresh is None else fresh  # unused pointers without it
+    if k_new.stride() != v_new.stride():
+        raise ValueError("decode_attention: fresh keys and values need the same strides")
     block, num_warps, merge_warps = config or config_for(R)
     n_splits = triton.cdiv(L, block)
     m = torch.empty(R, H, n_splits, device=q.device, dtype=torch.float32)
     l = torch.empty_like(m)
     acc = torch.empty(R, H, n_splits, hd, device=q.device, dtype=torch.float32)
     _partial_kernel[(R * H, n_splits)](
-        q, k_cache, v_cache, key_valid, input_pos, m, l, acc,
+        q, k_cache, v_cache, key_valid, input_pos, m, l, acc, k_new, v_new, freqs,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), key_valid.stride(0), H, n_splits,
-        SCALE=hd**-0.5, BLOCK=block, HEAD_DIM=hd, LEAD=LEAD, EVICT=EVICT_FIRST, num_warps=num_warps, **launch(pdl),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), key_valid.stride(0), k_new.stride(0), k_new.stride(1),
+        H, n_splits, SCALE=hd**-0.5, BLOCK=block, HEAD_DIM=hd, LEAD=LEAD, EVICT=EVICT_FIRST, FRESH=fresh is not None,
+        num_warps=num_warps, **launch(pdl),
     )
     out = torch.empty(R, H, 1, hd, device=q.device, dtype=q.dtype)
     _merge_kernel[(R * H,)](m, l, acc, out, m if progress is None else progress, n_splits,  # m: an unused pointer

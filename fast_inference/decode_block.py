@@ -452,7 +452,8 @@ def decode_block(layer, x, freqs, attend, input_pos, prefetcher=None):
     progress = None if prefetcher is None else prefetcher.progress
     q = qkv_rope(x, layer.attention_norm, attn.wqkv.weight, row_scales(attn.wqkv), freqs, input_pos, cache.k_cache,
                  cache.v_cache, attn.n_head, pdl, progress)
-    y = attend(q, cache.k_cache[:R], cache.v_cache[:R])  # (R, H, 1, hd): its flat rows are heads side by side
+    # q rotated, the step's key and value in the cache: attend's other arguments go unused
+    y = attend(q.transpose(1, 2), None, None, freqs, cache)  # (R, H, 1, hd): its flat rows are heads side by side
     h = linear(y.view(R, D), attn.wo.weight, row_scales(attn.wo), residual=x, name="wo", pdl=pdl, progress=progress)
     a = gate_up(h, layer.ffn_norm, ff.w13, ff.w13_scales, pdl, progress)
     return linear(a, ff.w2.weight, row_scales(ff.w2), residual=h, name="w2", pdl=pdl, progress=progress).view(R, 1, D)

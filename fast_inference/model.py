@@ -256,13 +256,11 @@ class Attention(nn.Module):
         self.wo = nn.Linear(args.dim, args.dim, bias=False)
         self.kv_cache = None
 
-    def forward(self, x, freqs, attend, input_pos):
+    def forward(self, x, freqs, attend):
         B, S, D = x.shape
-        q, k, v = self.wqkv(x).split(D, dim=-1)
-        q = apply_rotary_emb(q.view(B, S, self.n_head, self.head_dim), freqs)
-        k = apply_rotary_emb(k.view(B, S, self.n_head, self.head_dim), freqs)
-        q, k, v = (t.transpose(1, 2) for t in (q, k, v.view(B, S, self.n_head, self.head_dim)))
-        y = attend(q, *self.kv_cache.update(input_pos, k, v))
+        q, k, v = (t.view(B, S, self.n_head, self.head_dim) for t in self.wqkv(x).split(D, dim=-1))
+        # RoPE on q and k and the cache write are attend's (rope_and_cache), so a kernel may fuse them
+        y = attend(q, k, v, freqs, self.kv_cache)
         return self.wo(y.transpose(1, 2).reshape(B, S, D))
 
 
@@ -275,7 +273,7 @@ class TransformerBlock(nn.Module):
         self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
 
     def forward(self, x, freqs, attend, input_pos):
-        h = x + self.attention(self.attention_norm(x), freqs, attend, input_pos)
+        h = x + self.attention(self.attention_norm(x), freqs, attend)
         return h + self.feed_forward(self.ffn_norm(h))
 
 
@@ -381,8 +379,9 @@ class Transformer(nn.Module):
         mask for the prefix, True elsewhere). controls (3, B, Nc, D): the control lists (step_inputs
         picks the rows). Returns float32 logits, of the last position only if last_only (the only one
         sampling uses; norm and output are per token).
-        decode_attention: a kernel (q, k_cache, v_cache, key_valid, input_pos) for one-token steps
-        that reads only the filled cache (fast engine); default SDPA with the boolean mask.
+        decode_attention: a kernel (q, k_cache, v_cache, key_valid, input_pos, fresh=(k, v, freqs)) for
+        one-token steps that reads only the filled cache and does rope_and_cache's work itself (fast
+        engine); default SDPA with the boolean mask after rope_and_cache.
         block_fn(layer, x, freqs, attend, input_pos): runs a block instead of layer(...) (the fast
         engine passes one compiled function shared by all blocks). hidden: return the last block's
         output instead of the logits (`logits` finishes it; the fast engine's head runs that).
@@ -392,13 +391,18 @@ class Transformer(nn.Module):
         decode_inputs.py), where a control row already added into x is None.
         """
         if decode_attention is not None and x.shape[1] == 1:
-            def attend(q, k, v):
-                return decode_attention(q, k, v, key_valid, input_pos)
+            def attend(q, k, v, freqs, cache):
+                # The kernel rotates q and k and writes k and v; k None: q is rotated and the step's key
+                # and value are in the cache already (decode_block's QKV kernel).
+                fresh = None if k is None else (k.transpose(1, 2), v.transpose(1, 2), freqs)
+                return decode_attention(q.transpose(1, 2), cache.k_cache, cache.v_cache, key_valid, input_pos,
+                                        fresh=fresh)
         else:
             n = key_valid.shape[1] if kv_len is None else kv_len
             mask = attention_mask(key_valid[:, :n], input_pos)
 
-            def attend(q, k, v):
+            def attend(q, k, v, freqs, cache):
+                q, k, v = rope_and_cache(q, k, v, freqs, cache, input_pos)
                 return F.scaled_dot_product_attention(q, k[:, :, :n], v[:, :, :n], attn_mask=mask)
 
         freqs, picked = self.step_inputs(input_pos, controls) if inputs is None else inputs
@@ -445,6 +449,14 @@ def precompute_freqs_cis_2d(args):
     ).reshape(grid * grid, half)
     table = torch.stack([torch.cos(grid_angles), torch.sin(grid_angles)], dim=-1)
     return torch.cat([torch.zeros(args.prefix_len, half, 2), table])
+
+
+def rope_and_cache(q, k, v, freqs, cache, input_pos):
+    """The official order before attention: RoPE on q and k (B,S,H,hd), k and v written to the cache at
+    input_pos. -> q (B,H,S,hd) and the cache's first B rows of keys and values."""
+    q, k = apply_rotary_emb(q, freqs), apply_rotary_emb(k, freqs)
+    q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+    return (q, *cache.update(input_pos, k, v))
 
 
 def apply_rotary_emb(x, freqs):

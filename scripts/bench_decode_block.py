@@ -79,7 +79,9 @@ def main():
             pos = torch.tensor([args.position], device="cuda")
             freqs = model.freqs_cis[pos]
             x = torch.randn(R, 1, D, device="cuda", dtype=torch.bfloat16)
-            plain = lambda q, k, v: decode_attention(q, k, v, key_valid, pos)
+            plain = lambda q, k, v, freqs, cache: decode_attention(  # as the model's attend for the compiled block
+                q.transpose(1, 2), cache.k_cache, cache.v_cache, key_valid, pos,
+                fresh=(k.transpose(1, 2), v.transpose(1, 2), freqs))
             want = compiled(layer, x, freqs, plain, pos).float()
             t = time_us(lambda: compiled(layer, x, freqs, plain, pos))
             print(f"rows {R}, position {args.position}: compiled block {t:.1f} us ({mb / t:.2f} TB/s)", flush=True)
@@ -87,8 +89,9 @@ def main():
             def fused(pdl):
                 """The block with PDL as the engine launches it at R rows (pdl True or None) or without."""
                 decode_block.use_pdl = lambda device: pdl is not False
-                attend = lambda q, k, v: decode_attention(q, k, v, key_valid, pos,
-                                                          pdl=decode_block.attention_pdl(R, "cuda"))
+                attend = lambda q, k, v, freqs, cache: decode_attention(
+                    q.transpose(1, 2), cache.k_cache, cache.v_cache, key_valid, pos,
+                    pdl=decode_block.attention_pdl(R, "cuda"))
                 return lambda: decode_block.decode_block(layer, x, freqs, attend, pos)
 
             dot = R > decode_block.GEMV_ROWS

@@ -1,6 +1,7 @@
 """The split-KV Triton decode kernel against SDPA with the model's mask rule (several tile sizes, tiles
 of padding only, tiles past the position, leading padding skipped, shorter and longer than the
-searched LEAD keys; with and without the PDL data path), in Triton's CPU
+searched LEAD keys; with and without the PDL data path; with q and the step's key before RoPE, the
+kernel rotating them and writing the key and value into the caches), in Triton's CPU
 interpreter (TRITON_INTERPRET=1), so CI checks the kernel the GPU engine runs."""
 import os
 import subprocess
@@ -16,7 +17,7 @@ SCRIPT = r"""
 import torch
 import triton.language as tl
 from fast_inference import decode_attention as da
-from fast_inference.model import attention_mask
+from fast_inference.model import apply_rotary_emb, attention_mask
 
 # The interpreter has no grid dependency control; without PDL launches the calls are no-ops anyway.
 tl.extra.cuda.gdc_wait = tl.extra.cuda.gdc_launch_dependents = lambda *args, **kwargs: None
@@ -32,6 +33,16 @@ def poisoned(make):
 
 torch.empty, torch.empty_like = poisoned(torch.empty), poisoned(torch.empty_like)
 
+def key_mask(R, L, T):  # row 0's text all padding, row 1's left-padded to its last 3 keys, other rows random
+    key_valid = torch.ones(R, L, dtype=torch.bool)
+    key_valid[:, :T] = torch.rand(R, T) > 0.5
+    key_valid[0, :T] = False
+    if R > 1:
+        key_valid[1, :T - 3] = False
+        key_valid[1, T - 3:T] = True
+    return key_valid
+
+
 torch.manual_seed(0)
 worst = 0.0
 # (rows, heads, cache length, position, tile, text prefix, leading keys searched); in each, row 0's
@@ -44,12 +55,7 @@ for R, H, L, pos, block, T, lead in cases:
     q = torch.randn(R, H, 1, 64)
     k = torch.randn(R, H, L, 64)
     v = torch.randn(R, H, L, 64)
-    key_valid = torch.ones(R, L, dtype=torch.bool)
-    key_valid[:, :T] = torch.rand(R, T) > 0.5
-    key_valid[0, :T] = False
-    if R > 1:
-        key_valid[1, :T - 3] = False
-        key_valid[1, T - 3:T] = True
+    key_valid = key_mask(R, L, T)
     p = torch.tensor([pos])
     want = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=attention_mask(key_valid, p))
     for pdl in (False, True):  # PDL: the current key and value are read apart from the tile
@@ -60,6 +66,22 @@ for R, H, L, pos, block, T, lead in cases:
     got = da.decode_attention(q, k, v, key_valid, p, config=(block, 4, 1), progress=count)
     worst = max(worst, (got - want).abs().nan_to_num(float("inf")).max().item())
     assert count.item() == 1, count
+    # fresh: q and the step's key before RoPE; the kernel rotates them and writes the key and value at pos
+    # (NaN there before: read, they would poison the output) into caches with a spare row it must not touch
+    q, k_new, v_new = torch.randn(3, R, H, 1, 64)
+    freqs = torch.randn(1, 32, 2)
+    k, v = torch.randn(2, R + 1, H, L, 64)
+    k[:, :, pos] = v[:, :, pos] = float("nan")
+    rotate = lambda t: apply_rotary_emb(t.transpose(1, 2), freqs).transpose(1, 2)
+    want_k, want_v = k.clone(), v.clone()
+    want_k[:R, :, pos], want_v[:R, :, pos] = rotate(k_new)[:, :, 0], v_new[:, :, 0]
+    want = torch.nn.functional.scaled_dot_product_attention(rotate(q), want_k[:R], want_v[:R],
+                                                            attn_mask=attention_mask(key_valid, p))
+    got = da.decode_attention(q, k, v, key_valid, p, config=(block, 4, 1), fresh=(k_new, v_new, freqs))
+    worst = max(worst, (got - want).abs().nan_to_num(float("inf")).max().item())
+    for cache, cache_want in ((k, want_k), (v, want_v)):
+        assert cache.isnan().sum() == cache_want.isnan().sum() == H * 64, "only the spare row's position stays NaN"
+        worst = max(worst, (cache - cache_want).nan_to_num(0.0).abs().max().item())
 print(worst)
 """
 
@@ -79,20 +101,23 @@ from fast_inference import decode_attention as da
 from sm90 import build
 
 ints = ["stride_qr", "stride_qh", "stride_kr", "stride_kh", "stride_kn", "stride_vr", "stride_vh", "stride_vn",
-        "stride_valid", "n_heads", "n_splits"]
+        "stride_valid", "stride_nr", "stride_nh", "n_heads", "n_splits"]
 sig = {"Q": "*bf16", "K": "*bf16", "V": "*bf16", "KEY_VALID": "*i1", "POS": "*i64", "M_OUT": "*fp32",
-       "L_OUT": "*fp32", "ACC_OUT": "*fp32", **{n: "i32" for n in ints}}
+       "L_OUT": "*fp32", "ACC_OUT": "*fp32", "K_NEW": "*bf16", "V_NEW": "*bf16", "FREQS": "*bf16",
+       **{n: "i32" for n in ints}}
 # As the JIT specialises them at GPT-XL shapes: 16-byte aligned buffers, cache strides that are multiples of 16
-aligned = ["Q", "K", "V", "KEY_VALID", "POS", "M_OUT", "L_OUT", "ACC_OUT", "stride_kr", "stride_kh", "stride_kn",
-           "stride_vr", "stride_vh", "stride_vn"]
+aligned = ["Q", "K", "V", "KEY_VALID", "POS", "M_OUT", "L_OUT", "ACC_OUT", "K_NEW", "V_NEW", "FREQS", "stride_kr",
+           "stride_kh", "stride_kn", "stride_vr", "stride_vh", "stride_vn", "stride_nr", "stride_nh"]
 attrs = {(list(sig).index(name),): [["tt.divisibility", 16]] for name in aligned}
 merge_sig = {"M": "*fp32", "L": "*fp32", "ACC": "*fp32", "OUT": "*bf16", "PROGRESS": "*i32", "n_splits": "i32"}
 # every entry of the table; the compiled block launches without PDL, decode_block with it. A K/V tile spilled
 # to local memory would halve the kernel's speed.
-# K and V with and without the evict-first hint; the merge with a prefetcher's count (the compiled block, no PDL).
+# K and V with and without the evict-first hint; the merge with a prefetcher's count (the compiled block, no PDL);
+# the compiled block's fresh keys (RoPE and the cache write in the kernel), without PDL.
 for (block, warps, merge_warps), pdl in itertools.product([config for _, config in da.CONFIGS], (False, True)):
-    for evict in (False, True):
-        consts = {"SCALE": 0.125, "BLOCK": block, "HEAD_DIM": 64, "LEAD": da.LEAD, "PDL": pdl, "EVICT": evict}
+    for evict, fresh in itertools.product((False, True), (False, True) if not pdl else (False,)):
+        consts = {"SCALE": 0.125, "BLOCK": block, "HEAD_DIM": 64, "LEAD": da.LEAD, "PDL": pdl, "EVICT": evict,
+                  "FRESH": fresh}
         build(da._partial_kernel, sig, consts, {"num_warps": warps, "launch_pdl": pdl}, attrs=attrs)
     for splits, counted in itertools.product((1, 16), (False, True) if not pdl else (False,)):
         build(da._merge_kernel, merge_sig, {"SPLITS": splits, "HEAD_DIM": 64, "PDL": pdl, "BUMP": counted},
