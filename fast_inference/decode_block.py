@@ -440,7 +440,7 @@ def gate_up(x, norm, w13, scales=None, pdl=False, progress=None):
 
 
 def decode_block(layer, x, freqs, attend, input_pos, prefetcher=None):
-    """TransformerBlock.forward(x, ...) for x (R, 1, D): same arguments, usable as model block_fn.
+    """TransformerBlock.forward(x, freqs, attend) for x (R, 1, D), usable as model block_fn.
 
     attend should launch with PDL where attention_pdl says: decode_attention(..., pdl=attention_pdl(R, device)).
     prefetcher (prefetch.Prefetcher): its count is bumped by each of the 4 projections as it starts."""

@@ -417,7 +417,7 @@ class Engine:
 
 
 def run_block(layer, x, freqs, attend, input_pos):
-    return layer(x, freqs, attend, input_pos)
+    return layer(x, freqs, attend)  # the model's attend reads input_pos
 
 
 def pad_rows(p, B, batch, cfg):

@@ -272,7 +272,7 @@ class TransformerBlock(nn.Module):
         self.attention_norm = RMSNorm(args.dim, args.norm_eps)
         self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
 
-    def forward(self, x, freqs, attend, input_pos):
+    def forward(self, x, freqs, attend):
         h = x + self.attention(self.attention_norm(x), freqs, attend)
         return h + self.feed_forward(self.ffn_norm(h))
 
@@ -382,9 +382,10 @@ class Transformer(nn.Module):
         decode_attention: a kernel (q, k_cache, v_cache, key_valid, input_pos, fresh=(k, v, freqs)) for
         one-token steps that reads only the filled cache and does rope_and_cache's work itself (fast
         engine); default SDPA with the boolean mask after rope_and_cache.
-        block_fn(layer, x, freqs, attend, input_pos): runs a block instead of layer(...) (the fast
-        engine passes one compiled function shared by all blocks). hidden: return the last block's
-        output instead of the logits (`logits` finishes it; the fast engine's head runs that).
+        block_fn(layer, x, freqs, attend, input_pos): runs a block instead of layer(x, freqs, attend) (the
+        fast engine passes one compiled function shared by all blocks; input_pos is for its fused kernels).
+        hidden: return the last block's output instead of the logits (`logits` finishes it; the fast
+        engine's head runs that).
         kv_len: SDPA reads only the first kv_len cache positions, a static window past every position
         in input_pos (the later keys are masked out anyway); the fast engine's graphs without Triton.
         inputs: step_inputs(input_pos, controls) computed ahead (the fast engine's embedding kernel,
@@ -412,7 +413,7 @@ class Transformer(nn.Module):
                 control = picked[min(i // self.args.layer_internal, NUM_CONTROL_LISTS - 1)]
                 if control is not None:
                     x = x + control
-            x = layer(x, freqs, attend, input_pos) if block_fn is None else block_fn(layer, x, freqs, attend, input_pos)
+            x = layer(x, freqs, attend) if block_fn is None else block_fn(layer, x, freqs, attend, input_pos)
         if last_only:
             x = x[:, -1:]
         return x if hidden else self.logits(x)
