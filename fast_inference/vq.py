@@ -23,8 +23,25 @@ class VQConfig:
     out_channels: int = 3
 
 
+class GroupNorm(nn.GroupNorm):
+    """nn.GroupNorm with its statistics from var_mean, which spreads each group over many thread blocks:
+    PyTorch's CUDA kernel gives an (image, group) one block, 32 blocks at batch 1 for up to 128 MB of
+    activations (8.7 of a 512 px decode's 17.5 ms on an H200). Then y = a * x + b with a and b per
+    (image, channel), as that kernel computes it."""
+
+    def forward(self, x):
+        B, C = x.shape[:2]
+        g = x.unflatten(1, (self.num_groups, -1))  # (B, G, C/G, H, W): a view in either memory format
+        var, mean = torch.var_mean(g, dim=tuple(range(2, g.dim())), correction=0)
+        per = C // self.num_groups
+        a = torch.rsqrt(var + self.eps).repeat_interleave(per, 1) * self.weight  # (B, C)
+        b = self.bias - mean.repeat_interleave(per, 1) * a
+        shape = (B, C) + (1,) * (x.dim() - 2)
+        return torch.addcmul(b.view(shape), x, a.view(shape))
+
+
 def norm(c):
-    return nn.GroupNorm(32, c, eps=1e-6, affine=True)
+    return GroupNorm(32, c, eps=1e-6, affine=True)
 
 
 def conv3(cin, cout, stride=1, padding=1):
@@ -62,11 +79,11 @@ class AttnBlock(nn.Module):
     def forward(self, x):
         b, c, h, w = x.shape
         hn = self.norm(x)
-        # (b, 1, hw, c): one head; SDPA's default scale is exactly c^-1/2
-        q, k, v = (m(hn).flatten(2).transpose(1, 2).unsqueeze(1) for m in (self.q, self.k, self.v))
-        o = F.scaled_dot_product_attention(q, k, v)
-        o = o.squeeze(1).transpose(1, 2).reshape(b, c, h, w)
-        return x + self.proj_out(o)
+        # (b, hw, c), one head, the official explicit softmax: in float32 SDPA would take its memory-efficient
+        # kernel for channels-last inputs, 4x slower here (1.1 ms per 512 px image on an H200)
+        q, k, v = (m(hn).flatten(2).transpose(1, 2) for m in (self.q, self.k, self.v))
+        o = torch.softmax(q @ k.transpose(1, 2) * c**-0.5, dim=-1) @ v
+        return x + self.proj_out(o.transpose(1, 2).reshape(b, c, h, w))
 
 
 class Downsample(nn.Module):
@@ -203,6 +220,10 @@ class VQModel(nn.Module):
         # decode at most this many output pixels per chunk: the 128-ch full-resolution
         # activations are 512 B/pixel each, so 4 images of 512^2 is ~0.5 GB per tensor
         self.max_decode_pixels = 4 * 512 * 512
+        # Channels-last convolutions: cuDNN's NHWC kernels run without transposing every activation in and out
+        # (512 px on an H200: 15.4 -> 13.5 ms per image, 38.9 -> 34.4 ms for 4). load_weights copies into
+        # these tensors, so the layout stays.
+        self.to(memory_format=torch.channels_last)
 
     @property
     def downsample(self):
@@ -226,8 +247,9 @@ class VQModel(nn.Module):
         for i in range(0, b, per):
             idx = indices[i:i + per]
             z = self.quantize.lookup(idx, (idx.shape[0], c, h, w))
+            z = z.contiguous(memory_format=torch.channels_last)
             outs.append(self.decoder(self.post_quant_conv(z)).float())
-        return torch.cat(outs)
+        return torch.cat(outs).contiguous()
 
 
 def VQ_16(**kw):

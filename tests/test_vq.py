@@ -11,7 +11,7 @@ from safetensors.torch import load_file
 from conftest import DATA
 from fast_inference import images
 from fast_inference.images import make_grid, save_image, save_png_uint8, to_uint8
-from fast_inference.vq import AttnBlock, VQ_models, VQModel
+from fast_inference.vq import AttnBlock, GroupNorm, VQ_models, VQModel
 from weights import recipe_state_dict
 
 FIXTURES = json.load(open(os.path.join(DATA, "fixtures.json")))
@@ -60,6 +60,27 @@ def test_decode_chunking_is_exact(vq):
     finally:
         vq.max_decode_pixels = old
     torch.testing.assert_close(chunked, full, rtol=0, atol=1e-5)
+
+
+def test_decoder_convolutions_stay_channels_last(vq):
+    """The decoder's convolutions keep channels-last weights through loading (no per-call transposes),
+    and decode_code still returns a contiguous NCHW image."""
+    convs = [m for m in vq.decoder.modules() if isinstance(m, torch.nn.Conv2d)]
+    assert len(convs) > 30 and all(m.weight.is_contiguous(memory_format=torch.channels_last) for m in convs)
+    out = vq.decode_code(torch.zeros(1, 4, dtype=torch.long), (1, 8, 2, 2))
+    assert out.shape == (1, 3, 32, 32) and out.is_contiguous()
+
+
+@pytest.mark.parametrize("shape", [(1, 128, 24, 20), (3, 64, 5, 7)])
+def test_group_norm_equals_torch(shape):
+    """The var_mean GroupNorm against nn.GroupNorm: per (image, group) statistics, per channel affine."""
+    torch.manual_seed(0)
+    ours, ref = GroupNorm(32, shape[1], eps=1e-6), torch.nn.GroupNorm(32, shape[1], eps=1e-6)
+    with torch.no_grad():
+        ours.weight.normal_(), ours.bias.normal_()
+    ref.load_state_dict(ours.state_dict())
+    x = torch.randn(shape) * torch.rand(shape[0], shape[1], 1, 1) * 4 + torch.randn(shape[0], shape[1], 1, 1)
+    torch.testing.assert_close(ours(x), ref(x), rtol=0, atol=1e-5)
 
 
 def test_attention_equals_explicit_softmax():
