@@ -217,8 +217,9 @@ class Engine:
         if compile_scope not in COMPILE_SCOPES:
             raise ValueError(f"unknown compile scope {compile_scope!r}; use one of {COMPILE_SCOPES}")
         self.model, self.backend, self.compile_mode = model, backend, compile_mode
-        # As gpt-fast's --compile_prefill: the prefill runs once per image, so compiling it (about as
-        # long as the step, ~50 s for GPT-XL) only pays off over many batches of one shape.
+        # As gpt-fast's --compile_prefill: the prefill compiled where it would run eagerly. With compile scope
+        # "block" (bf16) it runs the compiled block (a few seconds of compile; past 8 images it does anyway),
+        # else it is compiled as one graph (~50 s for GPT-XL): that pays off over many batches of one shape.
         self.compile_prefill = compile_prefill
         self.device = model.output.weight.device
         if backend == "cudagraph" and self.device.type != "cuda":
@@ -310,11 +311,12 @@ class Engine:
         self.prefill_fn = s.prefill
         # Where the steps run the compiled block the prefill does too: ~2 s more compile at the first image, and
         # GPT-XL at n = 32 62 -> 28 ms per batch (H200; ~1,900 eager kernels, CPU-bound). The fused kernels'
-        # shapes (<= 8 images) keep it eager, so that they start without the compiler.
-        if s.block_fn is not None and s.block_fn is self.block_fn and not self.compile_prefill:
-            s.prefill_block = self.block_fn
+        # shapes (<= 8 images) keep it eager unless compile_prefill, so that they start without the compiler.
+        # From a shape's first image either way: one seed, one image.
+        if self.block_scope and not self.int8 and (s.block_fn is self.block_fn or self.compile_prefill):
+            s.prefill_block = self.compiled_block()
         self.prefill_compiled = False
-        if self.backend == "inductor" and self.compile_prefill:
+        if self.backend == "inductor" and self.compile_prefill and s.prefill_block is None:
             inductor_pdl(self.device)
             self.prefill_fn = torch.compile(s.prefill, fullgraph=True, dynamic=False)
         self.step_fns = {(guided, w): s.step_fn(guided, w) for guided in (True, False)

@@ -98,7 +98,9 @@ def add_model_args(p):
                    help="torch.compile mode of the step (--compile-scope step); with block scope, max-autotune tunes "
                         "the block's kernels and the CUDA graph is captured by hand either way")
     p.add_argument("--compile-prefill", action="store_true",
-                   help="also compile the prefill (inductor): ~50 s more per shape for GPT-XL, worth it for long evaluations")
+                   help="compile the prefill up to 8 images too (past 8 it runs the compiled block anyway): the compiled "
+                        "block, a few seconds more at the first image; with --compile-scope step or int8 weights one "
+                        "graph of the whole prefill (~50 s for GPT-XL). Worth it for long evaluations")
     p.add_argument("--compile-scope", choices=list(COMPILE_SCOPES), default="block",
                    help="inductor: compile one transformer block shared by all layers inside a step captured by "
                         "hand (block: ~7-21 s per shape for GPT-XL; at <= 16 rows, e.g. up to 8 images with CFG, "
