@@ -24,8 +24,8 @@ can be captured once and replayed N-1 times:
   backend "eager":     the same steps run op by op (CPU, debugging)
 On the cudagraph backend the prefill is captured too from a shape's second image on (replayed per
 image, its prefix copied in; captures_prefill says why not with Triton's kernels). Where the steps run
-the compiled block, the prefill's blocks do too (no graph; from the shape's first image, so that every
-image of a seed is the same).
+the compiled block, and with compile_prefill up to 8 images too, the prefill's blocks run it (no graph;
+from the shape's first image, so that every image of a seed is the same).
 It computes what generate.py computes; only the draw differs (same distribution, see sampling.py).
 """
 import functools
