@@ -41,6 +41,10 @@ except ImportError:
 
 GEMV_ROWS = 4  # up to here rows are unrolled in registers (GEMV); more run tensor-core dots
 MAX_ROWS = 16  # more rows run the compiled block (faster there from 32 rows: docs/PERF_NOTES.md)
+# ... whose down projection and residual add run as the dot path's w2 kernel up to here (`down`): at 64 rows (n = 32)
+# cuBLAS's split-K GEMM, its reduce kernel and inductor's add took 9.8 us per layer (H200, position 700); in the
+# model 3.09 -> 3.05 ms/step. The dot path's gate/up and wo lost there (3.43 and 3.06 ms/step); past 64 rows not tried.
+DOWN_ROWS = 64
 # GEMV path: rows of W per program (all of K, padded to a power of two) and warps, per kernel.
 # scripts/bench_decode_block.py on the H200 (GPT-XL, 2 rows, position 700, with PDL): 29.3 us per
 # block vs 32.2 for (4, 4) everywhere with w2 at (2, 4), and 41.9 for the compiled block; the other
@@ -377,15 +381,23 @@ def plan(name, x, weight, tiles, pdl, progress=None):
 _counts = {}  # per device: split-K tile counts, zero between kernels (the last program of a tile re-zeroes its own)
 
 
+def tile_counts(device, tiles=4096):
+    """Split-K's tile counts on device, made on first use: a first (warm-up) call of the fused block, before any
+    graph capture, or the engine before it compiles a block that calls down() (a tensor made while tracing
+    would not persist)."""
+    counts = _counts.get(device)
+    if counts is None or counts.numel() < tiles:
+        counts = _counts[device] = torch.zeros(max(tiles, 4096), dtype=torch.int32, device=device)
+    return counts
+
+
 def split_buffers(x, tiles, kw, bn):
     """The launch grid (tiles, splits) and split-K's partial sums and tile counts (x itself, unused,
     where the kernel does not split)."""
     split = kw["SPLIT"]
     if split == 1:
         return (tiles, 1), x, x
-    counts = _counts.get(x.device)
-    if counts is None or counts.numel() < tiles:  # made on a first (warm-up) call, before any graph capture
-        counts = _counts[x.device] = torch.zeros(max(tiles, 4096), dtype=torch.int32, device=x.device)
+    counts = tile_counts(x.device, tiles)
     return (tiles, split), torch.empty(tiles * split * 2 * kw["RP"] * bn, device=x.device), counts
 
 
@@ -457,6 +469,22 @@ def decode_block(layer, x, freqs, attend, input_pos, prefetcher=None):
     h = linear(y.view(R, D), attn.wo.weight, row_scales(attn.wo), residual=x, name="wo", pdl=pdl, progress=progress)
     a = gate_up(h, layer.ffn_norm, ff.w13, ff.w13_scales, pdl, progress)
     return linear(a, ff.w2.weight, row_scales(ff.w2), residual=h, name="w2", pdl=pdl, progress=progress).view(R, 1, D)
+
+
+def down(a, w2, h):
+    """h + w2(a) for a (R, 1, F) and h (R, 1, D): the down projection's kernel with the residual add, as
+    TransformerBlock.forward's `down`, launched without PDL (its neighbours are inductor's)."""
+    R, _, D = h.shape
+    return linear(a.view(R, -1), w2.weight, residual=h.view(R, D), name="w2").view(R, 1, D)
+
+
+def down_for(layer, x):
+    """`down` where it serves the compiled block at x (R, S, D): one-token steps of MAX_ROWS < R <= DOWN_ROWS
+    rows on a CUDA device, w2 in floats; else None (the model's w2 and add)."""
+    R, S, _ = x.shape
+    ok = (triton is not None and x.is_cuda and S == 1 and MAX_ROWS < R <= DOWN_ROWS
+          and row_scales(layer.feed_forward.w2) is None)
+    return down if ok else None
 
 
 def logits(model, h, noise=None):

@@ -303,6 +303,8 @@ class Engine:
         if self.block_fn is None:  # the first torch.compile imports dynamo and inductor (seconds)
             mode = "max-autotune-no-cudagraphs" if self.compile_mode == "max-autotune" else None
             inductor_pdl(self.device)
+            if self.device.type == "cuda":
+                decode_block.tile_counts(self.device)  # for down(): made before tracing, so that it persists
             self.block_fn = torch.compile(run_block, mode=mode, fullgraph=True, dynamic=False)
         return self.block_fn
 
@@ -436,7 +438,8 @@ class Engine:
 
 
 def run_block(layer, x, freqs, attend, input_pos):
-    return layer(x, freqs, attend)  # the model's attend reads input_pos
+    # the model's attend reads input_pos; past the fused block's rows w2 and its add run as one kernel
+    return layer(x, freqs, attend, decode_block.down_for(layer, x))
 
 
 def pad_rows(p, B, batch, cfg):

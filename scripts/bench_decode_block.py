@@ -66,6 +66,7 @@ def main():
     if args.quantize == "int8":
         quantize_int8(model)
     layer, D = model.layers[0], args_xl.dim
+    decode_block.tile_counts(torch.device("cuda", torch.cuda.current_device()))  # as the engine, before tracing
     compiled = torch.compile(run_block, fullgraph=True, dynamic=False)
     mb = weight_bytes(layer) / 1e6
     with torch.no_grad():

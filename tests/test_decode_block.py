@@ -242,6 +242,13 @@ for dt, D, F, hd, int8 in (("bf16", 1280, 3584, 64, False), ("bf16", 4096, 11008
         build(db._qkv_kernel, qkv, dict(kw, D=D, HD=hd, BP=min(pairs, hd // 2)), options)
         bn, kw, options = args("gate_up", dtype, rows, D, 2, int8)
         build(db._gate_up_kernel, gu, dict(kw, BN=bn), options)
+    if D == 1280 and not int8:  # down(): w2 with its residual add in the compiled block, without PDL
+        for rows in (32, 64):
+            meta = lambda n, K: torch.empty(n, K, dtype=dtype, device="meta")
+            bn, kw = db.plan("w2", meta(rows, F), meta(1, F), 1, False)
+            options = {o: kw.pop(o) for o in ("num_warps", "num_stages")}
+            kw.pop("PROGRESS")
+            build(db._linear_kernel, lin, dict(kw, K=F, QUANT=False, BUMP=False, BN=bn), options)
 # The prefetcher beside the step (one warp per program: bulk L2 prefetches, spins on the count)
 for evict_last in (False, True):
     build(prefetch._prefetch_kernel, {"SEGS": "*i64", "PROGRESS": "*i32", "n_segs": "i32", "total": "i32"},
@@ -254,6 +261,60 @@ def test_kernels_compile_for_sm90():
     """GPT-XL and GPT-7B shapes in bf16, GPT-XL in fp32 and with int8 weights, at 2 rows (GEMV path, its
     tiling capped for wide K, with programmatic dependent launch) and 8 and 16 rows (dot path, with PDL's late
     trigger), each projection (counting for a prefetcher) and the head (with the draw's noise and without),
-    and the prefetcher's kernel: an H100/H200 cubin with Triton's bundled ptxas, and no register spills (a
+    w2 as `down` at 32 and 64 rows (bf16 and fp32, no PDL), and the prefetcher's kernel: an H100/H200 cubin with Triton's bundled ptxas, and no register spills (a
     GEMV whose weight rows spill would crawl)."""
     sm90.run(AOT_SCRIPT)
+
+
+DOWN_SCRIPT = r"""
+import torch
+from fast_inference import decode_block
+from test_reference import tiny_model
+
+model = tiny_model(seed=3, n_layer=1, dim=64, n_head=2)
+model.fuse_projections()
+layer, D = model.layers[0], model.args.dim
+attend = lambda q, k, v, freqs, cache: q.transpose(1, 2)  # the attention aside: down is what differs
+worst = 0.0
+with torch.no_grad():
+    for R in (17, 64):  # the dot path at 32 and 64 padded rows; w2's K in 128-wide chunks, split 3 ways
+        x = torch.randn(R, 1, D, generator=torch.Generator().manual_seed(R))
+        want = layer(x, None, attend)
+        got = layer(x, None, attend, decode_block.down)
+        assert got.shape == want.shape
+        worst = max(worst, (got - want).abs().max().item())
+print(worst)
+"""
+
+
+def test_down_matches_the_block_in_interpreter():
+    """TransformerBlock.forward with `down` (w2 and the residual add in the dot path's split-K kernel) equals the
+    model's own w2 and add at 17 and 64 rows, in float32."""
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join([ROOT, os.path.join(ROOT, "tests")]))
+    out = subprocess.run([sys.executable, "-c", DOWN_SCRIPT], env=env, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert float(out.stdout.split()[-1]) < 1e-5, out.stdout
+
+
+def test_down_serves_one_token_steps_past_the_fused_rows():
+    """The compiled block calls `down` at one-token steps of MAX_ROWS < rows <= DOWN_ROWS on CUDA with float
+    weights only: not for the prefill, the fused block's rows, more rows than measured, the CPU or int8 weights."""
+    import types
+
+    import torch
+
+    from fast_inference import decode_block
+    from fast_inference.quantize import quantize_int8
+    from test_reference import tiny_model
+
+    model = tiny_model(n_layer=1)
+    model.fuse_projections()
+    layer, D = model.layers[0], model.args.dim
+    x = lambda R, S=1, cuda=True: types.SimpleNamespace(shape=(R, S, D), is_cuda=cuda)
+    lo, hi = decode_block.MAX_ROWS, decode_block.DOWN_ROWS
+    assert decode_block.down_for(layer, x(lo + 1)) is decode_block.down
+    assert decode_block.down_for(layer, x(hi)) is decode_block.down
+    for other in (x(lo), x(hi + 1), x(hi, S=2), x(hi, cuda=False), torch.zeros(hi, 1, D)):
+        assert decode_block.down_for(layer, other) is None, other.shape
+    quantize_int8(model)
+    assert decode_block.down_for(model.layers[0], x(hi)) is None
