@@ -18,7 +18,8 @@ at kernel boundaries. Two ways to multiply, one set of kernels:
                     them to finish adding the partial sums in split order (the same bits every run).
 int8 weights (quantize.py) load as int8 and become floats in registers; each projection's row scales
 apply to its rounded output, as model.int8_linear.
-Computes TransformerBlock.forward for S = 1 (tests/test_decode_block.py checks it against it).
+Computes TransformerBlock.forward for S = 1 (tests/test_decode_block.py checks it against it). Past 16 rows, up to
+64, the compiled block borrows the dot path's down projection with its residual add (`down`).
 Before its wait a kernel reads what pdl.py allows: weights and earlier cache rows, and on the GEMV
 path also the position (the previous step's) and the residual (wo's is 4 kernels back, w2's 2), both
 from L2 (.cg). Given a prefetcher (prefetch.py), each projection's first program counts its start, which
