@@ -44,7 +44,8 @@ GEMV_ROWS = 4  # up to here rows are unrolled in registers (GEMV); more run tens
 MAX_ROWS = 16  # more rows run the compiled block (faster there from 32 rows: docs/PERF_NOTES.md)
 # ... whose down projection and residual add run as the dot path's w2 kernel up to here (`down`): at 64 rows (n = 32)
 # cuBLAS's split-K GEMM, its reduce kernel and inductor's add took 9.8 us per layer (H200, position 700); in the
-# model 3.09 -> 3.05 ms/step. The dot path's gate/up and wo lost there (3.43 and 3.06 ms/step); past 64 rows not tried.
+# model 3.09 -> 3.05 ms/step. The dot path's gate/up and wo lost there (3.43 and 3.06 ms/step), and w2 at 128 rows
+# (n = 64: 5.30 against 5.10 ms/step).
 DOWN_ROWS = 64
 # GEMV path: rows of W per program (all of K, padded to a power of two) and warps, per kernel.
 # scripts/bench_decode_block.py on the H200 (GPT-XL, 2 rows, position 700, with PDL): 29.3 us per
