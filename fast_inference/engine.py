@@ -350,13 +350,11 @@ class Engine:
             t0 = time.perf_counter()
             s.prefix.copy_(prefix)
             self.graphs["prefill"] = capture(s, lambda: self.prefill_fn(s.prefix))
-            sync(self.device)
-            self.compile_seconds += time.perf_counter() - t0
+            self.compile_seconds += elapsed(t0, self.device)
         elif s.prefill_block is not None and not self.prefill_compiled:
             t0 = time.perf_counter()
             self.prefill_fn(prefix)  # compiles the block for the prefill's shape
-            sync(self.device)
-            self.compile_seconds += time.perf_counter() - t0
+            self.compile_seconds += elapsed(t0, self.device)
             self.prefill_compiled = True
         else:
             self.prefill_fn(prefix)
@@ -383,8 +381,7 @@ class Engine:
                 self.step_fns[key]()
             restore(s, saved)
             self.step_fns[key]()
-        sync(self.device)
-        self.compile_seconds += time.perf_counter() - t0
+        self.compile_seconds += elapsed(t0, self.device)
         self.warm[key] = True
 
     # ---- generation ----------------------------------------------------------------------------

@@ -8,8 +8,8 @@ torch.profiler over `--replays` replays of the step graph at one position (the t
 profiler adds a little to each step. --by-name: that step's kernels counted and their time summed by name
 instead, largest first (where the time goes per kind of kernel). One CUDA GPU.
 """
-import collections
 import argparse
+import collections
 import json
 import os
 import sys
