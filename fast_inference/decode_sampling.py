@@ -14,10 +14,11 @@ all:
     and a Philox round per logit on its one SM; elsewhere the draw makes it first;
   - top-k as sampling.filter_logits (values equal to the k-th largest survive), decided for the
     race's winner alone: it is kept if fewer than k logits exceed its own. If not, the next winner
-    races (TRIES in all), and then the k-th largest is found by bisection over the floats' 32-bit
-    order-preserving keys, the row in registers, one block-wide count per pass. Either way the token
-    is the race's among the kept logits, the same bits;
-  - the token to `token` and `out`; the logits (float32) to the Sampler's buffer for teacher forcing.
+    races (TRIES in all; the first two found in one pass and counted in the next), and then the k-th
+    largest is found by bisection over the floats' 32-bit order-preserving keys, the row in
+    registers, one block-wide count per pass. Either way the token is the race's among the kept
+    logits, the same bits;
+  - the token to `token` and `out`.
 Top-p needs a sorted cumulative sum and stays on sampling.py's path.
 """
 import torch
@@ -110,14 +111,44 @@ if triton is not None:
         return top, tl.min(tl.where(run == top, lane, VP), 0)
 
     @triton.jit
-    def _count_above(LOGITS, b, batch, V: tl.constexpr, scale, temperature, x, GUIDED: tl.constexpr, VP: tl.constexpr,
-                     RC: tl.constexpr):
-        """How many of image b's logits exceed x, a chunk at a time."""
+    def _first_two(LOGITS, NOISE, b, batch, V: tl.constexpr, scale, temperature, GUIDED: tl.constexpr,
+                   SAMPLE: tl.constexpr, VP: tl.constexpr, RC: tl.constexpr):
+        """The race's first two winners, (score, index) each, in _next_winner's order, in one pass: each lane
+        keeps its best two, so the second is the first's lane's second or another lane's best."""
+        t = tl.arange(0, RC)
+        run = tl.full([RC], float("-inf"), tl.float32)
+        run2 = tl.full([RC], float("-inf"), tl.float32)
+        lane = tl.zeros([RC], tl.int32)
+        lane2 = tl.zeros([RC], tl.int32)
+        for c in range(0, VP, RC):
+            x = _tempered(LOGITS, b, batch, V, c + t, scale, temperature, GUIDED)
+            if SAMPLE:
+                x = x - tl.load(NOISE + b * V + c + t, mask=c + t < V, other=0.0)
+            first = x > run
+            second = (x > run2) & ~first  # a tie with the lane's best comes after it: a later index
+            run2 = tl.where(first, run, tl.where(second, x, run2))
+            lane2 = tl.where(first, lane, tl.where(second, c + t, lane2))
+            run = tl.where(first, x, run)
+            lane = tl.where(first, c + t, lane)
+        top = tl.max(run, 0)
+        token = tl.min(tl.where(run == top, lane, VP), 0)
+        alt = tl.where(lane == token, run2, run)
+        alt_lane = tl.where(lane == token, lane2, lane)
+        top2 = tl.max(alt, 0)
+        return top, token, top2, tl.min(tl.where(alt == top2, alt_lane, VP), 0)
+
+    @triton.jit
+    def _count_above(LOGITS, b, batch, V: tl.constexpr, scale, temperature, x, x2, GUIDED: tl.constexpr,
+                     VP: tl.constexpr, RC: tl.constexpr):
+        """How many of image b's logits exceed x, and how many exceed x2, a chunk at a time."""
         t = tl.arange(0, RC)
         n = tl.zeros([RC], tl.int32)
+        n2 = tl.zeros([RC], tl.int32)
         for c in range(0, VP, RC):
-            n += (_tempered(LOGITS, b, batch, V, c + t, scale, temperature, GUIDED) > x).to(tl.int32)
-        return tl.sum(n, 0)
+            v = _tempered(LOGITS, b, batch, V, c + t, scale, temperature, GUIDED)
+            n += (v > x).to(tl.int32)
+            n2 += (v > x2).to(tl.int32)
+        return tl.sum(n, 0), tl.sum(n2, 0)
 
     @triton.jit
     def _make_noise(NOISE, b, batch, V: tl.constexpr, pos, seed, VP: tl.constexpr, CHUNK: tl.constexpr):
@@ -135,14 +166,16 @@ if triton is not None:
         tl.debug_barrier()  # the row is read back by other threads
 
     @triton.jit
-    def _draw_kernel(LOGITS, LOGITS_OUT, NOISE, TOKEN, OUT, POS, SEED, CFG_SCALE, TEMPERATURE, COUNT, batch,
-                     stride_out, prefix_len, V: tl.constexpr, TOP_K: tl.constexpr, GUIDED: tl.constexpr,
-                     SAMPLE: tl.constexpr, NOISE_READY: tl.constexpr, ADVANCE: tl.constexpr, TRIES: tl.constexpr,
-                     VP: tl.constexpr, CHUNK: tl.constexpr, RC: tl.constexpr, PDL: tl.constexpr):
+    def _draw_kernel(LOGITS, NOISE, TOKEN, OUT, POS, SEED, CFG_SCALE, TEMPERATURE, COUNT, batch, stride_out,
+                     prefix_len, V: tl.constexpr, TOP_K: tl.constexpr, GUIDED: tl.constexpr,
+                     SAMPLE: tl.constexpr, NOISE_READY: tl.constexpr, ADVANCE: tl.constexpr, PAIR: tl.constexpr,
+                     SINGLES: tl.constexpr, VP: tl.constexpr, CHUNK: tl.constexpr, RC: tl.constexpr,
+                     PDL: tl.constexpr):
         """Image b: rows b (and batch + b, unconditional, if GUIDED) of LOGITS (rows, V) -> TOKEN[b] and
-        OUT[b, POS - prefix_len + 1]; the rows, in float32, to LOGITS_OUT. The race's log E is read from
-        NOISE (batch, V): made by race_noise for this step (NOISE_READY), or here first. ADVANCE: POS + 1
-        to POS, by the last program to finish (an acq_rel count, left at zero)."""
+        OUT[b, POS - prefix_len + 1]. The race's log E is read from NOISE (batch, V): made by race_noise for
+        this step (NOISE_READY), or here first. ADVANCE: POS + 1 to POS, by the last program to finish (an
+        acq_rel count, left at zero). PAIR: the first two winners checked from two passes, then SINGLES
+        more, one per two passes."""
         b = tl.program_id(0)
         offs = tl.arange(0, VP)
         ok = offs < V
@@ -154,20 +187,33 @@ if triton is not None:
         # The race's winner over all tokens is top-k's if fewer than k logits exceed its own (x_i >= the k-th
         # largest exactly then); else it drops out and the next in (score, -index) order races, TRIES in
         # all. With GPT-XL's merged logits the first winner is in the top 2,000 ~90% of the time (its share
-        # of the softmax, random weights): two passes instead of the k-th largest's 20-32 counts. The passes
-        # read the logits again from cache a chunk at a time, and the tries are unrolled, each under its own
-        # branch: a row held in registers beside the k-th largest's spills at sm_90.
+        # of the softmax, random weights): two passes instead of the k-th largest's 20-32 counts. The first
+        # two winners share their two passes: with many images some image's first winner is out most steps,
+        # and the slowest image sets the draw's time. The passes read the logits again from cache a chunk at
+        # a time, and the tries are unrolled, each under its own branch: a row held in registers beside the
+        # k-th largest's spills at sm_90.
         best = tl.full((), float("inf"), tl.float32)
         token = tl.full((), -1, tl.int32)
         pending = tl.full((), 1, tl.int32)
-        for _try in tl.static_range(TRIES):
+        if PAIR:  # the first two winners from one pass, both counted in the next: two tries for two passes
+            best, token, best2, token2 = _first_two(LOGITS, NOISE, b, batch, V, scale, temperature, GUIDED, SAMPLE,
+                                                    VP, RC)
+            pending = tl.zeros((), tl.int32)
+            if TOP_K > 0:
+                x = _tempered(LOGITS, b, batch, V, token, scale, temperature, GUIDED)
+                x2 = _tempered(LOGITS, b, batch, V, token2, scale, temperature, GUIDED)
+                above, above2 = _count_above(LOGITS, b, batch, V, scale, temperature, x, x2, GUIDED, VP, RC)
+                if (above >= TOP_K) | (best == float("-inf")):
+                    best, token = best2, token2
+                    pending = ((above2 >= TOP_K) | (best2 == float("-inf"))).to(tl.int32)
+        for _try in tl.static_range(SINGLES):  # then one winner per two passes
             if pending != 0:
                 best, token = _next_winner(LOGITS, NOISE, b, batch, V, scale, temperature, float("-inf"), best, token,
                                            GUIDED, SAMPLE, VP, RC)
                 pending = tl.zeros((), tl.int32)
                 if TOP_K > 0:  # (no finite score left: the k-th largest decides)
                     x = _tempered(LOGITS, b, batch, V, token, scale, temperature, GUIDED)
-                    above = _count_above(LOGITS, b, batch, V, scale, temperature, x, GUIDED, VP, RC)
+                    above, _ = _count_above(LOGITS, b, batch, V, scale, temperature, x, x, GUIDED, VP, RC)
                     pending = ((above >= TOP_K) | (best == float("-inf"))).to(tl.int32)
         if pending != 0:  # then the race among the logits >= the k-th largest
             kth = float("-inf")
@@ -178,9 +224,6 @@ if triton is not None:
         pos = tl.load(POS)  # here: held through the tries it spilled
         tl.store(TOKEN + b, token.to(tl.int64))
         tl.store(OUT + b * stride_out + pos - prefix_len + 1, token.to(tl.int64))
-        tl.store(LOGITS_OUT + b * V + offs, tl.load(LOGITS + b * V + offs, mask=ok), mask=ok)
-        if GUIDED:
-            tl.store(LOGITS_OUT + (batch + b) * V + offs, tl.load(LOGITS + (batch + b) * V + offs, mask=ok), mask=ok)
         if ADVANCE:  # every program has read the position once the count reaches batch
             tl.debug_barrier()
             last = tl.atomic_add(COUNT, 1, sem="acq_rel", scope="gpu") == batch - 1
@@ -194,15 +237,14 @@ def layout(V):
     return VP, min(VP, CHUNK)
 
 
-def draw(logits, logits_out, token, out, input_pos, seed, cfg_scale, temperature, prefix_len, top_k, guided,
+def draw(logits, token, out, input_pos, seed, cfg_scale, temperature, prefix_len, top_k, guided,
          sample_logits, noise=None, noise_ready=False, count=None):
     """sampling.sample(cfg_merge(logits) if guided else logits, temperature, top_k, race=True) for
     logits (rows, V) of one step at input_pos: the tokens (batch, 1) to `token` and to out[:, input_pos -
-    prefix_len + 1]; logits, as float32, copied to logits_out[:rows]. noise (batch, V) float32: the race's
-    log E, made for this step by race_noise (noise_ready), or made here into it (None: a buffer of its
-    own). count: an int32 zero; then input_pos is advanced here too, one kernel less per step. With PDL
-    where it exists (before its wait it reads only cfg_scale and temperature, set before the prefill).
-    Tensors stay on the device: no sync."""
+    prefix_len + 1]. noise (batch, V) float32: the race's log E, made for this step by race_noise
+    (noise_ready), or made here into it (None: a buffer of its own). count: an int32 zero; then input_pos
+    is advanced here too, one kernel less per step. With PDL where it exists (before its wait it reads
+    only cfg_scale and temperature, set before the prefill). Tensors stay on the device: no sync."""
     batch, V = token.shape[0], logits.shape[-1]
     assert logits.shape[0] == (2 * batch if guided else batch) and logits.is_contiguous()
     if noise is None:
@@ -211,12 +253,16 @@ def draw(logits, logits_out, token, out, input_pos, seed, cfg_scale, temperature
     assert noise.shape == (batch, V) and noise.is_contiguous()
     VP, chunk = layout(V)
     k = min(top_k, V) if top_k > 0 else 0
+    # The register file's share of a thread as the bound (128 at 16 warps): left to itself, ptxas (Triton
+    # 3.9's) gave the unguided float32 kernel 64 registers and spilled 40 B
+    warps = max(1, min(WARPS, VP // 1024))
+    pair = TRIES >= 2
     _draw_kernel[(batch,)](
-        logits, logits_out, noise, token, out, input_pos, seed, cfg_scale, temperature,
-        input_pos if count is None else count, batch, out.stride(0), prefix_len, V=V, TOP_K=0 if k == V else k,
-        GUIDED=guided, SAMPLE=sample_logits, NOISE_READY=noise_ready, ADVANCE=count is not None, TRIES=TRIES, VP=VP,
-        CHUNK=chunk, RC=min(VP, RACE_CHUNK), num_warps=max(1, min(WARPS, VP // 1024)), enable_fp_fusion=False,
-        **launch(EARLY if use_pdl(logits.device) else False))
+        logits, noise, token, out, input_pos, seed, cfg_scale, temperature, input_pos if count is None else count,
+        batch, out.stride(0), prefix_len, V=V, TOP_K=0 if k == V else k, GUIDED=guided, SAMPLE=sample_logits,
+        NOISE_READY=noise_ready, ADVANCE=count is not None, PAIR=pair, SINGLES=TRIES - 2 if pair else TRIES,
+        VP=VP, CHUNK=chunk, RC=min(VP, RACE_CHUNK), num_warps=warps, maxnreg=65536 // (32 * warps),
+        enable_fp_fusion=False, **launch(EARLY if use_pdl(logits.device) else False))
 
 
 def supported(device, top_p):

@@ -96,13 +96,15 @@ class Sampler(nn.Module):
     """Static buffers and the step functions for one (batch, tokens, control grid, settings) shape."""
 
     def __init__(self, model, batch, num_tokens, prefix_len, num_controls, cfg, top_k, top_p, sample_logits,
-                 decode_attention=None, block_fn=None, fused_draw=False, windows=1, fused_inputs=False):
+                 decode_attention=None, block_fn=None, fused_draw=False, windows=1, fused_inputs=False,
+                 keep_logits=True):
         super().__init__()
         self.model = model
         self.decode_attention, self.block_fn, self.fused_draw = decode_attention, block_fn, fused_draw
         self.fused_inputs = fused_inputs
         self.batch, self.num_tokens, self.prefix_len, self.cfg = batch, num_tokens, prefix_len, cfg
         self.top_k, self.top_p, self.sample_logits = top_k, top_p, sample_logits
+        self.keep_logits = keep_logits  # each step's logits into `logits` (teacher forcing reads them)
         self.finish_fn = self.finish  # the engine may compile it
         self.logits_fn = model.logits  # or decode_block.logits (norm fused into the output GEMV)
         rows = 2 * batch if cfg else batch
@@ -137,7 +139,7 @@ class Sampler(nn.Module):
 
     def key(self):
         return (self.batch, self.num_tokens, self.prefix_len, self.controls.shape[2], self.cfg,
-                self.top_k, self.top_p, self.sample_logits, self.controls.dtype)
+                self.top_k, self.top_p, self.sample_logits, self.controls.dtype, self.keep_logits)
 
     def _sample(self, logits):
         return sample(logits, self.temperature, self.top_k, self.top_p, self.sample_logits, race=True)
@@ -192,15 +194,16 @@ class Sampler(nn.Module):
 
     def emit(self, logits, guided, noise_ready=False):
         """Logits (rows, V) predicting the token after input_pos -> the token drawn, to `token` and `out`
-        (and the logits, in float32, to `logits`); the position advanced. noise_ready: the fused draw's
-        race noise is made for this step (decode_block.logits), else the draw makes it."""
+        (and the logits, in float32, to `logits` if keep_logits); the position advanced. noise_ready: the
+        fused draw's race noise is made for this step (decode_block.logits), else the draw makes it."""
+        if self.keep_logits:
+            self.logits[: logits.shape[0]].copy_(logits)
         if self.fused_draw:  # the position advanced by the draw too
-            decode_sampling.draw(logits, self.logits, self.token, self.out, self.input_pos, self.seed, self.cfg_scale,
+            decode_sampling.draw(logits, self.token, self.out, self.input_pos, self.seed, self.cfg_scale,
                                  self.temperature, self.prefix_len, self.top_k, guided, self.sample_logits, self.noise,
                                  noise_ready, self.draws)
             return
         logits = logits.float()
-        self.logits[: logits.shape[0]].copy_(logits)
         token = self._sample(cfg_merge(logits, self.cfg_scale) if guided else logits)
         self.token.copy_(token)
         self.out.index_copy_(1, self.input_pos - self.prefix_len + 1, token)
@@ -246,10 +249,11 @@ class Engine:
 
     # ---- building the step for a shape ---------------------------------------------------------
 
-    def _sampler_for(self, batch, num_tokens, prefix_len, num_controls, cfg, top_k, top_p, sample_logits):
+    def _sampler_for(self, batch, num_tokens, prefix_len, num_controls, cfg, top_k, top_p, sample_logits,
+                     keep_logits):
         s = self.sampler
         want = (num_tokens, prefix_len, num_controls, cfg, top_k, top_p, sample_logits,
-                self.model.tok_embeddings.weight.dtype)
+                self.model.tok_embeddings.weight.dtype, keep_logits)
         mine = s is not None and self.model.layers[0].attention.kv_cache is s.cache
         if mine and s.key()[1:] == want and s.batch >= batch:
             return s  # a smaller batch is padded up to the captured one
@@ -286,7 +290,7 @@ class Engine:
         # The step's inputs in one kernel where the ops around the blocks run eagerly (block scope)
         fused_inputs = self.block_scope and attention is not None and decode_inputs.supported(self.device)
         s = Sampler(self.model, batch, num_tokens, prefix_len, num_controls, cfg, top_k, top_p, sample_logits,
-                    attention, block_fn, fused_draw, windows, fused_inputs)
+                    attention, block_fn, fused_draw, windows, fused_inputs, keep_logits)
         if fused:  # the fused head, which also makes the fused draw's noise
             s.head_noise = fused_draw and sample_logits
             noise = (s.noise, s.input_pos, s.seed) if s.head_noise else None
@@ -402,7 +406,7 @@ class Engine:
         t0 = time.perf_counter()  # a new shape: caches and compile set-up (imports dynamo the first time)
         cfg = cfg_scale > 1.0
         T, num_controls = p.prefix.shape[1], p.controls.shape[2]
-        s = self._sampler_for(B, max_new_tokens, T, num_controls, cfg, top_k, top_p, sample_logits)
+        s = self._sampler_for(B, max_new_tokens, T, num_controls, cfg, top_k, top_p, sample_logits, forced is not None)
         self.compile_seconds += time.perf_counter() - t0
         p = pad_rows(p, B, s.batch, cfg)
         s.key_valid.copy_(p.key_valid(self.model.max_seq))

@@ -36,7 +36,6 @@ def main():
     for B in map(int, args.batch.split(",")):
         dev = "cuda"
         logits = (torch.randn(2 * B, V, device=dev) * 3).to(torch.bfloat16)  # the output projection's dtype
-        logits_out = torch.zeros(2 * B, V, device=dev)
         token = torch.zeros(B, 1, dtype=torch.long, device=dev)
         out = torch.zeros(B, 1024, dtype=torch.long, device=dev)
         pos, seed = torch.tensor([500], device=dev), torch.tensor(7, device=dev)
@@ -44,14 +43,13 @@ def main():
 
         def torch_path(sample_logits=True):  # Sampler.emit without the fused draw
             x = logits.float()
-            logits_out.copy_(x)
             t = sample(cfg_merge(x, scale), temp, args.top_k, sample_logits=sample_logits, race=True)
             token.copy_(t)
             out.index_copy_(1, pos - 120 + 1, t)
             pos.add_(0)  # the engine advances the position here
 
         def fused(sample_logits=True):
-            decode_sampling.draw(logits, logits_out, token, out, pos, seed, scale, temp, 120, args.top_k, True,
+            decode_sampling.draw(logits, token, out, pos, seed, scale, temp, 120, args.top_k, True,
                                  sample_logits)
             pos.add_(0)
 
@@ -71,7 +69,7 @@ def main():
         default = (decode_sampling.WARPS, decode_sampling.RACE_CHUNK)
         parts = []  # the default config without the top-k select, without the race, without either
         for top_k, sample_logits in ((0, True), (args.top_k, False), (0, False)):
-            f = lambda: decode_sampling.draw(logits, logits_out, token, out, pos, seed, scale, temp, 120, top_k,
+            f = lambda: decode_sampling.draw(logits, token, out, pos, seed, scale, temp, 120, top_k,
                                              True, sample_logits)
             parts.append(f"{time_us(f):.1f}")
         print(f"  default {default}: without top-k / without the race / without either: {' / '.join(parts)} us")

@@ -97,9 +97,8 @@ for B, cfg, widths, config, dot_config, pdl, int8 in cases:
     assert torch.equal(logits, decode_block.logits(fast, h)) and noise.isfinite().all()
     for n in (None, noise):
         token = torch.zeros(images, 1, dtype=torch.long)
-        decode_sampling.draw(logits.view(rows, -1), torch.zeros(rows, ref.args.vocab_size), token,
-                             torch.zeros(images, 20, dtype=torch.long), pos, seed, torch.tensor(cfg), torch.tensor(1.0),
-                             T, 100, cfg > 1, True, n, n is not None)
+        decode_sampling.draw(logits.view(rows, -1), token, torch.zeros(images, 20, dtype=torch.long), pos, seed,
+                             torch.tensor(cfg), torch.tensor(1.0), T, 100, cfg > 1, True, n, n is not None)
         draws.append(token)
     assert torch.equal(*draws), draws
     decode_sampling.CHUNK = 4096
