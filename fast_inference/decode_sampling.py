@@ -237,6 +237,14 @@ def layout(V):
     return VP, min(VP, CHUNK)
 
 
+def warps_and_registers(VP):
+    """The draw's warps for a row of VP (at least 4: with one, a 1,024-token row spilled 312 B at sm_90), and
+    its registers per thread: the register file's share (128 at 16 warps; ptxas takes at most 255). Left to
+    itself, ptxas (Triton 3.9's) gave the unguided float32 kernel 64 registers and spilled 40 B."""
+    warps = max(4, min(WARPS, VP // 1024))
+    return warps, min(255, 65536 // (32 * warps))
+
+
 def draw(logits, token, out, input_pos, seed, cfg_scale, temperature, prefix_len, top_k, guided,
          sample_logits, noise=None, noise_ready=False, count=None):
     """sampling.sample(cfg_merge(logits) if guided else logits, temperature, top_k, race=True) for
@@ -253,15 +261,13 @@ def draw(logits, token, out, input_pos, seed, cfg_scale, temperature, prefix_len
     assert noise.shape == (batch, V) and noise.is_contiguous()
     VP, chunk = layout(V)
     k = min(top_k, V) if top_k > 0 else 0
-    # The register file's share of a thread as the bound (128 at 16 warps): left to itself, ptxas (Triton
-    # 3.9's) gave the unguided float32 kernel 64 registers and spilled 40 B
-    warps = max(1, min(WARPS, VP // 1024))
+    warps, registers = warps_and_registers(VP)
     pair = TRIES >= 2
     _draw_kernel[(batch,)](
         logits, noise, token, out, input_pos, seed, cfg_scale, temperature, input_pos if count is None else count,
         batch, out.stride(0), prefix_len, V=V, TOP_K=0 if k == V else k, GUIDED=guided, SAMPLE=sample_logits,
         NOISE_READY=noise_ready, ADVANCE=count is not None, PAIR=pair, SINGLES=TRIES - 2 if pair else TRIES,
-        VP=VP, CHUNK=chunk, RC=min(VP, RACE_CHUNK), num_warps=warps, maxnreg=65536 // (32 * warps),
+        VP=VP, CHUNK=chunk, RC=min(VP, RACE_CHUNK), num_warps=warps, maxnreg=registers,
         enable_fp_fusion=False, **launch(EARLY if use_pdl(logits.device) else False))
 
 
