@@ -315,7 +315,11 @@ class Transformer(nn.Module):
     # ---- caches -------------------------------------------------------------------------------
 
     def setup_caches(self, max_batch, max_seq, dtype):
-        """(Re)allocate the KV caches; a no-op when the shape and dtype are already right."""
+        """(Re)allocate the KV caches; a no-op when the shape and dtype are already right. The RoPE table is
+        float32 whatever the model's dtype: made again if a .to(dtype) cast it, as the official setup_caches
+        rebuilds it."""
+        if self.freqs_cis.dtype != torch.float32:
+            self.freqs_cis = precompute_freqs_cis_2d(self.args).to(self.freqs_cis.device)
         if max_seq > self.freqs_cis.shape[0]:
             # More tokens than the RoPE grid of block_size has cells.
             raise ValueError(f"{max_seq - self.args.prefix_len} image tokens exceed block_size {self.args.block_size}")

@@ -103,7 +103,7 @@ from sm90 import build
 ints = ["stride_qr", "stride_qh", "stride_kr", "stride_kh", "stride_kn", "stride_vr", "stride_vh", "stride_vn",
         "stride_valid", "stride_nr", "stride_nh", "n_heads", "n_splits"]
 sig = {"Q": "*bf16", "K": "*bf16", "V": "*bf16", "KEY_VALID": "*i1", "POS": "*i64", "M_OUT": "*fp32",
-       "L_OUT": "*fp32", "ACC_OUT": "*fp32", "K_NEW": "*bf16", "V_NEW": "*bf16", "FREQS": "*bf16",
+       "L_OUT": "*fp32", "ACC_OUT": "*fp32", "K_NEW": "*bf16", "V_NEW": "*bf16", "FREQS": "*fp32",
        **{n: "i32" for n in ints}}
 # As the JIT specialises them at GPT-XL shapes: 16-byte aligned buffers, cache strides that are multiples of 16
 aligned = ["Q", "K", "V", "KEY_VALID", "POS", "M_OUT", "L_OUT", "ACC_OUT", "K_NEW", "V_NEW", "FREQS", "stride_kr",

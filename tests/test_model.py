@@ -69,6 +69,17 @@ def test_rope_table_xl():
         assert torch.allclose(row[:, 1], torch.sin(angles), atol=1e-6)
 
 
+def test_rope_table_stays_float32_in_a_bf16_model():
+    """SPEC 2.5 and 14: the table is float32 whatever the model's dtype (official setup_caches rebuilds it); a
+    model cast by .to(bfloat16) gets it back, exact, from setup_caches."""
+    args = ModelArgs.from_name("GPT-B", block_size=256, cls_token_num=120, n_layer=1)
+    model = Transformer(args).to(torch.bfloat16)
+    assert model.freqs_cis.dtype == torch.bfloat16  # what .to() does to any float buffer
+    model.setup_caches(2, 120 + 256, torch.bfloat16)
+    assert model.freqs_cis.dtype == torch.float32
+    assert torch.equal(model.freqs_cis, precompute_freqs_cis_2d(args))
+
+
 # SPEC section 1: name -> (head_dim, FFN hidden, layer_internal).
 SPEC_TABLE = {
     "GPT-B": (64, 2048, 4), "GPT-L": (64, 2816, 8), "GPT-XL": (64, 3584, 12), "GPT-XXL": (64, 4096, 16),
