@@ -129,7 +129,12 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x):
-        # Statistics in float32, cast back, THEN scale (the order changes bf16 results).
+        # Statistics in float32, cast back, THEN scale (the order changes bf16 results). Eager, PyTorch's
+        # fused kernel does the first part (two kernels instead of eight per norm: the backends without a
+        # compiler are launch-bound); inductor would call that kernel as is, so compiled code spells it out
+        # for inductor to fuse with its neighbours.
+        if not torch.compiler.is_compiling():
+            return F.rms_norm(x, x.shape[-1:], eps=self.eps) * self.weight
         xf = x.float()
         y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return y.type_as(x) * self.weight
@@ -392,7 +397,7 @@ class Transformer(nn.Module):
         sampling uses; norm and output are per token).
         decode_attention: a kernel (q, k_cache, v_cache, key_valid, input_pos, fresh=(k, v, freqs)) for
         one-token steps that reads only the filled cache and does rope_and_cache's work itself (fast
-        engine); default SDPA with the boolean mask after rope_and_cache.
+        engine); default SDPA with the mask (additive) after rope_and_cache.
         block_fn(layer, x, freqs, attend, input_pos): runs a block instead of layer(x, freqs, attend) (the
         fast engine passes one compiled function shared by all blocks; input_pos is for its fused kernels).
         hidden: return the last block's output instead of the logits (`logits` finishes it; the fast
@@ -402,6 +407,7 @@ class Transformer(nn.Module):
         inputs: step_inputs(input_pos, controls) computed ahead (the fast engine's embedding kernel,
         decode_inputs.py), where a control row already added into x is None.
         """
+        freqs, picked = self.step_inputs(input_pos, controls) if inputs is None else inputs
         if decode_attention is not None and x.shape[1] == 1:
             def attend(q, k, v, freqs, cache):
                 # The kernel rotates q and k and writes k and v; k None: q is rotated and the step's key
@@ -410,14 +416,17 @@ class Transformer(nn.Module):
                 return decode_attention(q.transpose(1, 2), cache.k_cache, cache.v_cache, key_valid, input_pos,
                                         fresh=fresh)
         else:
+            # Made once for all blocks: the mask as SDPA's additive form (else each block converts it) and
+            # the rotations of the RoPE rows (three kernels per apply_rotary_emb instead of nine).
             n = key_valid.shape[1] if kv_len is None else kv_len
             mask = attention_mask(key_valid[:, :n], input_pos)
+            bias = torch.zeros(mask.shape, dtype=x.dtype, device=x.device).masked_fill_(~mask, float("-inf"))
+            rot = rotations(freqs)
 
             def attend(q, k, v, freqs, cache):
-                q, k, v = rope_and_cache(q, k, v, freqs, cache, input_pos)
-                return F.scaled_dot_product_attention(q, k[:, :, :n], v[:, :, :n], attn_mask=mask)
+                q, k, v = rope_and_cache(q, k, v, rot, cache, input_pos)
+                return F.scaled_dot_product_attention(q, k[:, :, :n], v[:, :, :n], attn_mask=bias)
 
-        freqs, picked = self.step_inputs(input_pos, controls) if inputs is None else inputs
         for i, layer in enumerate(self.layers):
             if picked is not None and i % self.args.layer_internal == 0:
                 # Official code indexes a 4th list for GPT-1B/7B and crashes; we reuse the last one.
@@ -463,19 +472,24 @@ def precompute_freqs_cis_2d(args):
     return torch.cat([torch.zeros(args.prefix_len, half, 2), table])
 
 
-def rope_and_cache(q, k, v, freqs, cache, input_pos):
-    """The official order before attention: RoPE on q and k (B,S,H,hd), k and v written to the cache at
-    input_pos. -> q (B,H,S,hd) and the cache's first B rows of keys and values."""
-    q, k = apply_rotary_emb(q, freqs), apply_rotary_emb(k, freqs)
+def rope_and_cache(q, k, v, rot, cache, input_pos):
+    """The official order before attention: RoPE on q and k (B,S,H,hd) by rot = rotations(freqs), k and v
+    written to the cache at input_pos. -> q (B,H,S,hd) and the cache's first B rows of keys and values."""
+    q, k = apply_rotary_emb(q, rot), apply_rotary_emb(k, rot)
     q, k, v = (t.transpose(1, 2) for t in (q, k, v))
     return (q, *cache.update(input_pos, k, v))
 
 
-def apply_rotary_emb(x, freqs):
-    """Rotate adjacent pairs (x[2j], x[2j+1]) of x (B,S,H,hd) by freqs (S,hd/2,2), in float32."""
-    xs = x.float().reshape(*x.shape[:-1], -1, 2)
-    f = freqs.view(1, xs.shape[1], 1, xs.shape[3], 2)
-    out = torch.stack(
-        [xs[..., 0] * f[..., 0] - xs[..., 1] * f[..., 1], xs[..., 1] * f[..., 0] + xs[..., 0] * f[..., 1]], dim=-1
-    )
-    return out.flatten(3).type_as(x)
+def rotations(freqs):
+    """RoPE rows (S,hd/2,2) of (cos, sin) -> (S,hd/2,2,2) rotations [[cos, -sin], [sin, cos]]."""
+    cos, sin = freqs.unbind(-1)
+    return torch.stack([cos, -sin, sin, cos], dim=-1).unflatten(-1, (2, 2))
+
+
+def apply_rotary_emb(x, rot):
+    """Rotate adjacent pairs (x[2j], x[2j+1]) of x (B,S,H,hd) by rot = rotations(freqs) (S,hd/2,2,2), in
+    float32: (x0 cos - x1 sin, x1 cos + x0 sin), each product rounded to float32 and then the two added, as
+    the official code rounds (a product by -sin is the negated product by sin)."""
+    xs = x.reshape(*x.shape[:-1], -1, 1, 2)  # bf16 times float32 is float32: no copy to float32 first
+    r = rot.view(1, xs.shape[1], 1, xs.shape[3], 2, 2)
+    return (xs * r).sum(-1).flatten(3).type_as(x)

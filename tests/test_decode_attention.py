@@ -17,7 +17,7 @@ SCRIPT = r"""
 import torch
 import triton.language as tl
 from fast_inference import decode_attention as da
-from fast_inference.model import apply_rotary_emb, attention_mask
+from fast_inference.model import apply_rotary_emb, attention_mask, rotations
 
 # The interpreter has no grid dependency control; without PDL launches the calls are no-ops anyway.
 tl.extra.cuda.gdc_wait = tl.extra.cuda.gdc_launch_dependents = lambda *args, **kwargs: None
@@ -72,7 +72,7 @@ for R, H, L, pos, block, T, lead in cases:
     freqs = torch.randn(1, 32, 2)
     k, v = torch.randn(2, R + 1, H, L, 64)
     k[:, :, pos] = v[:, :, pos] = float("nan")
-    rotate = lambda t: apply_rotary_emb(t.transpose(1, 2), freqs).transpose(1, 2)
+    rotate = lambda t: apply_rotary_emb(t.transpose(1, 2), rotations(freqs)).transpose(1, 2)
     want_k, want_v = k.clone(), v.clone()
     want_k[:R, :, pos], want_v[:R, :, pos] = rotate(k_new)[:, :, 0], v_new[:, :, 0]
     want = torch.nn.functional.scaled_dot_product_attention(rotate(q), want_k[:R], want_v[:R],

@@ -80,6 +80,49 @@ def test_rope_table_stays_float32_in_a_bf16_model():
     assert torch.equal(model.freqs_cis, precompute_freqs_cis_2d(args))
 
 
+def test_rotary_emb_rounds_as_the_official_formula():
+    """apply_rotary_emb by rotation matrices gives the official pairwise formula's bits (x cast to float32,
+    each product rounded, the two subtracted or added, cast back), in float32 and bf16, on the real table."""
+    from fast_inference.model import apply_rotary_emb, rotations
+
+    args = ModelArgs.from_name("GPT-B", block_size=256, cls_token_num=120)
+    freqs = precompute_freqs_cis_2d(args)[torch.tensor([3, 119, 120, 200, 375])]  # prefix (zero) rows too
+    for dtype in (torch.float32, torch.bfloat16):
+        x = (torch.randn(2, 5, 4, args.head_dim) * 4).to(dtype)
+        xs = x.float().reshape(2, 5, 4, -1, 2)
+        f = freqs.view(1, 5, 1, -1, 2)
+        want = torch.stack([xs[..., 0] * f[..., 0] - xs[..., 1] * f[..., 1],
+                            xs[..., 1] * f[..., 0] + xs[..., 0] * f[..., 1]], dim=-1).flatten(3).to(dtype)
+        got = apply_rotary_emb(x, rotations(freqs))
+        assert got.dtype == dtype and torch.equal(got, want)
+
+
+def test_rmsnorm_eager_and_compiled_forms_agree():
+    """RMSNorm eager (PyTorch's fused rms_norm) and as inductor reads it (the official formula spelled out):
+    float32 statistics, rounded to x's dtype, then scaled by the weight."""
+    from fast_inference.model import RMSNorm
+
+    norm = RMSNorm(64)
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(64))
+    for dtype in (torch.float32, torch.bfloat16):
+        n = norm.to(dtype)
+        x = (torch.randn(5, 3, 64) * 3).to(dtype)
+        xf = x.float()
+        want = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + n.eps)).to(dtype) * n.weight
+        traced = []
+
+        def record(gm, example_inputs):  # the ops dynamo traced, for inductor to fuse
+            traced.extend(str(node.target) for node in gm.graph.nodes if node.op == "call_function")
+            return gm
+
+        compiled = torch.compile(n, backend=record, fullgraph=True)
+        for got in (n(x), compiled(x)):
+            assert got.dtype == dtype
+            torch.testing.assert_close(got, want, rtol=0 if dtype == torch.bfloat16 else 1e-6, atol=1e-6)
+        assert traced and not any("rms_norm" in t for t in traced), traced  # the spelled-out branch
+
+
 # SPEC section 1: name -> (head_dim, FFN hidden, layer_internal).
 SPEC_TABLE = {
     "GPT-B": (64, 2048, 4), "GPT-L": (64, 2816, 8), "GPT-XL": (64, 3584, 12), "GPT-XXL": (64, 4096, 16),
