@@ -314,7 +314,7 @@ class Transformer(nn.Module):
         if args.model_type == "c2i":
             self.condition_norm = RMSNorm(D, args.norm_eps)  # in c2i checkpoints, never used
         self.output = nn.Linear(D, args.vocab_size, bias=False)
-        self.register_buffer("freqs_cis", precompute_freqs_cis_2d(args), persistent=False)
+        self.register_buffer("freqs_cis", precompute_freqs_cis_2d(args).to(torch.get_default_device()), persistent=False)
         self.max_batch = self.max_seq = -1
 
     # ---- caches -------------------------------------------------------------------------------
@@ -459,17 +459,19 @@ def precompute_freqs_cis_2d(args):
 
     Pairs 0..hd/4-1 rotate by the row index, pairs hd/4..hd/2-1 by the column index, on the
     sqrt(block_size) grid whatever the real image shape is (as the checkpoints were trained).
+    Computed on the CPU whatever the default device, as the official table is (a GPU's cos and sin
+    differ in the last bits).
     """
     half = args.head_dim // 2
     grid = math.isqrt(args.block_size)
-    freqs = 1.0 / (args.rope_base ** (torch.arange(0, half, 2)[: half // 2].float() / half))
-    t = torch.arange(grid, dtype=torch.float32)
+    freqs = 1.0 / (args.rope_base ** (torch.arange(0, half, 2, device="cpu")[: half // 2].float() / half))
+    t = torch.arange(grid, dtype=torch.float32, device="cpu")
     angles = torch.outer(t, freqs)  # (G, hd/4)
     grid_angles = torch.cat(
         [angles[:, None, :].expand(-1, grid, -1), angles[None, :, :].expand(grid, -1, -1)], dim=-1
     ).reshape(grid * grid, half)
     table = torch.stack([torch.cos(grid_angles), torch.sin(grid_angles)], dim=-1)
-    return torch.cat([torch.zeros(args.prefix_len, half, 2), table])
+    return torch.cat([torch.zeros(args.prefix_len, half, 2, device="cpu"), table])
 
 
 def rope_and_cache(q, k, v, rot, cache, input_pos):

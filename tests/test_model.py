@@ -97,6 +97,18 @@ def test_rotary_emb_rounds_as_the_official_formula():
         assert got.dtype == dtype and torch.equal(got, want)
 
 
+def test_rope_table_is_computed_on_the_cpu():
+    """The official table is made on the CPU (its setup_caches rebuilds it there); a model built under another
+    default device (the CLI builds on the GPU) gets the CPU's values, moved there."""
+    args = ModelArgs.from_name("GPT-B", block_size=256, cls_token_num=120, n_layer=1)
+    want = precompute_freqs_cis_2d(args)
+    with torch.device("meta"):
+        table = precompute_freqs_cis_2d(args)  # would be a meta tensor, values unknown, if made on the default device
+        model = Transformer(args)
+    assert table.device.type == "cpu" and torch.equal(table, want)
+    assert model.freqs_cis.device.type == "meta"
+
+
 def test_rmsnorm_eager_and_compiled_forms_agree():
     """RMSNorm eager (PyTorch's fused rms_norm) and as inductor reads it (the official formula spelled out):
     float32 statistics, rounded to x's dtype, then scaled by the weight."""
