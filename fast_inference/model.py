@@ -423,7 +423,7 @@ class Transformer(nn.Module):
             bias = torch.zeros(mask.shape, dtype=x.dtype, device=x.device).masked_fill_(~mask, float("-inf"))
             rot = rotations(freqs)
 
-            def attend(q, k, v, freqs, cache):
+            def attend(q, k, v, freqs, cache):  # freqs unused: rot, made from it once above
                 q, k, v = rope_and_cache(q, k, v, rot, cache, input_pos)
                 return F.scaled_dot_product_attention(q, k[:, :, :n], v[:, :, :n], attn_mask=bias)
 
