@@ -16,6 +16,10 @@ of earlier steps before it waits for the kernel that wrote the current one.
 With fresh=(k, v, freqs) (the compiled block) q and the step's key come before RoPE: every program
 rotates q, and the program whose tile holds the position rotates the key and writes it and the value
 into the caches, which saves the compiled block its RoPE and cache-write kernels.
+With text=(sums, counts, T) the first T keys are the text prefix's, which RoPE's zero rows make zero
+vectors (SPEC 2.5): every query scores exactly 0 against each attendable one, so their values' sum and
+their count (text_sums, made once after the prefill) are one more partial, of max 0, and the tiles
+start at T. The text's keys and values are then not read at every step, nor the mask.
 """
 import torch
 
@@ -49,20 +53,23 @@ if triton is not None:
     @triton.jit
     def _partial_kernel(Q, K, V, KEY_VALID, POS, M_OUT, L_OUT, ACC_OUT, K_NEW, V_NEW, FREQS,
                         stride_qr, stride_qh, stride_kr, stride_kh, stride_kn, stride_vr, stride_vh, stride_vn,
-                        stride_valid, stride_nr, stride_nh, n_heads, n_splits, SCALE: tl.constexpr,
+                        stride_valid, stride_nr, stride_nh, n_heads, n_splits, text_len, SCALE: tl.constexpr,
                         BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr, LEAD: tl.constexpr, PDL: tl.constexpr,
-                        EVICT: tl.constexpr, FRESH: tl.constexpr):
+                        EVICT: tl.constexpr, FRESH: tl.constexpr, TEXT: tl.constexpr):
         rh = tl.program_id(0)
         split = tl.program_id(1)
         r = rh // n_heads
         h = rh % n_heads
         pos = tl.load(POS)  # written by the previous step, before any kernel of this one
-        start = _first_key(KEY_VALID + r * stride_valid, pos, LEAD) + split * BLOCK
+        if TEXT:  # the text is the merge's partial; every later key is attendable
+            start = text_len + split * BLOCK
+        else:
+            start = _first_key(KEY_VALID + r * stride_valid, pos, LEAD) + split * BLOCK
         out = rh * n_splits + split
         if start <= pos:
             _tile(Q, K, V, KEY_VALID, M_OUT, L_OUT, ACC_OUT, K_NEW, V_NEW, FREQS, r, h, out, start, pos,
                   stride_qr, stride_qh, stride_kr, stride_kh, stride_kn, stride_vr, stride_vh, stride_vn,
-                  stride_valid, stride_nr, stride_nh, SCALE, BLOCK, HEAD_DIM, PDL, EVICT, FRESH)
+                  stride_valid, stride_nr, stride_nh, SCALE, BLOCK, HEAD_DIM, PDL, EVICT, FRESH, TEXT)
         else:  # past pos: a partial that weighs nothing (written after the wait, as every write of a PDL kernel)
             pdl_wait(PDL)
             pdl_trigger(PDL)
@@ -92,7 +99,7 @@ if triton is not None:
     def _tile(Q, K, V, KEY_VALID, M_OUT, L_OUT, ACC_OUT, K_NEW, V_NEW, FREQS, r, h, out, start, pos,
               stride_qr, stride_qh, stride_kr, stride_kh, stride_kn, stride_vr, stride_vh, stride_vn, stride_valid,
               stride_nr, stride_nh, SCALE: tl.constexpr, BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr,
-              PDL: tl.constexpr, EVICT: tl.constexpr, FRESH: tl.constexpr):
+              PDL: tl.constexpr, EVICT: tl.constexpr, FRESH: tl.constexpr, TEXT: tl.constexpr):
         """Keys start..start+BLOCK-1 of (row r, head h) -> partial (max, sum, weighted values) at `out`."""
         # Offsets within the tile, its start in the base pointers: the tile's vectors keep the same
         # compile-time form wherever it starts (a runtime start in them costs ~80 registers: spills).
@@ -125,7 +132,10 @@ if triton is not None:
         else:
             k = tl.load(k_ptrs, mask=tile[:, None], other=0.0)
             v = tl.load(v_ptrs, mask=tile[:, None], other=0.0)
-        ok = tl.load(KEY_VALID + r * stride_valid + start + offs_n, mask=earlier, other=0) != 0
+        if TEXT:  # the tile starts past the text
+            ok = earlier
+        else:
+            ok = tl.load(KEY_VALID + r * stride_valid + start + offs_n, mask=earlier, other=0) != 0
         pdl_wait(PDL)
         q_at = Q + r * stride_qr + h * stride_qh
         q = tl.load(q_at + offs_d).to(tl.float32)
@@ -151,36 +161,52 @@ if triton is not None:
         tl.store(ACC_OUT + out * HEAD_DIM + offs_d, acc)
 
     @triton.jit
-    def _merge_kernel(M, L, ACC, OUT, PROGRESS, n_splits, SPLITS: tl.constexpr, HEAD_DIM: tl.constexpr,
-                      PDL: tl.constexpr, BUMP: tl.constexpr):
+    def _merge_kernel(M, L, ACC, OUT, PROGRESS, TEXT_SUM, TEXT_COUNT, n_splits, n_heads, SPLITS: tl.constexpr,
+                      HEAD_DIM: tl.constexpr, PDL: tl.constexpr, BUMP: tl.constexpr, TEXT: tl.constexpr):
         bump(PROGRESS, BUMP)  # a prefetcher's count: this layer's keys have streamed
-        pdl_wait(PDL)
         rh = tl.program_id(0)
         offs_s = tl.arange(0, SPLITS)
         offs_d = tl.arange(0, HEAD_DIM)
+        if TEXT:  # made after the prefill: read before the wait. Its scores are 0: max 0, unless no key is attendable
+            text_l = tl.load(TEXT_COUNT + rh // n_heads)
+            text_acc = tl.load(TEXT_SUM + rh * HEAD_DIM + offs_d)
+            text_m = tl.where(text_l > 0, 0.0, float("-inf"))
+        pdl_wait(PDL)
         ok = offs_s < n_splits
         m = tl.load(M + rh * n_splits + offs_s, mask=ok, other=float("-inf"))
         l = tl.load(L + rh * n_splits + offs_s, mask=ok, other=0.0)
         acc = tl.load(ACC + (rh * n_splits + offs_s)[:, None] * HEAD_DIM + offs_d[None, :], mask=ok[:, None], other=0.0)
-        w = tl.exp(m - tl.max(m, 0))  # the tile holding the current key is never empty, so the max is finite
-        out = tl.sum(w[:, None] * acc, 0) / tl.sum(w * l, 0)
+        top = tl.max(m, 0)  # the tile holding the current key is never empty, so the max is finite
+        if TEXT:
+            top = tl.maximum(top, text_m)
+        w = tl.exp(m - top)
+        num = tl.sum(w[:, None] * acc, 0)
+        den = tl.sum(w * l, 0)
+        if TEXT:
+            text_w = tl.exp(text_m - top)
+            num += text_w * text_acc
+            den += text_w * text_l
+        out = num / den
         pdl_trigger(PDL)
         tl.store(OUT + rh * HEAD_DIM + offs_d, out.to(OUT.dtype.element_ty))
 
 
-def decode_attention(q, k_cache, v_cache, key_valid, input_pos, config=None, pdl=False, progress=None, fresh=None):
+def decode_attention(q, k_cache, v_cache, key_valid, input_pos, config=None, pdl=False, progress=None, fresh=None,
+                     text=None):
     """q (R,H,1,hd); caches (>= R,H,L,hd), rows past R untouched; key_valid (R,L) bool; input_pos (1,)
     -> (R,H,1,hd). progress: a prefetcher's int32 count (prefetch.py), bumped once per call by the merge, or
     None. fresh: None (q is rotated, the caches hold the step's key and value) or (k, v, freqs): the step's
     key and value (R,H,1,hd) and q before RoPE, freqs the position's RoPE row (1,hd/2,2); the key (rotated)
-    and value are written to the caches at input_pos."""
+    and value are written to the caches at input_pos. text: None or (sums, counts, T) from text_sums: the
+    first T keys are zero and stand for them; key_valid is not read (every key from T on is attendable)."""
     R, H, _, hd = q.shape
     L = k_cache.shape[2]
     k_new, v_new, freqs = (q, q, q) if fresh is None else fresh  # unused pointers without it
     if k_new.stride() != v_new.stride():
         raise ValueError("decode_attention: fresh keys and values need the same strides")
+    text_sum, text_count, text_len = (q, q, 0) if text is None else text  # unused pointers without it
     block, num_warps, merge_warps = config or config_for(R)
-    n_splits = triton.cdiv(L, block)
+    n_splits = triton.cdiv(L - text_len, block)
     m = torch.empty(R, H, n_splits, device=q.device, dtype=torch.float32)
     l = torch.empty_like(m)
     acc = torch.empty(R, H, n_splits, hd, device=q.device, dtype=torch.float32)
@@ -188,14 +214,26 @@ def decode_attention(q, k_cache, v_cache, key_valid, input_pos, config=None, pdl
         q, k_cache, v_cache, key_valid, input_pos, m, l, acc, k_new, v_new, freqs,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), key_valid.stride(0), k_new.stride(0), k_new.stride(1),
-        H, n_splits, SCALE=hd**-0.5, BLOCK=block, HEAD_DIM=hd, LEAD=LEAD, EVICT=EVICT_FIRST, FRESH=fresh is not None,
-        num_warps=num_warps, **launch(pdl),
+        H, n_splits, text_len, SCALE=hd**-0.5, BLOCK=block, HEAD_DIM=hd, LEAD=LEAD, EVICT=EVICT_FIRST,
+        FRESH=fresh is not None, TEXT=text is not None, num_warps=num_warps, **launch(pdl),
     )
     out = torch.empty(R, H, 1, hd, device=q.device, dtype=q.dtype)
-    _merge_kernel[(R * H,)](m, l, acc, out, m if progress is None else progress, n_splits,  # m: an unused pointer
+    _merge_kernel[(R * H,)](m, l, acc, out, m if progress is None else progress, text_sum, text_count, n_splits, H,
                             SPLITS=triton.next_power_of_2(n_splits), HEAD_DIM=hd, BUMP=progress is not None,
-                            num_warps=merge_warps, **launch(pdl))
+                            TEXT=text is not None, num_warps=merge_warps, **launch(pdl))  # m: an unused pointer
     return out
+
+
+def text_sums(v_cache, key_valid, text_len, sums, counts):
+    """After the prefill: what the first text_len keys give every later query, whose scores against them are 0
+    (their keys are zero, SPEC 2.5). sums (>= R,H,hd) float32: the values of the attendable ones summed, counts
+    (>= R,) float32: how many there are, for R = key_valid's rows. As decode_attention's text, the same math as
+    their tile's: exp(0 - max) is the weight of every one of them."""
+    R = key_valid.shape[0]
+    assert sums.dtype == counts.dtype == torch.float32 and sums[:R].is_contiguous()
+    w = key_valid[:, :text_len].to(torch.float32)
+    torch.sum(v_cache[:R, :, :text_len] * w[:, None, :, None], 2, out=sums[:R])
+    torch.sum(w, 1, out=counts[:R])
 
 
 def config_for(rows):

@@ -248,6 +248,15 @@ class KVCache(nn.Module):
         shape = (max_batch, n_head, max_seq, head_dim)
         self.register_buffer("k_cache", torch.zeros(shape, dtype=dtype), persistent=False)
         self.register_buffer("v_cache", torch.zeros(shape, dtype=dtype), persistent=False)
+        # The fast engine's decode attention takes the text prefix's first text_len keys (zero: RoPE's zero rows)
+        # as one partial, its values' sum and count (decode_attention.text_sums after each prefill); 0: it reads them
+        self.text_len = 0
+        self.register_buffer("text_sum", torch.zeros(max_batch, n_head, head_dim), persistent=False)
+        self.register_buffer("text_count", torch.zeros(max_batch), persistent=False)
+
+    def text(self):
+        """decode_attention's text argument: None, or (sums, counts, text_len)."""
+        return (self.text_sum, self.text_count, self.text_len) if self.text_len else None
 
     def update(self, input_pos, k, v):
         # A step may run on the first rows only (CFG switched off by cfg_interval).
@@ -395,9 +404,10 @@ class Transformer(nn.Module):
         mask for the prefix, True elsewhere). controls (3, B, Nc, D): the control lists (step_inputs
         picks the rows). Returns float32 logits, of the last position only if last_only (the only one
         sampling uses; norm and output are per token).
-        decode_attention: a kernel (q, k_cache, v_cache, key_valid, input_pos, fresh=(k, v, freqs)) for
+        decode_attention: a kernel (q, k_cache, v_cache, key_valid, input_pos, fresh=(k, v, freqs), text=...) for
         one-token steps that reads only the filled cache and does rope_and_cache's work itself (fast
-        engine); default SDPA with the mask (additive) after rope_and_cache.
+        engine; text: the cache's text partial, KVCache.text); default SDPA with the mask (additive) after
+        rope_and_cache.
         block_fn(layer, x, freqs, attend, input_pos): runs a block instead of layer(x, freqs, attend) (the
         fast engine passes one compiled function shared by all blocks; input_pos is for its fused kernels).
         hidden: return the last block's output instead of the logits (`logits` finishes it; the fast
@@ -414,7 +424,7 @@ class Transformer(nn.Module):
                 # and value are in the cache already (decode_block's QKV kernel).
                 fresh = None if k is None else (k.transpose(1, 2), v.transpose(1, 2), freqs)
                 return decode_attention(q.transpose(1, 2), cache.k_cache, cache.v_cache, key_valid, input_pos,
-                                        fresh=fresh)
+                                        fresh=fresh, text=cache.text())
         else:
             # Made once for all blocks: the mask as SDPA's additive form (else each block converts it) and
             # the rotations of the RoPE rows (three kernels per apply_rotary_emb instead of nine).

@@ -61,6 +61,21 @@ for R, H, L, pos, block, T, lead in cases:
     for pdl in (False, True):  # PDL: the current key and value are read apart from the tile
         got = da.decode_attention(q, k, v, key_valid, p, config=(block, 4, 1 + 3 * pdl), pdl=pdl)
         worst = max(worst, (got - want).abs().nan_to_num(float("inf")).max().item())
+    # The text as one partial: its keys zero (RoPE's zero rows), their values' sum and count made after the
+    # prefill, the tiles from T on (poisoned keys and mask before T: read, they would show); row 0's text is
+    # all padding (no text partial), row 1's a few keys
+    k0 = k.clone()
+    k0[:, :, :T] = 0.0
+    want0 = torch.nn.functional.scaled_dot_product_attention(q, k0, v, attn_mask=attention_mask(key_valid, p))
+    sums, counts = torch.full((R + 1, H, 64), float("nan")), torch.full((R + 1,), float("nan"))
+    da.text_sums(v, key_valid, T, sums, counts)
+    assert counts[:R].tolist() == key_valid[:, :T].sum(1).tolist()
+    k0[:, :, :T] = float("nan")
+    mask = key_valid.clone()
+    mask[:, :T] = ~mask[:, :T]
+    for pdl in (False, True) if pos >= T else ():  # (a decode step's position is past the text)
+        got = da.decode_attention(q, k0, v, mask, p, config=(block, 4, 1 + 3 * pdl), pdl=pdl, text=(sums, counts, T))
+        worst = max(worst, (got - want0).abs().nan_to_num(float("inf")).max().item())
     # With a prefetcher's count: the same output, one count per call, whatever the tiles
     count = torch.zeros(1, dtype=torch.int32)
     got = da.decode_attention(q, k, v, key_valid, p, config=(block, 4, 1), progress=count)
@@ -101,7 +116,7 @@ from fast_inference import decode_attention as da
 from sm90 import build
 
 ints = ["stride_qr", "stride_qh", "stride_kr", "stride_kh", "stride_kn", "stride_vr", "stride_vh", "stride_vn",
-        "stride_valid", "stride_nr", "stride_nh", "n_heads", "n_splits"]
+        "stride_valid", "stride_nr", "stride_nh", "n_heads", "n_splits", "text_len"]
 sig = {"Q": "*bf16", "K": "*bf16", "V": "*bf16", "KEY_VALID": "*i1", "POS": "*i64", "M_OUT": "*fp32",
        "L_OUT": "*fp32", "ACC_OUT": "*fp32", "K_NEW": "*bf16", "V_NEW": "*bf16", "FREQS": "*fp32",
        **{n: "i32" for n in ints}}
@@ -109,19 +124,20 @@ sig = {"Q": "*bf16", "K": "*bf16", "V": "*bf16", "KEY_VALID": "*i1", "POS": "*i6
 aligned = ["Q", "K", "V", "KEY_VALID", "POS", "M_OUT", "L_OUT", "ACC_OUT", "K_NEW", "V_NEW", "FREQS", "stride_kr",
            "stride_kh", "stride_kn", "stride_vr", "stride_vh", "stride_vn", "stride_nr", "stride_nh"]
 attrs = {(list(sig).index(name),): [["tt.divisibility", 16]] for name in aligned}
-merge_sig = {"M": "*fp32", "L": "*fp32", "ACC": "*fp32", "OUT": "*bf16", "PROGRESS": "*i32", "n_splits": "i32"}
+merge_sig = {"M": "*fp32", "L": "*fp32", "ACC": "*fp32", "OUT": "*bf16", "PROGRESS": "*i32", "TEXT_SUM": "*fp32",
+             "TEXT_COUNT": "*fp32", "n_splits": "i32", "n_heads": "i32"}
 # every entry of the table; the compiled block launches without PDL, decode_block with it. A K/V tile spilled
 # to local memory would halve the kernel's speed.
 # K and V with and without the evict-first hint; the merge with a prefetcher's count (the compiled block, no PDL);
-# the compiled block's fresh keys (RoPE and the cache write in the kernel), without PDL.
+# the compiled block's fresh keys (RoPE and the cache write in the kernel), without PDL; the text as a partial.
 for (block, warps, merge_warps), pdl in itertools.product([config for _, config in da.CONFIGS], (False, True)):
-    for evict, fresh in itertools.product((False, True), (False, True) if not pdl else (False,)):
+    for evict, fresh, text in itertools.product((False, True), (False, True) if not pdl else (False,), (False, True)):
         consts = {"SCALE": 0.125, "BLOCK": block, "HEAD_DIM": 64, "LEAD": da.LEAD, "PDL": pdl, "EVICT": evict,
-                  "FRESH": fresh}
+                  "FRESH": fresh, "TEXT": text}
         build(da._partial_kernel, sig, consts, {"num_warps": warps, "launch_pdl": pdl}, attrs=attrs)
-    for splits, counted in itertools.product((1, 16), (False, True) if not pdl else (False,)):
-        build(da._merge_kernel, merge_sig, {"SPLITS": splits, "HEAD_DIM": 64, "PDL": pdl, "BUMP": counted},
-              {"num_warps": merge_warps, "launch_pdl": pdl})
+    for splits, counted, text in itertools.product((1, 16), (False, True) if not pdl else (False,), (False, True)):
+        build(da._merge_kernel, merge_sig, {"SPLITS": splits, "HEAD_DIM": 64, "PDL": pdl, "BUMP": counted,
+                                            "TEXT": text}, {"num_warps": merge_warps, "launch_pdl": pdl})
 print("compiled")
 """
 
