@@ -6,6 +6,7 @@ import sys
 
 import pytest
 
+import early
 import sm90
 
 pytest.importorskip("triton")
@@ -117,8 +118,7 @@ def test_fused_block_matches_model_in_interpreter():
     two pieces), each projection counted once for a prefetcher, in prefetch.segments' order; and the
     head (final norm fused into the output projection), whose race noise draws the same tokens as the
     draw's own."""
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join([ROOT, os.path.join(ROOT, "tests")]))
-    out = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=600)
+    out = early.result(SCRIPT, ENV)
     assert out.returncode == 0, out.stderr[-2000:]
     worst, cache_worst = map(float, out.stdout.split()[-2:])
     assert worst < 1e-4 and cache_worst < 1e-5, (worst, cache_worst)
@@ -187,11 +187,16 @@ def test_engine_runs_the_fused_block_in_interpreter():
     prefetcher's count) at 4 rows with CFG and a cfg_interval: teacher-forced logits within 1e-4 of the
     reference, same greedy tokens, the same sampled tokens for the same seed and others for another, and the
     same again with the draw making its race noise instead of the head."""
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join([ROOT, os.path.join(ROOT, "tests")]))
-    out = subprocess.run([sys.executable, "-c", ENGINE_SCRIPT], env=env, capture_output=True, text=True, timeout=600)
+    out = early.result(ENGINE_SCRIPT, ENV)
     assert out.returncode == 0, out.stderr[-2000:]
     worst, same = out.stdout.split()[-2:]
     assert float(worst) < 1e-4 and same == "True", out.stdout
+
+
+ENV = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join([ROOT, os.path.join(ROOT, "tests")]))
+# Minutes each in the interpreter: started side by side with the other tests (early.py)
+EARLY = {"test_fused_block_matches_model_in_interpreter": SCRIPT, "test_engine_runs_the_fused_block_in_interpreter":
+         ENGINE_SCRIPT}
 
 
 AOT_SCRIPT = r"""

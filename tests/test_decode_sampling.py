@@ -1,11 +1,10 @@
 """The fused draw (fast_inference/decode_sampling.py) against sampling.py, in Triton's CPU interpreter
 (TRITON_INTERPRET=1), and compiled ahead of time for sm_90."""
 import os
-import subprocess
-import sys
 
 import pytest
 
+import early
 import sm90
 
 pytest.importorskip("triton")
@@ -137,14 +136,17 @@ print("ok", chi2, bound)
 """
 
 
+ENV = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=ROOT)
+EARLY = {"test_draw_matches_sampling_in_interpreter": SCRIPT}  # minutes in the interpreter: early.py
+
+
 def test_draw_matches_sampling_in_interpreter():
     """Top-k's k-th value identical to sampling.kth_largest (ties, infinities, signed zeros), greedy
     draws identical to sampling.py's arg-max with and without CFG (float32 and bfloat16 logits), and
     400 sampled draws: the kept set exactly (a tie at the k-th value included), a chi-square fit to
     sampling.py's filtered softmax, the same draws for the same seed and position, and the same draws
     with the race's noise made apart (race_noise)."""
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=ROOT)
-    out = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=600)
+    out = early.result(SCRIPT, ENV)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.split()[-3] == "ok", out.stdout
 

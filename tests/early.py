@@ -1,0 +1,38 @@
+"""Interpreter scripts that take minutes each, run side by side instead of one after the other.
+
+A test module names them in EARLY (test name -> script) with their environment in ENV; conftest.py starts
+those of the selected tests once collection is done, and each test waits for its own with `result`. Their
+output goes to files, not pipes, so that a script never blocks on a full pipe before its test reads it."""
+import subprocess
+import sys
+import tempfile
+
+_running = {}  # script -> (process, stdout file, stderr file)
+
+
+def start(script, env):
+    if script not in _running:
+        out, err = tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")
+        _running[script] = subprocess.Popen([sys.executable, "-c", script], env=env, stdout=out, stderr=err,
+                                            text=True), out, err
+    return _running[script]
+
+
+def result(script, env, timeout=900):
+    """The finished script as subprocess.run's result (started now if it was not started early)."""
+    p, out, err = start(script, env)
+    try:
+        p.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        p.kill()
+        raise
+    out.seek(0)
+    err.seek(0)
+    return subprocess.CompletedProcess(p.args, p.returncode, out.read(), err.read())
+
+
+def stop():
+    """Kill what is still running (an interrupted or deselecting session)."""
+    for p, _, _ in _running.values():
+        if p.poll() is None:
+            p.kill()
