@@ -228,6 +228,53 @@ def test_block_scope_prefill_runs_the_compiled_block():
     assert engine.sampler.prefill_block is engine.block_fn
 
 
+def text_partial_attention(q, k_cache, v_cache, key_valid, input_pos, fresh=None, text=None):
+    """decode_attention's math for the compiled block (q and the step's key before RoPE), in PyTorch, the text's
+    keys read only through the text partial: their values' sum and count, of score 0."""
+    from fast_inference.model import apply_rotary_emb, rotations
+
+    sums, counts, T = text
+    k, v, freqs = fresh
+    R, p = q.shape[0], int(input_pos)
+    rot = rotations(freqs)
+    q, k = (apply_rotary_emb(t.transpose(1, 2), rot).transpose(1, 2) for t in (q, k))  # (R, H, 1, hd)
+    k_cache[:R, :, p], v_cache[:R, :, p] = k[:, :, 0], v[:, :, 0]
+    scores = q @ k_cache[:R, :, T : p + 1].transpose(-1, -2) * q.shape[-1] ** -0.5  # (R, H, 1, keys)
+    count = counts[:R, None, None, None]
+    top = torch.maximum(scores.amax(-1, keepdim=True), torch.where(count > 0, 0.0, float("-inf")))
+    w, text_w = (scores - top).exp(), (-top).exp()
+    num = w @ v_cache[:R, :, T : p + 1] + text_w * sums[:R, :, None]
+    return (num / (w.sum(-1, keepdim=True) + text_w * count)).to(q.dtype)
+
+
+def test_text_partial_is_made_after_each_prefill(monkeypatch):
+    """Where the Triton decode attention runs, the engine makes the text partial after every prefill (the values'
+    sum and count of the attendable text keys, decode_attention.text_sums): an attention that reads the text only
+    through it gives the reference's teacher-forced logits, for two captions of other lengths in a row (the
+    first's sums, left over, would show) and with a cfg_interval. Not where the RoPE table's text rows are
+    not zero (its keys would not be)."""
+    from fast_inference import decode_attention
+
+    monkeypatch.setattr(decode_attention, "available", lambda device: True)
+    monkeypatch.setattr(decode_attention, "decode_attention", text_partial_attention)
+    monkeypatch.setattr(Engine, "compiled_block", lambda self: engine_module.run_block)  # eager on the CPU
+    model = tiny_model(cls=8, seed=7, n_layer=2)
+    engine = Engine(model, backend="inductor", compile_scope="block")
+    for valid, seed in (((3, 8), 1), ((8, 1), 2)):
+        cond, mask, condition = tiny_inputs(model, valid=valid)
+        forced = torch.randint(0, model.args.vocab_size, (2, 5), generator=torch.Generator().manual_seed(seed))
+        kw = dict(emb_masks=mask, condition=condition, cfg_scale=4.0, cfg_interval=2, forced=forced)
+        _, want = generate(model, cond, 5, return_logits=True, **kw)
+        _, got = engine.generate(cond, 5, **kw)
+        assert engine.sampler.text_len == model.args.cls_token_num
+        for i, (r, f) in enumerate(zip(want, got)):
+            r = r if r.shape == f.shape else r.chunk(2)[0]
+            assert (r - f).abs().max().item() <= 1e-4, (valid, i)
+    model.freqs_cis[0, 0, 0] = 1.0
+    s = engine_module.Sampler(model, 2, 5, 8, 16, True, 0, 1.0, True, decode_attention=text_partial_attention)
+    assert s.text_len == 0 and model.layers[0].attention.kv_cache.text() is None
+
+
 def test_inductor_pdl_switch(monkeypatch):
     """On a PDL device, compiling turns on inductor's programmatic dependent launch for the process (its
     config and, for its compile workers, the environment); TORCHINDUCTOR_ENABLE_PDL=0 keeps it off; the
