@@ -2,7 +2,6 @@
 the result a child would), so what is checked is the orchestration: the children's command lines, the
 rows merged in order, end to end from the n = 1 child, and nothing written when a child fails."""
 import json
-import os
 import subprocess
 import types
 
