@@ -10,11 +10,15 @@ back as it was (config tables copied, so a setting may change them in place); ""
 stands.
 docs/PERF_NOTES.md gives the settings of its A/Bs. Settings in one process share its CUDA-graph
 history (PERF_NOTES, "Inductor's PDL and a second capture": the process's first capture may run
-faster), so bench.py gives the figures to quote. One CUDA GPU.
+faster), so bench.py gives the figures to quote. With --process-per-setting each setting runs in a
+process of its own instead (the settings still alternating twice), every process with the same random
+weights: the tokens' hash then says whether two settings drew the same. One CUDA GPU.
 """
 import argparse
 import copy
+import hashlib
 import os
+import subprocess
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -60,24 +64,34 @@ def apply(saved, code):
     exec(code, dict(MODULES))
 
 
-def main():
+def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("settings", nargs="+", help='Python per setting, e.g. "" (as it stands) and "decode_block.X = 1"')
     ap.add_argument("--batch-sizes", default="8")
-    args = ap.parse_args()
+    ap.add_argument("--process-per-setting", action="store_true",
+                    help="each setting in a process of its own, alternating twice (no shared CUDA-graph history)")
+    ap.add_argument("--once", action="store_true", help=argparse.SUPPRESS)  # a child's one round
+    args = ap.parse_args(argv)
     try:
         codes = compile_settings(args.settings)
     except ValueError as e:
         ap.error(str(e))
     if not torch.cuda.is_available():
         sys.exit("engine_ab.py needs a CUDA GPU (the engine's fast paths are Triton kernels and CUDA graphs)")
+    if args.process_per_setting:
+        for text in args.settings * 2:
+            child = [sys.executable, os.path.abspath(__file__), "--batch-sizes", args.batch_sizes, "--once", "--", text]
+            if subprocess.run(child).returncode:
+                sys.exit(f"engine_ab.py: the process for setting {text!r} failed")
+        return
     saved = snapshot()
+    torch.manual_seed(0)  # the same random weights in every process
     model = random_gpt_xl()
     with torch.no_grad():
         for B in map(int, args.batch_sizes.split(",")):
             cond, mask, condition = inputs(model, B, 512, "cuda")
             first = None
-            for text, code in list(zip(args.settings, codes)) * 2:
+            for text, code in list(zip(args.settings, codes)) * (1 if args.once else 2):
                 apply(saved, code)
                 torch._dynamo.reset()  # a compiled block reads the settings when it is traced
                 model.clear_caches()
@@ -87,8 +101,9 @@ def main():
                     tokens = fast.generate(cond, 1024, emb_masks=mask, condition=condition, cfg_scale=4.0, top_k=2000)
                 first = tokens if first is None else first
                 ms = fast.last_timings["decode"] / 1023 * 1e3
+                digest = hashlib.sha1(tokens.cpu().numpy().tobytes()).hexdigest()[:10]
                 print(f"n = {B}, {text or 'as it stands'}: decode {ms:.3f} ms/step ({B * 1000 / ms:,.0f} tok/s), "
-                      f"tokens as the first setting's: {bool(first.equal(tokens))}", flush=True)
+                      f"tokens as the first setting's: {bool(first.equal(tokens))} (hash {digest})", flush=True)
     restore(saved)
 
 
