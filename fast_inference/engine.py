@@ -112,11 +112,9 @@ class Sampler(nn.Module):
         self.cache = model.layers[0].attention.kv_cache  # graphs are bound to these cache tensors
         # RoPE's zero rows make the text's keys zero (SPEC 2.5): the decode attention kernel takes them as one
         # partial, their values' sum and count, made after each prefill (decode_attention.text_sums)
-        self.text_len = 0
-        if decode_attention is not None and not model.freqs_cis[:prefix_len].any():
-            self.text_len = prefix_len
+        text_len = prefix_len if decode_attention is not None and not model.freqs_cis[:prefix_len].any() else 0
         for layer in model.layers:
-            layer.attention.kv_cache.text_len = self.text_len
+            layer.attention.kv_cache.text_len = text_len
         # The cache length SDPA reads in each window of steps (None: the whole cache, or the kernel's own;
         # the engine asks for windows only where there is no decode_attention kernel)
         if windows > 1:
@@ -157,10 +155,10 @@ class Sampler(nn.Module):
         input_pos = torch.arange(T, device=prefix.device)
         logits = self.model(prefix, input_pos, self.key_valid, self.controls, last_only=True,
                             block_fn=self.prefill_block)[:, -1]
-        if self.text_len:
+        if self.cache.text_len:
             for layer in self.model.layers:
                 c = layer.attention.kv_cache
-                decode_attention.text_sums(c.v_cache, self.key_valid, self.text_len, c.text_sum, c.text_count)
+                decode_attention.text_sums(c.v_cache, self.key_valid, c.text_len, c.text_sum, c.text_count)
         self.input_pos.fill_(T - 1)  # the position whose next token is drawn: out[:, 0]
         self.emit(logits, self.cfg)
 

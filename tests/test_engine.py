@@ -266,13 +266,13 @@ def test_text_partial_is_made_after_each_prefill(monkeypatch):
         kw = dict(emb_masks=mask, condition=condition, cfg_scale=4.0, cfg_interval=2, forced=forced)
         _, want = generate(model, cond, 5, return_logits=True, **kw)
         _, got = engine.generate(cond, 5, **kw)
-        assert engine.sampler.text_len == model.args.cls_token_num
+        assert engine.sampler.cache.text_len == model.args.cls_token_num
         for i, (r, f) in enumerate(zip(want, got)):
             r = r if r.shape == f.shape else r.chunk(2)[0]
             assert (r - f).abs().max().item() <= 1e-4, (valid, i)
     model.freqs_cis[0, 0, 0] = 1.0
     s = engine_module.Sampler(model, 2, 5, 8, 16, True, 0, 1.0, True, decode_attention=text_partial_attention)
-    assert s.text_len == 0 and model.layers[0].attention.kv_cache.text() is None
+    assert s.cache.text_len == 0 and model.layers[0].attention.kv_cache.text() is None
 
 
 def test_inductor_pdl_switch(monkeypatch):
