@@ -13,11 +13,12 @@ import early  # noqa: E402 (tests/ on the path first)
 
 @pytest.hookimpl(trylast=True)  # after -k and -m have deselected
 def pytest_collection_modifyitems(config, items):
-    """Start the selected tests' long interpreter scripts (their module's EARLY) side by side: early.py."""
+    """Queue the selected tests' long scripts (their module's EARLY) to run beside the others: early.py."""
     for item in items:
-        script = getattr(getattr(item, "module", None), "EARLY", {}).get(getattr(item, "name", None))
-        if script is not None:
-            early.start(script, item.module.ENV)
+        entry = getattr(getattr(item, "module", None), "EARLY", {}).get(getattr(item, "name", None))
+        if entry is not None:
+            script, env = entry if isinstance(entry, tuple) else (entry, item.module.ENV)
+            early.start(script, env)
 
 
 def pytest_sessionfinish(session, exitstatus):

@@ -4,10 +4,11 @@ than on the first GPU run. The tests run their compile scripts in a subprocess (
 interpreter settings of the other tests."""
 import os
 import subprocess
-import sys
 import tempfile
 
 import pytest
+
+import early
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -32,11 +33,16 @@ def build(kernel, signature, constexprs, options, attrs=None):
     return k
 
 
-def run(script, **env):
-    """Run a compile script (it prints "compiled" at its end); skipped where Triton has no ptxas."""
+def env(**extra):
+    """A compile script's environment: the repository and tests/ on the path, and `extra`."""
+    return dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, os.path.join(ROOT, "tests")]), **extra)
+
+
+def run(script, **extra):
+    """Run a compile script (it prints "compiled" at its end), or wait for it where its module queued it early
+    (EARLY: test name -> (script, env(**extra))); skipped where Triton has no ptxas."""
     pytest.importorskip("triton.compiler")
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, os.path.join(ROOT, "tests")]), **env)
-    out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
+    out = early.result(script, env(**extra), timeout=900)
     if "ptxas" in out.stderr and "not found" in out.stderr.lower():
         pytest.skip("Triton's ptxas is not available here")
     assert out.returncode == 0, out.stderr[-2000:]

@@ -4,11 +4,10 @@ searched LEAD keys; with and without the PDL data path; with q and the step's ke
 kernel rotating them and writing the key and value into the caches), in Triton's CPU
 interpreter (TRITON_INTERPRET=1), so CI checks the kernel the GPU engine runs."""
 import os
-import subprocess
-import sys
 
 import pytest
 
+import early
 import sm90
 
 pytest.importorskip("triton")
@@ -101,10 +100,11 @@ print(worst)
 """
 
 
+ENV = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
 def test_kernel_matches_sdpa_in_interpreter():
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=root)
-    out = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=300)
+    out = early.result(SCRIPT, ENV)
     assert out.returncode == 0, out.stderr[-2000:]
     assert float(out.stdout.strip().splitlines()[-1]) < 1e-5
 
@@ -146,3 +146,8 @@ def test_kernels_compile_for_sm90():
     """Ahead-of-time compile to an H100/H200 cubin with Triton's bundled ptxas (no GPU needed), so a
     kernel that only the interpreter accepts fails here rather than on the first GPU run."""
     sm90.run(AOT_SCRIPT, TRITON_DEFAULT_FP_FUSION="1")
+
+
+# A minute or so each: run beside the other tests (early.py)
+EARLY = {"test_kernel_matches_sdpa_in_interpreter": SCRIPT,
+         "test_kernels_compile_for_sm90": (AOT_SCRIPT, sm90.env(TRITON_DEFAULT_FP_FUSION="1"))}

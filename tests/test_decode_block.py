@@ -270,6 +270,9 @@ def test_kernels_compile_for_sm90():
     sm90.run(AOT_SCRIPT)
 
 
+EARLY["test_kernels_compile_for_sm90"] = (AOT_SCRIPT, sm90.env())  # a minute of ptxas, beside the other tests
+
+
 DOWN_SCRIPT = r"""
 import torch
 from fast_inference import decode_block

@@ -179,3 +179,6 @@ def test_draw_kernel_compiles_for_sm90():
     within ptxas's 255), with PDL: an H100/H200 cubin with Triton's bundled ptxas, and no register spills
     (a row of logits in local memory would be slow)."""
     sm90.run(AOT_SCRIPT)
+
+
+EARLY["test_draw_kernel_compiles_for_sm90"] = (AOT_SCRIPT, sm90.env())  # beside the other tests (early.py)
