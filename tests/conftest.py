@@ -13,7 +13,7 @@ import early  # noqa: E402 (tests/ on the path first)
 
 @pytest.hookimpl(trylast=True)  # after -k and -m have deselected
 def pytest_collection_modifyitems(config, items):
-    """Queue the selected tests' long scripts (their module's EARLY) to run beside the others: early.py."""
+    """Start the selected tests' long scripts (their module's EARLY) beside the others: early.py."""
     for item in items:
         entry = getattr(getattr(item, "module", None), "EARLY", {}).get(getattr(item, "name", None))
         if entry is not None:
