@@ -17,8 +17,7 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         entry = getattr(getattr(item, "module", None), "EARLY", {}).get(getattr(item, "name", None))
         if entry is not None:
-            script, env = entry if isinstance(entry, tuple) else (entry, item.module.ENV)
-            early.start(script, env)
+            early.start(*entry)
 
 
 def pytest_sessionfinish(session, exitstatus):

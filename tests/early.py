@@ -1,7 +1,6 @@
 """Scripts that take a minute or more each (Triton's interpreter, sm_90 builds), run beside the other tests.
 
-A test module names them in EARLY: test name -> script (with the module's ENV) or (script, env). conftest.py
-starts those of the selected tests once collection is done, and each test waits for its own with `result`.
+A test module names them in EARLY: test name -> (script, env). conftest.py starts those of the selected tests once collection is done, and each test waits for its own with `result`.
 They run at a lower priority (nice), so that the tests in this process keep their core while the scripts take
 what is left. Their output goes to files, not pipes, so that a script never blocks on a full pipe before its
 test reads it."""

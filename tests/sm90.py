@@ -39,7 +39,7 @@ def env(**extra):
 
 
 def run(script, **extra):
-    """Run a compile script (it prints "compiled" at its end), or wait for it where its module queued it early
+    """Run a compile script (it prints "compiled" at its end), or wait for it where its module started it early
     (EARLY: test name -> (script, env(**extra))); skipped where Triton has no ptxas."""
     pytest.importorskip("triton.compiler")
     out = early.result(script, env(**extra), timeout=900)

@@ -100,7 +100,7 @@ print(worst)
 """
 
 
-ENV = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+ENV = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=sm90.ROOT)
 
 
 def test_kernel_matches_sdpa_in_interpreter():
@@ -149,5 +149,5 @@ def test_kernels_compile_for_sm90():
 
 
 # A minute or so each: run beside the other tests (early.py)
-EARLY = {"test_kernel_matches_sdpa_in_interpreter": SCRIPT,
+EARLY = {"test_kernel_matches_sdpa_in_interpreter": (SCRIPT, ENV),
          "test_kernels_compile_for_sm90": (AOT_SCRIPT, sm90.env(TRITON_DEFAULT_FP_FUSION="1"))}

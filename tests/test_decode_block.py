@@ -194,9 +194,6 @@ def test_engine_runs_the_fused_block_in_interpreter():
 
 
 ENV = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join([ROOT, os.path.join(ROOT, "tests")]))
-# Minutes each in the interpreter: started side by side with the other tests (early.py)
-EARLY = {"test_fused_block_matches_model_in_interpreter": SCRIPT, "test_engine_runs_the_fused_block_in_interpreter":
-         ENGINE_SCRIPT}
 
 
 AOT_SCRIPT = r"""
@@ -270,7 +267,10 @@ def test_kernels_compile_for_sm90():
     sm90.run(AOT_SCRIPT)
 
 
-EARLY["test_kernels_compile_for_sm90"] = (AOT_SCRIPT, sm90.env())  # a minute of ptxas, beside the other tests
+# Minutes each in the interpreter, a minute of ptxas: started beside the other tests (early.py)
+EARLY = {"test_fused_block_matches_model_in_interpreter": (SCRIPT, ENV),
+         "test_engine_runs_the_fused_block_in_interpreter": (ENGINE_SCRIPT, ENV),
+         "test_kernels_compile_for_sm90": (AOT_SCRIPT, sm90.env())}
 
 
 DOWN_SCRIPT = r"""

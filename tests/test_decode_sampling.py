@@ -137,7 +137,6 @@ print("ok", chi2, bound)
 
 
 ENV = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=ROOT)
-EARLY = {"test_draw_matches_sampling_in_interpreter": SCRIPT}  # minutes in the interpreter: early.py
 
 
 def test_draw_matches_sampling_in_interpreter():
@@ -181,4 +180,6 @@ def test_draw_kernel_compiles_for_sm90():
     sm90.run(AOT_SCRIPT)
 
 
-EARLY["test_draw_kernel_compiles_for_sm90"] = (AOT_SCRIPT, sm90.env())  # beside the other tests (early.py)
+# Minutes in the interpreter, seconds of ptxas: started beside the other tests (early.py)
+EARLY = {"test_draw_matches_sampling_in_interpreter": (SCRIPT, ENV),
+         "test_draw_kernel_compiles_for_sm90": (AOT_SCRIPT, sm90.env())}
