@@ -192,13 +192,15 @@ if triton is not None:
 
 
 def decode_attention(q, k_cache, v_cache, key_valid, input_pos, config=None, pdl=False, progress=None, fresh=None,
-                     text=None):
+                     text=None, merge_pdl=None):
     """q (R,H,1,hd); caches (>= R,H,L,hd), rows past R untouched; key_valid (R,L) bool; input_pos (1,)
     -> (R,H,1,hd). progress: a prefetcher's int32 count (prefetch.py), bumped once per call by the merge, or
     None. fresh: None (q is rotated, the caches hold the step's key and value) or (k, v, freqs): the step's
     key and value (R,H,1,hd) and q before RoPE, freqs the position's RoPE row (1,hd/2,2); the key (rotated)
     and value are written to the caches at input_pos. text: None or (sums, counts, T) from text_sums: the
-    first T keys are zero and stand for them; key_valid is not read (every key from T on is attendable)."""
+    first T keys are zero and stand for them; key_valid is not read (every key from T on is attendable).
+    merge_pdl: how the merge launches (pdl.launch's argument), if not as the partial kernel does: it reads only
+    the text's partial before its wait, so it may launch with PDL after a partial kernel without it."""
     R, H, _, hd = q.shape
     L = k_cache.shape[2]
     k_new, v_new, freqs = (q, q, q) if fresh is None else fresh  # unused pointers without it
@@ -220,7 +222,8 @@ def decode_attention(q, k_cache, v_cache, key_valid, input_pos, config=None, pdl
     out = torch.empty(R, H, 1, hd, device=q.device, dtype=q.dtype)
     _merge_kernel[(R * H,)](m, l, acc, out, m if progress is None else progress, text_sum, text_count, n_splits, H,
                             SPLITS=triton.next_power_of_2(n_splits), HEAD_DIM=hd, BUMP=progress is not None,
-                            TEXT=text is not None, num_warps=merge_warps, **launch(pdl))  # m: an unused pointer
+                            TEXT=text is not None, num_warps=merge_warps,
+                            **launch(pdl if merge_pdl is None else merge_pdl))  # m: an unused pointer
     return out
 
 

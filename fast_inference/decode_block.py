@@ -25,6 +25,8 @@ path also the position (the previous step's) and the residual (wo's is 4 kernels
 from L2 (.cg). Given a prefetcher (prefetch.py), each projection's first program counts its start, which
 paces the prefetcher's pull of the next projection's weights into L2.
 """
+import functools
+
 import torch
 
 from fast_inference import decode_sampling
@@ -87,6 +89,19 @@ def pdl_for(rows, device):
     if not use_pdl(device):
         return False
     return EARLY if rows <= GEMV_ROWS else LATE
+
+
+# The attention's merge with PDL's late trigger on the dot path, its partial kernel without PDL: the merge launches
+# during the partials' tail. H200, `python scripts/engine_ab.py --batch-sizes 8 --process-per-setting`: n = 8 1.515 /
+# 1.516 -> 1.507 / 1.509 ms/step (the keys' prefetch at 24 MB), tokens identical.
+MERGE_PDL = True
+
+
+def merge_pdl(rows, device):
+    """How the decode attention's merge launches: as its partial kernel (attention_pdl), or with MERGE_PDL on the
+    dot path under PDL's late trigger after a partial kernel without PDL (its launch during the partials' tail)."""
+    pdl = attention_pdl(rows, device)
+    return pdl_for(rows, device) if MERGE_PDL and not pdl else pdl
 
 
 def attention_pdl(rows, device):
@@ -473,20 +488,28 @@ def decode_block(layer, x, freqs, attend, input_pos, prefetcher=None):
     return linear(a, ff.w2.weight, row_scales(ff.w2), residual=h, name="w2", pdl=pdl, progress=progress).view(R, 1, D)
 
 
-def down(a, w2, h):
+def down(a, w2, h, progress=None):
     """h + w2(a) for a (R, 1, F) and h (R, 1, D): the down projection's kernel with the residual add, as
-    TransformerBlock.forward's `down`, launched without PDL (its neighbours are inductor's)."""
+    TransformerBlock.forward's `down`, launched without PDL (its neighbours are inductor's); counted for a
+    prefetcher (progress) as it starts."""
     R, _, D = h.shape
-    return linear(a.view(R, -1), w2.weight, residual=h.view(R, D), name="w2").view(R, 1, D)
+    return linear(a.view(R, -1), w2.weight, residual=h.view(R, D), name="w2", progress=progress).view(R, 1, D)
 
 
-def down_for(layer, x):
-    """`down` where it serves the compiled block at x (R, S, D): one-token steps of MAX_ROWS < R <= DOWN_ROWS
-    rows on a CUDA device, w2 in floats; else None (the model's w2 and add)."""
+def serves_down(layer, rows, steps=1, cuda=True):
+    """Whether `down` serves the compiled block: one-token steps of MAX_ROWS < rows <= DOWN_ROWS rows on a CUDA
+    device, w2 in floats."""
+    return (triton is not None and cuda and steps == 1 and MAX_ROWS < rows <= DOWN_ROWS
+            and row_scales(layer.feed_forward.w2) is None)
+
+
+def down_for(layer, x, progress=None):
+    """`down` where it serves the compiled block at x (R, S, D), else None (the model's w2 and add). progress: a
+    prefetcher's count."""
     R, S, _ = x.shape
-    ok = (triton is not None and x.is_cuda and S == 1 and MAX_ROWS < R <= DOWN_ROWS
-          and row_scales(layer.feed_forward.w2) is None)
-    return down if ok else None
+    if not serves_down(layer, R, S, x.is_cuda):
+        return None
+    return down if progress is None else functools.partial(down, progress=progress)
 
 
 def logits(model, h, noise=None):

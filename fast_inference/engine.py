@@ -8,7 +8,8 @@ can be captured once and replayed N-1 times:
                        all layers (regional compilation, ~1/n_layer of the compile time) and a
                        compiled head (norm, output), in a step captured by hand as below
                        (inductor's kernels with programmatic dependent launch on Hopper+; the
-                       weights pulled into L2 beside the step, paced by the attention); the
+                       weights and the next attention's first keys pulled into L2 beside the step,
+                       paced by the attention and the down projection); the
                        embeddings, RoPE row and control rows in one Triton kernel (decode_inputs);
                        at <= 16 rows (n <= 8 under CFG) decode_block's fused Triton kernels
                        instead, with nothing compiled (fused_block=True), their weights pulled
@@ -184,7 +185,7 @@ class Sampler(nn.Module):
 
     def _advance(self, key_valid, controls, guided, kv_len):
         # Weights into L2 ahead of the kernels that read them, beside the step: inside its CUDA graph only (prefetch.py)
-        fetching = self.prefetcher is not None and self.prefetcher.start()
+        fetching = self.prefetcher is not None and self.prefetcher.start(key_valid.shape[0])
         if self.fused_inputs:  # embeddings, RoPE row and control rows in one kernel
             x, inputs = decode_inputs.step_inputs(self.model, self.token, self.input_pos, controls, guided)
         else:
@@ -279,16 +280,18 @@ class Engine:
             if prefetch.available(self.device):
                 prefetcher = prefetch.Prefetcher(self.model)
                 block_fn = functools.partial(block_fn, prefetcher=prefetcher)
-            attention = functools.partial(attention, pdl=decode_block.attention_pdl(rows, self.device))
+            attention = functools.partial(attention, pdl=decode_block.attention_pdl(rows, self.device),
+                                          merge_pdl=decode_block.merge_pdl(rows, self.device))
         elif self.block_scope and self.int8:
             log.warning("int8 weights at %d rows: the block runs eagerly, slower than bf16 there (fused kernels up "
                         "to %d rows); use --quantize none for large batches", rows, decode_block.MAX_ROWS)
             block_fn = run_block
         elif self.block_scope:
             block_fn = self.compiled_block()
-            if attention is not None and prefetch.available(self.device):  # paced by the attention's count
+            if attention is not None and prefetch.available(self.device):  # paced by the attention's and down's counts
                 prefetcher = prefetch.Prefetcher(self.model, compiled=True)
                 attention = functools.partial(attention, progress=prefetcher.progress)
+                block_fn = functools.partial(block_fn, progress=prefetcher.progress)
         if self.block_scope:
             log.info("decode block for %d rows: %s", rows, "fused Triton kernels" if fused else
                      "eager (int8)" if self.int8 else "compiled (inductor)")
@@ -305,6 +308,10 @@ class Engine:
             noise = (s.noise, s.input_pos, s.seed) if s.head_noise else None
             s.logits_fn = functools.partial(decode_block.logits, self.model, noise=noise)
         s.prefetcher = prefetcher
+        if prefetcher is not None:  # a plan per row count the steps run at (CFG on, and off after cfg_interval)
+            for r in {rows, batch}:
+                down = prefetcher.compiled and decode_block.serves_down(self.model.layers[0], r)
+                prefetcher.prepare(r, s.input_pos, down)
         s.capture_prefill = self.hand_capture and captures_prefill(self.backend)
         self._build(s)
         self.sampler = s
@@ -328,7 +335,9 @@ class Engine:
         # GPT-XL at n = 32 62 -> 28 ms per batch (H200; ~1,900 eager kernels, CPU-bound). The fused kernels'
         # shapes (<= 8 images) keep it eager unless compile_prefill, so that they start without the compiler.
         # From a shape's first image either way: one seed, one image.
-        if self.block_scope and not self.int8 and (s.block_fn is self.block_fn or self.compile_prefill):
+        # the steps run the compiled block (its prefetcher's count bound or not)
+        compiled = self.block_fn is not None and getattr(s.block_fn, "func", s.block_fn) is self.block_fn
+        if self.block_scope and not self.int8 and (compiled or self.compile_prefill):
             s.prefill_block = self.compiled_block()
         self.prefill_compiled = False
         if self.backend == "inductor" and self.compile_prefill and s.prefill_block is None:
@@ -336,7 +345,7 @@ class Engine:
             self.prefill_fn = torch.compile(s.prefill, fullgraph=True, dynamic=False)
         self.step_fns = {(guided, w): s.step_fn(guided, w) for guided in (True, False)
                          for w in range(len(s.kv_lens))}
-        if s.block_fn is not None and s.block_fn is self.block_fn:
+        if compiled:
             # The head too (final norm and output projection; without the fused draw also CFG merge,
             # top-k and draw: ~40 small kernels eager); fallback_random keeps the eager random stream.
             if s.fused_draw:
@@ -447,9 +456,10 @@ class Engine:
         return tokens
 
 
-def run_block(layer, x, freqs, attend, input_pos):
-    # the model's attend reads input_pos; past the fused block's rows w2 and its add run as one kernel
-    return layer(x, freqs, attend, decode_block.down_for(layer, x))
+def run_block(layer, x, freqs, attend, input_pos, progress=None):
+    # the model's attend reads input_pos; past the fused block's rows w2 and its add run as one kernel, which
+    # counts for a prefetcher (progress)
+    return layer(x, freqs, attend, decode_block.down_for(layer, x, progress))
 
 
 def pad_rows(p, B, batch, cfg):

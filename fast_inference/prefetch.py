@@ -1,4 +1,5 @@
-"""Weights pulled into L2 just ahead of the decode kernels that read them, by a kernel beside the step.
+"""Weights and cached keys pulled into L2 just ahead of the decode kernels that read them, by a kernel beside
+the step.
 
 At up to 16 rows a block's kernels are bound by their chains, not by the bus: at n = 1 a block takes
 ~26 us for ~11 us of bytes, and the dot path (5-16 rows) walks its weights only after its PDL wait. A
@@ -11,8 +12,14 @@ count once every projection has counted, and the step waits for it at its end.
 
 The compiled block (n > 8: inductor's GEMMs are cuBLAS's, which cannot count) is paced by its decode
 attention instead, whose merge counts each layer: a layer's wo, gate/up and w2 and the next layer's qkv
-are fetched once its keys have streamed (schedule). K and V carry L2's evict-first hint and the
+are fetched once its keys have streamed (schedule). K and V carry L2's evict-first hint and the weights'
 prefetches an evict-last policy, so that ~230 MB of keys per layer at n = 32 do not push the weights out.
+
+The keys and values the next attention reads first go the same way (KV_BYTES per layer): the decode
+attention streams them at the bus's rate, while the projections' chain before it leaves the bus mostly idle,
+so bytes fetched during the chain are bytes the attention does not wait for. They are fetched with the next
+layer's qkv weight on the fused path, and once the down projection starts in the compiled block (it counts
+too where it serves, decode_block.down_for): the gate/up weight, the largest, is read by then.
 
 It only runs inside the step's CUDA graph: run as it comes, it would spin while the host loads a module
 or allocates memory, which may wait for all running kernels (a deadlock). After a step run outside a
@@ -36,6 +43,11 @@ except ImportError:
 PROGRAMS = 12  # prefetching programs, one warp each
 CHUNK = 16384  # bytes per bulk prefetch
 AHEAD = 1  # segment j is fetched once projection j - AHEAD has started
+# The keys: H200, `python scripts/engine_ab.py --process-per-setting` (docs/PERF_NOTES.md #46), ms/step, n = 32 / 8:
+# none 2.794 / 1.529; 24 MB 2.767 / 1.516, 40 MB 2.786 / 1.573; 12 MB 2.769 / 1.497 (with the merge's PDL); fetched
+# with L2's normal policy instead of evict-last 2.754 / 1.504 (24 MB); one count earlier 2.772 / 1.506.
+KV_BYTES = 12 << 20  # per layer: the first keys and values of each (row, head) after the text, at most (0: none)
+KV_AHEAD = 0  # counts earlier than the default for the keys and values (the fused path: projections)
 
 
 @functools.lru_cache
@@ -46,6 +58,7 @@ def available(device):
 
 
 EVICT_LAST = True  # the prefetches with L2's evict-last policy (decode_attention.EVICT_FIRST: K and V go first)
+KV_EVICT_LAST = False  # the keys' and values' prefetches with the normal policy: the attention reads them once
 
 
 def segments(model):
@@ -54,21 +67,46 @@ def segments(model):
                                                   layer.feed_forward.w13, layer.feed_forward.w2.weight)]
 
 
-def schedule(model, compiled):
-    """(weight, count it waits for) in fetch order. The fused block counts each projection as it starts:
-    weight j once projection j - AHEAD has. The compiled block counts each layer's decode attention
-    (its merge): the first qkv at once, then a layer's wo, gate/up and w2 and the next layer's qkv once its
-    attention has counted."""
-    if not compiled:
-        return [(w, max(0, j - AHEAD + 1)) for j, w in enumerate(segments(model))]
+def schedule(model, compiled, down=False, kv=False):
+    """(segment, count it waits for) in fetch order, a segment being a weight or a layer's KVCache (kv: its first
+    keys and values, for the attention that reads them next). The fused block counts each projection as it
+    starts: weight j once projection j - AHEAD has, a layer's keys with its qkv. The compiled block counts each
+    layer's decode attention (its merge), and with `down` the down projection too: the first qkv at once, then a
+    layer's wo, gate/up and w2 and the next layer's qkv once its attention has counted, the next layer's keys once
+    its down projection has (without it, none)."""
     layers = model.layers
-    plan = [(layers[0].attention.wqkv.weight, 0)]
+    if not compiled:
+        plan = [(w, max(0, j - AHEAD + 1)) for j, w in enumerate(segments(model))]
+        if kv:  # after each qkv (weights 4l on)
+            for i in reversed(range(len(layers))):
+                plan.insert(4 * i + 1, (layers[i].attention.kv_cache, max(0, plan[4 * i][1] - KV_AHEAD)))
+        return plan
+    per = 2 if down else 1  # counts per layer: the merge, then down
+    plan = [(layers[0].attention.wqkv.weight, 0)] + ([(layers[0].attention.kv_cache, 0)] if kv and down else [])
     for i, layer in enumerate(layers):
         ff = layer.feed_forward
-        plan += [(w, i + 1) for w in (layer.attention.wo.weight, ff.w13, ff.w2.weight)]
+        merged = per * i + 1
+        plan += [(w, merged) for w in (layer.attention.wo.weight, ff.w13, ff.w2.weight)]
         if i + 1 < len(layers):
-            plan.append((layers[i + 1].attention.wqkv.weight, i + 1))
+            plan.append((layers[i + 1].attention.wqkv.weight, merged))
+            if kv and down:
+                plan.append((layers[i + 1].attention.kv_cache, max(merged, per * i + 2 - KV_AHEAD)))
     return plan
+
+
+def kv_rows(cache, rows, first):
+    """The prefetcher's table rows of a cache's keys and values for steps over `rows` rows: (address, most bytes,
+    stride, ranges, bytes per key, first key) for K and for V, each (row, head)'s keys from `first` on a range of
+    its own, the same number of keys in each (KV_BYTES over them all); none if that is no key."""
+    k, v = cache.k_cache, cache.v_cache
+    R, H, L, hd = k.shape
+    key = hd * k.element_size()
+    assert k.stride(0) == H * k.stride(1) and k.stride(2) == hd and v.stride() == k.stride()
+    keys = min(KV_BYTES // (2 * rows * H * key), L - first)
+    if keys <= 0:
+        return []
+    return [(t.data_ptr() + first * key, keys * key, t.stride(1) * t.element_size(), rows * H, key, first)
+            for t in (k, v)]
 
 
 if triton is not None:
@@ -94,22 +132,42 @@ if triton is not None:
                 tl.atomic_add(PROGRESS, 1, sem="relaxed", scope="gpu")
 
     @triton.jit
-    def _prefetch_kernel(SEGS, PROGRESS, n_segs, total, CHUNK: tl.constexpr, EVICT_LAST: tl.constexpr):
-        """SEGS (n_segs, 3) int64: each weight's address, bytes and the count it waits for, in fetch order.
-        PROGRESS[0]: kernels counted (total per step); PROGRESS[1]: prefetching programs done (both left at zero)."""
+    def _fetch(base, nbytes, stride, ranges, lane, CHUNK: tl.constexpr, EVICT_LAST: tl.constexpr):
+        """Ranges base + i * stride, i < ranges, of nbytes each, in CHUNK pieces: this program's lanes take a
+        piece each, the programs in turn."""
+        pieces = (nbytes + CHUNK - 1) // CHUNK
+        per = tl.maximum(pieces, 1)  # (no piece at all: the loop does not run)
+        for i0 in range(tl.program_id(0).to(tl.int64) * 32, ranges * pieces, tl.num_programs(0) * 32):
+            i = i0 + lane
+            off = i % per * CHUNK
+            size = tl.where(i < ranges * pieces, tl.minimum(nbytes - off, CHUNK), 0) // 16 * 16
+            _l2_prefetch(base + i // per * stride + off, size.to(tl.int32), EVICT_LAST)
+
+    @triton.jit
+    def _prefetch_kernel(SEGS, PROGRESS, POS, n_segs, total, CHUNK: tl.constexpr, EVICT_LAST: tl.constexpr,
+                         KV_EVICT_LAST: tl.constexpr):
+        """SEGS (n_segs, 7) int64, in fetch order: address, bytes, the count it waits for, stride, ranges (a weight:
+        0 and 1), bytes per key (0: a weight), first key. A cache's ranges stop at the step's position
+        POS (keys past it are not written yet). PROGRESS[0]: kernels counted (total per step); PROGRESS[1]:
+        prefetching programs done (both left at zero)."""
         lane = tl.arange(0, 32).to(tl.int64)
-        pid, programs = tl.program_id(0), tl.num_programs(0)
+        pos = tl.load(POS)  # the step's: the previous step's draw advanced it before this one began
         for j in range(n_segs):
-            base = tl.load(SEGS + 3 * j)
-            nbytes = tl.load(SEGS + 3 * j + 1)
-            wait = tl.load(SEGS + 3 * j + 2).to(tl.int32)
+            base = tl.load(SEGS + 7 * j)
+            nbytes = tl.load(SEGS + 7 * j + 1)
+            wait = tl.load(SEGS + 7 * j + 2).to(tl.int32)
+            stride = tl.load(SEGS + 7 * j + 3)
+            ranges = tl.load(SEGS + 7 * j + 4)
+            key = tl.load(SEGS + 7 * j + 5)
+            first = tl.load(SEGS + 7 * j + 6)
             while tl.load(PROGRESS, volatile=True) < wait:
                 pass
-            for c0 in range(pid * 32 * CHUNK, nbytes, programs * 32 * CHUNK):  # a chunk per lane
-                off = c0 + lane * CHUNK
-                size = tl.maximum(tl.minimum(nbytes - off, CHUNK), 0) // 16 * 16
-                _l2_prefetch(base + off, size.to(tl.int32), EVICT_LAST)
-        if tl.atomic_add(PROGRESS + 1, 1, sem="acq_rel", scope="gpu") == programs - 1:
+            if key > 0:
+                _fetch(base, tl.minimum(nbytes, tl.maximum(pos - first, 0) * key), stride, ranges, lane, CHUNK,
+                       KV_EVICT_LAST)
+            else:
+                _fetch(base, nbytes, stride, ranges, lane, CHUNK, EVICT_LAST)
+        if tl.atomic_add(PROGRESS + 1, 1, sem="acq_rel", scope="gpu") == tl.num_programs(0) - 1:
             while tl.load(PROGRESS, volatile=True) < total:  # every kernel counted: none lands after the reset
                 pass
             tl.store(PROGRESS, 0)
@@ -117,30 +175,47 @@ if triton is not None:
 
 
 class Prefetcher:
-    """The L2 prefetch of one model's projection weights beside its captured decode steps; compiled: paced by
-    the compiled block's decode attention, else by the fused block's projections."""
+    """The L2 prefetch of one model's projection weights and cached keys beside its captured decode steps;
+    compiled: paced by the compiled block's decode attention (and down projection), else by the fused block's
+    projections. `prepare` makes the plan of each row count the steps run at, once the caches exist."""
 
     def __init__(self, model, compiled=False):
+        self.model, self.compiled = model, compiled
         device = model.output.weight.device
-        plan = schedule(model, compiled)
-        self.segs = torch.tensor([[w.data_ptr(), w.numel() * w.element_size(), wait] for w, wait in plan],
-                                 dtype=torch.int64, device=device)
-        self.total = len(model.layers) * (1 if compiled else 4)  # counts per step
+        self.plans = {}  # rows -> (SEGS, counts per step)
         self.progress = torch.zeros(2, dtype=torch.int32, device=device)
         self.stream = torch.cuda.Stream(device)
         # Loaded now, with nothing to wait for, rather than first launched inside a capture
-        _prefetch_kernel[(1,)](self.segs, self.progress, 0, 0, CHUNK=CHUNK, EVICT_LAST=EVICT_LAST, num_warps=1)
+        segs = torch.zeros(1, 7, dtype=torch.int64, device=device)
+        _prefetch_kernel[(1,)](segs, self.progress, segs, 0, 0, CHUNK=CHUNK, EVICT_LAST=EVICT_LAST,
+                               KV_EVICT_LAST=KV_EVICT_LAST, num_warps=1)
         torch.cuda.synchronize(device)
 
-    def start(self):
-        """Inside a capture: launch the prefetcher on its stream, after what the current stream has queued, and
-        return True (then `join` it at the step's end). Outside one: nothing, False (then `reset`)."""
+    def prepare(self, rows, input_pos, down=False):
+        """The plan of steps over `rows` rows at input_pos (the caches set up); down: the compiled block's down
+        projection counts at these rows (decode_block.down_for). Before the steps' capture (a host copy)."""
+        self.pos = input_pos
+        table = []
+        for seg, wait in schedule(self.model, self.compiled, down, kv=KV_BYTES > 0):
+            if isinstance(seg, torch.Tensor):
+                table.append([seg.data_ptr(), seg.numel() * seg.element_size(), wait, 0, 1, 0, 0])
+            else:
+                table += [[base, size, wait, stride, ranges, key, first]
+                          for base, size, stride, ranges, key, first in kv_rows(seg, rows, seg.text_len)]
+        per = 4 if not self.compiled else 2 if down else 1
+        self.plans[rows] = torch.tensor(table, dtype=torch.int64, device=input_pos.device), per * len(self.model.layers)
+
+    def start(self, rows):
+        """Inside a capture: launch the prefetcher of steps over `rows` rows on its stream, after what the current
+        stream has queued, and return True (then `join` it at the step's end). Outside one: nothing, False (then
+        `reset`)."""
         if not torch.cuda.is_current_stream_capturing():
             return False
+        segs, total = self.plans[rows]
         self.stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(self.stream):
-            _prefetch_kernel[(PROGRAMS,)](self.segs, self.progress, self.segs.shape[0], self.total, CHUNK=CHUNK,
-                                          EVICT_LAST=EVICT_LAST, num_warps=1)
+            _prefetch_kernel[(PROGRAMS,)](segs, self.progress, self.pos, segs.shape[0], total, CHUNK=CHUNK,
+                                          EVICT_LAST=EVICT_LAST, KV_EVICT_LAST=KV_EVICT_LAST, num_warps=1)
         return True
 
     def join(self):
@@ -148,5 +223,5 @@ class Prefetcher:
         torch.cuda.current_stream().wait_stream(self.stream)
 
     def reset(self):
-        """The count back to zero after a step run without the prefetcher (the capture's warm-up)."""
+        """The count back to zero after a step run outside a capture (the capture's warm-up)."""
         self.progress.zero_()

@@ -135,9 +135,11 @@ for (block, warps, merge_warps), pdl in itertools.product([config for _, config 
         consts = {"SCALE": 0.125, "BLOCK": block, "HEAD_DIM": 64, "LEAD": da.LEAD, "PDL": pdl, "EVICT": evict,
                   "FRESH": fresh, "TEXT": text}
         build(da._partial_kernel, sig, consts, {"num_warps": warps, "launch_pdl": pdl}, attrs=attrs)
-    for splits, counted, text in itertools.product((1, 16), (False, True) if not pdl else (False,), (False, True)):
-        build(da._merge_kernel, merge_sig, {"SPLITS": splits, "HEAD_DIM": 64, "PDL": pdl, "BUMP": counted,
-                                            "TEXT": text}, {"num_warps": merge_warps, "launch_pdl": pdl})
+    # the merge with PDL's late trigger (2) after a partial kernel without PDL: the dot path (decode_block.merge_pdl)
+    for splits, counted, text, merge_pdl in itertools.product((1, 16), (False, True) if not pdl else (False,),
+                                                              (False, True), (pdl,) if pdl else (False, 2)):
+        build(da._merge_kernel, merge_sig, {"SPLITS": splits, "HEAD_DIM": 64, "PDL": merge_pdl, "BUMP": counted,
+                                            "TEXT": text}, {"num_warps": merge_warps, "launch_pdl": bool(merge_pdl)})
 print("compiled")
 """
 

@@ -136,9 +136,13 @@ from test_reference import tiny_inputs, tiny_model
 
 class Prefetcher:  # prefetch.Prefetcher's part outside a capture (its kernel is Hopper's): the count
     def __init__(self, model, compiled=False):
-        self.progress, self.counted = torch.zeros(2, dtype=torch.int32), []
+        self.progress, self.counted, self.compiled, self.plans = torch.zeros(2, dtype=torch.int32), [], compiled, []
 
-    def start(self):
+    def prepare(self, rows, input_pos, down=False):
+        self.plans.append((rows, down))
+
+    def start(self, rows):
+        assert rows in [r for r, _ in self.plans]
         return False
 
     def reset(self):  # after each step run outside a capture
@@ -164,6 +168,7 @@ _, got = engine.generate(cond, 4, **kw)
 assert engine.sampler.block_fn.func is decode_block.decode_block and engine.block_fn is None  # nothing compiled
 counted = engine.sampler.prefetcher.counted  # every projection of every step counted, for the prefetcher
 assert counted and set(counted) == {4 * len(model.layers)}, counted
+assert sorted(engine.sampler.prefetcher.plans) == [(2, False), (4, False)]  # with CFG and without (cfg_interval)
 assert engine.sampler.fused_draw and engine.sampler.fused_inputs and engine.sampler.head_noise
 worst = max((w if w.shape == g.shape else w.chunk(2)[0]).sub(g).abs().max().item() for w, g in zip(want, got))
 greedy = engine.generate(cond, 4, emb_masks=mask, condition=condition, cfg_scale=4.0, top_k=1)
@@ -252,8 +257,9 @@ for dt, D, F, hd, int8 in (("bf16", 1280, 3584, 64, False), ("bf16", 4096, 11008
             build(db._linear_kernel, lin, dict(kw, K=F, QUANT=False, BUMP=False, BN=bn), options)
 # The prefetcher beside the step (one warp per program: bulk L2 prefetches, spins on the count)
 for evict_last in (False, True):
-    build(prefetch._prefetch_kernel, {"SEGS": "*i64", "PROGRESS": "*i32", "n_segs": "i32", "total": "i32"},
-          dict(CHUNK=prefetch.CHUNK, EVICT_LAST=evict_last), {"num_warps": 1})
+    build(prefetch._prefetch_kernel, {"SEGS": "*i64", "PROGRESS": "*i32", "POS": "*i64", "n_segs": "i32",
+                                      "total": "i32"},
+          dict(CHUNK=prefetch.CHUNK, EVICT_LAST=evict_last, KV_EVICT_LAST=not evict_last), {"num_warps": 1})
 print("compiled")
 """
 
@@ -325,3 +331,18 @@ def test_down_serves_one_token_steps_past_the_fused_rows():
         assert decode_block.down_for(layer, other) is None, other.shape
     quantize_int8(model)
     assert decode_block.down_for(model.layers[0], x(hi)) is None
+
+
+def test_the_merge_launches_under_pdl_on_the_dot_path(monkeypatch):
+    """The decode attention's merge launches as its partial kernel on the GEMV path (PDL, EARLY), with PDL's late
+    trigger on the dot path where the partial kernel has no PDL (MERGE_PDL), and without PDL where there is none."""
+    from fast_inference import decode_block
+    from fast_inference.pdl import EARLY, LATE
+
+    monkeypatch.setattr(decode_block, "use_pdl", lambda device: True)
+    assert decode_block.merge_pdl(2, "cuda") == decode_block.attention_pdl(2, "cuda") == EARLY
+    assert not decode_block.attention_pdl(16, "cuda") and decode_block.merge_pdl(16, "cuda") == LATE
+    monkeypatch.setattr(decode_block, "MERGE_PDL", False)
+    assert not decode_block.merge_pdl(16, "cuda")
+    monkeypatch.setattr(decode_block, "use_pdl", lambda device: False)
+    assert not decode_block.merge_pdl(2, "cpu")
