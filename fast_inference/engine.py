@@ -184,7 +184,7 @@ class Sampler(nn.Module):
         self._advance(self.key_valid[: self.batch], self.controls[:, : self.batch], False, kv_len)
 
     def _advance(self, key_valid, controls, guided, kv_len):
-        # Weights into L2 ahead of the kernels that read them, beside the step: inside its CUDA graph only (prefetch.py)
+        # Weights and keys into L2 ahead of the kernels that read them, beside the step: inside its graph only (prefetch.py)
         fetching = self.prefetcher is not None and self.prefetcher.start(key_valid.shape[0])
         if self.fused_inputs:  # embeddings, RoPE row and control rows in one kernel
             x, inputs = decode_inputs.step_inputs(self.model, self.token, self.input_pos, controls, guided)
