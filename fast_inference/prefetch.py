@@ -76,12 +76,13 @@ def schedule(model, compiled, down=False, kv=False):
     its down projection has (without it, none)."""
     layers = model.layers
     if not compiled:
-        plan = [(w, max(0, j - AHEAD + 1)) for j, w in enumerate(segments(model))]
-        if kv:  # after each qkv (weights 4l on)
-            for i in reversed(range(len(layers))):
-                plan.insert(4 * i + 1, (layers[i].attention.kv_cache, max(0, plan[4 * i][1] - KV_AHEAD)))
+        plan = []
+        for j, w in enumerate(segments(model)):
+            plan.append((w, max(0, j - AHEAD + 1)))
+            if kv and j % 4 == 0:  # a layer's qkv: its keys with it
+                plan.append((layers[j // 4].attention.kv_cache, max(0, j - AHEAD + 1 - KV_AHEAD)))
         return plan
-    per = 2 if down else 1  # counts per layer: the merge, then down
+    per = counts_per_layer(compiled, down)
     plan = [(layers[0].attention.wqkv.weight, 0)] + ([(layers[0].attention.kv_cache, 0)] if kv and down else [])
     for i, layer in enumerate(layers):
         ff = layer.feed_forward
@@ -92,6 +93,25 @@ def schedule(model, compiled, down=False, kv=False):
             if kv and down:
                 plan.append((layers[i + 1].attention.kv_cache, max(merged, per * i + 2 - KV_AHEAD)))
     return plan
+
+
+def counts_per_layer(compiled, down):
+    """The counts a layer's kernels make: the fused block's 4 projections; the compiled block's attention (its
+    merge), and its down projection where `down` serves."""
+    return 2 if compiled and down else 1 if compiled else 4
+
+
+def table(plan, rows):
+    """A plan (schedule) as the prefetching kernel's SEGS rows for steps over `rows` rows: address, bytes, the count
+    it waits for, stride, ranges, bytes per key, first key; a cache's keys from its text_len on (kv_rows)."""
+    out = []
+    for seg, wait in plan:
+        if isinstance(seg, torch.Tensor):
+            out.append([seg.data_ptr(), seg.numel() * seg.element_size(), wait, 0, 1, 0, 0])
+        else:
+            out += [[base, size, wait, stride, ranges, key, first]
+                    for base, size, stride, ranges, key, first in kv_rows(seg, rows, seg.text_len)]
+    return out
 
 
 def kv_rows(cache, rows, first):
@@ -195,15 +215,9 @@ class Prefetcher:
         """The plan of steps over `rows` rows at input_pos (the caches set up); down: the compiled block's down
         projection counts at these rows (decode_block.down_for). Before the steps' capture (a host copy)."""
         self.pos = input_pos
-        table = []
-        for seg, wait in schedule(self.model, self.compiled, down, kv=KV_BYTES > 0):
-            if isinstance(seg, torch.Tensor):
-                table.append([seg.data_ptr(), seg.numel() * seg.element_size(), wait, 0, 1, 0, 0])
-            else:
-                table += [[base, size, wait, stride, ranges, key, first]
-                          for base, size, stride, ranges, key, first in kv_rows(seg, rows, seg.text_len)]
-        per = 4 if not self.compiled else 2 if down else 1
-        self.plans[rows] = torch.tensor(table, dtype=torch.int64, device=input_pos.device), per * len(self.model.layers)
+        segs = table(schedule(self.model, self.compiled, down, kv=KV_BYTES > 0), rows)
+        total = counts_per_layer(self.compiled, down) * len(self.model.layers)
+        self.plans[rows] = torch.tensor(segs, dtype=torch.int64, device=input_pos.device), total
 
     def start(self, rows):
         """Inside a capture: launch the prefetcher of steps over `rows` rows on its stream, after what the current

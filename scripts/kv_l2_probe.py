@@ -11,6 +11,7 @@ if the attention's time follows its DRAM bytes.
 import argparse
 import os
 import sys
+import types
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -58,11 +59,12 @@ def main():
         attend = lambda: da.decode_attention(q, k, v, valid, pos, text=(sums, counts, T))
         want = attend()
         base = None
+        cache = types.SimpleNamespace(k_cache=k, v_cache=v, text_len=T)
+        key = HD * k.element_size()
         for keys in map(int, args.keys.split(",")):
-            key = HD * k.element_size()
-            table = None if keys == 0 else torch.tensor(
-                [[t.data_ptr() + T * key, keys * key, 0, L * key, R * H, key, T] for t in (k, v)],
-                dtype=torch.int64, device="cuda")
+            prefetch.KV_BYTES = 2 * R * H * key * keys  # keys per (row, head), for K and V
+            table = None if keys == 0 else torch.tensor(prefetch.table([(cache, 0)], R), dtype=torch.int64,
+                                                        device="cuda")
             us = sorted(timed(attend, table, flush, pos) for _ in range(REPS))[REPS // 2]
             nbytes = 2 * R * H * min(keys, args.position - T) * key
             base = us if base is None else base
