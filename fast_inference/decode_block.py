@@ -488,12 +488,35 @@ def decode_block(layer, x, freqs, attend, input_pos, prefetcher=None):
     return linear(a, ff.w2.weight, row_scales(ff.w2), residual=h, name="w2", pdl=pdl, progress=progress).view(R, 1, D)
 
 
+# `down` as an op that inductor calls as it is (down_op), launched under PDL's late trigger: inductor launches a
+# user-defined Triton kernel through its own launcher, which takes no launch_pdl, and without PDL at n = 32 the down
+# projection waits for SiLU x up to finish before it launches. H200, `python scripts/engine_ab.py --batch-sizes 32
+# --process-per-setting` (docs/PERF_NOTES.md #47): 2.775 -> 2.756 ms/step. The decode attention the same way lost:
+# its partial kernel under PDL 2.735 -> 2.958, its merge alone +0.01 ms.
+DOWN_PDL = True
+
+
 def down(a, w2, h, progress=None):
     """h + w2(a) for a (R, 1, F) and h (R, 1, D): the down projection's kernel with the residual add, as
-    TransformerBlock.forward's `down`, launched without PDL (its neighbours are inductor's); counted for a
-    prefetcher (progress) as it starts."""
+    TransformerBlock.forward's `down`, through down_op (under PDL with DOWN_PDL); counted for a prefetcher
+    (progress) as it starts."""
     R, _, D = h.shape
-    return linear(a.view(R, -1), w2.weight, residual=h.view(R, D), name="w2", progress=progress).view(R, 1, D)
+    count = progress is not None
+    if not count:  # the op mutates it: a scratch count rather than an input
+        progress = torch.empty(1, dtype=torch.int32, device=h.device)
+    pdl = pdl_for(R, h.device) if DOWN_PDL else False
+    return down_op(a.view(R, -1), w2.weight, h.view(R, D), progress, count, int(pdl)).view(R, 1, D)
+
+
+@torch.library.custom_op("fast_inference::down", mutates_args=("progress",))
+def down_op(a: torch.Tensor, weight: torch.Tensor, h: torch.Tensor, progress: torch.Tensor, count: bool,
+            pdl: int) -> torch.Tensor:
+    return linear(a, weight, residual=h, name="w2", pdl=pdl, progress=progress if count else None)
+
+
+@down_op.register_fake
+def _(a, weight, h, progress, count, pdl):
+    return h.new_empty(h.shape)
 
 
 def serves_down(layer, rows, steps=1, cuda=True):

@@ -248,13 +248,11 @@ for dt, D, F, hd, int8 in (("bf16", 1280, 3584, 64, False), ("bf16", 4096, 11008
         build(db._qkv_kernel, qkv, dict(kw, D=D, HD=hd, BP=min(pairs, hd // 2)), options)
         bn, kw, options = args("gate_up", dtype, rows, D, 2, int8)
         build(db._gate_up_kernel, gu, dict(kw, BN=bn), options)
-    if D == 1280 and not int8:  # down(): w2 with its residual add in the compiled block, without PDL
+    if D == 1280 and not int8:  # down(): w2 with its residual add in the compiled block, counting, under PDL
         for rows in (32, 64):
-            meta = lambda n, K: torch.empty(n, K, dtype=dtype, device="meta")
-            bn, kw = db.plan("w2", meta(rows, F), meta(1, F), 1, False)
-            options = {o: kw.pop(o) for o in ("num_warps", "num_stages")}
-            kw.pop("PROGRESS")
-            build(db._linear_kernel, lin, dict(kw, K=F, QUANT=False, BUMP=False, BN=bn), options)
+            bn, kw, options = args("w2", dtype, rows, F, 1, int8)
+            kw.pop("EPS")
+            build(db._linear_kernel, lin, dict(kw, BN=bn), options)
 # The prefetcher beside the step (one warp per program: bulk L2 prefetches, spins on the count)
 for evict_last in (False, True):
     build(prefetch._prefetch_kernel, {"SEGS": "*i64", "PROGRESS": "*i32", "POS": "*i64", "n_segs": "i32",
@@ -268,7 +266,7 @@ def test_kernels_compile_for_sm90():
     """GPT-XL and GPT-7B shapes in bf16, GPT-XL in fp32 and with int8 weights, at 2 rows (GEMV path, its
     tiling capped for wide K, with programmatic dependent launch) and 8 and 16 rows (dot path, with PDL's late
     trigger), each projection (counting for a prefetcher) and the head (with the draw's noise and without),
-    w2 as `down` at 32 and 64 rows (bf16 and fp32, no PDL), and the prefetcher's kernel: an H100/H200 cubin with Triton's bundled ptxas, and no register spills (a
+    w2 as `down` at 32 and 64 rows (bf16 and fp32, with PDL's late trigger), and the prefetcher's kernel: an H100/H200 cubin with Triton's bundled ptxas, and no register spills (a
     GEMV whose weight rows spill would crawl)."""
     sm90.run(AOT_SCRIPT)
 
@@ -307,6 +305,66 @@ def test_down_matches_the_block_in_interpreter():
     out = subprocess.run([sys.executable, "-c", DOWN_SCRIPT], env=env, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-2000:]
     assert float(out.stdout.split()[-1]) < 1e-5, out.stdout
+
+
+COMPILED_DOWN_SCRIPT = r"""
+import functools
+import torch
+from torch._inductor.utils import run_and_get_code
+from fast_inference import decode_block
+from test_reference import tiny_model
+
+model = tiny_model(seed=3, n_layer=2, dim=64, n_head=2)
+model.fuse_projections()
+R, L, T = 20, model.args.cls_token_num + 16, model.args.cls_token_num
+model.setup_caches(R, L, torch.float32)
+for layer in model.layers:
+    layer.attention.kv_cache.k_cache.normal_()
+    layer.attention.kv_cache.v_cache.normal_()
+caches = [(l.attention.kv_cache.k_cache.clone(), l.attention.kv_cache.v_cache.clone()) for l in model.layers]
+pos, key_valid = torch.tensor([T + 5]), torch.ones(R, L, dtype=torch.bool)
+x = torch.randn(R, 1, model.args.dim)
+count = torch.zeros(1, dtype=torch.int32)
+block = torch.compile(lambda layer, x, freqs, attend, input_pos: layer(x, freqs, attend, functools.partial(
+    decode_block.down, progress=count)), fullgraph=True, dynamic=False)
+with torch.no_grad():
+    want = model(x, pos, key_valid, hidden=True)
+    for layer, (k, v) in zip(model.layers, caches):
+        layer.attention.kv_cache.k_cache.copy_(k)
+        layer.attention.kv_cache.v_cache.copy_(v)
+    got, code = run_and_get_code(lambda: model(x, pos, key_valid, hidden=True, block_fn=block))
+assert count.item() == len(model.layers), count  # once per layer, as the prefetcher expects
+assert "torch.ops.fast_inference.down.default(" in code[0]
+print((got - want).abs().max().item())
+"""
+
+
+def test_compiled_block_calls_down_as_an_op_in_interpreter():
+    """Under torch.compile (fullgraph) the block calls `down` as the op inductor leaves as it is (so that it launches
+    under PDL), counts once per layer for a prefetcher, and gives the model's result, in float32."""
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join([ROOT, os.path.join(ROOT, "tests")]))
+    out = subprocess.run([sys.executable, "-c", COMPILED_DOWN_SCRIPT], env=env, capture_output=True, text=True,
+                         timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert float(out.stdout.split()[-1]) < 1e-5, out.stdout
+
+
+def test_down_launches_under_pdl_where_the_block_does(monkeypatch):
+    """`down` passes its op the dot path's PDL (the late trigger on Hopper), none with DOWN_PDL off or where PDL does
+    not exist, and a scratch count without a prefetcher's."""
+    import torch
+
+    from fast_inference import decode_block, pdl
+
+    calls = []
+    monkeypatch.setattr(decode_block, "down_op", lambda a, w, h, progress, count, p: calls.append((count, p)) or h)
+    w2, a, h = torch.nn.Linear(8, 4, bias=False), torch.zeros(20, 1, 8), torch.zeros(20, 1, 4)
+    decode_block.down(a, w2, h)
+    monkeypatch.setattr(decode_block, "use_pdl", lambda device: True)
+    decode_block.down(a, w2, h, progress=torch.zeros(1, dtype=torch.int32))
+    monkeypatch.setattr(decode_block, "DOWN_PDL", False)
+    decode_block.down(a, w2, h)
+    assert calls == [(False, 0), (True, pdl.LATE), (False, 0)]
 
 
 def test_down_serves_one_token_steps_past_the_fused_rows():
