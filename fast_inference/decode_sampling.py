@@ -1,21 +1,22 @@
-"""The head's sampling in one Triton kernel: CFG merge, temperature, top-k, the exponential race,
+"""The head's sampling in two Triton kernels: CFG merge, temperature, top-k, the exponential race,
 and the token written where the step needs it.
 
 sampling.py's routine, eager, is ~20 small kernels per step around PyTorch's top-k: 80-100 us on an
-H200 (scripts/bench_sampling.py), about 7% of a one-image step. Here one program per image does it
-all:
+H200 (scripts/bench_sampling.py), about 7% of a one-image step. Here each image's row is split over a
+few programs (a race chunk each, `splits`), and two kernels do it all:
   - the CFG merge and temperature in sampling.py's float32 rounding order (no fused multiply-add,
     a correctly rounded division);
   - the exponential race, argmax(logit - log E) with E = -log(U): no sync, the same distribution as
     torch.multinomial. U comes from Philox keyed by a per-call seed (drawn from torch's generator),
     at a counter unique to (position, image, token). log E depends on neither the logits nor the
     previous kernels, so the fused head (decode_block.logits) computes it before its PDL wait, spread
-    over its programs (`race_noise`), and the draw reads it (NOISE_READY) instead of two logarithms
-    and a Philox round per logit on its one SM; elsewhere the draw makes it first;
+    over its programs (`race_noise`), and the draw reads it (NOISE_READY); elsewhere the first kernel
+    makes it. The first kernel's programs each find their chunk's first two winners;
   - top-k as sampling.filter_logits (values equal to the k-th largest survive), decided for the
-    race's winner alone: it is kept if fewer than k logits exceed its own. If not, the next winner
-    races (TRIES in all; the first two found in one pass and counted in the next), and then the k-th
-    largest is found by bisection over the floats' 32-bit order-preserving keys, the row in
+    race's winner alone: it is kept if fewer than k logits exceed its own. The second kernel's programs
+    take the best two of the chunks' winners and count their chunks' logits above both; the image's last
+    program decides. If both drop out, the next winner races on that program (TRIES in all), and then the
+    k-th largest is found by bisection over the floats' 32-bit order-preserving keys, the row in
     registers, one block-wide count per pass. Either way the token is the race's among the kept
     logits, the same bits;
   - the token to `token` and `out`.
@@ -33,10 +34,11 @@ try:
 except ImportError:
     triton = None
 
-CHUNK = 4096  # logits per pass of the draw's noise loop: 8 per thread at 16 warps
-RACE_CHUNK = 2048  # logits per pass of the race's and the counts' loops (4,096 spills at sm_90)
+CHUNK = 4096  # logits per Philox chunk of the race's noise: its quarter q takes Philox output q (race_noise)
+RACE_CHUNK = 2048  # logits per pass of the race's and the counts' loops (4,096 spills at sm_90), and per program
 TRIES = 5  # race winners checked against top-k before the k-th largest is searched (0: at once)
 WARPS = 16  # for a 16,384-token row: 32 logits per thread, 128 registers (sm_90), no spills
+PROGRAMS = 128  # the draw's programs over all images at most: one wave on an H100/H200's 132 SMs
 
 
 if triton is not None:
@@ -70,8 +72,8 @@ if triton is not None:
 
     @triton.jit
     def race_noise(seed, pos, b, batch, j, VP: tl.constexpr, CHUNK: tl.constexpr):
-        """log E = log(-log U) of the race for tokens j of image b at pos, U as the draw's chunk loop draws it
-        (a chunk's quarter q takes Philox output q at its lane's counter): the draw subtracts it from the logits."""
+        """log E = log(-log U) of the race for tokens j of image b at pos: the draw subtracts it from the logits.
+        U is Philox output q at the counter of j's CHUNK-logit chunk plus j's place in its quarter q of it."""
         Q: tl.constexpr = CHUNK // 4
         q = j % CHUNK // Q
         u0, u1, u2, u3 = tl.rand4x(seed, _counter(pos, batch, b, j // CHUNK * CHUNK, VP) + j % Q)
@@ -111,19 +113,26 @@ if triton is not None:
         return top, tl.min(tl.where(run == top, lane, VP), 0)
 
     @triton.jit
-    def _first_two(LOGITS, NOISE, b, batch, V: tl.constexpr, scale, temperature, GUIDED: tl.constexpr,
-                   SAMPLE: tl.constexpr, VP: tl.constexpr, RC: tl.constexpr):
-        """The race's first two winners, (score, index) each, in _next_winner's order, in one pass: each lane
-        keeps its best two, so the second is the first's lane's second or another lane's best."""
+    def _first_two(LOGITS, NOISE, b, batch, V: tl.constexpr, scale, temperature, lo, hi, seed, pos,
+                   GUIDED: tl.constexpr, SAMPLE: tl.constexpr, MAKE_NOISE: tl.constexpr, VP: tl.constexpr,
+                   CHUNK: tl.constexpr, RC: tl.constexpr):
+        """The race's first two winners among logits lo..hi-1, (score, index) each, in _next_winner's order, in
+        one pass: each lane keeps its best two, so the second is the first's lane's second or another lane's
+        best. MAKE_NOISE: log E made here (race_noise) and stored to NOISE for later passes, else read there."""
         t = tl.arange(0, RC)
         run = tl.full([RC], float("-inf"), tl.float32)
         run2 = tl.full([RC], float("-inf"), tl.float32)
         lane = tl.zeros([RC], tl.int32)
         lane2 = tl.zeros([RC], tl.int32)
-        for c in range(0, VP, RC):
+        for c in range(lo, hi, RC):
             x = _tempered(LOGITS, b, batch, V, c + t, scale, temperature, GUIDED)
             if SAMPLE:
-                x = x - tl.load(NOISE + b * V + c + t, mask=c + t < V, other=0.0)
+                if MAKE_NOISE:
+                    log_e = race_noise(seed, pos, b, batch, c + t, VP, CHUNK)
+                    tl.store(NOISE + b * V + c + t, log_e, mask=c + t < V)
+                else:
+                    log_e = tl.load(NOISE + b * V + c + t, mask=c + t < V, other=0.0)
+                x = x - log_e
             first = x > run
             second = (x > run2) & ~first  # a tie with the lane's best comes after it: a later index
             run2 = tl.where(first, run, tl.where(second, x, run2))
@@ -138,97 +147,110 @@ if triton is not None:
         return top, token, top2, tl.min(tl.where(alt == top2, alt_lane, VP), 0)
 
     @triton.jit
-    def _count_above(LOGITS, b, batch, V: tl.constexpr, scale, temperature, x, x2, GUIDED: tl.constexpr,
-                     VP: tl.constexpr, RC: tl.constexpr):
-        """How many of image b's logits exceed x, and how many exceed x2, a chunk at a time."""
+    def _count_above(LOGITS, b, batch, V: tl.constexpr, scale, temperature, x, x2, lo, hi, GUIDED: tl.constexpr,
+                     RC: tl.constexpr):
+        """How many of image b's logits lo..hi-1 exceed x, and how many exceed x2, a chunk at a time."""
         t = tl.arange(0, RC)
         n = tl.zeros([RC], tl.int32)
         n2 = tl.zeros([RC], tl.int32)
-        for c in range(0, VP, RC):
+        for c in range(lo, hi, RC):
             v = _tempered(LOGITS, b, batch, V, c + t, scale, temperature, GUIDED)
             n += (v > x).to(tl.int32)
             n2 += (v > x2).to(tl.int32)
         return tl.sum(n, 0), tl.sum(n2, 0)
 
     @triton.jit
-    def _make_noise(NOISE, b, batch, V: tl.constexpr, pos, seed, VP: tl.constexpr, CHUNK: tl.constexpr):
-        """race_noise's values for image b into NOISE[b], a chunk at a time (over the whole row at once
-        Philox would not fit in registers): a chunk's quarter q takes Philox output q, four per call."""
-        Q: tl.constexpr = CHUNK // 4
-        t = tl.arange(0, Q)
-        for c in range(0, VP, CHUNK):
-            u0, u1, u2, u3 = tl.rand4x(seed, _counter(pos, batch, b, c, VP) + t)
-            at = NOISE + b * V + c + t
-            tl.store(at, tl.log(-tl.log(u0)), mask=c + t < V)
-            tl.store(at + Q, tl.log(-tl.log(u1)), mask=c + Q + t < V)
-            tl.store(at + 2 * Q, tl.log(-tl.log(u2)), mask=c + 2 * Q + t < V)
-            tl.store(at + 3 * Q, tl.log(-tl.log(u3)), mask=c + 3 * Q + t < V)
-        tl.debug_barrier()  # the row is read back by other threads
-
-    @triton.jit
-    def _draw_kernel(LOGITS, NOISE, TOKEN, OUT, POS, SEED, CFG_SCALE, TEMPERATURE, COUNT, batch, stride_out,
-                     prefix_len, V: tl.constexpr, TOP_K: tl.constexpr, GUIDED: tl.constexpr,
-                     SAMPLE: tl.constexpr, NOISE_READY: tl.constexpr, ADVANCE: tl.constexpr, PAIR: tl.constexpr,
-                     SINGLES: tl.constexpr, VP: tl.constexpr, CHUNK: tl.constexpr, RC: tl.constexpr,
+    def _race_kernel(LOGITS, NOISE, CAND_S, CAND_T, POS, SEED, CFG_SCALE, TEMPERATURE, batch, V: tl.constexpr,
+                     GUIDED: tl.constexpr, SAMPLE: tl.constexpr, NOISE_READY: tl.constexpr, SPLITS: tl.constexpr,
+                     SPAN: tl.constexpr, VP: tl.constexpr, CHUNK: tl.constexpr, RC: tl.constexpr,
                      PDL: tl.constexpr):
-        """Image b: rows b (and batch + b, unconditional, if GUIDED) of LOGITS (rows, V) -> TOKEN[b] and
-        OUT[b, POS - prefix_len + 1]. The race's log E is read from NOISE (batch, V): made by race_noise for
-        this step (NOISE_READY), or here first. ADVANCE: POS + 1 to POS, by the last program to finish (an
-        acq_rel count, left at zero). PAIR: the first two winners checked from two passes, then SINGLES
-        more, one per two passes."""
+        """The draw's first kernel: program (b, s) races image b's logits s*SPAN..(s+1)*SPAN-1 (their log E made
+        first, unless NOISE_READY) and stores its first two winners, (score, index) each, to CAND_*[b, s]."""
         b = tl.program_id(0)
-        offs = tl.arange(0, VP)
-        ok = offs < V
+        s = tl.program_id(1)
         scale = tl.load(CFG_SCALE)  # before the wait: set before the prefill
         temperature = tl.maximum(tl.load(TEMPERATURE), 1e-5)
+        seed = tl.load(SEED)
         pdl_wait(PDL)  # the position after it: the prefill sets it right before its draw
-        if SAMPLE and not NOISE_READY:
-            _make_noise(NOISE, b, batch, V, tl.load(POS), tl.load(SEED), VP, CHUNK)
+        top, token, top2, token2 = _first_two(LOGITS, NOISE, b, batch, V, scale, temperature, s * SPAN, s * SPAN + SPAN,
+                                              seed, tl.load(POS), GUIDED, SAMPLE, SAMPLE and not NOISE_READY, VP,
+                                              CHUNK, RC)
+        at = (b * SPLITS + s) * 2
+        tl.store(CAND_S + at, top)
+        tl.store(CAND_S + at + 1, top2)
+        tl.store(CAND_T + at, token)
+        tl.store(CAND_T + at + 1, token2)
+
+    @triton.jit
+    def _draw_kernel(LOGITS, NOISE, CAND_S, CAND_T, TOKEN, OUT, POS, CFG_SCALE, TEMPERATURE, COUNT, batch, stride_out,
+                     prefix_len, V: tl.constexpr, TOP_K: tl.constexpr, GUIDED: tl.constexpr, SAMPLE: tl.constexpr,
+                     ADVANCE: tl.constexpr, TRIES: tl.constexpr, SPLITS: tl.constexpr, SPAN: tl.constexpr,
+                     VP: tl.constexpr, RC: tl.constexpr, PDL: tl.constexpr):
+        """The draw's second kernel: image b's token, from _race_kernel's winners, to TOKEN[b] and OUT[b, POS -
+        prefix_len + 1]. Program (b, s) counts the logits s*SPAN..(s+1)*SPAN-1 above the first two winners'; the
+        last of image b's SPLITS programs decides. COUNT (int64 zeros, left at zero): [0] the images decided,
+        [1 + b] image b's programs done and their two counts in one word (bits 0, 16 and 40). ADVANCE: POS + 1
+        to POS, by the last image's."""
+        b = tl.program_id(0)
+        s = tl.program_id(1)
+        offs = tl.arange(0, VP)
+        ok = offs < V
+        scale = tl.load(CFG_SCALE)
+        temperature = tl.maximum(tl.load(TEMPERATURE), 1e-5)
+        pdl_wait(PDL)
         # The race's winner over all tokens is top-k's if fewer than k logits exceed its own (x_i >= the k-th
-        # largest exactly then); else it drops out and the next in (score, -index) order races, TRIES in
-        # all. With GPT-XL's merged logits the first winner is in the top 2,000 ~90% of the time (its share
-        # of the softmax, random weights): two passes instead of the k-th largest's 20-32 counts. The first
-        # two winners share their two passes: with many images some image's first winner is out most steps,
-        # and the slowest image sets the draw's time. The passes read the logits again from cache a chunk at
-        # a time, and the tries are unrolled, each under its own branch: a row held in registers beside the
-        # k-th largest's spills at sm_90.
-        best = tl.full((), float("inf"), tl.float32)
-        token = tl.full((), -1, tl.int32)
-        pending = tl.full((), 1, tl.int32)
-        if PAIR:  # the first two winners from one pass, both counted in the next: two tries for two passes
-            best, token, best2, token2 = _first_two(LOGITS, NOISE, b, batch, V, scale, temperature, GUIDED, SAMPLE,
-                                                    VP, RC)
-            pending = tl.zeros((), tl.int32)
+        # largest exactly then); else it drops out and the next in (score, -index) order races, TRIES in all.
+        # With GPT-XL's merged logits the first winner is in the top 2,000 ~90% of the time (its share of the
+        # softmax, random weights): one count instead of the k-th largest's 20-32. The first two winners are the
+        # best two of the programs' pairs and are counted at once, spread over the image's programs: with many
+        # images some image's first winner is out most steps, and the slowest image sets the draw's time.
+        j = tl.arange(0, 2 * SPLITS)
+        cand_s = tl.load(CAND_S + b * 2 * SPLITS + j)
+        cand_t = tl.load(CAND_T + b * 2 * SPLITS + j)
+        best = tl.max(cand_s, 0)
+        token = tl.min(tl.where(cand_s == best, cand_t, VP), 0)
+        rest = tl.where(cand_t == token, float("-inf"), cand_s)
+        best2 = tl.max(rest, 0)
+        token2 = tl.min(tl.where((rest == best2) & (cand_t != token), cand_t, VP), 0)
+        decides = s == 0
+        if TOP_K > 0:
+            x = _tempered(LOGITS, b, batch, V, token, scale, temperature, GUIDED)
+            x2 = _tempered(LOGITS, b, batch, V, token2, scale, temperature, GUIDED)
+            n, n2 = _count_above(LOGITS, b, batch, V, scale, temperature, x, x2, s * SPAN, s * SPAN + SPAN, GUIDED, RC)
+            mine = 1 + (n.to(tl.int64) << 16) + (n2.to(tl.int64) << 40)
+            word = tl.atomic_add(COUNT + 1 + b, mine, sem="relaxed", scope="gpu") + mine
+            decides = (word & 0xFFFF) == SPLITS
+        if decides:
             if TOP_K > 0:
-                x = _tempered(LOGITS, b, batch, V, token, scale, temperature, GUIDED)
-                x2 = _tempered(LOGITS, b, batch, V, token2, scale, temperature, GUIDED)
-                above, above2 = _count_above(LOGITS, b, batch, V, scale, temperature, x, x2, GUIDED, VP, RC)
-                if (above >= TOP_K) | (best == float("-inf")):
-                    best, token = best2, token2
-                    pending = ((above2 >= TOP_K) | (best2 == float("-inf"))).to(tl.int32)
-        for _try in tl.static_range(SINGLES):  # then one winner per two passes
-            if pending != 0:
-                best, token = _next_winner(LOGITS, NOISE, b, batch, V, scale, temperature, float("-inf"), best, token,
-                                           GUIDED, SAMPLE, VP, RC)
-                pending = tl.zeros((), tl.int32)
-                if TOP_K > 0:  # (no finite score left: the k-th largest decides)
-                    x = _tempered(LOGITS, b, batch, V, token, scale, temperature, GUIDED)
-                    above, _ = _count_above(LOGITS, b, batch, V, scale, temperature, x, x, GUIDED, VP, RC)
+                tl.store(COUNT + 1 + b, 0)
+                above = ((word >> 16) & 0xFFFFFF).to(tl.int32)
+                if TRIES == 0:
+                    pending = tl.full((), 1, tl.int32)
+                else:
                     pending = ((above >= TOP_K) | (best == float("-inf"))).to(tl.int32)
-        if pending != 0:  # then the race among the logits >= the k-th largest
-            kth = float("-inf")
-            if TOP_K > 0:
-                kth = _kth_largest(_tempered(LOGITS, b, batch, V, offs, scale, temperature, GUIDED), ok, TOP_K)
-            best, token = _next_winner(LOGITS, NOISE, b, batch, V, scale, temperature, kth, float("inf"), -1, GUIDED,
-                                       SAMPLE, VP, RC)
-        pos = tl.load(POS)  # here: held through the tries it spilled
-        tl.store(TOKEN + b, token.to(tl.int64))
-        tl.store(OUT + b * stride_out + pos - prefix_len + 1, token.to(tl.int64))
-        if ADVANCE:  # every program has read the position once the count reaches batch
-            tl.debug_barrier()
-            last = tl.atomic_add(COUNT, 1, sem="acq_rel", scope="gpu") == batch - 1
-            tl.store(POS, pos + 1, mask=last)
-            tl.store(COUNT, 0, mask=last)
+                    if TRIES >= 2:
+                        if pending != 0:
+                            best, token = best2, token2
+                            pending = (((word >> 40).to(tl.int32) >= TOP_K) | (best2 == float("-inf"))).to(tl.int32)
+                for _try in tl.static_range(max(TRIES - 2, 0)):  # then one winner per two passes, here
+                    if pending != 0:
+                        best, token = _next_winner(LOGITS, NOISE, b, batch, V, scale, temperature, float("-inf"),
+                                                   best, token, GUIDED, SAMPLE, VP, RC)
+                        x = _tempered(LOGITS, b, batch, V, token, scale, temperature, GUIDED)
+                        above, _ = _count_above(LOGITS, b, batch, V, scale, temperature, x, x, 0, VP, GUIDED, RC)
+                        pending = ((above >= TOP_K) | (best == float("-inf"))).to(tl.int32)
+                if pending != 0:  # then the race among the logits >= the k-th largest
+                    kth = _kth_largest(_tempered(LOGITS, b, batch, V, offs, scale, temperature, GUIDED), ok, TOP_K)
+                    best, token = _next_winner(LOGITS, NOISE, b, batch, V, scale, temperature, kth, float("inf"), -1,
+                                               GUIDED, SAMPLE, VP, RC)
+            pos = tl.load(POS)  # here: held through the tries it spilled
+            tl.store(TOKEN + b, token.to(tl.int64))
+            tl.store(OUT + b * stride_out + pos - prefix_len + 1, token.to(tl.int64))
+            if ADVANCE:  # every image's deciding program has read the position once the count reaches batch
+                tl.debug_barrier()
+                last = tl.atomic_add(COUNT, 1, sem="acq_rel", scope="gpu") == batch - 1
+                tl.store(POS, pos + 1, mask=last)
+                tl.store(COUNT, 0, mask=last)
 
 
 def layout(V):
@@ -245,30 +267,45 @@ def warps_and_registers(VP):
     return warps, min(255, 65536 // (32 * warps))
 
 
+def splits(batch, VP, RC):
+    """Programs per image of the draw's two kernels: a race chunk each, fewer where the images would take more than
+    PROGRAMS (a power of two, at least one)."""
+    n = max(1, min(VP // RC, PROGRAMS // batch))
+    return 1 << (n.bit_length() - 1)
+
+
 def draw(logits, token, out, input_pos, seed, cfg_scale, temperature, prefix_len, top_k, guided,
          sample_logits, noise=None, noise_ready=False, count=None):
     """sampling.sample(cfg_merge(logits) if guided else logits, temperature, top_k, race=True) for
     logits (rows, V) of one step at input_pos: the tokens (batch, 1) to `token` and to out[:, input_pos -
     prefix_len + 1]. noise (batch, V) float32: the race's log E, made for this step by race_noise
-    (noise_ready), or made here into it (None: a buffer of its own). count: an int32 zero; then input_pos
-    is advanced here too, one kernel less per step. With PDL where it exists (before its wait it reads
-    only cfg_scale and temperature, set before the prefill). Tensors stay on the device: no sync."""
+    (noise_ready), or made here into it (None: a buffer of its own). count: int64 zeros (1 + batch,), left at
+    zero; then input_pos is advanced here too, one kernel less per step. Two kernels with PDL where it exists
+    (before its wait each reads only cfg_scale, temperature and the seed, set before the prefill). Tensors stay
+    on the device: no sync."""
     batch, V = token.shape[0], logits.shape[-1]
     assert logits.shape[0] == (2 * batch if guided else batch) and logits.is_contiguous()
+    assert V < 1 << 23  # the counts' 24 bits in COUNT's words
     if noise is None:
         assert not noise_ready
         noise = torch.empty(batch, V, device=logits.device)
     assert noise.shape == (batch, V) and noise.is_contiguous()
+    scratch = torch.zeros(1 + batch, dtype=torch.long, device=logits.device) if count is None else count
+    assert scratch.dtype == torch.long and scratch.numel() >= 1 + batch
     VP, chunk = layout(V)
+    RC = min(VP, RACE_CHUNK)
+    n = splits(batch, VP, RC)
+    cand_s = torch.empty(batch, n, 2, device=logits.device)
+    cand_t = torch.empty(batch, n, 2, dtype=torch.int32, device=logits.device)
     k = min(top_k, V) if top_k > 0 else 0
     warps, registers = warps_and_registers(VP)
-    pair = TRIES >= 2
-    _draw_kernel[(batch,)](
-        logits, noise, token, out, input_pos, seed, cfg_scale, temperature, input_pos if count is None else count,
-        batch, out.stride(0), prefix_len, V=V, TOP_K=0 if k == V else k, GUIDED=guided, SAMPLE=sample_logits,
-        NOISE_READY=noise_ready, ADVANCE=count is not None, PAIR=pair, SINGLES=TRIES - 2 if pair else TRIES,
-        VP=VP, CHUNK=chunk, RC=min(VP, RACE_CHUNK), num_warps=warps, maxnreg=registers,
-        enable_fp_fusion=False, **launch(EARLY if use_pdl(logits.device) else False))
+    common = dict(V=V, GUIDED=guided, SAMPLE=sample_logits, SPLITS=n, SPAN=VP // n, VP=VP, RC=RC, num_warps=warps,
+                  maxnreg=registers, enable_fp_fusion=False, **launch(EARLY if use_pdl(logits.device) else False))
+    _race_kernel[(batch, n)](logits, noise, cand_s, cand_t, input_pos, seed, cfg_scale, temperature, batch,
+                             NOISE_READY=noise_ready, CHUNK=chunk, **common)
+    _draw_kernel[(batch, n)](logits, noise, cand_s, cand_t, token, out, input_pos, cfg_scale, temperature, scratch,
+                             batch, out.stride(0), prefix_len, TOP_K=0 if k == V else k, ADVANCE=count is not None,
+                             TRIES=TRIES, **common)
 
 
 def supported(device, top_p):

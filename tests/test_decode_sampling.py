@@ -97,20 +97,23 @@ assert not torch.equal(draws[0], draws[2]) and not torch.equal(draws[0], draws[3
 # top-k (TRIES: one alone, the first two from one pass, and more after them), the last falling back, and
 # the k-th largest searched at once (TRIES = 0), k = 20 of 48 and k = 3 (the first winners mostly outside
 # it). With a count the draw advances the position (once for all 64 images) and leaves the count at zero.
+# The row split over 1, 2 and 4 programs per image (PROGRAMS) draws the same tokens too.
 ds.CHUNK, ds.RACE_CHUNK, m = 16, 16, 64
 for guided, k in ((True, 20), (False, 20), (True, 3)):
     logits = torch.randn(2 * m if guided else m, V, generator=g)
     got = []
-    for apart, tries in ((False, 5), (True, 5), (True, 1), (True, 2), (True, 3), (True, 0)):
-        ds.TRIES = tries
+    for apart, tries, programs in ((False, 5, 128), (True, 5, 128), (True, 1, 64), (True, 2, 256), (True, 3, 128),
+                                   (True, 0, 256)):
+        ds.TRIES, ds.PROGRAMS = tries, programs
+        assert ds.splits(m, 64, 16) == programs // m
         t = torch.zeros(m, 1, dtype=torch.long)
         noise = torch.full((m, V), float("nan"))
         pos, seed = torch.tensor([9]), torch.tensor(13)
         noise_kernel[(m,)](noise, pos, seed, m, V, VP=64, CHUNK=16)
-        count = torch.zeros(1, dtype=torch.int32) if apart else None  # the position advanced by the draw
+        count = torch.zeros(1 + m, dtype=torch.long) if apart else None  # the position advanced by the draw
         ds.draw(logits, t, torch.zeros(m, 12, dtype=torch.long), pos, seed, scale, temp, 0, k, guided, True,
                 noise if apart else None, apart, count)
-        assert pos.item() == (10 if apart else 9) and (count is None or count.item() == 0), (pos, count)
+        assert pos.item() == (10 if apart else 9) and (count is None or not count.any()), (pos, count)
         got.append(t)
     assert all(torch.equal(got[0], t) for t in got) and len(got[0].unique()) > 2, got
     kept = filter_logits(cfg_merge(logits, scale) if guided else logits, temp, k) > float("-inf")
@@ -123,8 +126,8 @@ ds.RACE_CHUNK = 2
 score = torch.randint(0, 6, (m, V), generator=g).float()
 logits = torch.randint(0, V, (m, V), generator=g).float()
 got = []
-for tries in (5, 2, 1, 0):
-    ds.TRIES = tries
+for tries, programs in ((5, 64), (2, 256), (1, 64), (0, 64), (5, 512)):  # 1, 4 or 8 programs per image
+    ds.TRIES, ds.PROGRAMS = tries, programs
     t = torch.zeros(m, 1, dtype=torch.long)
     ds.draw(logits, t, torch.zeros(m, 12, dtype=torch.long), torch.tensor([9]), torch.tensor(13),
             scale, torch.tensor(1.0), 0, 24, False, True, logits - score, True)
@@ -156,27 +159,32 @@ import itertools
 from fast_inference import decode_sampling as ds
 from sm90 import build
 
-sig = {"LOGITS": "*bf16", "NOISE": "*fp32", "TOKEN": "*i64", "OUT": "*i64", "POS": "*i64", "SEED": "*i64",
-       "CFG_SCALE": "*fp32", "TEMPERATURE": "*fp32", "COUNT": "*i32", "batch": "i32", "stride_out": "i32",
-       "prefix_len": "i32"}
+race = {"LOGITS": "*bf16", "NOISE": "*fp32", "CAND_S": "*fp32", "CAND_T": "*i32", "POS": "*i64", "SEED": "*i64",
+        "CFG_SCALE": "*fp32", "TEMPERATURE": "*fp32", "batch": "i32"}
+draw = {"LOGITS": "*bf16", "NOISE": "*fp32", "CAND_S": "*fp32", "CAND_T": "*i32", "TOKEN": "*i64", "OUT": "*i64",
+        "POS": "*i64", "CFG_SCALE": "*fp32", "TEMPERATURE": "*fp32", "COUNT": "*i64", "batch": "i32",
+        "stride_out": "i32", "prefix_len": "i32"}
 for V, logits, guided, noise in itertools.chain(itertools.product([16384], ("*bf16", "*fp32"), (True, False),
                                                                   (False, True)), [(1000, "*bf16", True, True)]):
     VP, chunk = ds.layout(V)
+    RC = min(VP, ds.RACE_CHUNK)
     warps, registers = ds.warps_and_registers(VP)
-    consts = {"V": V, "TOP_K": 2000 if V > 2000 else 100, "GUIDED": guided, "SAMPLE": True, "NOISE_READY": noise,
-              "ADVANCE": noise, "PAIR": True, "SINGLES": ds.TRIES - 2, "VP": VP, "CHUNK": chunk,
-              "RC": min(VP, ds.RACE_CHUNK), "PDL": 1}
-    build(ds._draw_kernel, {**sig, "LOGITS": logits}, consts,
-          {"num_warps": warps, "maxnreg": registers, "enable_fp_fusion": False, "launch_pdl": True})
+    options = {"num_warps": warps, "maxnreg": registers, "enable_fp_fusion": False, "launch_pdl": True}
+    for batch in (1, 32):
+        n = ds.splits(batch, VP, RC)
+        common = {"V": V, "GUIDED": guided, "SAMPLE": True, "SPLITS": n, "SPAN": VP // n, "VP": VP, "RC": RC, "PDL": 1}
+        build(ds._race_kernel, {**race, "LOGITS": logits}, {**common, "NOISE_READY": noise, "CHUNK": chunk}, options)
+        build(ds._draw_kernel, {**draw, "LOGITS": logits},
+              {**common, "TOP_K": 2000 if V > 2000 else 100, "ADVANCE": noise, "TRIES": ds.TRIES}, options)
 print("compiled")
 """
 
 
 def test_draw_kernel_compiles_for_sm90():
-    """GPT-XL's 16,384-token vocabulary, bf16 and float32 logits, with and without CFG, the race's noise
-    read or made (and the position advanced or not), and a 1,000-token one (one warp: the register bound
-    within ptxas's 255), with PDL: an H100/H200 cubin with Triton's bundled ptxas, and no register spills
-    (a row of logits in local memory would be slow)."""
+    """Both kernels of the draw for GPT-XL's 16,384-token vocabulary, bf16 and float32 logits, with and without
+    CFG, the race's noise read or made (and the position advanced or not), one and 32 images' splits, and a
+    1,000-token one (one warp: the register bound within ptxas's 255), with PDL: H100/H200 cubins with Triton's
+    bundled ptxas, and no register spills (a row of logits in local memory would be slow)."""
     sm90.run(AOT_SCRIPT)
 
 
