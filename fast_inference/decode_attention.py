@@ -20,6 +20,9 @@ With text=(sums, counts, T) the first T keys are the text prefix's, which RoPE's
 vectors (SPEC 2.5): every query scores exactly 0 against each attendable one, so their values' sum and
 their count (text_sums, made once after the prefill) are one more partial, of max 0, and the tiles
 start at T. The text's keys and values are then not read at every step, nor the mask.
+From WHOLE_ROWS rows on there are enough (row, head)s to fill the GPU with one program each: that program
+(_whole_kernel) walks all of its keys a tile at a time with an online softmax, starting from the text's
+partial, and writes the output itself; no partials, no merge kernel.
 """
 import torch
 
@@ -46,6 +49,14 @@ LEAD = 128  # leading keys searched for the first attendable one (the t2i text p
 # ms/step, n = 1 unchanged; n = 32 (the compiled block) 3.26 without the prefetcher, 3.15-3.17 with it and
 # the hints, 3.19-3.34 with it alone.
 EVICT_FIRST = True
+# From WHOLE_ROWS rows, R x H programs fill the GPU (64 rows: 1,280 for its 132 SMs): each takes all the keys of its
+# (row, head), WHOLE = (BLOCK, num_warps, num_stages), and there is no merge kernel.
+# scripts/engine_ab.py at n = 32 on the H200, ms/step: split-KV 2.729; whole (64, 1, 1) 2.647-2.675, (32, 1, 1)
+# 2.677-2.683 (the best tiling without a stack frame: ptxas spills ~80 B of (64, 1, 1) at 255 registers), (64, 2, 1)
+# 2.723; each tile's keys loaded one iteration ahead, (32, 1, 1): 3.30 (240 registers, two waves). At 32 rows (640
+# programs) it lost: n = 16 2.132 -> 2.410.
+WHOLE_ROWS = 64
+WHOLE = (64, 1, 1)
 
 
 if triton is not None:
@@ -161,6 +172,75 @@ if triton is not None:
         tl.store(ACC_OUT + out * HEAD_DIM + offs_d, acc)
 
     @triton.jit
+    def _keys_and_values(k_row, v_row, keys, pos, offs_d, stride_kn, stride_vn, EVICT: tl.constexpr):
+        """The cached keys and values at keys (BLOCK,) up to pos, zeros past it; evict-first (EVICT_FIRST) if EVICT."""
+        ok = (keys <= pos)[:, None]
+        if EVICT:  # read once: evicted from L2 first
+            k = tl.load(k_row + keys[:, None] * stride_kn + offs_d[None, :], mask=ok, other=0.0,
+                        eviction_policy="evict_first")
+            v = tl.load(v_row + keys[:, None] * stride_vn + offs_d[None, :], mask=ok, other=0.0,
+                        eviction_policy="evict_first")
+        else:
+            k = tl.load(k_row + keys[:, None] * stride_kn + offs_d[None, :], mask=ok, other=0.0)
+            v = tl.load(v_row + keys[:, None] * stride_vn + offs_d[None, :], mask=ok, other=0.0)
+        return k, v
+
+    @triton.jit
+    def _whole_kernel(Q, K, V, KEY_VALID, POS, OUT, K_NEW, V_NEW, FREQS, PROGRESS, TEXT_SUM, TEXT_COUNT,
+                      stride_qr, stride_qh, stride_kr, stride_kh, stride_kn, stride_vr, stride_vh, stride_vn,
+                      stride_valid, stride_nr, stride_nh, n_heads, text_len, SCALE: tl.constexpr, BLOCK: tl.constexpr,
+                      HEAD_DIM: tl.constexpr, LEAD: tl.constexpr, PDL: tl.constexpr, EVICT: tl.constexpr,
+                      FRESH: tl.constexpr, TEXT: tl.constexpr, BUMP: tl.constexpr):
+        """One program per (row, head) over all its keys, BLOCK at a time (an online softmax), with the text's
+        partial as its start: no partials and no merge. As _partial_kernel and _merge_kernel together."""
+        rh = tl.program_id(0)
+        r = rh // n_heads
+        h = rh % n_heads
+        pos = tl.load(POS)  # written by the previous step, before any kernel of this one
+        offs_n = tl.arange(0, BLOCK)
+        offs_d = tl.arange(0, HEAD_DIM)
+        k_row = K + r * stride_kr + h * stride_kh
+        v_row = V + r * stride_vr + h * stride_vh
+        m = tl.full((), float("-inf"), tl.float32)
+        l = tl.zeros((), tl.float32)
+        acc = tl.zeros((HEAD_DIM,), tl.float32)
+        if TEXT:  # the text is a partial of max 0 (its scores), unless no key of it is attendable
+            start = text_len
+            l = tl.load(TEXT_COUNT + r)
+            acc = tl.load(TEXT_SUM + rh * HEAD_DIM + offs_d)
+            m = tl.where(l > 0, 0.0, float("-inf"))
+        else:
+            start = _first_key(KEY_VALID + r * stride_valid, pos, LEAD)
+        pdl_wait(PDL)
+        q_at = Q + r * stride_qr + h * stride_qh
+        q = tl.load(q_at + offs_d).to(tl.float32)
+        if FRESH:  # this program alone reads (r, h)'s keys: it writes the step's (rotated) and reads them back
+            new_at = r * stride_nr + h * stride_nh
+            k_new = _rope(K_NEW + new_at, tl.load(K_NEW + new_at + offs_d).to(tl.float32), FREQS, offs_d, offs_d >= 0)
+            tl.store(k_row + pos * stride_kn + offs_d, k_new.to(K.dtype.element_ty))
+            tl.store(v_row + pos * stride_vn + offs_d, tl.load(V_NEW + new_at + offs_d))
+            tl.debug_barrier()
+            q = _rope(q_at, q, FREQS, offs_d, offs_d >= 0)
+        q = q * SCALE
+        for first in range(start, pos + 1, BLOCK):
+            keys = first + offs_n
+            tile = keys <= pos
+            k, v = _keys_and_values(k_row, v_row, keys, pos, offs_d, stride_kn, stride_vn, EVICT)
+            if not TEXT:
+                tile = (keys == pos) | (tl.load(KEY_VALID + r * stride_valid + keys, mask=keys < pos, other=0) != 0)
+            scores = tl.where(tile, tl.sum(k.to(tl.float32) * q[None, :], 1), float("-inf"))
+            top = tl.maximum(m, tl.max(scores, 0))
+            top = tl.where(top == float("-inf"), 0.0, top)  # nothing attendable yet: weights of zero
+            p = tl.exp(scores - top)
+            w = tl.exp(m - top)
+            l = l * w + tl.sum(p, 0)
+            acc = acc * w + tl.sum(p[:, None] * v.to(tl.float32), 0)
+            m = tl.maximum(m, tl.max(scores, 0))
+        pdl_trigger(PDL)
+        tl.store(OUT + rh * HEAD_DIM + offs_d, (acc / l).to(OUT.dtype.element_ty))
+        bump(PROGRESS, BUMP)  # a prefetcher's count as the first program ends: the others end about then
+
+    @triton.jit
     def _merge_kernel(M, L, ACC, OUT, PROGRESS, TEXT_SUM, TEXT_COUNT, n_splits, n_heads, SPLITS: tl.constexpr,
                       HEAD_DIM: tl.constexpr, PDL: tl.constexpr, BUMP: tl.constexpr, TEXT: tl.constexpr):
         bump(PROGRESS, BUMP)  # a prefetcher's count: this layer's keys have streamed
@@ -193,20 +273,31 @@ if triton is not None:
 
 def decode_attention(q, k_cache, v_cache, key_valid, input_pos, config=None, pdl=False, progress=None, fresh=None,
                      text=None, merge_pdl=None):
-    """q (R,H,1,hd); caches (>= R,H,L,hd), rows past R untouched; key_valid (R,L) bool; input_pos (1,)
-    -> (R,H,1,hd). progress: a prefetcher's int32 count (prefetch.py), bumped once per call by the merge, or
-    None. fresh: None (q is rotated, the caches hold the step's key and value) or (k, v, freqs): the step's
-    key and value (R,H,1,hd) and q before RoPE, freqs the position's RoPE row (1,hd/2,2); the key (rotated)
-    and value are written to the caches at input_pos. text: None or (sums, counts, T) from text_sums: the
-    first T keys are zero and stand for them; key_valid is not read (every key from T on is attendable).
-    merge_pdl: how the merge launches (pdl.launch's argument), if not as the partial kernel does: it reads only
-    the text's partial before its wait, so it may launch with PDL after a partial kernel without it."""
+    """q (R,H,1,hd); caches (>= R,H,L,hd), rows past R untouched; key_valid (R,L) bool; input_pos (1,) -> (R,H,1,hd).
+    progress: a prefetcher's int32 count (prefetch.py), bumped once per call (by the merge as it starts, or by the
+    whole kernel's first program as it ends), or None. fresh: None (q is rotated, the caches hold the step's key and
+    value) or (k, v, freqs): the step's key and value (R,H,1,hd) and q before RoPE, freqs the position's RoPE row
+    (1,hd/2,2); the key (rotated) and value are written to the caches at input_pos. text: None or (sums, counts, T)
+    from text_sums: the first T keys are zero and stand for them; key_valid is not read (every key from T on is
+    attendable). merge_pdl: how the merge launches (pdl.launch's argument), if not as the partial kernel does: it
+    reads only the text's partial before its wait, so it may launch with PDL after a partial kernel without it."""
     R, H, _, hd = q.shape
     L = k_cache.shape[2]
     k_new, v_new, freqs = (q, q, q) if fresh is None else fresh  # unused pointers without it
     if k_new.stride() != v_new.stride():
         raise ValueError("decode_attention: fresh keys and values need the same strides")
     text_sum, text_count, text_len = (q, q, 0) if text is None else text  # unused pointers without it
+    if R >= WHOLE_ROWS:  # enough (row, head)s to fill the GPU: one program each, no merge
+        block, num_warps, stages = WHOLE
+        out = torch.empty(R, H, 1, hd, device=q.device, dtype=q.dtype)
+        _whole_kernel[(R * H,)](
+            q, k_cache, v_cache, key_valid, input_pos, out, k_new, v_new, freqs, out if progress is None else progress,
+            text_sum, text_count, q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+            v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), key_valid.stride(0), k_new.stride(0),
+            k_new.stride(1), H, text_len, SCALE=hd**-0.5, BLOCK=block, HEAD_DIM=hd, LEAD=LEAD, EVICT=EVICT_FIRST,
+            FRESH=fresh is not None, TEXT=text is not None, BUMP=progress is not None, num_warps=num_warps,
+            num_stages=stages, **launch(pdl))
+        return out
     block, num_warps, merge_warps = config or config_for(R)
     n_splits = triton.cdiv(L - text_len, block)
     m = torch.empty(R, H, n_splits, device=q.device, dtype=torch.float32)

@@ -3,6 +3,7 @@ GPU needed: a kernel that only the interpreter accepts, or whose registers spill
 than on the first GPU run. The tests run their compile scripts in a subprocess (`run`), away from the
 interpreter settings of the other tests."""
 import os
+import re
 import subprocess
 import tempfile
 
@@ -13,9 +14,10 @@ import early
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def build(kernel, signature, constexprs, options, attrs=None):
-    """kernel compiled for sm_90; asserts that nothing spills to local memory (a stack frame), which
-    would slow a kernel that holds its tiles in registers several times over."""
+def build(kernel, signature, constexprs, options, attrs=None, stack=0):
+    """kernel compiled for sm_90; asserts that at most `stack` bytes spill to local memory (a stack frame): a
+    kernel that holds its tiles in registers is slowed several times over by more, so none unless a
+    measurement showed that a few cost less than what they buy."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -29,7 +31,8 @@ def build(kernel, signature, constexprs, options, attrs=None):
             f.write(k.asm["cubin"])
             f.flush()
             usage = subprocess.run([cuobjdump, "-res-usage", f.name], capture_output=True, text=True).stdout
-        assert "STACK:0 " in usage, (kernel.__name__, constexprs, usage)
+        frame = int(re.search(r"STACK:(\d+)", usage).group(1))
+        assert frame <= stack, (kernel.__name__, constexprs, usage)
     return k
 
 

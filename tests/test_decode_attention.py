@@ -1,8 +1,8 @@
-"""The split-KV Triton decode kernel against SDPA with the model's mask rule (several tile sizes, tiles
-of padding only, tiles past the position, leading padding skipped, shorter and longer than the
-searched LEAD keys; with and without the PDL data path; with q and the step's key before RoPE, the
-kernel rotating them and writing the key and value into the caches), in Triton's CPU
-interpreter (TRITON_INTERPRET=1), so CI checks the kernel the GPU engine runs."""
+"""The split-KV Triton decode kernel and the whole one (a program per (row, head), no merge) against SDPA with
+the model's mask rule (several tile sizes, tiles of padding only, tiles past the position, leading padding
+skipped, shorter and longer than the searched LEAD keys; with and without the PDL data path; with q and the
+step's key before RoPE, the kernel rotating them and writing the key and value into the caches), in Triton's
+CPU interpreter (TRITON_INTERPRET=1), so CI checks the kernels the GPU engine runs."""
 import os
 
 import pytest
@@ -13,6 +13,8 @@ import sm90
 pytest.importorskip("triton")
 
 SCRIPT = r"""
+import itertools
+
 import torch
 import triton.language as tl
 from fast_inference import decode_attention as da
@@ -49,8 +51,10 @@ worst = 0.0
 cases = [(2, 3, 40, 30, 16, 8, 128), (3, 2, 48, 47, 16, 8, 128), (2, 2, 40, 9, 32, 8, 128), (1, 2, 24, 3, 128, 8, 128),
          (2, 2, 72, 70, 64, 8, 128), (2, 2, 72, 5, 16, 8, 128), (3, 2, 72, 60, 16, 40, 128), (3, 2, 72, 60, 16, 40, 16),
          (2, 2, 72, 30, 16, 40, 128)]
-for R, H, L, pos, block, T, lead in cases:
+# each case split-KV with the merge, and whole (one program per (row, head), its tiles in a loop, no merge)
+for (R, H, L, pos, block, T, lead), whole in itertools.product(cases, (False, True)):
     da.LEAD = lead
+    da.WHOLE_ROWS, da.WHOLE = (1 if whole else 10**9), (block, 2, 1)
     q = torch.randn(R, H, 1, 64)
     k = torch.randn(R, H, L, 64)
     v = torch.randn(R, H, L, 64)
@@ -140,6 +144,20 @@ for (block, warps, merge_warps), pdl in itertools.product([config for _, config 
                                                               (False, True), (pdl,) if pdl else (False, 2)):
         build(da._merge_kernel, merge_sig, {"SPLITS": splits, "HEAD_DIM": 64, "PDL": merge_pdl, "BUMP": counted,
                                             "TEXT": text}, {"num_warps": merge_warps, "launch_pdl": bool(merge_pdl)})
+# the whole kernel as the compiled block launches it (no PDL, fresh keys, the text, a prefetcher's count), and under
+# PDL with the cache written before (decode_block's QKV)
+whole_sig = {"Q": "*bf16", "K": "*bf16", "V": "*bf16", "KEY_VALID": "*i1", "POS": "*i64", "OUT": "*bf16",
+             "K_NEW": "*bf16", "V_NEW": "*bf16", "FREQS": "*fp32", "PROGRESS": "*i32", "TEXT_SUM": "*fp32",
+             "TEXT_COUNT": "*fp32",
+             **{n: "i32" for n in ints if n != "n_splits"}}
+whole_attrs = {(list(whole_sig).index(name),): [["tt.divisibility", 16]] for name in aligned if name in whole_sig}
+block, warps, stages = da.WHOLE
+for pdl, evict, text in itertools.product((False, True), (False, True), (False, True)):
+    consts = {"SCALE": 0.125, "BLOCK": block, "HEAD_DIM": 64, "LEAD": da.LEAD, "PDL": pdl, "EVICT": evict,
+              "FRESH": not pdl, "TEXT": text, "BUMP": not pdl}
+    # (64, 1, 1): one warp's 255 registers and ~80 B of stack, faster in the model than any tiling without (PERF_NOTES)
+    build(da._whole_kernel, whole_sig, consts, {"num_warps": warps, "num_stages": stages, "launch_pdl": pdl},
+          attrs=whole_attrs, stack=128)
 print("compiled")
 """
 
