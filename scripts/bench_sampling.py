@@ -1,6 +1,6 @@
 """The head's draw: sampling.py's ops (the engine's path without Triton) against decode_sampling's
-one kernel, at GPT-XL's vocabulary, CUDA-graph timed; the kernel's parts, and a sweep of its warps
-and race chunk. The kernel makes the race's noise itself here (the fused head makes it in the engine at
+two kernels, at GPT-XL's vocabulary, CUDA-graph timed; the draw's parts, and a sweep of its warps
+and race chunk. The draw makes the race's noise itself here (the fused head makes it in the engine at
 <= 16 rows), and the logits are random normals: how often the race's first winner is in the top-k, and
 so the time, depends on their spread.
 
