@@ -203,7 +203,9 @@ if triton is not None:
         # With GPT-XL's merged logits the first winner is in the top 2,000 ~90% of the time (its share of the
         # softmax, random weights): one count instead of the k-th largest's 20-32. The first two winners are the
         # best two of the programs' pairs and are counted at once, spread over the image's programs: with many
-        # images some image's first winner is out most steps, and the slowest image sets the draw's time.
+        # images some image's first winner is out most steps, and the slowest image sets the draw's time. The
+        # further passes read the logits again from cache a chunk at a time, and the tries are unrolled, each under
+        # its own branch: a row held in registers beside the k-th largest's spills at sm_90.
         j = tl.arange(0, 2 * SPLITS)
         cand_s = tl.load(CAND_S + b * 2 * SPLITS + j)
         cand_t = tl.load(CAND_T + b * 2 * SPLITS + j)

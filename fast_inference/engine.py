@@ -131,7 +131,7 @@ class Sampler(nn.Module):
         # The fused draw's race noise, made by the fused head where the engine says so (head_noise)
         self.head_noise = False
         buf("noise", torch.zeros(batch, model.args.vocab_size, device=device))
-        buf("draws", torch.zeros(1 + batch, dtype=torch.long, device=device))  # the fused draw's counts (zeros between draws)
+        buf("draws", torch.zeros(1 + batch, dtype=torch.long, device=device))  # the fused draw's counts, zeros between
         buf("key_valid", torch.ones(rows, model.max_seq, dtype=torch.bool, device=device))
         buf("controls", torch.zeros(3, rows, num_controls, D, dtype=dtype, device=device))
         # Tensors, not constants, so a new cfg scale or temperature replays the same graph.
