@@ -20,9 +20,9 @@ With text=(sums, counts, T) the first T keys are the text prefix's, which RoPE's
 vectors (SPEC 2.5): every query scores exactly 0 against each attendable one, so their values' sum and
 their count (text_sums, made once after the prefill) are one more partial, of max 0, and the tiles
 start at T. The text's keys and values are then not read at every step, nor the mask.
-From WHOLE_ROWS rows on there are enough (row, head)s to fill the GPU with one program each: that program
-(_whole_kernel) walks all of its keys a tile at a time with an online softmax, starting from the text's
-partial, and writes the output itself; no partials, no merge kernel.
+At row counts in WHOLE_ROWS there are enough (row, head)s to fill the GPU with one program each, and not so
+many that they queue: that program (_whole_kernel) walks all of its keys a tile at a time with an online
+softmax, starting from the text's partial, and writes the output itself; no partials, no merge kernel.
 """
 import torch
 
@@ -49,13 +49,15 @@ LEAD = 128  # leading keys searched for the first attendable one (the t2i text p
 # ms/step, n = 1 unchanged; n = 32 (the compiled block) 3.26 without the prefetcher, 3.15-3.17 with it and
 # the hints, 3.19-3.34 with it alone.
 EVICT_FIRST = True
-# From WHOLE_ROWS rows, R x H programs fill the GPU (64 rows: 1,280 for its 132 SMs): each takes all the keys of its
+# At WHOLE_ROWS rows, R x H programs fill the GPU (64 rows: 1,280 for its 132 SMs): each takes all the keys of its
 # (row, head), WHOLE = (BLOCK, num_warps, num_stages), and there is no merge kernel.
 # scripts/engine_ab.py at n = 32 on the H200, ms/step: split-KV 2.729; whole (64, 1, 1) 2.647-2.675, (32, 1, 1)
 # 2.677-2.683 (the best tiling without a stack frame: ptxas spills ~80 B of (64, 1, 1) at 255 registers), (64, 2, 1)
 # 2.723; each tile's keys loaded one iteration ahead, (32, 1, 1): 3.30 (240 registers, two waves). At 32 rows (640
-# programs) it lost: n = 16 2.132 -> 2.410.
-WHOLE_ROWS = 64
+# programs) it lost: n = 16 2.132 -> 2.410. Past 64 rows, split-KV -> whole (`--process-per-setting` with WHOLE_ROWS
+# = range(0) and range(64, 10**9)): n = 40 3.747 -> 3.644, n = 48 3.996 -> 3.812; from 112 rows it lost (not taken
+# apart): n = 56 4.275 -> 4.694, n = 64 4.678 -> 5.021. 98-110 rows untried.
+WHOLE_ROWS = range(64, 97)
 WHOLE = (64, 1, 1)
 
 
@@ -107,6 +109,15 @@ if triton is not None:
         return out.to(ptr.dtype.element_ty).to(tl.float32)
 
     @triton.jit
+    def _read_once(ptrs, mask, EVICT: tl.constexpr):
+        """Keys or values, zeros where masked; read once per step, so evicted from L2 first (EVICT_FIRST) if EVICT."""
+        if EVICT:
+            x = tl.load(ptrs, mask=mask, other=0.0, eviction_policy="evict_first")
+        else:
+            x = tl.load(ptrs, mask=mask, other=0.0)
+        return x
+
+    @triton.jit
     def _tile(Q, K, V, KEY_VALID, M_OUT, L_OUT, ACC_OUT, K_NEW, V_NEW, FREQS, r, h, out, start, pos,
               stride_qr, stride_qh, stride_kr, stride_kh, stride_kn, stride_vr, stride_vh, stride_vn, stride_valid,
               stride_nr, stride_nh, SCALE: tl.constexpr, BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr,
@@ -137,12 +148,8 @@ if triton is not None:
         # With PDL the tile holds the keys of earlier steps only, loaded before the wait; the current
         # key and value (written by the kernel just before) are read after it, as vectors.
         tile = earlier if PDL else earlier | current
-        if EVICT:  # read once: evicted from L2 first (EVICT_FIRST)
-            k = tl.load(k_ptrs, mask=tile[:, None], other=0.0, eviction_policy="evict_first")
-            v = tl.load(v_ptrs, mask=tile[:, None], other=0.0, eviction_policy="evict_first")
-        else:
-            k = tl.load(k_ptrs, mask=tile[:, None], other=0.0)
-            v = tl.load(v_ptrs, mask=tile[:, None], other=0.0)
+        k = _read_once(k_ptrs, tile[:, None], EVICT)
+        v = _read_once(v_ptrs, tile[:, None], EVICT)
         if TEXT:  # the tile starts past the text
             ok = earlier
         else:
@@ -170,20 +177,6 @@ if triton is not None:
         tl.store(M_OUT + out, m)
         tl.store(L_OUT + out, tl.sum(p, 0))
         tl.store(ACC_OUT + out * HEAD_DIM + offs_d, acc)
-
-    @triton.jit
-    def _keys_and_values(k_row, v_row, keys, pos, offs_d, stride_kn, stride_vn, EVICT: tl.constexpr):
-        """The cached keys and values at keys (BLOCK,) up to pos, zeros past it; evict-first (EVICT_FIRST) if EVICT."""
-        ok = (keys <= pos)[:, None]
-        if EVICT:  # read once: evicted from L2 first
-            k = tl.load(k_row + keys[:, None] * stride_kn + offs_d[None, :], mask=ok, other=0.0,
-                        eviction_policy="evict_first")
-            v = tl.load(v_row + keys[:, None] * stride_vn + offs_d[None, :], mask=ok, other=0.0,
-                        eviction_policy="evict_first")
-        else:
-            k = tl.load(k_row + keys[:, None] * stride_kn + offs_d[None, :], mask=ok, other=0.0)
-            v = tl.load(v_row + keys[:, None] * stride_vn + offs_d[None, :], mask=ok, other=0.0)
-        return k, v
 
     @triton.jit
     def _whole_kernel(Q, K, V, KEY_VALID, POS, OUT, K_NEW, V_NEW, FREQS, PROGRESS, TEXT_SUM, TEXT_COUNT,
@@ -225,7 +218,8 @@ if triton is not None:
         for first in range(start, pos + 1, BLOCK):
             keys = first + offs_n
             tile = keys <= pos
-            k, v = _keys_and_values(k_row, v_row, keys, pos, offs_d, stride_kn, stride_vn, EVICT)
+            k = _read_once(k_row + keys[:, None] * stride_kn + offs_d[None, :], tile[:, None], EVICT)
+            v = _read_once(v_row + keys[:, None] * stride_vn + offs_d[None, :], tile[:, None], EVICT)
             if not TEXT:
                 tile = (keys == pos) | (tl.load(KEY_VALID + r * stride_valid + keys, mask=keys < pos, other=0) != 0)
             scores = tl.where(tile, tl.sum(k.to(tl.float32) * q[None, :], 1), float("-inf"))
@@ -287,7 +281,7 @@ def decode_attention(q, k_cache, v_cache, key_valid, input_pos, config=None, pdl
     if k_new.stride() != v_new.stride():
         raise ValueError("decode_attention: fresh keys and values need the same strides")
     text_sum, text_count, text_len = (q, q, 0) if text is None else text  # unused pointers without it
-    if R >= WHOLE_ROWS:  # enough (row, head)s to fill the GPU: one program each, no merge
+    if R in WHOLE_ROWS:  # enough (row, head)s to fill the GPU: one program each, no merge
         block, num_warps, stages = WHOLE
         out = torch.empty(R, H, 1, hd, device=q.device, dtype=q.dtype)
         _whole_kernel[(R * H,)](
