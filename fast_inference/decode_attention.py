@@ -20,9 +20,9 @@ With text=(sums, counts, T) the first T keys are the text prefix's, which RoPE's
 vectors (SPEC 2.5): every query scores exactly 0 against each attendable one, so their values' sum and
 their count (text_sums, made once after the prefill) are one more partial, of max 0, and the tiles
 start at T. The text's keys and values are then not read at every step, nor the mask.
-At row counts in WHOLE_ROWS there are enough (row, head)s to fill the GPU with one program each, and not so
-many that they queue: that program (_whole_kernel) walks all of its keys a tile at a time with an online
-softmax, starting from the text's partial, and writes the output itself; no partials, no merge kernel.
+At row counts in WHOLE_ROWS there are enough (row, head)s to fill the GPU with one program each (and not so
+many that it measured slower): that program (_whole_kernel) walks all of its keys a tile at a time with an
+online softmax, starting from the text's partial, and writes the output itself; no partials, no merge kernel.
 """
 import torch
 
@@ -281,7 +281,7 @@ def decode_attention(q, k_cache, v_cache, key_valid, input_pos, config=None, pdl
     if k_new.stride() != v_new.stride():
         raise ValueError("decode_attention: fresh keys and values need the same strides")
     text_sum, text_count, text_len = (q, q, 0) if text is None else text  # unused pointers without it
-    if R in WHOLE_ROWS:  # enough (row, head)s to fill the GPU: one program each, no merge
+    if R in WHOLE_ROWS:  # enough (row, head)s to fill the GPU, and not too many: one program each, no merge
         block, num_warps, stages = WHOLE
         out = torch.empty(R, H, 1, hd, device=q.device, dtype=q.dtype)
         _whole_kernel[(R * H,)](
