@@ -281,29 +281,26 @@ def decode_attention(q, k_cache, v_cache, key_valid, input_pos, config=None, pdl
     if k_new.stride() != v_new.stride():
         raise ValueError("decode_attention: fresh keys and values need the same strides")
     text_sum, text_count, text_len = (q, q, 0) if text is None else text  # unused pointers without it
+    # what both kernels take: the strides of q, the caches, key_valid and the step's key, and the constants
+    strides = (q.stride(0), q.stride(1), *k_cache.stride()[:3], *v_cache.stride()[:3], key_valid.stride(0),
+               *k_new.stride()[:2])
+    consts = dict(SCALE=hd**-0.5, HEAD_DIM=hd, LEAD=LEAD, EVICT=EVICT_FIRST, FRESH=fresh is not None,
+                  TEXT=text is not None, **launch(pdl))
     if R in WHOLE_ROWS:  # enough (row, head)s to fill the GPU, and not too many: one program each, no merge
         block, num_warps, stages = WHOLE
         out = torch.empty(R, H, 1, hd, device=q.device, dtype=q.dtype)
         _whole_kernel[(R * H,)](
             q, k_cache, v_cache, key_valid, input_pos, out, k_new, v_new, freqs, out if progress is None else progress,
-            text_sum, text_count, q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-            v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), key_valid.stride(0), k_new.stride(0),
-            k_new.stride(1), H, text_len, SCALE=hd**-0.5, BLOCK=block, HEAD_DIM=hd, LEAD=LEAD, EVICT=EVICT_FIRST,
-            FRESH=fresh is not None, TEXT=text is not None, BUMP=progress is not None, num_warps=num_warps,
-            num_stages=stages, **launch(pdl))
+            text_sum, text_count, *strides, H, text_len, BLOCK=block, BUMP=progress is not None, num_warps=num_warps,
+            num_stages=stages, **consts)
         return out
     block, num_warps, merge_warps = config or config_for(R)
     n_splits = triton.cdiv(L - text_len, block)
     m = torch.empty(R, H, n_splits, device=q.device, dtype=torch.float32)
     l = torch.empty_like(m)
     acc = torch.empty(R, H, n_splits, hd, device=q.device, dtype=torch.float32)
-    _partial_kernel[(R * H, n_splits)](
-        q, k_cache, v_cache, key_valid, input_pos, m, l, acc, k_new, v_new, freqs,
-        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), key_valid.stride(0), k_new.stride(0), k_new.stride(1),
-        H, n_splits, text_len, SCALE=hd**-0.5, BLOCK=block, HEAD_DIM=hd, LEAD=LEAD, EVICT=EVICT_FIRST,
-        FRESH=fresh is not None, TEXT=text is not None, num_warps=num_warps, **launch(pdl),
-    )
+    _partial_kernel[(R * H, n_splits)](q, k_cache, v_cache, key_valid, input_pos, m, l, acc, k_new, v_new, freqs,
+                                       *strides, H, n_splits, text_len, BLOCK=block, num_warps=num_warps, **consts)
     out = torch.empty(R, H, 1, hd, device=q.device, dtype=q.dtype)
     _merge_kernel[(R * H,)](m, l, acc, out, m if progress is None else progress, text_sum, text_count, n_splits, H,
                             SPLITS=triton.next_power_of_2(n_splits), HEAD_DIM=hd, BUMP=progress is not None,
