@@ -73,6 +73,8 @@ CONFIG_INT8 = dict(qkv=(4, 4), wo=(4, 4), gate_up=(4, 4), w2=(4, 4), output=(4, 
 # 128-wide K chunks split 4 and 3 ways: n = 8 1.791 -> 1.779 ms/step, n = 4 1.541 -> 1.533 in the model.
 # With the L2 prefetcher, in the model (scripts/engine_ab.py, n = 8, one setting changed at a time): wo with 3
 # stages instead of 6 (each split is 3 chunks) 1.586-1.589 -> 1.576-1.577 ms/step; the other 10 tried lost.
+# With RMSNorm's statistics pass unrolled (_dots): n = 8 1.491 -> 1.435, n = 4 1.280 -> 1.200 ms/step; then qkv at
+# (16, 256, 4, 3, 1) or split 2 (1.49-1.51) and gate/up at (16, 256, 4, 4, 1) or split 2 (1.54-1.56) lost again.
 DOT_CONFIG = dict(qkv=(32, 256, 4, 3, 1), wo=(16, 128, 4, 3, 4), gate_up=(32, 256, 4, 4, 1), w2=(16, 128, 4, 4, 3),
                   output=(64, 128, 8, 4, 1))
 # int8 weights: wo and w2 as swept before the dot path had PDL; re-swept with it (`--quantize int8 --rows 16`), the
@@ -189,11 +191,15 @@ if triton is not None:
         r_ok = offs_r < R
         xs = X + offs_r[:, None] * K + offs_k[None, :]
         rstd = tl.zeros([RP], tl.float32)
+        # RMSNorm's statistics unrolled, summed across threads once: every chunk's load in flight at once, and the
+        # weights' first chunks (the pipeline's prologue) issued ahead of them. As a loop, each trip waited for its load
+        # and its cross-thread sum, and the prologue for the whole loop.
         if NORM:
-            for k0 in range(0, K, BK):
-                x = tl.load(xs + k0, mask=r_ok[:, None] & (k0 + offs_k < K)[None, :], other=0.0).to(tl.float32)
-                rstd += tl.sum(x * x, 1)
-            rstd = tl.rsqrt(rstd / K + EPS)
+            squares = tl.zeros([RP, BK], tl.float32)
+            for k0 in tl.static_range(0, K, BK):
+                xf = tl.load(xs + k0, mask=r_ok[:, None] & (k0 + offs_k < K)[None, :], other=0.0).to(tl.float32)
+                squares += xf * xf
+            rstd = tl.rsqrt(tl.sum(squares, 1) / K + EPS)
         a = tl.zeros([RP, BN], tl.float32)
         b = tl.zeros([RP, BN], tl.float32)
         for k0 in range(k_lo, tl.minimum(k_lo + KS, K), BK):

@@ -15,13 +15,15 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def build(kernel, signature, constexprs, options, attrs=None, stack=0):
-    """kernel compiled for sm_90; asserts that at most `stack` bytes spill to local memory (a stack frame): a
+    """kernel compiled for sm_90 (attrs: Triton's argument specialisations, by default every pointer aligned); asserts that at most `stack` bytes spill to local memory (a stack frame): a
     kernel that holds its tiles in registers is slowed several times over by more, so none unless a
     measurement showed that a few cost less than what they buy."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
+    if attrs is None:  # every pointer 16-byte aligned, as the JIT specialises a torch tensor's (vector loads)
+        attrs = {(i,): [["tt.divisibility", 16]] for i, t in enumerate(signature.values()) if t.startswith("*")}
     signature = {**signature, **{name: "constexpr" for name in constexprs}}
     k = triton.compile(ASTSource(kernel, signature, constexprs=constexprs, attrs=attrs),
                        target=GPUTarget("cuda", 90, 32), options=options)
