@@ -57,6 +57,8 @@ DOWN_ROWS = 64
 # (1.136 / 1.146 against 1.139 / 1.140 ms/step), which is faster alone (13.7 against 20.1 us): this one
 # fetches its weights during the last block.
 CONFIG = dict(qkv=(8, 8), wo=(4, 4), gate_up=(4, 4), w2=(4, 4), output=(4, 4))
+# (These and CONFIG_INT8 were swept with every kernel multiplying as one (rows, BN, K) product; the one-tile kernels
+# row by row, _gemv, were measured at them and not swept again.)
 # int8 weights, the same script with --quantize int8: 25.4-25.9 us per block with these, 27.5 with CONFIG
 # (27.5 for bf16 in the same run)
 CONFIG_INT8 = dict(qkv=(4, 4), wo=(4, 4), gate_up=(4, 4), w2=(4, 4), output=(4, 4))
@@ -158,7 +160,7 @@ if triton is not None:
     @triton.jit
     def _matvec_rows(X, nw, w, R, EPS: tl.constexpr, K: tl.constexpr, KP: tl.constexpr, RP: tl.constexpr,
                      NORM: tl.constexpr):
-        """The same for one row of X at a time, against w in the layout it was loaded in."""
+        """_matvec of [RMSNorm](X), one row of X at a time (read and normalised here), against w as it was loaded."""
         offs_r = tl.arange(0, RP)[:, None]
         y = tl.zeros([RP, w.shape[0]], tl.float32)
         for r in tl.static_range(RP):

@@ -15,9 +15,10 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def build(kernel, signature, constexprs, options, attrs=None, stack=0):
-    """kernel compiled for sm_90 (attrs: Triton's argument specialisations, by default every pointer aligned); asserts that at most `stack` bytes spill to local memory (a stack frame): a
-    kernel that holds its tiles in registers is slowed several times over by more, so none unless a
-    measurement showed that a few cost less than what they buy."""
+    """kernel compiled for sm_90 (attrs: Triton's argument specialisations, by default every pointer aligned);
+    asserts that at most `stack` bytes spill to local memory (a stack frame): a kernel that holds its tiles in
+    registers is slowed several times over by more, so none unless a measurement showed that a few cost less than
+    what they buy."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
