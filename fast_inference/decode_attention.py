@@ -109,6 +109,13 @@ if triton is not None:
         return out.to(ptr.dtype.element_ty).to(tl.float32)
 
     @triton.jit
+    def _text_partial(TEXT_SUM, TEXT_COUNT, r, rh, offs_d, HEAD_DIM: tl.constexpr):
+        """(max, sum, weighted values) of the text's keys for (row r, head rh), from text_sums: their scores are 0, so
+        the max is 0, unless no key of it is attendable (count 0: -inf, a partial that weighs nothing)."""
+        l = tl.load(TEXT_COUNT + r)
+        return tl.where(l > 0, 0.0, float("-inf")), l, tl.load(TEXT_SUM + rh * HEAD_DIM + offs_d)
+
+    @triton.jit
     def _read_once(ptrs, mask, EVICT: tl.constexpr):
         """Keys or values, zeros where masked; read once per step, so evicted from L2 first (EVICT_FIRST) if EVICT."""
         if EVICT:
@@ -197,11 +204,9 @@ if triton is not None:
         m = tl.full((), float("-inf"), tl.float32)
         l = tl.zeros((), tl.float32)
         acc = tl.zeros((HEAD_DIM,), tl.float32)
-        if TEXT:  # the text is a partial of max 0 (its scores), unless no key of it is attendable
+        if TEXT:  # the online softmax starts from the text's partial
             start = text_len
-            l = tl.load(TEXT_COUNT + r)
-            acc = tl.load(TEXT_SUM + rh * HEAD_DIM + offs_d)
-            m = tl.where(l > 0, 0.0, float("-inf"))
+            m, l, acc = _text_partial(TEXT_SUM, TEXT_COUNT, r, rh, offs_d, HEAD_DIM)
         else:
             start = _first_key(KEY_VALID + r * stride_valid, pos, LEAD)
         pdl_wait(PDL)
@@ -241,10 +246,8 @@ if triton is not None:
         rh = tl.program_id(0)
         offs_s = tl.arange(0, SPLITS)
         offs_d = tl.arange(0, HEAD_DIM)
-        if TEXT:  # made after the prefill: read before the wait. Its scores are 0: max 0, unless no key is attendable
-            text_l = tl.load(TEXT_COUNT + rh // n_heads)
-            text_acc = tl.load(TEXT_SUM + rh * HEAD_DIM + offs_d)
-            text_m = tl.where(text_l > 0, 0.0, float("-inf"))
+        if TEXT:  # made after the prefill: read before the wait
+            text_m, text_l, text_acc = _text_partial(TEXT_SUM, TEXT_COUNT, rh // n_heads, rh, offs_d, HEAD_DIM)
         pdl_wait(PDL)
         ok = offs_s < n_splits
         m = tl.load(M + rh * n_splits + offs_s, mask=ok, other=float("-inf"))

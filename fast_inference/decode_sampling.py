@@ -81,6 +81,11 @@ if triton is not None:
         return tl.log(-tl.log(u))
 
     @triton.jit
+    def _scale_and_temperature(CFG_SCALE, TEMPERATURE):
+        """The CFG scale and the temperature, floored as sampling.py's (set before the prefill: read before a wait)."""
+        return tl.load(CFG_SCALE), tl.maximum(tl.load(TEMPERATURE), 1e-5)
+
+    @triton.jit
     def _tempered(LOGITS, b, batch, V: tl.constexpr, offs, scale, temperature, GUIDED: tl.constexpr):
         """Image b's logits at offs, CFG-merged (if GUIDED) and divided by the temperature; -inf past V."""
         ok = offs < V
@@ -168,9 +173,8 @@ if triton is not None:
         first, unless NOISE_READY) and stores its first two winners, (score, index) each, to CAND_*[b, s]."""
         b = tl.program_id(0)
         s = tl.program_id(1)
-        scale = tl.load(CFG_SCALE)  # before the wait: set before the prefill
-        temperature = tl.maximum(tl.load(TEMPERATURE), 1e-5)
-        seed = tl.load(SEED)
+        scale, temperature = _scale_and_temperature(CFG_SCALE, TEMPERATURE)
+        seed = tl.load(SEED)  # before the wait too: set before the prefill
         pdl_wait(PDL)  # the position after it: the prefill sets it right before its draw
         top, token, top2, token2 = _first_two(LOGITS, NOISE, b, batch, V, scale, temperature, s * SPAN, s * SPAN + SPAN,
                                               seed, tl.load(POS), GUIDED, SAMPLE, SAMPLE and not NOISE_READY, VP,
@@ -195,8 +199,7 @@ if triton is not None:
         s = tl.program_id(1)
         offs = tl.arange(0, VP)
         ok = offs < V
-        scale = tl.load(CFG_SCALE)
-        temperature = tl.maximum(tl.load(TEMPERATURE), 1e-5)
+        scale, temperature = _scale_and_temperature(CFG_SCALE, TEMPERATURE)
         pdl_wait(PDL)
         # The race's winner over all tokens is top-k's if fewer than k logits exceed its own (x_i >= the k-th
         # largest exactly then); else it drops out and the next in (score, -index) order races, TRIES in all.
