@@ -289,10 +289,12 @@ if triton is not None:
         return a, b, live
 
     @triton.jit
-    def _linear_kernel(X, W, S, RES, OUT, PART, COUNT, PROGRESS, R, N, K: tl.constexpr, KP: tl.constexpr,
+    def _linear_kernel(X, W, S, RES, ADD, OUT, PART, COUNT, PROGRESS, R, N, K: tl.constexpr, KP: tl.constexpr,
                        RP: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, DOT: tl.constexpr, PDL: tl.constexpr,
-                       PREC: tl.constexpr, SPLIT: tl.constexpr, QUANT: tl.constexpr, BUMP: tl.constexpr):
-        """OUT = RES + X @ W.T for X (R, K), W (N, K): the output and down projections."""
+                       PREC: tl.constexpr, SPLIT: tl.constexpr, QUANT: tl.constexpr, THEN: tl.constexpr,
+                       BUMP: tl.constexpr):
+        """OUT = RES + X @ W.T for X (R, K), W (N, K): the output and down projections; with THEN, + ADD (R, N)
+        after that, rounded again (the next block's control rows, as the model adds them)."""
         bump(PROGRESS, BUMP)
         rows = tl.program_id(0) * BN + tl.arange(0, BN)
         rows_ok = rows < N
@@ -300,15 +302,23 @@ if triton is not None:
         offs_r = tl.arange(0, RP)
         at = offs_r[:, None] * N + rows[None, :]
         res = tl.zeros([RP, BN], tl.float32)
-        if not DOT:  # before the wait: the kernel just before never writes it (see linear())
-            res = tl.load(RES + at, mask=(offs_r < R)[:, None] & rows_ok[None, :], other=0.0,
-                          cache_modifier=".cg").to(tl.float32)
+        add = res
+        if not DOT:  # before the wait: the kernel just before never writes them (see linear())
+            r_ok = (offs_r < R)[:, None] & rows_ok[None, :]
+            res = tl.load(RES + at, mask=r_ok, other=0.0, cache_modifier=".cg").to(tl.float32)
+            if THEN:
+                add = tl.load(ADD + at, mask=r_ok, other=0.0, cache_modifier=".cg").to(tl.float32)
         y, _, live = _project(X, X, W, S, PART, COUNT, rows, rows, rows_ok, R, 0.0, K, KP, RP, BN, BK, False, False,
                               DOT, PDL, PREC, SPLIT, QUANT, dt)
         ok = (offs_r < live)[:, None] & rows_ok[None, :]
         if DOT:  # after it: ahead of the wait, n = 4 and 8 ran ~1.3% slower
             res = tl.load(RES + at, mask=ok, other=0.0).to(tl.float32)
-        tl.store(OUT + at, (y + res).to(dt), mask=ok)
+            if THEN:
+                add = tl.load(ADD + at, mask=ok, other=0.0).to(tl.float32)
+        out = (y + res).to(dt)
+        if THEN:
+            out = (out.to(tl.float32) + add).to(dt)
+        tl.store(OUT + at, out, mask=ok)
 
     @triton.jit
     def _head_kernel(X, NW, W, S, OUT, NOISE, POS, SEED, PART, COUNT, PROGRESS, R, N, EPS: tl.constexpr,
@@ -453,18 +463,19 @@ def _or(t, x):
     return x if t is None else t  # a kernel's unused pointer argument
 
 
-def linear(x, weight, scales=None, residual=None, name="wo", pdl=False, progress=None):
+def linear(x, weight, scales=None, residual=None, name="wo", pdl=False, progress=None, then=None):
     """residual + x @ weight.T for x (R, K) contiguous, R <= MAX_ROWS, with kernel `name`'s tiling; an int8
-    weight with its row scales (quantize.py) as model.int8_linear. With pdl, `residual` must not be written
-    by the kernel just before (the GEMV path reads it before its wait; in the block it is wo's input, 4
-    kernels back, or w2's, 2 back)."""
+    weight with its row scales (quantize.py) as model.int8_linear; then + `then` (R, N) if given, rounded
+    again. With pdl, `residual` and `then` must not be written by the kernel just before (the GEMV path reads
+    them before its wait; in the block the residual is wo's input, 4 kernels back, or w2's, 2 back, and `then`
+    the step's control rows)."""
     R, K = x.shape
     N = weight.shape[0]
     bn, kw = plan(name, x, weight, 1, pdl, progress)
     grid, part, counts = split_buffers(x, triton.cdiv(N, bn), kw, bn)
     out = torch.empty(R, N, device=x.device, dtype=x.dtype)
-    _linear_kernel[grid](x, weight, _or(scales, x), residual, out, part, counts, R=R, N=N, K=K, BN=bn,
-                         QUANT=scales is not None, **kw)
+    _linear_kernel[grid](x, weight, _or(scales, x), residual, _or(then, x), out, part, counts, R=R, N=N, K=K, BN=bn,
+                         QUANT=scales is not None, THEN=then is not None, **kw)
     return out
 
 
@@ -494,8 +505,9 @@ def gate_up(x, norm, w13, scales=None, pdl=False, progress=None):
     return out
 
 
-def decode_block(layer, x, freqs, attend, input_pos, prefetcher=None):
-    """TransformerBlock.forward(x, freqs, attend) for x (R, 1, D), usable as model block_fn.
+def decode_block(layer, x, freqs, attend, input_pos, prefetcher=None, control=None):
+    """TransformerBlock.forward(x, freqs, attend) for x (R, 1, D), usable as model block_fn; + control (R, 1, D),
+    the next block's control rows, if given (adds_control: model.forward passes them).
 
     attend should launch with PDL where attention_pdl says: decode_attention(..., pdl=attention_pdl(R, device)).
     prefetcher (prefetch.Prefetcher): its count is bumped by each of the 4 projections as it starts."""
@@ -511,7 +523,15 @@ def decode_block(layer, x, freqs, attend, input_pos, prefetcher=None):
     y = attend(q.transpose(1, 2), None, None, freqs, cache)  # (R, H, 1, hd): its flat rows are heads side by side
     h = linear(y.view(R, D), attn.wo.weight, row_scales(attn.wo), residual=x, name="wo", pdl=pdl, progress=progress)
     a = gate_up(h, layer.ffn_norm, ff.w13, ff.w13_scales, pdl, progress)
-    return linear(a, ff.w2.weight, row_scales(ff.w2), residual=h, name="w2", pdl=pdl, progress=progress).view(R, 1, D)
+    then = None if control is None else control.reshape(R, D)
+    return linear(a, ff.w2.weight, row_scales(ff.w2), residual=h, name="w2", pdl=pdl, progress=progress,
+                  then=then).view(R, 1, D)
+
+
+# The control rows added before blocks L and 2L (model.forward), in the down projection of the block before: a
+# PyTorch add between two blocks was a kernel outside the PDL chain, which the next QKV kernel could not fetch its
+# weights ahead of.
+decode_block.adds_control = True
 
 
 # `down` as an op that inductor calls as it is (down_op), launched under PDL's late trigger: inductor launches a

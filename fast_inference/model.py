@@ -409,7 +409,8 @@ class Transformer(nn.Module):
         engine; text: the cache's text partial, KVCache.text); default SDPA with the mask (additive) after
         rope_and_cache.
         block_fn(layer, x, freqs, attend, input_pos): runs a block instead of layer(x, freqs, attend) (the
-        fast engine passes one compiled function shared by all blocks; input_pos is for its fused kernels).
+        fast engine passes one compiled function shared by all blocks; input_pos is for its fused kernels); one
+        marked adds_control is passed control= too, the next block's control rows, and adds them to its output.
         hidden: return the last block's output instead of the logits (`logits` finishes it; the fast
         engine's head runs that).
         kv_len: SDPA reads only the first kv_len cache positions, a static window past every position
@@ -437,13 +438,25 @@ class Transformer(nn.Module):
                 q, k, v = rope_and_cache(q, k, v, rot, cache, input_pos)
                 return F.scaled_dot_product_attention(q, k[:, :, :n], v[:, :, :n], attn_mask=bias)
 
+        def control_at(i):  # the control rows added before block i, or None
+            if picked is None or i >= len(self.layers) or i % self.args.layer_internal:
+                return None
+            # Official code indexes a 4th list for GPT-1B/7B and crashes; we reuse the last one.
+            return picked[min(i // self.args.layer_internal, NUM_CONTROL_LISTS - 1)]
+
+        # A block_fn with adds_control (decode_block's, also as a functools.partial) adds the next block's control
+        # rows to its output itself: block_fn(..., control=rows or None)
+        folds = getattr(getattr(block_fn, "func", block_fn), "adds_control", False)
         for i, layer in enumerate(self.layers):
-            if picked is not None and i % self.args.layer_internal == 0:
-                # Official code indexes a 4th list for GPT-1B/7B and crashes; we reuse the last one.
-                control = picked[min(i // self.args.layer_internal, NUM_CONTROL_LISTS - 1)]
-                if control is not None:
-                    x = x + control
-            x = layer(x, freqs, attend) if block_fn is None else block_fn(layer, x, freqs, attend, input_pos)
+            control = control_at(i)
+            if control is not None and not (folds and i > 0):
+                x = x + control
+            if block_fn is None:
+                x = layer(x, freqs, attend)
+            elif folds:
+                x = block_fn(layer, x, freqs, attend, input_pos, control=control_at(i + 1))
+            else:
+                x = block_fn(layer, x, freqs, attend, input_pos)
         if last_only:
             x = x[:, -1:]
         return x if hidden else self.logits(x)

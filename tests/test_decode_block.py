@@ -227,7 +227,7 @@ for dt, D, F, hd, int8 in (("bf16", 1280, 3584, 64, False), ("bf16", 4096, 11008
     t, dtype = "*" + dt, torch.bfloat16 if dt == "bf16" else torch.float32
     w = {"W": "*i8" if int8 else t, "S": t}
     split = {"PART": "*fp32", "COUNT": "*i32", "PROGRESS": "*i32"}
-    lin = {"X": t, **w, "RES": t, "OUT": t, **split, "R": "i32", "N": "i32"}
+    lin = {"X": t, **w, "RES": t, "ADD": t, "OUT": t, **split, "R": "i32", "N": "i32"}
     head = {"X": t, "NW": t, **w, "OUT": t, "NOISE": "*fp32", "POS": "*i64", "SEED": "*i64", **split, "R": "i32",
             "N": "i32"}
     qkv = {"X": t, "NW": t, **w, "FREQS": "*fp32", "POS": "*i64", "Q": t, "KC": t, "VC": t, **split, "R": "i32",
@@ -235,10 +235,10 @@ for dt, D, F, hd, int8 in (("bf16", 1280, 3584, 64, False), ("bf16", 4096, 11008
     gu = {"X": t, "NW": t, **w, "OUT": t, **split, "R": "i32", "F": "i32"}
     # the dot path's tilings were swept for GPT-XL; GPT-7B (not a ControlAR model) spills 8 B in gate/up
     for rows in (2, 8, 16) if D == 1280 else (2,):
-        for name, K in (("wo", D), ("w2", F)):
+        for name, K, then in (("wo", D, False), ("w2", F, False), ("w2", F, True)):  # w2 adding the control rows
             bn, kw, options = args(name, dtype, rows, K, 1, int8)
             kw.pop("EPS")
-            build(db._linear_kernel, lin, dict(kw, BN=bn), options)
+            build(db._linear_kernel, lin, dict(kw, BN=bn, THEN=then), options)
         bn, kw, options = args("output", dtype, rows, D, 1, int8)
         for images in (0, rows // 2):  # the head with and without the draw's noise (16,384 tokens)
             build(db._head_kernel, head, dict(kw, BN=bn, IMAGES=images, IP=max(1, images), VP=16384, CHUNK=4096),
@@ -252,7 +252,7 @@ for dt, D, F, hd, int8 in (("bf16", 1280, 3584, 64, False), ("bf16", 4096, 11008
         for rows in (32, 64):
             bn, kw, options = args("w2", dtype, rows, F, 1, int8)
             kw.pop("EPS")
-            build(db._linear_kernel, lin, dict(kw, BN=bn), options)
+            build(db._linear_kernel, lin, dict(kw, BN=bn, THEN=False), options)
 # The prefetcher beside the step (one warp per program: bulk L2 prefetches, spins on the count)
 for evict_last in (False, True):
     build(prefetch._prefetch_kernel, {"SEGS": "*i64", "PROGRESS": "*i32", "POS": "*i64", "n_segs": "i32",

@@ -119,3 +119,28 @@ def test_unconditional_half_gets_zero_control():
     p = prepare(model, cond, condition, mask, cfg_scale=4.0, control_strength=0.7)
     assert p.prefix.shape[0] == 4 and torch.count_nonzero(p.controls[:, 2:]) == 0
     assert torch.equal(p.text_mask[:2], p.text_mask[2:])
+
+
+def test_a_block_fn_that_adds_control_is_passed_the_next_blocks_rows():
+    """model.forward with a block_fn marked adds_control (as decode_block's): block i gets the control rows added
+    before block i + 1 (None where there are none, and for the last block) and adds them itself; the hidden states
+    are those of the blocks run plainly."""
+    model = tiny_model(n_layer=6)  # control rows before blocks 0, 2 and 4
+    cond, mask, condition = tiny_inputs(model)
+    p = prepare(model, cond, condition, mask, cfg_scale=4.0, control_strength=1.0)
+    rows, T = p.prefix.shape[:2]
+    model.setup_caches(rows, T, torch.float32)
+    key_valid = p.key_valid(model.max_seq)
+    passed = []
+
+    def block(layer, x, freqs, attend, input_pos, control=None):
+        passed.append(control)
+        x = layer(x, freqs, attend)
+        return x if control is None else x + control
+
+    block.adds_control = True
+    with torch.no_grad():
+        want = model(p.prefix, torch.arange(T), key_valid, p.controls, hidden=True)
+        got = model(p.prefix, torch.arange(T), key_valid, p.controls, hidden=True, block_fn=block)
+    assert [c is not None for c in passed] == [False, True, False, True, False, False]
+    assert passed[1].abs().sum() > 0 and torch.equal(got, want)
