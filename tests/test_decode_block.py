@@ -115,9 +115,9 @@ def test_fused_block_matches_model_in_interpreter():
     """Three teacher-forced decode steps through two layers after a prefill: logits within 1e-4 and identical cache rows
     (up to float32 rounding) for 1, 2 and 4 rows (GEMV path) and 5, 6 and 16 rows (dot path, also
     split-K), with and without CFG, several tilings, power-of-two widths and others (the GEMV rows in
-    two pieces), each projection counted once for a prefetcher, in prefetch.segments' order; and the
-    head (final norm fused into the output projection), whose race noise draws the same tokens as the
-    draw's own."""
+    two pieces), each projection counted once for a prefetcher, in prefetch.segments' order, the first of two
+    blocks adding the second's control rows in its down projection (adds_control); and the head (final norm
+    fused into the output projection), whose race noise draws the same tokens as the draw's own."""
     out = early.result(SCRIPT, ENV)
     assert out.returncode == 0, out.stderr[-2000:]
     worst, cache_worst = map(float, out.stdout.split()[-2:])
