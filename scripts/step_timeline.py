@@ -2,11 +2,13 @@
 cfg 4, top-k 2000): start, duration and the gap after the kernel before, for the kernels outside the blocks
 and the first and last few, so the small kernels around the blocks show.
 
-    python scripts/step_timeline.py --batch-sizes 1,8 [--position 700] [--replays 6] [--by-name]
+    python scripts/step_timeline.py --batch-sizes 1,8 [--position 700] [--replays 6] [--by-name] [--setting CODE]
 
 torch.profiler over `--replays` replays of the step graph at one position (the third is printed); the
-profiler adds a little to each step. --by-name: that step's kernels counted and their time summed by name
-instead, largest first (where the time goes per kind of kernel). One CUDA GPU.
+profiler adds a little to each step. Memsets and copies the graph holds are listed with the kernels. --by-name:
+that step's kernels counted and their time summed by name instead, largest first (where the time goes per kind
+of kernel). --setting: Python run first with the fast_inference modules in scope, as engine_ab.py's settings
+(e.g. "prefetch.available = lambda device: False": the step without the L2 prefetcher). One CUDA GPU.
 """
 import argparse
 import collections
@@ -20,6 +22,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch
 from torch.profiler import ProfilerActivity, profile
 
+from engine_ab import MODULES, compile_settings
 from fast_inference.bench import inputs, random_gpt_xl
 from fast_inference.engine import Engine
 
@@ -36,7 +39,7 @@ def kernels(graph, replays):
         path = os.path.join(d, "trace.json")
         prof.export_chrome_trace(path)
         with open(path) as f:
-            events = [e for e in json.load(f)["traceEvents"] if e.get("cat") == "kernel"]
+            events = [e for e in json.load(f)["traceEvents"] if e.get("cat") in ("kernel", "gpu_memset", "gpu_memcpy")]
     return sorted(events, key=lambda e: e["ts"])
 
 
@@ -55,9 +58,16 @@ def main():
     ap.add_argument("--position", type=int, default=700)
     ap.add_argument("--replays", type=int, default=6)
     ap.add_argument("--by-name", action="store_true", help="kernel count and time by name instead of the timeline")
+    ap.add_argument("--setting", default="", help='Python run first with the fast_inference modules in scope, '
+                    'e.g. "prefetch.available = lambda device: False"')
     args = ap.parse_args()
+    try:
+        (setting,) = compile_settings([args.setting])
+    except ValueError as e:
+        ap.error(str(e))
     if not torch.cuda.is_available():
         sys.exit("step_timeline.py needs a CUDA GPU")
+    exec(setting, dict(MODULES))
     model = random_gpt_xl()
     with torch.no_grad():
         for B in map(int, args.batch_sizes.split(",")):
