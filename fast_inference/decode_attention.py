@@ -52,11 +52,12 @@ EVICT_FIRST = True
 # At WHOLE_ROWS rows, R x H programs fill the GPU (64 rows: 1,280 for its 132 SMs): each takes all the keys of its
 # (row, head), WHOLE = (BLOCK, num_warps, num_stages), and there is no merge kernel.
 # scripts/engine_ab.py at n = 32 on the H200, ms/step: split-KV 2.729; whole (64, 1, 1) 2.647-2.675, (32, 1, 1)
-# 2.677-2.683 (the best tiling without a stack frame: ptxas spills ~80 B of (64, 1, 1) at 255 registers), (64, 2, 1)
-# 2.723; each tile's keys loaded one iteration ahead, (32, 1, 1): 3.30 (240 registers, two waves). At 32 rows (640
-# programs) it lost: n = 16 2.132 -> 2.410. Past 64 rows, split-KV -> whole (`--process-per-setting` with WHOLE_ROWS
-# = range(0) and range(64, 10**9)): n = 40 3.747 -> 3.644, n = 48 3.996 -> 3.812; from 112 rows it lost (not taken
-# apart): n = 56 4.275 -> 4.694, n = 64 4.678 -> 5.021. 98-110 rows untried.
+# 2.677-2.683, (64, 2, 1) 2.723 ((64, 1, 1) takes 168 registers and no stack in an sm_90 build with aligned pointers,
+# as the JIT builds it, 128 with the H200's Triton 3.6; unaligned builds had spilled ~80 B at 255); each tile's keys
+# loaded one iteration ahead, (32, 1, 1): 3.30 (240 registers, two waves). At 32 rows (640 programs) it lost: n = 16
+# 2.132 -> 2.410. Past 64 rows, split-KV -> whole (`--process-per-setting` with WHOLE_ROWS = range(0) and range(64,
+# 10**9)): n = 40 3.747 -> 3.644, n = 48 3.996 -> 3.812; from 112 rows it lost (not taken apart): n = 56 4.275 ->
+# 4.694, n = 64 4.678 -> 5.021. 98-110 rows untried.
 WHOLE_ROWS = range(64, 97)
 WHOLE = (64, 1, 1)
 
