@@ -20,6 +20,8 @@ def _lower_priority():
 def start(script, env):
     if script not in _running:
         out, err = tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")
+        # One thread each: several scripts and this process share the cores, and more threads than cores spin idle
+        env = dict(env, OMP_NUM_THREADS="1")
         _running[script] = subprocess.Popen([sys.executable, "-c", script], env=env, stdout=out, stderr=err, text=True,
                                             preexec_fn=_lower_priority if hasattr(os, "nice") else None), out, err
     return _running[script]

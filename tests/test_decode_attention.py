@@ -3,16 +3,17 @@ the model's mask rule (several tile sizes, tiles of padding only, tiles past the
 skipped, shorter and longer than the searched LEAD keys; with and without the PDL data path; with q and the
 step's key before RoPE, the kernel rotating them and writing the key and value into the caches), in Triton's
 CPU interpreter (TRITON_INTERPRET=1), so CI checks the kernels the GPU engine runs."""
-import os
 
 import pytest
 
 import early
+import interpret
 import sm90
 
 pytest.importorskip("triton")
 
 SCRIPT = r"""
+import interpret  # first: the interpreter without its re-patching per call (tests/interpret.py)
 import itertools
 
 import torch
@@ -104,7 +105,7 @@ print(worst)
 """
 
 
-ENV = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=sm90.ROOT)
+ENV = interpret.ENV
 
 
 def test_kernel_matches_sdpa_in_interpreter():

@@ -1,18 +1,18 @@
 """The fused one-token block (fast_inference/decode_block.py) against the model's own block, in
 Triton's CPU interpreter (TRITON_INTERPRET=1), and its kernels compiled ahead of time for sm_90."""
-import os
 import subprocess
 import sys
 
 import pytest
 
 import early
+import interpret
 import sm90
 
 pytest.importorskip("triton")
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 SCRIPT = r"""
+import interpret  # first: the interpreter without its re-patching per call (tests/interpret.py)
 import copy
 import functools
 import torch
@@ -44,7 +44,7 @@ def recording(name, x, weight, tiles, pdl, progress=None):  # the weights of the
 
 
 decode_block.plan = recording
-tile = lambda n: dict(qkv=(n, 4), wo=(n, 4), gate_up=(n, 2), w2=(n, 4), output=(n, 4))
+tile = lambda n: dict(qkv=(n, 4), wo=(n, 4), gate_up=(n, 2), w2=(n, 4), output=(16 * n, 4))  # the head: few programs
 dot = lambda n, bk, s=1: dict(qkv=(16, bk, 4, 2, s), wo=(n, bk, 4, 2, s), gate_up=(n, bk, 4, 3, s), w2=(16, bk, 4, 2, s),
                              output=(n, bk, 4, 2, s))
 # (batch, cfg, model widths, GEMV tiling, dot tiling, PDL data paths, int8 weights); > 4 rows take the dot path, whose K
@@ -125,6 +125,7 @@ def test_fused_block_matches_model_in_interpreter():
 
 
 ENGINE_SCRIPT = r"""
+import interpret  # first: the interpreter without its re-patching per call (tests/interpret.py)
 import functools
 import torch
 import triton.language as tl
@@ -157,6 +158,9 @@ decode_block.use_pdl = lambda device: True
 decode_sampling.supported = lambda device, top_p: top_p >= 1.0
 decode_inputs.supported = lambda device: True
 prefetch.available, prefetch.Prefetcher = lambda device: True, Prefetcher
+# Wide GEMV tiles, few programs: the interpreter's time goes with them (the head's 128 programs took half of it at
+# the default tiling); the tilings are the fused block's test's, the engine's wiring this one's
+decode_block.CONFIG = dict(qkv=(32, 4), wo=(16, 4), gate_up=(16, 4), w2=(16, 4), output=(64, 4))
 model = tiny_model(cls=8, seed=6, vocab_size=512, n_layer=2)  # small: the interpreter runs every program
 cond, mask, condition = tiny_inputs(model, B=2)
 # 4 tokens: the prefill's and 3 decode steps, 2 guided and, after cfg_interval, 1 unguided
@@ -198,7 +202,7 @@ def test_engine_runs_the_fused_block_in_interpreter():
     assert float(worst) < 1e-4 and same == "True", out.stdout
 
 
-ENV = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join([ROOT, os.path.join(ROOT, "tests")]))
+ENV = interpret.ENV
 
 
 AOT_SCRIPT = r"""
@@ -278,6 +282,7 @@ EARLY = {"test_fused_block_matches_model_in_interpreter": (SCRIPT, ENV),
 
 
 DOWN_SCRIPT = r"""
+import interpret  # first: the interpreter without its re-patching per call (tests/interpret.py)
 import torch
 from fast_inference import decode_block
 from test_reference import tiny_model
@@ -307,6 +312,7 @@ def test_down_matches_the_block_in_interpreter():
 
 
 COMPILED_DOWN_SCRIPT = r"""
+import interpret  # first: the interpreter without its re-patching per call (tests/interpret.py)
 import functools
 import torch
 from torch._inductor.utils import run_and_get_code

@@ -1,16 +1,16 @@
 """The fused draw (fast_inference/decode_sampling.py) against sampling.py, in Triton's CPU interpreter
 (TRITON_INTERPRET=1), and compiled ahead of time for sm_90."""
-import os
 
 import pytest
 
 import early
+import interpret
 import sm90
 
 pytest.importorskip("triton")
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 SCRIPT = r"""
+import interpret  # first: the interpreter without its re-patching per call (tests/interpret.py)
 import math
 import torch
 import triton
@@ -139,7 +139,7 @@ print("ok", chi2, bound)
 """
 
 
-ENV = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=ROOT)
+ENV = interpret.ENV
 
 
 def test_draw_matches_sampling_in_interpreter():
