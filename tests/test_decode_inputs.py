@@ -1,15 +1,14 @@
 """A decode step's inputs in one kernel (fast_inference/decode_inputs.py) against the model's ops, in
 Triton's CPU interpreter (TRITON_INTERPRET=1), and compiled ahead of time for sm_90."""
-import os
 import subprocess
 import sys
 
 import pytest
 
+import interpret
 import sm90
 
 pytest.importorskip("triton")
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 SCRIPT = r"""
 import torch
@@ -63,8 +62,7 @@ def test_step_inputs_match_model_in_interpreter():
     """Embeddings plus the first control row, the RoPE row and the other control rows bit for bit (signed
     zeros included) as the model's ops: float32 and bfloat16, with CFG (1 and 3 images) and without (the
     conditional half of a larger controls buffer), at positions before, at, inside and past the control tokens."""
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join([ROOT, os.path.join(ROOT, "tests")]))
-    out = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=600)
+    out = subprocess.run([sys.executable, "-c", SCRIPT], env=interpret.ENV, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.split()[-2:] == ["ok", "42"], out.stdout
 

@@ -1,15 +1,13 @@
 """The prefetcher's fetch plans (prefetch.schedule): every projection weight once, each released by a count the
 step reaches before that weight is read, none by a count the step never reaches (the step would wait forever)."""
-import os
 import subprocess
 import sys
 
 import torch
 
 from fast_inference import prefetch
+import interpret
 from test_reference import tiny_model
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def test_fused_schedule_fetches_each_weight_as_the_projection_before_starts():
@@ -121,7 +119,7 @@ def test_prefetch_kernel_fetches_the_weights_and_the_keys_before_the_position():
     """The prefetcher's kernel in Triton's interpreter, its bulk prefetch recorded: every chunk of a weight (in
     16-byte multiples), each (row, head)'s keys from the first one to the position's (not written yet), nothing of
     a cache whose first key is past it; the counts reset at the end."""
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join([ROOT, os.path.join(ROOT, "tests")]))
-    out = subprocess.run([sys.executable, "-c", KERNEL_SCRIPT], env=env, capture_output=True, text=True, timeout=300)
+    out = subprocess.run([sys.executable, "-c", KERNEL_SCRIPT], env=interpret.ENV, capture_output=True, text=True,
+                         timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.split()[-1] == str(16 + 5)
