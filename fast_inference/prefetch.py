@@ -15,7 +15,7 @@ attention instead, whose merge counts each layer: a layer's wo, gate/up and w2 a
 are fetched once its keys have streamed (schedule). K and V carry L2's evict-first hint and the weights'
 prefetches an evict-last policy, so that ~230 MB of keys per layer at n = 32 do not push the weights out.
 
-The keys and values the next attention reads first go the same way (KV_BYTES per layer): the decode
+The keys and values the next attention reads first go the same way (KV_BYTES per layer, by row count): the decode
 attention streams them at the bus's rate, while the projections' chain before it leaves the bus mostly idle,
 so bytes fetched during the chain are bytes the attention does not wait for. They are fetched with the next
 layer's qkv weight on the fused path, and once the down projection starts in the compiled block (it counts
@@ -45,8 +45,13 @@ CHUNK = 16384  # bytes per bulk prefetch
 AHEAD = 1  # segment j is fetched once projection j - AHEAD has started
 # The keys: H200, `python scripts/engine_ab.py --process-per-setting` (docs/PERF_NOTES.md #46), ms/step, n = 32 / 8:
 # none 2.794 / 1.529; 24 MB 2.767 / 1.516, 40 MB 2.786 / 1.573; 12 MB 2.769 / 1.497 (with the merge's PDL); fetched
-# with L2's normal policy instead of evict-last 2.754 / 1.504 (24 MB); one count earlier 2.772 / 1.506.
-KV_BYTES = 12 << 20  # per layer: the first keys and values of each (row, head) after the text, at most (0: none)
+# with L2's normal policy instead of evict-last 2.754 / 1.504 (24 MB); one count earlier 2.772 / 1.506. Again after
+# #48's whole attention at 64 rows (#54, two rounds, one machine): n = 32 none 2.678 / 2.671, 6 MB 2.644 / 2.649, 12 MB
+# 2.644 / 2.650, 24 MB 2.631 / 2.634; n = 8 none 1.457 / 1.457, 6 MB 1.435 / 1.435, 12 MB 1.438 / 1.438, 24 MB 1.450 /
+# 1.446; n = 16 (32 rows, another call) 12 MB 2.137 / 2.135, 24 MB 2.134 / 2.134 (flat: left at 12).
+# Per layer, by row count (the first entry whose bound is >= the rows): the first keys and values of each (row, head)
+# after the text, at most (0: none).
+KV_BYTES = ((32, 12 << 20), (None, 24 << 20))
 KV_AHEAD = 0  # counts earlier than the default for the keys and values (the fused path: projections)
 
 
@@ -114,15 +119,20 @@ def table(plan, rows):
     return out
 
 
+def kv_bytes(rows):
+    """KV_BYTES' budget for steps over `rows` rows."""
+    return next(nbytes for bound, nbytes in KV_BYTES if bound is None or rows <= bound)
+
+
 def kv_rows(cache, rows, first):
     """The prefetcher's table rows of a cache's keys and values for steps over `rows` rows: (address, most bytes,
     stride, ranges, bytes per key, first key) for K and for V, each (row, head)'s keys from `first` on a range of
-    its own, the same number of keys in each (KV_BYTES over them all); none if that is no key."""
+    its own, the same number of keys in each (kv_bytes(rows) over them all); none if that is no key."""
     k, v = cache.k_cache, cache.v_cache
     R, H, L, hd = k.shape
     key = hd * k.element_size()
     assert k.stride(0) == H * k.stride(1) and k.stride(2) == hd and v.stride() == k.stride()
-    keys = min(KV_BYTES // (2 * rows * H * key), L - first)
+    keys = min(kv_bytes(rows) // (2 * rows * H * key), L - first)
     if keys <= 0:
         return []
     return [(t.data_ptr() + first * key, keys * key, t.stride(1) * t.element_size(), rows * H, key, first)
@@ -215,7 +225,7 @@ class Prefetcher:
         """The plan of steps over `rows` rows at input_pos (the caches set up); down: the compiled block's down
         projection counts at these rows (decode_block.down_for). Before the steps' capture (a host copy)."""
         self.pos = input_pos
-        segs = table(schedule(self.model, self.compiled, down, kv=KV_BYTES > 0), rows)
+        segs = table(schedule(self.model, self.compiled, down, kv=kv_bytes(rows) > 0), rows)
         total = counts_per_layer(self.compiled, down) * len(self.model.layers)
         self.plans[rows] = torch.tensor(segs, dtype=torch.int64, device=input_pos.device), total
 

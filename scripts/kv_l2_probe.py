@@ -62,7 +62,7 @@ def main():
         cache = types.SimpleNamespace(k_cache=k, v_cache=v, text_len=T)
         key = HD * k.element_size()
         for keys in map(int, args.keys.split(",")):
-            prefetch.KV_BYTES = 2 * R * H * key * keys  # keys per (row, head), for K and V
+            prefetch.KV_BYTES = ((None, 2 * R * H * key * keys),)  # keys per (row, head), for K and V
             table = None if keys == 0 else torch.tensor(prefetch.table([(cache, 0)], R), dtype=torch.int64,
                                                         device="cuda")
             us = sorted(timed(attend, table, flush, pos) for _ in range(REPS))[REPS // 2]

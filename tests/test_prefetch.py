@@ -74,14 +74,13 @@ def test_kv_rows_are_each_row_and_heads_keys_after_the_text(monkeypatch):
     model.setup_caches(6, 24, torch.bfloat16)
     cache = model.layers[0].attention.kv_cache
     R, H, L, hd = cache.k_cache.shape
-    monkeypatch.setattr(prefetch, "KV_BYTES", 1 << 30)
+    monkeypatch.setattr(prefetch, "KV_BYTES", ((None, 1 << 30),))
     rows = prefetch.kv_rows(cache, 4, 8)  # 4 of the 6 rows (CFG off), keys from 8 on, the budget past the cache
     assert [r[0] for r in rows] == [t.data_ptr() + 8 * hd * 2 for t in (cache.k_cache, cache.v_cache)]
     assert {r[1:] for r in rows} == {((L - 8) * hd * 2, L * hd * 2, 4 * H, hd * 2, 8)}
-    monkeypatch.setattr(prefetch, "KV_BYTES", 2 * 4 * H * hd * 2 * 5)  # five keys per (row, head) for K and V
+    monkeypatch.setattr(prefetch, "KV_BYTES", ((2, 0), (None, 2 * 4 * H * hd * 2 * 5)))  # five keys per (row, head)
     assert {r[1] for r in prefetch.kv_rows(cache, 4, 8)} == {5 * hd * 2}
-    monkeypatch.setattr(prefetch, "KV_BYTES", 0)
-    assert prefetch.kv_rows(cache, 4, 8) == []
+    assert prefetch.kv_rows(cache, 2, 8) == []  # none at 2 rows
 
 
 KERNEL_SCRIPT = r"""
