@@ -64,6 +64,15 @@ def apply(saved, code):
     exec(code, dict(MODULES))
 
 
+def line(B, text, ms, tokens, first):
+    """One run's result: decode ms/step, tok/s, whether the tokens equal `first` (the first setting's in this process;
+    None in a child of --process-per-setting, which runs one setting: the hash compares across processes)."""
+    digest = hashlib.sha1(tokens.cpu().numpy().tobytes()).hexdigest()[:10]
+    same = "" if first is None else f"tokens as the first setting's: {bool(first.equal(tokens))} "
+    return (f"n = {B}, {text or 'as it stands'}: decode {ms:.3f} ms/step ({B * 1000 / ms:,.0f} tok/s), "
+            f"{same}(hash {digest})")
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("settings", nargs="+", help='Python per setting, e.g. "" (as it stands) and "decode_block.X = 1"')
@@ -101,9 +110,7 @@ def main(argv=None):
                     tokens = fast.generate(cond, 1024, emb_masks=mask, condition=condition, cfg_scale=4.0, top_k=2000)
                 first = tokens if first is None else first
                 ms = fast.last_timings["decode"] / 1023 * 1e3
-                digest = hashlib.sha1(tokens.cpu().numpy().tobytes()).hexdigest()[:10]
-                print(f"n = {B}, {text or 'as it stands'}: decode {ms:.3f} ms/step ({B * 1000 / ms:,.0f} tok/s), "
-                      f"tokens as the first setting's: {bool(first.equal(tokens))} (hash {digest})", flush=True)
+                print(line(B, text, ms, tokens, None if args.once else first), flush=True)
     restore(saved)
 
 

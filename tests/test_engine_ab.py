@@ -53,3 +53,17 @@ def test_process_per_setting_runs_each_setting_alone_twice(monkeypatch):
         assert "the process for setting '' failed" in str(e)
     else:
         raise AssertionError("a failed child must end the run")
+
+
+def test_a_line_says_whether_the_tokens_match_only_where_it_can():
+    """In one process a run is compared with the first setting's tokens; a child of --process-per-setting runs one
+    setting, so its line gives the hash alone (which the other processes' lines compare with)."""
+    tokens, other = engine_ab.torch.arange(6).view(1, 6), engine_ab.torch.arange(1, 7).view(1, 6)
+    alone = engine_ab.line(32, "", 2.5, tokens, None)
+    assert alone.startswith("n = 32, as it stands: decode 2.500 ms/step (12,800 tok/s), (hash ")
+    assert "first setting" not in alone
+    assert "tokens as the first setting's: True" in engine_ab.line(8, "x = 1", 1.0, tokens, tokens.clone())
+    differs = engine_ab.line(8, "x = 1", 1.0, tokens, other)
+    assert "tokens as the first setting's: False" in differs
+    digest = lambda text: text.split("(hash ")[1]
+    assert digest(alone) == digest(differs) != digest(engine_ab.line(8, "", 1.0, other, None))
