@@ -48,7 +48,8 @@ AHEAD = 1  # segment j is fetched once projection j - AHEAD has started
 # with L2's normal policy instead of evict-last 2.754 / 1.504 (24 MB); one count earlier 2.772 / 1.506. Again after
 # #48's whole attention at 64 rows (#54, two rounds, one machine): n = 32 none 2.678 / 2.671, 6 MB 2.644 / 2.649, 12 MB
 # 2.644 / 2.650, 24 MB 2.631 / 2.634; n = 8 none 1.457 / 1.457, 6 MB 1.435 / 1.435, 12 MB 1.438 / 1.438, 24 MB 1.450 /
-# 1.446; n = 16 (32 rows, another call) 12 MB 2.137 / 2.135, 24 MB 2.134 / 2.134 (flat: left at 12).
+# 1.446; n = 16 (32 rows, another call) 12 MB 2.137 / 2.135, 24 MB 2.134 / 2.134 (flat: left at 12); n = 32, 32 MB from
+# 64 rows (a third machine): 2.639 / 2.638 against 24 MB's 2.638 / 2.636 (flat).
 # Per layer, by row count (the first entry whose bound is >= the rows): the first keys and values of each (row, head)
 # after the text, at most (0: none).
 KV_BYTES = ((32, 12 << 20), (None, 24 << 20))
