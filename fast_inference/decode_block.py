@@ -62,6 +62,11 @@ CONFIG = dict(qkv=(8, 8), wo=(4, 4), gate_up=(4, 4), w2=(4, 4), output=(4, 4))
 # int8 weights, the same script with --quantize int8: 25.4-25.9 us per block with these, 27.5 with CONFIG
 # (27.5 for bf16 in the same run)
 CONFIG_INT8 = dict(qkv=(4, 4), wo=(4, 4), gate_up=(4, 4), w2=(4, 4), output=(4, 4))
+# GEMV kernels that hold K in pieces (_gemv_pieces) rather than padded to a power of two. H200, `python
+# scripts/engine_ab.py --batch-sizes 1 --process-per-setting`, ms/step against every kernel padded (0.997): gate/up in
+# pieces 0.970 (n = 2: 1.488 -> 1.489), and with it qkv 0.980, the head 0.970, wo 0.977; all five 1.036 (the one-tile
+# kernels alone 1.065). gate/up in pieces at (8, 8) 1.036, at (2, 2) 0.972.
+PIECES = ("gate_up",)
 # dot path: rows of W per program (>= 16; pairs for qkv), K chunk, warps, pipeline stages, and
 # split-K (programs per row tile, each a run of K chunks; the last to finish adds the partials).
 # scripts/bench_decode_block.py on the H200 (GPT-XL, 16 rows, position 700, no PDL): 51.9 us per
@@ -118,28 +123,28 @@ def attention_pdl(rows, device):
 if triton is not None:
 
     @triton.jit
-    def _rows(W, rows, rows_ok, K: tl.constexpr, KP: tl.constexpr):
-        """W[rows] as one (len(rows), KP) tile, zero past K."""
-        offs_k = tl.arange(0, KP)
+    def _rows(W, rows, rows_ok, K: tl.constexpr, PW: tl.constexpr):
+        """W[rows] as one (len(rows), PW) tile, zero past K."""
+        offs_k = tl.arange(0, PW)
         return tl.load(W + rows[:, None] * K + offs_k[None, :], mask=rows_ok[:, None] & (offs_k < K)[None, :],
                        other=0.0)
 
     @triton.jit
     def _rmsnorm(x, rstd, nw):
         """RMSNorm's rounding order: x * rstd in float32, rounded to x's dtype, times the weight nw,
-        rounded again. x (RP, k), rstd (RP,) float32, nw (k,)."""
-        return ((x.to(tl.float32) * rstd[:, None]).to(x.dtype).to(tl.float32) * nw.to(tl.float32)[None, :]).to(x.dtype)
+        rounded again. x (RP, k), rstd (RP,) float32, nw broadcastable to x."""
+        return ((x.to(tl.float32) * rstd[:, None]).to(x.dtype).to(tl.float32) * nw.to(tl.float32)).to(x.dtype)
 
     @triton.jit
-    def _input(X, nw, offs_r, r_ok, EPS: tl.constexpr, K: tl.constexpr, KP: tl.constexpr, NORM: tl.constexpr):
-        """(RP, KP) float32 rows of X as the projection reads them, RMS-normalised by the weights nw if NORM."""
-        offs_k = tl.arange(0, KP)
+    def _input(X, nw, offs_r, r_ok, EPS: tl.constexpr, K: tl.constexpr, PW: tl.constexpr, NORM: tl.constexpr):
+        """(RP, PW) float32 rows of X as the projection reads them, RMS-normalised by the weights nw if NORM."""
+        offs_k = tl.arange(0, PW)
         k_ok = offs_k < K
         x = tl.load(X + offs_r[:, None] * K + offs_k[None, :], mask=r_ok[:, None] & k_ok[None, :], other=0.0)
         if NORM:
             xf = x.to(tl.float32)
             rstd = tl.rsqrt(tl.sum(xf * xf, 1) / K + EPS)
-            x = _rmsnorm(x, rstd, nw)
+            x = _rmsnorm(x, rstd, nw[None, :])
         return x.to(tl.float32)
 
     @triton.jit
@@ -154,46 +159,120 @@ if triton is not None:
 
     @triton.jit
     def _matvec(x, w):
-        """(RP, BN) float32 = x (RP, KP) @ w (BN, KP).T"""
+        """(RP, BN) float32 = x (RP, PW) @ w (BN, PW).T"""
         return tl.sum(x[:, None, :] * _f32(w)[None, :, :], 2)
 
     @triton.jit
-    def _matvec_rows(X, nw, w, R, EPS: tl.constexpr, K: tl.constexpr, KP: tl.constexpr, RP: tl.constexpr,
+    def _matvec_rows(X, nw, w, R, EPS: tl.constexpr, K: tl.constexpr, PW: tl.constexpr, RP: tl.constexpr,
                      NORM: tl.constexpr):
         """_matvec of [RMSNorm](X), one row of X at a time (read and normalised here), against w as it was loaded."""
         offs_r = tl.arange(0, RP)[:, None]
         y = tl.zeros([RP, w.shape[0]], tl.float32)
         for r in tl.static_range(RP):
             row = r + tl.arange(0, 1)
-            x = _input(X, nw, row, row < R, EPS, K, KP, NORM)  # (1, KP)
+            x = _input(X, nw, row, row < R, EPS, K, PW, NORM)  # (1, PW)
             y = tl.where(offs_r == r, tl.sum(x * _f32(w), 1)[None, :], y)
         return y
 
     @triton.jit
-    def _gemv(X, NW, W, rows_a, rows_b, rows_ok, R, EPS: tl.constexpr, K: tl.constexpr, KP: tl.constexpr,
+    def _pieces(W, rows, rows_ok, K: tl.constexpr, PW: tl.constexpr):
+        """W[rows] as a tuple of (len(rows), PW) tiles, K in PW-wide pieces (the last zero past K)."""
+        offs = tl.arange(0, PW)[None, :]
+        tiles = ()
+        for k0 in tl.static_range(0, K, PW):
+            ok = rows_ok[:, None]
+            if k0 + PW > K:
+                ok = ok & (k0 + offs < K)
+            tiles = tiles + (tl.load(W + rows[:, None] * K + k0 + offs, mask=ok, other=0.0),)
+        return tiles
+
+    @triton.jit
+    def _piece(X, k0, ok, K: tl.constexpr, PW: tl.constexpr):
+        """X[k0:k0 + PW] for each row of ok (BN, 1), zero where not ok or past K: every row of the tile reads the same
+        vector, so that it loads in the weight tiles' layout rather than being converted to it."""
+        offs = k0 + tl.arange(0, PW)[None, :]
+        if k0 + PW > K:
+            ok = ok & (offs < K)
+        return tl.load(X + offs, mask=ok, other=0.0)
+
+    @triton.jit
+    def _row_times(X, NW, ws_a, ws_b, ok, EPS: tl.constexpr, K: tl.constexpr, PW: tl.constexpr, NORM: tl.constexpr,
+                   PAIR: tl.constexpr):
+        """[RMSNorm](X[:K]) @ the tiles' rows, (BN,) each: multiplied and added piece by piece, then summed over K
+        once, within each warp. With NORM, X is read twice (the second time from L1), so that no piece need be held
+        from the statistics to the product."""
+        rstd = tl.full([1], 1.0, tl.float32)
+        if NORM:
+            x = _piece(X, 0, ok, K, PW).to(tl.float32)
+            squares = x * x
+            for k0 in tl.static_range(PW, K, PW):
+                x = _piece(X, k0, ok, K, PW).to(tl.float32)
+                squares += x * x
+            rstd = tl.rsqrt(tl.sum(squares, 1) / K + EPS)
+        acc_a = tl.zeros(ws_a[0].shape, tl.float32)
+        acc_b = acc_a
+        for j in tl.static_range(len(ws_a)):
+            x = _piece(X, j * PW, ok, K, PW)
+            if NORM:
+                x = _rmsnorm(x, rstd, _piece(NW, j * PW, ok, K, PW))
+            x = x.to(tl.float32)
+            acc_a += x * _f32(ws_a[j])
+            if PAIR:
+                acc_b += x * _f32(ws_b[j])
+        return tl.sum(acc_a, 1), tl.sum(acc_b, 1)
+
+    @triton.jit
+    def _gemv_pieces(X, NW, W, rows_a, rows_b, rows_ok, R, EPS: tl.constexpr, K: tl.constexpr, PW: tl.constexpr,
+                     RP: tl.constexpr, NORM: tl.constexpr, PAIR: tl.constexpr, PDL: tl.constexpr):
+        """_gemv with K in PW-wide pieces, PW one warp's span of 16-byte loads: no padded lanes to hold and multiply
+        (GPT-XL's K = 1,280 was padded to 2,048), a warp per weight row (Triton lays a (rows, 256) bf16 tile out so),
+        so the sum over K needs no shared memory, and no tile converted to another layout after the wait. Each warp
+        reads the whole of each row of X, in the tiles' layout, which costs registers: gate/up at 2 rows 167 against
+        127 padded (sm_90, Triton 3.6: 3 programs per SM instead of 4), qkv 176 against 116 (8 warps: 1 instead of 2)."""
+        w_a = _pieces(W, rows_a, rows_ok, K, PW)
+        w_b = w_a
+        if PAIR:
+            w_b = _pieces(W, rows_b, rows_ok, K, PW)
+        pdl_wait(PDL)
+        sums = ()
+        for r in tl.static_range(RP):  # every row's sums before any is laid out as (RP, BN): the rows overlap
+            sums = sums + (_row_times(X + r * K, NW, w_a, w_b, (0 * rows_a + r < R)[:, None], EPS, K, PW, NORM, PAIR),)
+        offs_r = tl.arange(0, RP)[:, None]
+        a = tl.zeros([RP, rows_a.shape[0]], tl.float32)
+        b = a
+        for r in tl.static_range(RP):
+            a = tl.where(offs_r == r, sums[r][0][None, :], a)
+            b = tl.where(offs_r == r, sums[r][1][None, :], b)
+        return a, b
+
+    @triton.jit
+    def _gemv(X, NW, W, rows_a, rows_b, rows_ok, R, EPS: tl.constexpr, K: tl.constexpr, PW: tl.constexpr,
               RP: tl.constexpr, NORM: tl.constexpr, PAIR: tl.constexpr, PDL: tl.constexpr):
         """[RMSNorm](X) @ W[rows_a].T (and @ W[rows_b].T if PAIR) on the CUDA cores, the weight rows
-        loaded whole before the wait. One tile (wo, w2, the head) multiplies a row of X at a time: the (RP, BN, KP)
+        loaded whole before the wait. One tile (wo, w2, the head) multiplies a row of X at a time: the (RP, BN, PW)
         product needs the tile in another layout, converted through shared memory after the wait. A pair (qkv,
         gate/up) keeps the product: row by row its two tiles took 168-217 registers, fewer programs resident to load
         ahead. H200, scripts/engine_ab.py --process-per-setting, n = 1 ms/step: all as the product 1.012-1.018,
-        all row by row 1.071, one tile row by row 1.001."""
-        w_a = _rows(W, rows_a, rows_ok, K, KP)
+        all row by row 1.071, one tile row by row 1.001. PW < K: K in pieces instead (_gemv_pieces); else a row is
+        one PW-wide tile, padded."""
+        if PW < K:
+            return _gemv_pieces(X, NW, W, rows_a, rows_b, rows_ok, R, EPS, K, PW, RP, NORM, PAIR, PDL)
+        w_a = _rows(W, rows_a, rows_ok, K, PW)
         w_b = w_a
         if PAIR:
-            w_b = _rows(W, rows_b, rows_ok, K, KP)
-        offs_k = tl.arange(0, KP)
-        nw = tl.zeros([KP], NW.dtype.element_ty)
+            w_b = _rows(W, rows_b, rows_ok, K, PW)
+        offs_k = tl.arange(0, PW)
+        nw = tl.zeros([PW], NW.dtype.element_ty)
         if NORM:  # a weight too
             nw = tl.load(NW + offs_k, mask=offs_k < K, other=0.0)
         pdl_wait(PDL)
         if PAIR:
             offs_r = tl.arange(0, RP)
-            x = _input(X, nw, offs_r, offs_r < R, EPS, K, KP, NORM)
+            x = _input(X, nw, offs_r, offs_r < R, EPS, K, PW, NORM)
             a = _matvec(x, w_a)
             b = _matvec(x, w_b)
         else:
-            a = _matvec_rows(X, nw, w_a, R, EPS, K, KP, RP, NORM)
+            a = _matvec_rows(X, nw, w_a, R, EPS, K, PW, RP, NORM)
             b = a
         return a, b
 
@@ -226,7 +305,7 @@ if triton is not None:
             k_ok = k0 + offs_k < K
             x = tl.load(xs + k0, mask=r_ok[:, None] & k_ok[None, :], other=0.0)
             if NORM:
-                x = _rmsnorm(x, rstd, tl.load(NW + k0 + offs_k, mask=k_ok, other=0.0))
+                x = _rmsnorm(x, rstd, tl.load(NW + k0 + offs_k, mask=k_ok, other=0.0)[None, :])
             w_ok = rows_ok[:, None] & k_ok[None, :]
             w = tl.load(W + rows_a[:, None] * K + (k0 + offs_k)[None, :], mask=w_ok, other=0.0)
             a = tl.dot(x, tl.trans(w.to(x.dtype)), a, input_precision=PREC)  # int8 weights are exact in x.dtype
@@ -261,7 +340,7 @@ if triton is not None:
 
     @triton.jit
     def _project(X, NW, W, S, PART, COUNT, rows_a, rows_b, rows_ok, R, EPS: tl.constexpr, K: tl.constexpr,
-                 KP: tl.constexpr, RP: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, NORM: tl.constexpr,
+                 PW: tl.constexpr, RP: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, NORM: tl.constexpr,
                  PAIR: tl.constexpr, DOT: tl.constexpr, PDL: tl.constexpr, PREC: tl.constexpr,
                  SPLIT: tl.constexpr, QUANT: tl.constexpr, dt: tl.constexpr):
         """[RMSNorm](X) @ W[rows_a].T and, if PAIR, @ W[rows_b].T: (RP, BN) each, rounded to dt as the
@@ -281,7 +360,7 @@ if triton is not None:
                 a, b, last = _split_sum(PART, COUNT, a, b, RP, BN, PAIR, SPLIT)
                 live = tl.where(last, R, 0)
         else:
-            a, b = _gemv(X, NW, W, rows_a, rows_b, rows_ok, R, EPS, K, KP, RP, NORM, PAIR, PDL)
+            a, b = _gemv(X, NW, W, rows_a, rows_b, rows_ok, R, EPS, K, PW, RP, NORM, PAIR, PDL)
         pdl_trigger(PDL)
         a, b = a.to(dt).to(tl.float32), b.to(dt).to(tl.float32)
         if QUANT:
@@ -289,7 +368,7 @@ if triton is not None:
         return a, b, live
 
     @triton.jit
-    def _linear_kernel(X, W, S, RES, ADD, OUT, PART, COUNT, PROGRESS, R, N, K: tl.constexpr, KP: tl.constexpr,
+    def _linear_kernel(X, W, S, RES, ADD, OUT, PART, COUNT, PROGRESS, R, N, K: tl.constexpr, PW: tl.constexpr,
                        RP: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, DOT: tl.constexpr, PDL: tl.constexpr,
                        PREC: tl.constexpr, SPLIT: tl.constexpr, QUANT: tl.constexpr, THEN: tl.constexpr,
                        BUMP: tl.constexpr):
@@ -308,7 +387,7 @@ if triton is not None:
             res = tl.load(RES + at, mask=r_ok, other=0.0, cache_modifier=".cg").to(tl.float32)
             if THEN:
                 add = tl.load(ADD + at, mask=r_ok, other=0.0, cache_modifier=".cg").to(tl.float32)
-        y, _, live = _project(X, X, W, S, PART, COUNT, rows, rows, rows_ok, R, 0.0, K, KP, RP, BN, BK, False, False,
+        y, _, live = _project(X, X, W, S, PART, COUNT, rows, rows, rows_ok, R, 0.0, K, PW, RP, BN, BK, False, False,
                               DOT, PDL, PREC, SPLIT, QUANT, dt)
         ok = (offs_r < live)[:, None] & rows_ok[None, :]
         if DOT:  # after it: ahead of the wait, n = 4 and 8 ran ~1.3% slower
@@ -322,7 +401,7 @@ if triton is not None:
 
     @triton.jit
     def _head_kernel(X, NW, W, S, OUT, NOISE, POS, SEED, PART, COUNT, PROGRESS, R, N, EPS: tl.constexpr,
-                     K: tl.constexpr, KP: tl.constexpr, RP: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                     K: tl.constexpr, PW: tl.constexpr, RP: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                      DOT: tl.constexpr, PDL: tl.constexpr, PREC: tl.constexpr, SPLIT: tl.constexpr,
                      QUANT: tl.constexpr, IMAGES: tl.constexpr, IP: tl.constexpr, VP: tl.constexpr,
                      CHUNK: tl.constexpr, BUMP: tl.constexpr):
@@ -337,7 +416,7 @@ if triton is not None:
         if IMAGES > 0:
             log_e = race_noise(tl.load(SEED), tl.load(POS, cache_modifier=".cg"), img, IMAGES, rows[None, :], VP,
                                CHUNK)
-        y, _, live = _project(X, NW, W, S, PART, COUNT, rows, rows, rows_ok, R, EPS, K, KP, RP, BN, BK, True, False,
+        y, _, live = _project(X, NW, W, S, PART, COUNT, rows, rows, rows_ok, R, EPS, K, PW, RP, BN, BK, True, False,
                               DOT, PDL, PREC, SPLIT, QUANT, dt)
         offs_r = tl.arange(0, RP)
         tl.store(OUT + offs_r[:, None] * N + rows[None, :], y.to(dt), mask=(offs_r < live)[:, None] & rows_ok[None, :])
@@ -347,7 +426,7 @@ if triton is not None:
 
     @triton.jit
     def _qkv_kernel(X, NW, W, S, FREQS, POS, Q, KC, VC, PART, COUNT, PROGRESS, R, stride_cr, stride_ch, stride_cn,
-                    EPS: tl.constexpr, D: tl.constexpr, KP: tl.constexpr, HD: tl.constexpr, RP: tl.constexpr,
+                    EPS: tl.constexpr, D: tl.constexpr, PW: tl.constexpr, HD: tl.constexpr, RP: tl.constexpr,
                     BP: tl.constexpr, BK: tl.constexpr, DOT: tl.constexpr, PDL: tl.constexpr, PREC: tl.constexpr,
                     SPLIT: tl.constexpr, QUANT: tl.constexpr, BUMP: tl.constexpr):
         """RMSNorm(X) @ Wqkv.T, RoPE on q and k, q to Q (R, D), k and v into the caches at POS.
@@ -362,7 +441,7 @@ if triton is not None:
         d = col % HD
         if not DOT:  # GEMV: before the wait (the previous step wrote it)
             pos = tl.load(POS, cache_modifier=".cg")
-        ye, yo, live = _project(X, NW, W, S, PART, COUNT, col, col + 1, all_ok, R, EPS, D, KP, RP, BP, BK, True, True,
+        ye, yo, live = _project(X, NW, W, S, PART, COUNT, col, col + 1, all_ok, R, EPS, D, PW, RP, BP, BK, True, True,
                                 DOT, PDL, PREC, SPLIT, QUANT, dt)
         offs_r = tl.arange(0, RP)
         r_ok = offs_r < live
@@ -388,7 +467,7 @@ if triton is not None:
 
     @triton.jit
     def _gate_up_kernel(X, NW, W, S, OUT, PART, COUNT, PROGRESS, R, F, EPS: tl.constexpr, K: tl.constexpr,
-                        KP: tl.constexpr, RP: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, DOT: tl.constexpr,
+                        PW: tl.constexpr, RP: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, DOT: tl.constexpr,
                         PDL: tl.constexpr, PREC: tl.constexpr, SPLIT: tl.constexpr, QUANT: tl.constexpr,
                         BUMP: tl.constexpr):
         """OUT = SiLU(g) * u where [g | u] = RMSNorm(X) @ W13.T, W13 (2F, K) = [w1; w3]."""
@@ -396,7 +475,7 @@ if triton is not None:
         rows = tl.program_id(0) * BN + tl.arange(0, BN)
         rows_ok = rows < F
         dt = OUT.dtype.element_ty
-        g, u, live = _project(X, NW, W, S, PART, COUNT, rows, rows + F, rows_ok, R, EPS, K, KP, RP, BN, BK, True, True,
+        g, u, live = _project(X, NW, W, S, PART, COUNT, rows, rows + F, rows_ok, R, EPS, K, PW, RP, BN, BK, True, True,
                               DOT, PDL, PREC, SPLIT, QUANT, dt)
         silu = (g / (1.0 + tl.exp(-g))).to(dt).to(tl.float32)
         offs_r = tl.arange(0, RP)
@@ -404,12 +483,25 @@ if triton is not None:
         tl.store(OUT + offs_r[:, None] * F + rows[None, :], (silu * u).to(dt), mask=ok)
 
 
-def rows_per_program(rows, warps, tiles, weight):
-    """GEMV path: `rows`, capped so a program's weight tiles stay at <= 128 elements per thread (256
-    for int8, packed four to a register): GPT-XL's swept tilings sit at that cap; more spills, which
+def piece_width(name, weight):
+    """GEMV path: the width of the K pieces in which kernel `name` holds its weight rows: for those in PIECES one
+    warp's span of 16-byte loads (256 bf16 weights), halved while it does not divide K (GPT-XL's 1,280 and 3,584 are
+    whole 256-wide pieces); otherwise, and at most, K padded to a power of two (one piece)."""
+    K, whole = weight.shape[1], triton.next_power_of_2(weight.shape[1])
+    if name not in PIECES:
+        return whole
+    width = min(32 * 16 // weight.element_size(), whole)
+    while K % width and width > 32:
+        width //= 2
+    return width
+
+
+def rows_per_program(rows, warps, tiles, weight, width):
+    """GEMV path: `rows`, capped so a program's weight tiles (K in pieces of `width`) stay at <= 128 elements per
+    thread (256 for int8, packed four to a register): GPT-XL's swept tilings sit at that cap; more spills, which
     wider models (GPT-7B's K = 11,008) would hit at the same setting. A power of two."""
     per_thread = 256 if weight.dtype == torch.int8 else 128
-    cap = max(1, per_thread * 32 * warps // (tiles * triton.next_power_of_2(weight.shape[1])))
+    cap = max(1, per_thread * 32 * warps // (tiles * triton.cdiv(weight.shape[1], width) * width))
     return min(rows, 1 << (cap.bit_length() - 1))
 
 
@@ -422,12 +514,13 @@ def plan(name, x, weight, tiles, pdl, progress=None):
               PROGRESS=x if progress is None else progress, BUMP=progress is not None, **launch(pdl))
     if R <= GEMV_ROWS:
         rows, warps = (CONFIG_INT8 if weight.dtype == torch.int8 else CONFIG)[name]
-        return rows_per_program(rows, warps, tiles, weight), dict(kw, DOT=False, RP=max(2, p2(R)), KP=p2(K), BK=16,
-                                                             SPLIT=1, num_warps=warps)
+        width = piece_width(name, weight)
+        return rows_per_program(rows, warps, tiles, weight, width), dict(kw, DOT=False, RP=max(2, p2(R)), PW=width,
+                                                                    BK=16, SPLIT=1, num_warps=warps)
     rows, bk, warps, stages, split = (DOT_CONFIG_INT8 if weight.dtype == torch.int8 else DOT_CONFIG)[name]
     if x.element_size() > 2:  # float32 (tests): a quarter of the chunk, an eighth in the pair kernels, or they spill
         bk = max(16, bk // (4 * tiles))
-    return rows, dict(kw, DOT=True, RP=max(16, p2(R)), KP=16, BK=bk, num_warps=warps, num_stages=stages,
+    return rows, dict(kw, DOT=True, RP=max(16, p2(R)), PW=16, BK=bk, num_warps=warps, num_stages=stages,
                       SPLIT=min(split, triton.cdiv(K, bk)))
 
 

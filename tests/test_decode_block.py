@@ -50,7 +50,7 @@ dot = lambda n, bk, s=1: dict(qkv=(16, bk, 4, 2, s), wo=(n, bk, 4, 2, s), gate_u
 # (batch, cfg, model widths, GEMV tiling, dot tiling, PDL data paths, int8 weights); > 4 rows take the dot path, whose K
 # chunks (bk) here are smaller than K so its loops run several times, or wider than K (128: masked);
 # split-K (s): more splits than chunks (capped), or 3 uneven runs of chunks, some empty. `wide`: widths
-# that are no powers of two (dim 160 = 128 + 32, hidden 448 = 256 + 192), so the GEMV rows run in two pieces
+# that are no powers of two (dim 160, hidden 448), so the GEMV rows are padded, and gate/up's K runs in five pieces
 # Two layers (one for `wide`) and three steps: the interpreter is slow, and one block feeding the next is what counts
 narrow, wide = dict(n_head=2, n_layer=2), dict(dim=160, n_head=5, multiple_of=32, n_layer=1)
 STEPS = 3
@@ -114,8 +114,8 @@ print(worst, cache_worst)
 def test_fused_block_matches_model_in_interpreter():
     """Three teacher-forced decode steps through two layers after a prefill: logits within 1e-4 and identical cache rows
     (up to float32 rounding) for 1, 2 and 4 rows (GEMV path) and 5, 6 and 16 rows (dot path, also
-    split-K), with and without CFG, several tilings, power-of-two widths and others (the GEMV rows in
-    two pieces), each projection counted once for a prefetcher, in prefetch.segments' order, the first of two
+    split-K), with and without CFG, several tilings, power-of-two widths and others (gate/up's GEMV rows in
+    five pieces), each projection counted once for a prefetcher, in prefetch.segments' order, the first of two
     blocks adding the second's control rows in its down projection (adds_control); and the head (final norm
     fused into the output projection), whose race noise draws the same tokens as the draw's own."""
     out = early.result(SCRIPT, ENV)
@@ -238,7 +238,7 @@ for dt, D, F, hd, int8 in (("bf16", 1280, 3584, 64, False), ("bf16", 4096, 11008
            "stride_cr": "i32", "stride_ch": "i32", "stride_cn": "i32"}
     gu = {"X": t, "NW": t, **w, "OUT": t, **split, "R": "i32", "F": "i32"}
     # the dot path's tilings were swept for GPT-XL; GPT-7B (not a ControlAR model) spills 8 B in gate/up
-    for rows in (2, 8, 16) if D == 1280 else (2,):
+    for rows in (2, 4, 8, 16) if D == 1280 else (2,):
         for name, K, then in (("wo", D, False), ("w2", F, False), ("w2", F, True)):  # w2 adding the control rows
             bn, kw, options = args(name, dtype, rows, K, 1, int8)
             kw.pop("EPS")
@@ -268,7 +268,8 @@ print("compiled")
 
 def test_kernels_compile_for_sm90():
     """GPT-XL and GPT-7B shapes in bf16, GPT-XL in fp32 and with int8 weights, at 2 rows (GEMV path, its
-    tiling capped for wide K, with programmatic dependent launch) and 8 and 16 rows (dot path, with PDL's late
+    tiling capped for wide K, with programmatic dependent launch), GPT-XL also at 4 (the GEMV path's most rows,
+    gate/up's pieces the most registers) and 8 and 16 rows (dot path, with PDL's late
     trigger), each projection (counting for a prefetcher) and the head (with the draw's noise and without),
     w2 as `down` at 32 and 64 rows (bf16 and fp32, with PDL's late trigger), and the prefetcher's kernel: an H100/H200 cubin with Triton's bundled ptxas, and no register spills (a
     GEMV whose weight rows spill would crawl)."""
