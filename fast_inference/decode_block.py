@@ -250,9 +250,9 @@ if triton is not None:
               RP: tl.constexpr, NORM: tl.constexpr, PAIR: tl.constexpr, PDL: tl.constexpr):
         """[RMSNorm](X) @ W[rows_a].T (and @ W[rows_b].T if PAIR) on the CUDA cores, the weight rows
         loaded whole before the wait. One tile (wo, w2, the head) multiplies a row of X at a time: the (RP, BN, PW)
-        product needs the tile in another layout, converted through shared memory after the wait. A pair (qkv,
-        gate/up) keeps the product: row by row its two tiles took 168-217 registers, fewer programs resident to load
-        ahead. H200, scripts/engine_ab.py --process-per-setting, n = 1 ms/step: all as the product 1.012-1.018,
+        product needs the tile in another layout, converted through shared memory after the wait. A pair (qkv, and
+        gate/up when padded) keeps the product: row by row its two tiles took 168-217 registers, fewer programs
+        resident to load ahead. H200, scripts/engine_ab.py --process-per-setting, n = 1 ms/step: all as the product 1.012-1.018,
         all row by row 1.071, one tile row by row 1.001. PW < K: K in pieces instead (_gemv_pieces); else a row is
         one PW-wide tile, padded."""
         if PW < K:
