@@ -123,13 +123,6 @@ def attention_pdl(rows, device):
 if triton is not None:
 
     @triton.jit
-    def _rows(W, rows, rows_ok, K: tl.constexpr, PW: tl.constexpr):
-        """W[rows] as one (len(rows), PW) tile, zero past K."""
-        offs_k = tl.arange(0, PW)
-        return tl.load(W + rows[:, None] * K + offs_k[None, :], mask=rows_ok[:, None] & (offs_k < K)[None, :],
-                       other=0.0)
-
-    @triton.jit
     def _rmsnorm(x, rstd, nw):
         """RMSNorm's rounding order: x * rstd in float32, rounded to x's dtype, times the weight nw,
         rounded again. x (RP, k), rstd (RP,) float32, nw broadcastable to x."""
@@ -176,7 +169,7 @@ if triton is not None:
 
     @triton.jit
     def _pieces(W, rows, rows_ok, K: tl.constexpr, PW: tl.constexpr):
-        """W[rows] as a tuple of (len(rows), PW) tiles, K in PW-wide pieces (the last zero past K)."""
+        """W[rows] as a tuple of (len(rows), PW) tiles, K in PW-wide pieces (the last zero past K; PW >= K: one)."""
         offs = tl.arange(0, PW)[None, :]
         tiles = ()
         for k0 in tl.static_range(0, K, PW):
@@ -228,7 +221,8 @@ if triton is not None:
         (GPT-XL's K = 1,280 was padded to 2,048), a warp per weight row (Triton lays a (rows, 256) bf16 tile out so),
         so the sum over K needs no shared memory, and no tile converted to another layout after the wait. Each warp
         reads the whole of each row of X, in the tiles' layout, which costs registers: gate/up at 2 rows 167 against
-        127 padded (sm_90, Triton 3.6: 3 programs per SM instead of 4), qkv 176 against 116 (8 warps: 1 instead of 2)."""
+        127 padded (sm_90, Triton 3.6: 3 programs per SM instead of 4), qkv 176 against 116 (8 warps: 1 instead of
+        2)."""
         w_a = _pieces(W, rows_a, rows_ok, K, PW)
         w_b = w_a
         if PAIR:
@@ -252,15 +246,15 @@ if triton is not None:
         loaded whole before the wait. One tile (wo, w2, the head) multiplies a row of X at a time: the (RP, BN, PW)
         product needs the tile in another layout, converted through shared memory after the wait. A pair (qkv, and
         gate/up when padded) keeps the product: row by row its two tiles took 168-217 registers, fewer programs
-        resident to load ahead. H200, scripts/engine_ab.py --process-per-setting, n = 1 ms/step: all as the product 1.012-1.018,
-        all row by row 1.071, one tile row by row 1.001. PW < K: K in pieces instead (_gemv_pieces); else a row is
-        one PW-wide tile, padded."""
+        resident to load ahead. H200, scripts/engine_ab.py --process-per-setting, n = 1 ms/step: all as the product
+        1.012-1.018, all row by row 1.071, one tile row by row 1.001. PW < K: K in pieces instead (_gemv_pieces); else
+        a row is one PW-wide tile, padded."""
         if PW < K:
             return _gemv_pieces(X, NW, W, rows_a, rows_b, rows_ok, R, EPS, K, PW, RP, NORM, PAIR, PDL)
-        w_a = _rows(W, rows_a, rows_ok, K, PW)
+        w_a = _pieces(W, rows_a, rows_ok, K, PW)[0]  # one piece: the row padded to PW
         w_b = w_a
         if PAIR:
-            w_b = _rows(W, rows_b, rows_ok, K, PW)
+            w_b = _pieces(W, rows_b, rows_ok, K, PW)[0]
         offs_k = tl.arange(0, PW)
         nw = tl.zeros([PW], NW.dtype.element_ty)
         if NORM:  # a weight too
