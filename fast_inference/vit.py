@@ -4,7 +4,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .dinov2 import Attention
+from .dinov2 import Attention, cached_table
 
 HIDDEN, LAYERS, HEADS, MLP = 384, 12, 6, 1536
 PATCH = 16
@@ -53,6 +53,16 @@ class Encoder(nn.Module):
         self.layer = nn.ModuleList(Layer() for _ in range(LAYERS))
 
 
+def resize_table(table, h, w):
+    # unlike DINOv2, ViT resizes in the model dtype (no float32 round trip), and the
+    # "+0.1" scale factor means kernel coordinates use 14/(h+0.1), not 14/h
+    cls, grid = table[:, :1], table[:, 1:]
+    grid = grid.reshape(1, GRID, GRID, HIDDEN).permute(0, 3, 1, 2)
+    grid = F.interpolate(grid, scale_factor=((h + 0.1) / GRID, (w + 0.1) / GRID), mode="bicubic", align_corners=False)
+    assert grid.shape[-2:] == (h, w), grid.shape
+    return torch.cat([cls, grid.permute(0, 2, 3, 1).reshape(1, h * w, HIDDEN)], dim=1)
+
+
 class ViTModel(nn.Module):
     """HF ViTModel forward with interpolate_pos_encoding=True (transformers <= 4.44 rule)."""
 
@@ -68,13 +78,7 @@ class ViTModel(nn.Module):
         h, w = H // PATCH, W // PATCH
         if h * w == GRID * GRID and H == W:
             return table
-        # unlike DINOv2, ViT resizes in the model dtype (no float32 round trip), and the
-        # "+0.1" scale factor means kernel coordinates use 14/(h+0.1), not 14/h
-        cls, grid = table[:, :1], table[:, 1:]
-        grid = grid.reshape(1, GRID, GRID, HIDDEN).permute(0, 3, 1, 2)
-        grid = F.interpolate(grid, scale_factor=((h + 0.1) / GRID, (w + 0.1) / GRID), mode="bicubic", align_corners=False)
-        assert grid.shape[-2:] == (h, w), grid.shape
-        return torch.cat([cls, grid.permute(0, 2, 3, 1).reshape(1, h * w, HIDDEN)], dim=1)
+        return cached_table(self, table, h, w, lambda: resize_table(table, h, w))
 
     def forward(self, pixel_values):
         emb = self.embeddings

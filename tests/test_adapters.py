@@ -133,6 +133,21 @@ def test_to_patch14(H, W, ctype):
     assert to_patch14(torch.zeros(1, 3, 64, 64), "canny").shape[-2:] == (56, 56)
 
 
+@pytest.mark.parametrize("make", [lambda: Dinov2Model("small", "v444"), lambda: ViTAdapter().model])
+def test_resized_position_table_is_made_again_when_the_table_or_size_changes(make):
+    m = make().eval()
+    randomize_(m, seed=3)
+    table = m.embeddings.position_embeddings
+    with torch.no_grad():
+        first = m.pos_embed(448, 448)
+        assert m.pos_embed(448, 448) is first  # made once per size and table
+        table.mul_(2)  # an in-place write (a checkpoint's load): the table's version changes
+        again = m.pos_embed(448, 448)
+        assert m.pos_embed(448, 336).shape[1] < first.shape[1]  # another size
+    assert torch.allclose(again[:, 1:], 2 * first[:, 1:], rtol=1e-2, atol=1e-4)
+    assert torch.equal(again[:, 0], table[0, :1])
+
+
 def test_to_patch14_modes_differ():
     x = torch.rand(1, 3, 64, 64)
     assert not torch.allclose(to_patch14(x, "canny"), to_patch14(x, "canny_base"))
