@@ -255,7 +255,13 @@ class Engine:
         if backend == "inductor" and decode_attention.available(self.device):
             self.decode_attention = decode_attention.decode_attention
         self.sampler = None
-        self.last_timings = {}
+        self.marks = None  # the last generate()'s Marks: last_timings
+
+    @property
+    def last_timings(self):
+        """Seconds of the last generate()'s condition encoder, prefill and decode (compile and capture left out);
+        {} before the first. Reading it waits for the GPU: generate() itself does not."""
+        return self.marks.seconds() if self.marks else {}
 
     # ---- building the step for a shape ---------------------------------------------------------
 
@@ -369,12 +375,12 @@ class Engine:
             s.prefix.copy_(prefix)
             self.graphs["prefill"].replay()
         elif s.capture_prefill and s.prefix is not None:
-            t0 = time.perf_counter()
+            t0 = synced(self.device)
             s.prefix.copy_(prefix)
             self.graphs["prefill"] = capture(s, lambda: self.prefill_fn(s.prefix))
             self.compile_seconds += elapsed(t0, self.device)
         elif s.prefill_block is not None and not self.prefill_compiled:
-            t0 = time.perf_counter()
+            t0 = synced(self.device)
             self.prefill_fn(prefix)  # compiles the block for the prefill's shape
             self.compile_seconds += elapsed(t0, self.device)
             self.prefill_compiled = True
@@ -392,7 +398,7 @@ class Engine:
             else:
                 self.step_fns[key]()
             return
-        t0 = time.perf_counter()
+        t0 = synced(self.device)
         if self.hand_capture:
             self.graphs[key] = capture(s, self.step_fns[key])
         else:
@@ -416,10 +422,9 @@ class Engine:
         if condition is None:
             raise ValueError("ControlAR needs a control image (condition) for every sample")
         B = cond.shape[0]
-        timings = {}
-        t0 = time.perf_counter()
+        marks = Marks(self.device)
         p = prepare(self.model, cond, condition, emb_masks, cfg_scale, control_strength)
-        timings["condition"] = elapsed(t0, self.device)
+        marks.mark("condition")
 
         t0 = time.perf_counter()  # a new shape: caches and compile set-up (imports dynamo the first time)
         cfg = cfg_scale > 1.0
@@ -434,12 +439,11 @@ class Engine:
         if s.fused_draw:  # from torch's generator: torch.manual_seed fixes the images
             s.seed.copy_(torch.randint(0, 2**62, (), device=self.device))
 
-        t0 = time.perf_counter()
+        marks.mark(None)  # the new shape's set-up above is compile time
         compile_before = self.compile_seconds
         self._run_prefill(s, p.prefix)
-        timings["prefill"] = elapsed(t0, self.device) - (self.compile_seconds - compile_before)
+        marks.mark("prefill", self.compile_seconds - compile_before)
         logits = [s.logits.clone()] if forced is not None else None
-        t0 = time.perf_counter()
         compile_before = self.compile_seconds
         for i in range(max_new_tokens - 1):
             if forced is not None:
@@ -449,8 +453,8 @@ class Engine:
             if forced is not None:
                 logits.append(s.logits[: (2 * s.batch if guided else s.batch)].clone())
         tokens = s.out[:B].clone()
-        timings["decode"] = elapsed(t0, self.device) - (self.compile_seconds - compile_before)
-        self.last_timings = timings
+        marks.mark("decode", self.compile_seconds - compile_before)
+        self.marks = marks
         if forced is not None:
             return tokens, [unpad_logits(l, B, s.batch) for l in logits]
         return tokens
@@ -528,3 +532,37 @@ def sync(device):
 def elapsed(t0, device):
     sync(device)
     return time.perf_counter() - t0
+
+
+def synced(device):
+    """perf_counter() once the GPU has done what was queued before: a compile or capture timed from it leaves that out."""
+    sync(device)
+    return time.perf_counter()
+
+
+class Marks:
+    """The phases of one generate(), each from the mark before it to its own, minus its compile time. On CUDA the marks
+    are events: without a host sync between phases the CPU queues the next phase (the VQ decode's ~600 launches)
+    while the GPU runs the decode's steps."""
+
+    def __init__(self, device):
+        self.cuda = device.type == "cuda"
+        self.marks = [(None, self._now(), 0.0)]
+
+    def _now(self):
+        if not self.cuda:
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def mark(self, phase, compile_s=0.0):
+        """phase: its name, or None for a stretch not reported (a new shape's set-up)."""
+        self.marks.append((phase, self._now(), compile_s))
+
+    def seconds(self):
+        if self.cuda:
+            self.marks[-1][1].synchronize()
+        span = (lambda a, b: a.elapsed_time(b) / 1e3) if self.cuda else (lambda a, b: b - a)
+        return {phase: max(span(a, b) - compile_s, 0.0)
+                for (_, a, _), (phase, b, compile_s) in zip(self.marks, self.marks[1:]) if phase}

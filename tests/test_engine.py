@@ -99,6 +99,25 @@ def test_same_seed_same_tokens_and_partial_batch():
     assert torch.equal(greedy, want)
 
 
+def test_last_timings_are_each_phase_without_its_compile_time(monkeypatch):
+    model = tiny_model()
+    cond, mask, condition = tiny_inputs(model)
+    engine = Engine(model, backend="eager")
+    assert engine.last_timings == {}
+    engine.generate(cond, 8, emb_masks=mask, condition=condition, cfg_scale=4.0, top_k=50)
+    timings = engine.last_timings
+    assert set(timings) == {"condition", "prefill", "decode"} and min(timings.values()) > 0
+    # The phases' spans, from one mark to the next; a phase's compile seconds are taken off, the set-up's dropped.
+    clock = iter([1.0, 1.5, 3.0, 3.25, 9.0])
+    monkeypatch.setattr(engine_module.time, "perf_counter", lambda: next(clock))
+    marks = engine_module.Marks(torch.device("cpu"))
+    marks.mark("condition")
+    marks.mark(None)
+    marks.mark("prefill", 0.125)
+    marks.mark("decode", 2.0)
+    assert marks.seconds() == {"condition": 0.5, "prefill": 0.125, "decode": 3.75}
+
+
 def test_captured_prefill_replays_each_images_prefix(monkeypatch):
     """On the cudagraph backend the prefill is captured too: a shape's first image runs it as it comes,
     the second captures it, later ones copy their prefix in and replay. CUDA graphs do not exist on the
