@@ -500,9 +500,25 @@ def precompute_freqs_cis_2d(args):
 def rope_and_cache(q, k, v, rot, cache, input_pos):
     """The official order before attention: RoPE on q and k (B,S,H,hd) by rot = rotations(freqs), k and v
     written to the cache at input_pos. -> q (B,H,S,hd) and the cache's first B rows of keys and values."""
-    q, k = apply_rotary_emb(q, rot), apply_rotary_emb(k, rot)
+    qk = heads_together(q, k)
+    if qk is None:
+        q, k = apply_rotary_emb(q, rot), apply_rotary_emb(k, rot)
+    else:
+        q, k = apply_rotary_emb(qk, rot).split(q.shape[2], dim=2)
     q, k, v = (t.transpose(1, 2) for t in (q, k, v))
     return (q, *cache.update(input_pos, k, v))
+
+
+def heads_together(q, k):
+    """q and k (B,S,H,hd) as one (B,S,2H,hd) view where k's heads follow q's in memory (one projection's split), so
+    that one rotation (three kernels) does both: the eager prefill is launch-bound. None otherwise, and when compiling
+    (inductor fuses the two rotations anyway)."""
+    B, S, H, hd = q.shape
+    if torch.compiler.is_compiling() or k.shape != q.shape or k.stride() != q.stride() or q.stride()[2:] != (hd, 1):
+        return None
+    if k.data_ptr() != q.data_ptr() + H * hd * q.element_size() or k.dtype != q.dtype:
+        return None
+    return q.as_strided((B, S, 2 * H, hd), q.stride())
 
 
 def rotations(freqs):

@@ -97,6 +97,29 @@ def test_rotary_emb_rounds_as_the_official_formula():
         assert got.dtype == dtype and torch.equal(got, want)
 
 
+def test_rope_and_cache_rotates_one_projections_q_and_k_together():
+    """q and k split from one qkv projection are rotated as one (B,S,2H,hd) view, with the bits of rotating each;
+    separate tensors take the two rotations."""
+    from fast_inference.model import KVCache, heads_together, rope_and_cache, rotations
+
+    args = ModelArgs.from_name("GPT-B", block_size=256, cls_token_num=120)
+    B, S, H, hd = 2, 5, 4, args.head_dim
+    rot = rotations(precompute_freqs_cis_2d(args)[torch.tensor([3, 119, 120, 200, 375])])
+    pos = torch.arange(S)
+    for dtype in (torch.float32, torch.bfloat16):
+        qkv = (torch.randn(B, S, 3 * H * hd) * 4).to(dtype)
+        q, k, v = (t.view(B, S, H, hd) for t in qkv.split(H * hd, dim=-1))
+        assert heads_together(q, k) is not None and heads_together(k, q) is None and heads_together(q, v) is None
+        assert heads_together(q.clone(), k.clone()) is None
+        outs = []
+        for args_ in ((q, k, v), (q.clone(), k.clone(), v.clone())):
+            cache = KVCache(B, H, 8, hd, dtype)
+            outs.append(rope_and_cache(*args_, rot, cache, pos))
+        for got, want in zip(*outs):
+            assert torch.equal(got, want)
+        assert not torch.equal(outs[0][0], q.transpose(1, 2))  # rotated
+
+
 def test_rope_table_is_computed_on_the_cpu():
     """The official table is made on the CPU (its setup_caches rebuilds it there); a model built under another
     default device (the CLI builds on the GPU) gets the CPU's values, moved there."""
