@@ -23,10 +23,10 @@ can be captured once and replayed N-1 times:
                        its SDPA reads a static window of the cache per group of steps (one graph
                        per window, CACHE_WINDOWS), not the whole cache
   backend "eager":     the same steps run op by op (CPU, debugging)
-On the cudagraph backend the prefill is captured too from a shape's second image on (replayed per
-image, its prefix copied in; captures_prefill says why not with Triton's kernels). Where the steps run
-the compiled block, and with compile_prefill up to 8 images too, the prefill's blocks run it (no graph;
-from the shape's first image, so that every image of a seed is the same).
+Where the steps are captured by hand the eager prefill is captured too from a shape's second image on
+(replayed per image, its prefix copied in; the first token's draw runs after it, outside its graph). Where
+the steps run the compiled block, and with compile_prefill up to 8 images too, the prefill's blocks run it
+(no graph; from the shape's first image, so that every image of a seed is the same).
 It computes what generate.py computes; only the draw differs (same distribution, see sampling.py).
 """
 import functools
@@ -80,13 +80,11 @@ def cache_windows(prefix_len, num_tokens, max_seq, groups):
     return lengths, [lengths.index(n) for n in need]
 
 
-def captures_prefill(backend):
-    """Whether a hand-captured engine captures the prefill too, replaying it for every image of a shape: its
-    ~1,900 small eager kernels take 30-45 ms of CPU for ~6 ms of GPU work at n = 1 (H200). The cudagraph
-    backend does. With Triton's kernels the prefill's graph costs every step of the shape the programmatic
-    dependent launch's overlap (docs/PERF_NOTES.md #28, #33): n = 1 1.042 -> 1.069 ms/step (28 ms per image,
-    more than the 22 the replay saves), n = 8 ~4%, n = 32 ~6%, so they run it as it comes."""
-    return backend == "cudagraph"
+def captures_prefill(hand_capture, prefill_block, compiled):
+    """Whether the engine captures the prefill too, replaying it for every image of a shape: its ~1,000 small
+    eager kernels take 17-40 ms of CPU for ~5 ms of GPU work at n = 1 (H200). Where its steps are captured by
+    hand and the prefill runs eagerly; not through the compiled block (no CUDA graph there) or compiled whole."""
+    return hand_capture and prefill_block is None and not compiled
 
 
 def default_cache_dir():
@@ -141,6 +139,7 @@ class Sampler(nn.Module):
         self.capture_prefill = False  # the engine decides (captures_prefill)
         self.prefetcher = None  # prefetch.Prefetcher, counted by the fused block or the compiled block's attention
         self.prefix = None  # a captured prefill's input, copied in for each image
+        self.prefill_logits = None  # the prefill's output: the captured tensor where it is replayed
         self.prefill_block = None  # the prefill's block_fn: None (eager) or the engine's compiled block
 
     def key(self):
@@ -151,7 +150,7 @@ class Sampler(nn.Module):
         return sample(logits, self.temperature, self.top_k, self.top_p, self.sample_logits, race=True)
 
     def prefill(self, prefix):
-        """Prefix positions 0..T-1 -> the first image token in out[:, 0]."""
+        """Prefix positions 0..T-1 -> the caches, and the logits of the last (first_token draws from them)."""
         T = prefix.shape[1]
         input_pos = torch.arange(T, device=prefix.device)
         logits = self.model(prefix, input_pos, self.key_valid, self.controls, last_only=True,
@@ -160,7 +159,13 @@ class Sampler(nn.Module):
             for layer in self.model.layers:
                 c = layer.attention.kv_cache
                 decode_attention.text_sums(c.v_cache, self.key_valid, c.text_len, c.text_sum, c.text_count)
-        self.input_pos.fill_(T - 1)  # the position whose next token is drawn: out[:, 0]
+        return logits
+
+    def first_token(self, logits):
+        """The first image token, drawn from the prefill's logits into out[:, 0]. Never in the prefill's graph: the
+        fused draw's kernels launch under PDL, and in a second graph of the shape they cost every step PDL's overlap
+        (docs/PERF_NOTES.md, "The prefill's graph without its draw")."""
+        self.input_pos.fill_(self.prefix_len - 1)  # the position whose next token is drawn
         self.emit(logits, self.cfg)
 
     def window(self, i):
@@ -318,7 +323,6 @@ class Engine:
             for r in {rows, batch}:
                 down = prefetcher.compiled and decode_block.serves_down(self.model.layers[0], r)
                 prefetcher.prepare(r, s.input_pos, down)
-        s.capture_prefill = self.hand_capture and captures_prefill(self.backend)
         self._build(s)
         self.sampler = s
         return s
@@ -349,6 +353,7 @@ class Engine:
         if self.backend == "inductor" and self.compile_prefill and s.prefill_block is None:
             inductor_pdl(self.device)
             self.prefill_fn = torch.compile(s.prefill, fullgraph=True, dynamic=False)
+        s.capture_prefill = captures_prefill(self.hand_capture, s.prefill_block, self.prefill_fn != s.prefill)
         self.step_fns = {(guided, w): s.step_fn(guided, w) for guided in (True, False)
                          for w in range(len(s.kv_lens))}
         if compiled:
@@ -367,27 +372,29 @@ class Engine:
         self.warm = dict.fromkeys(self.step_fns, False)
 
     def _run_prefill(self, s, prefix):
-        """The prefill, replayed from its graph where the engine captures it. A shape's first image runs
-        it as it comes (a one-image process would pay the capture, ~2 more prefills, for nothing); the
-        second captures it (timed as compile/capture time; the capture runs it once), later ones replay.
-        A prefill through the compiled block (prefill_block) is timed as compile time at its first call."""
+        """The prefill, replayed from its graph where the engine captures it, then the first token's draw. A
+        shape's first image runs it as it comes (a one-image process would pay the capture, ~2 more prefills,
+        for nothing); the second captures it (timed as compile/capture time; the capture runs it once), later
+        ones replay. A prefill through the compiled block (prefill_block) is timed as compile time at its first
+        call."""
         if "prefill" in self.graphs:
             s.prefix.copy_(prefix)
-            self.graphs["prefill"].replay()
+            self.graphs["prefill"].replay()  # its logits: the captured tensor, rewritten
         elif s.capture_prefill and s.prefix is not None:
             t0 = synced(self.device)
             s.prefix.copy_(prefix)
-            self.graphs["prefill"] = capture(s, lambda: self.prefill_fn(s.prefix))
+            self.graphs["prefill"] = capture(s, lambda: setattr(s, "prefill_logits", self.prefill_fn(s.prefix)))
             self.compile_seconds += elapsed(t0, self.device)
         elif s.prefill_block is not None and not self.prefill_compiled:
             t0 = synced(self.device)
-            self.prefill_fn(prefix)  # compiles the block for the prefill's shape
+            s.prefill_logits = self.prefill_fn(prefix)  # compiles the block for the prefill's shape
             self.compile_seconds += elapsed(t0, self.device)
             self.prefill_compiled = True
         else:
-            self.prefill_fn(prefix)
+            s.prefill_logits = self.prefill_fn(prefix)
             if s.capture_prefill:
                 s.prefix = prefix.clone()  # the graph's input from the next image on
+        s.first_token(s.prefill_logits)
 
     def _run_step(self, s, key):
         """One decode step of kind key = (guided, window); the first call of each kind is timed as

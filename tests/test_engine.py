@@ -119,8 +119,9 @@ def test_last_timings_are_each_phase_without_its_compile_time(monkeypatch):
 
 
 def test_captured_prefill_replays_each_images_prefix(monkeypatch):
-    """On the cudagraph backend the prefill is captured too: a shape's first image runs it as it comes,
-    the second captures it, later ones copy their prefix in and replay. CUDA graphs do not exist on the
+    """Where the steps are captured by hand the eager prefill is captured too: a shape's first image runs it as
+    it comes, the second captures it, later ones copy their prefix in and replay; the first token is drawn
+    outside the graph. CUDA graphs do not exist on the
     CPU, so a stand-in graph replays the captured function; the tokens must equal those of the engine
     that never captures the prefill."""
     captured = []
@@ -131,7 +132,10 @@ def test_captured_prefill_replays_each_images_prefix(monkeypatch):
 
     def capture(s, fn):  # as engine.capture: the state after it is that of one run
         captured.append(fn)
+        drawn = s.out.clone(), s.input_pos.clone(), s.token.clone()
         fn()
+        if "_run_prefill" in fn.__qualname__:  # the draw stays out of the prefill's graph
+            assert all(torch.equal(a, b) for a, b in zip(drawn, (s.out, s.input_pos, s.token)))
         return Graph(fn)
 
     monkeypatch.setattr(engine_module, "capture", capture)
@@ -143,7 +147,7 @@ def test_captured_prefill_replays_each_images_prefix(monkeypatch):
     want = [torch.manual_seed(3) and run(plain, p) for p in (a, b, a)]
     assert not torch.equal(want[0], want[1])  # a stale prefix would show
     hand = Engine(model, backend="eager")
-    hand.hand_capture, hand.backend = True, "cudagraph"  # the backend that captures it (the rest runs as eager)
+    hand.hand_capture = True  # as on CUDA (the rest runs as eager)
     prefills = []
     for i, p in enumerate((a, b, a)):
         torch.manual_seed(3)
@@ -152,9 +156,11 @@ def test_captured_prefill_replays_each_images_prefix(monkeypatch):
     assert hand.sampler.capture_prefill and prefills == [0, 1, 1]
 
 
-def test_prefill_captured_only_without_triton():
-    """With Triton's kernels the prefill's graph costs the steps PDL's overlap (docs/PERF_NOTES.md #33)."""
-    assert not captures_prefill("inductor") and captures_prefill("cudagraph")
+def test_prefill_captured_where_the_steps_are_and_it_runs_eagerly():
+    assert captures_prefill(True, None, False)
+    assert not captures_prefill(False, None, False)  # steps not captured by hand (CPU, compile scope step)
+    assert not captures_prefill(True, object(), False)  # through the compiled block
+    assert not captures_prefill(True, None, True)  # compiled whole (compile_prefill)
 
 
 def test_sampling_distribution_matches_reference():
