@@ -542,7 +542,7 @@ def elapsed(t0, device):
 
 
 def synced(device):
-    """perf_counter() once the GPU has done what was queued before: a compile or capture timed from it leaves that out."""
+    """perf_counter() once the GPU has done the work queued before: a compile or capture timed from it leaves it out."""
     sync(device)
     return time.perf_counter()
 

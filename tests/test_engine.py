@@ -8,6 +8,7 @@ import torch
 from fast_inference import engine as engine_module
 from fast_inference.engine import CACHE_WINDOWS, Engine, cache_windows, captures_prefill
 from fast_inference.generate import generate
+from fast_inference.quantize import quantize_int8
 from test_reference import FIXTURES, build_fixture_model, tiny_inputs, tiny_model
 
 
@@ -118,12 +119,12 @@ def test_last_timings_are_each_phase_without_its_compile_time(monkeypatch):
     assert marks.seconds() == {"condition": 0.5, "prefill": 0.125, "decode": 3.75}
 
 
-def test_captured_prefill_replays_each_images_prefix(monkeypatch):
+@pytest.mark.parametrize("int8", [False, True])
+def test_captured_prefill_replays_each_images_prefix(monkeypatch, int8):
     """Where the steps are captured by hand the eager prefill is captured too: a shape's first image runs it as
     it comes, the second captures it, later ones copy their prefix in and replay; the first token is drawn
-    outside the graph. CUDA graphs do not exist on the
-    CPU, so a stand-in graph replays the captured function; the tokens must equal those of the engine
-    that never captures the prefill."""
+    outside the graph. CUDA graphs do not exist on the CPU, so a stand-in graph replays the captured function;
+    the tokens must equal those of the engine that never captures the prefill, with int8 weights too."""
     captured = []
 
     class Graph:
@@ -139,7 +140,7 @@ def test_captured_prefill_replays_each_images_prefix(monkeypatch):
         return Graph(fn)
 
     monkeypatch.setattr(engine_module, "capture", capture)
-    model = tiny_model()
+    model = quantize_int8(tiny_model()) if int8 else tiny_model()
     cond, mask, condition = tiny_inputs(model)
     a, b = (cond, mask, condition), (cond.flip(0), mask.flip(0), condition)  # one shape, other prefixes
     run = lambda engine, p: engine.generate(p[0], 16, emb_masks=p[1], condition=p[2], cfg_scale=4.0, top_k=50)
