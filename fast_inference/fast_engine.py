@@ -24,7 +24,7 @@ import torch
 
 from fast_inference.checkpoint import (CheckpointError, fit_null_caption, gpt_fix_hint, load_weights, no_init,
                                        read_state_dict)
-from fast_inference.engine import BACKENDS, COMPILE_SCOPES, Engine  # noqa: F401  (the seed-compatible entry point)
+from fast_inference.engine import BACKENDS, COMPILE_SCOPES, Engine, sync  # noqa: F401  (Engine: seed-compatible)
 from fast_inference.generate import generate
 from fast_inference.model import GPT_CONFIGS, ModelArgs, Transformer
 from fast_inference.quantize import MODES as QUANTIZE_MODES, quantize_int8
@@ -519,11 +519,6 @@ def report(engine, times, tokens):
         parts.append(f"generate {times['generate']:.2f}s ({n / max(times['generate'], 1e-9):.0f} tok/s)")
     parts += [f"VQ decode {times['vq']:.2f}s", f"total {times['total']:.1f}s"]
     print("  " + " | ".join(parts))
-
-
-def sync(device):
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def main(argv=None):
