@@ -133,6 +133,9 @@ def test_captured_prefill_replays_each_images_prefix(monkeypatch, int8):
 
     def capture(s, fn):  # as engine.capture: the state after it is that of one run
         captured.append(fn)
+        if s is None:  # prepare()'s graph: test_captured_condition_replays_each_images_inputs
+            fn()
+            return Graph(fn)
         drawn = s.out.clone(), s.input_pos.clone(), s.token.clone()
         fn()
         if "_run_prefill" in fn.__qualname__:  # the draw stays out of the prefill's graph
@@ -155,6 +158,45 @@ def test_captured_prefill_replays_each_images_prefix(monkeypatch, int8):
         assert torch.equal(run(hand, p), want[i]), i
         prefills.append(sum("_run_prefill" in f.__qualname__ for f in captured))
     assert hand.sampler.capture_prefill and prefills == [0, 1, 1]
+
+
+def test_captured_condition_replays_each_images_inputs(monkeypatch):
+    """prepare() (control encoder, prefix, control tokens) is captured where the steps are captured by hand, per set
+    of inputs' shapes and settings: the first image runs it as it comes, the second captures it, later ones copy
+    their inputs in and replay. A stand-in graph replays the captured function from the graph's own inputs, so a
+    stale input shows as other tokens than those of the engine that never captures."""
+    captured = []
+
+    class Graph:
+        def __init__(self, fn):
+            self.replay = fn
+
+    def capture(s, fn):
+        captured.append(s)
+        fn()
+        return Graph(fn)
+
+    monkeypatch.setattr(engine_module, "capture", capture)
+    model = tiny_model()
+    cond, mask, condition = tiny_inputs(model)
+    a = (cond, mask, condition)
+    b = (cond.flip(0), mask.flip(0), condition.flip(0))  # one shape, other inputs
+    c = (cond[:1], mask[:1], condition[:1])  # another shape
+    run = lambda engine, p, strength: engine.generate(p[0], 16, emb_masks=p[1], condition=p[2], cfg_scale=4.0,
+                                                      top_k=50, control_strength=strength)
+    order = [(a, 1.0), (b, 1.0), (a, 1.0), (b, 1.0), (a, 0.5), (a, 0.5), (c, 0.5), (c, 0.5), (b, 0.5)]
+    plain = Engine(model, backend="eager")
+    want = [torch.manual_seed(3) and run(plain, *o) for o in order]
+    assert not torch.equal(want[0], want[1]) and not torch.equal(want[0], want[4])
+    hand = Engine(model, backend="eager")
+    hand.hand_capture = True  # as on CUDA (the rest runs as eager)
+    graphs = []
+    for i, o in enumerate(order):
+        torch.manual_seed(3)
+        assert torch.equal(run(hand, *o), want[i]), i
+        graphs.append(captured.count(None))
+    # captured at a set's second image; a new control strength or shape runs eagerly first
+    assert graphs == [0, 1, 1, 1, 1, 2, 2, 3, 3]
 
 
 def test_prefill_captured_where_the_steps_are_and_it_runs_eagerly():
