@@ -9,6 +9,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from fast_inference import group_norm
+
 
 @dataclass
 class VQConfig:
@@ -24,12 +26,17 @@ class VQConfig:
 
 
 class GroupNorm(nn.GroupNorm):
-    """nn.GroupNorm with its statistics from var_mean, which spreads each group over many thread blocks:
-    PyTorch's CUDA kernel gives an (image, group) one block, 32 blocks at batch 1 for up to 128 MB of
-    activations (8.7 of a 512 px decode's 17.5 ms on an H200). Then y = a * x + b with a and b per
-    (image, channel), as that kernel computes it."""
+    """nn.GroupNorm of x + x_bias (per channel, if given: the bias of the convolution before), then SiLU if silu.
+    Channels-last float32 on CUDA: group_norm.py's kernels. Else its statistics from var_mean, which spreads each
+    group over many thread blocks: PyTorch's CUDA kernel gives an (image, group) one block, 32 blocks at batch 1
+    for up to 128 MB of activations (8.7 of a 512 px decode's 17.5 ms on an H200). Then y = a * x + b with a and b
+    per (image, channel), as that kernel computes it."""
 
-    def forward(self, x):
+    def forward(self, x, silu=False, x_bias=None):
+        if group_norm.supported(x, self.num_groups):
+            return group_norm.group_norm(x, self.num_groups, self.weight, self.bias, self.eps, silu, x_bias)
+        if x_bias is not None:
+            x = x + x_bias.view(1, -1, *(1,) * (x.dim() - 2))
         B, C = x.shape[:2]
         g = x.unflatten(1, (self.num_groups, -1))  # (B, G, C/G, H, W): a view in either memory format
         var, mean = torch.var_mean(g, dim=tuple(range(2, g.dim())), correction=0)
@@ -37,7 +44,8 @@ class GroupNorm(nn.GroupNorm):
         a = torch.rsqrt(var + self.eps).repeat_interleave(per, 1) * self.weight  # (B, C)
         b = self.bias - mean.repeat_interleave(per, 1) * a
         shape = (B, C) + (1,) * (x.dim() - 2)
-        return torch.addcmul(b.view(shape), x, a.view(shape))
+        y = torch.addcmul(b.view(shape), x, a.view(shape))
+        return F.silu(y) if silu else y
 
 
 def norm(c):
@@ -61,11 +69,12 @@ class ResBlock(nn.Module):
             self.nin_shortcut = conv1(cin, cout)
 
     def forward(self, x):
-        h = self.conv1(F.silu(self.norm1(x)))
-        h = self.conv2(F.silu(self.norm2(h)))
+        # the two convolutions' biases are added where their outputs are read: one pass less over each
+        h = group_norm.conv(self.conv1, self.norm1(x, silu=True))
+        h = group_norm.conv(self.conv2, self.norm2(h, silu=True, x_bias=self.conv1.bias))
         if hasattr(self, "nin_shortcut"):
             x = self.nin_shortcut(x)
-        return x + h
+        return group_norm.residual(x, h, self.conv2.bias)
 
 
 class AttnBlock(nn.Module):
@@ -153,7 +162,7 @@ class Encoder(nn.Module):
             h = run_level(m, h)
         for m in self.mid:
             h = m(h)
-        return self.conv_out(F.silu(self.norm_out(h)))
+        return self.conv_out(self.norm_out(h, silu=True))
 
 
 class Decoder(nn.Module):
@@ -176,7 +185,7 @@ class Decoder(nn.Module):
             h = m(h)
         for m in self.conv_blocks:
             h = run_level(m, h)
-        return self.conv_out(F.silu(self.norm_out(h)))
+        return self.conv_out(self.norm_out(h, silu=True))
 
 
 class Quantizer(nn.Module):

@@ -21,30 +21,42 @@ torch.manual_seed(0)
 checked = 0
 # one group's pixels over several programs and a partial last tile; a mean 300 times the spread (the shift: float32
 # sums of x and x squared are off by 0.17 there, torch's own float32 GroupNorm by 1.4e-4, as a x + b rounds);
-# 4 to 16 channels a group, as the decoder's 128 to 512 channels have
-for B, C, H, W, G, scale, mean, silu in ((1, 128, 24, 20, 32, 3.0, 5.0, True), (2, 64, 9, 7, 32, 1.0, 0.0, False),
-                                         (1, 512, 8, 8, 32, 1.0, -2.0, True), (2, 128, 31, 33, 32, 1.0, 300.0, False)):
+# 4 to 16 channels a group, as the decoder's 128 to 512 channels have; with the convolution's bias and without
+for B, C, H, W, G, scale, mean, silu, with_bias in ((1, 128, 24, 20, 32, 3.0, 5.0, True, True),
+                                                    (2, 64, 9, 7, 32, 1.0, 0.0, False, False),
+                                                    (1, 512, 23, 23, 32, 1.0, -2.0, True, False),
+                                                    (2, 128, 31, 33, 32, 1.0, 300.0, False, True)):
     x = torch.randn(B, C, H, W) * torch.rand(B, C, 1, 1) * scale + mean + torch.randn(B, C, 1, 1) * scale
     x = x.contiguous(memory_format=torch.channels_last)
-    w, b = torch.randn(C), torch.randn(C)
-    want = F.group_norm(x.double(), G, w.double(), b.double(), 1e-6)
+    w, b, x_bias = torch.randn(C), torch.randn(C), torch.randn(C) if with_bias else None
+    biased = x + x_bias.view(1, C, 1, 1) if with_bias else x  # the float32 add PyTorch's convolution does
+    want = F.group_norm(biased.double(), G, w.double(), b.double(), 1e-6)
     want = (F.silu(want) if silu else want).float()
-    got = group_norm.group_norm(x, G, w, b, 1e-6, silu)
+    got = group_norm.group_norm(x, G, w, b, 1e-6, silu, x_bias)
     assert got.is_contiguous(memory_format=torch.channels_last) and got.shape == x.shape
     err = (got - want).abs().max().item()
     assert err < 2e-5 * max(1.0, abs(mean) / scale), (B, C, H, W, err)
+    checked += 1
+# the residual add with the convolution's bias: x + (h + bias), bit for bit, over a partial last block
+group_norm.supported = lambda x, num_groups=1: x.is_contiguous(memory_format=torch.channels_last)
+for shape in ((1, 128, 24, 20), (2, 64, 9, 7)):
+    x, h = (torch.randn(shape).contiguous(memory_format=torch.channels_last) for _ in range(2))
+    bias = torch.randn(shape[1])
+    got = group_norm.residual(x, h, bias)
+    assert got.is_contiguous(memory_format=torch.channels_last) and torch.equal(got, x + (h + bias.view(1, -1, 1, 1)))
     checked += 1
 print("ok", checked)
 """
 
 
 def test_group_norm_matches_torch_in_interpreter():
-    """Against torch's GroupNorm in float64 (then SiLU), to float32's rounding: images over several programs each
-    and with a partial last tile, 64 to 512 channels, and a mean 300 times the spread, whose variance plain float32
-    sums of x and x squared lose to cancellation."""
+    """Against torch's GroupNorm of x plus the convolution's bias in float64 (then SiLU), to float32's rounding, and
+    the residual add bit for bit: images over several programs each and with a partial last tile, 64 to 512
+    channels, and a mean 300 times the spread, whose variance plain float32 sums of x and x squared lose to
+    cancellation."""
     out = subprocess.run([sys.executable, "-c", SCRIPT], env=interpret.ENV, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-2000:]
-    assert out.stdout.split()[-2:] == ["ok", "4"], out.stdout
+    assert out.stdout.split()[-2:] == ["ok", "6"], out.stdout
 
 
 def test_supported_only_channels_last_float32_on_cuda():
@@ -60,17 +72,21 @@ from sm90 import build
 
 for C in (128, 256, 512):
     block_p = 4096 // C
-    build(gn._partials_kernel, {"X": "*fp32", "PARTS": "*fp32", "HW": "i32", "per_prog": "i32"},
-          dict(C=C, G=32, BLOCK_P=block_p), {})
+    for has_bias in (True, False):
+        build(gn._partials_kernel, {"X": "*fp32", "XBIAS": "*fp32", "PARTS": "*fp32", "HW": "i32", "per_prog": "i32",
+                                    "n_parts": "i32"}, dict(C=C, G=32, BLOCK_P=block_p, HAS_BIAS=has_bias), {})
+        for silu in (True, False):
+            build(gn._apply_kernel, {"X": "*fp32", "XBIAS": "*fp32", "AB": "*fp32", "Y": "*fp32", "HW": "i32"},
+                  dict(C=C, BLOCK_P=block_p, SILU=silu, HAS_BIAS=has_bias), {})
     build(gn._scale_shift_kernel, {"PARTS": "*fp32", "W": "*fp32", "BIAS": "*fp32", "AB": "*fp32", "n_parts": "i32",
-                                   "eps": "fp32"}, dict(C=C, G=32, P=128), {})
-    for silu in (True, False):
-        build(gn._apply_kernel, {"X": "*fp32", "AB": "*fp32", "Y": "*fp32", "HW": "i32"},
-              dict(C=C, BLOCK_P=block_p, SILU=silu), {})
+                                   "eps": "fp32"}, dict(C=C, G=32, P=gn.MAX_PARTS), {})
+    build(gn._residual_kernel, {"X": "*fp32", "H": "*fp32", "HBIAS": "*fp32", "Y": "*fp32", "n": "i32"},
+          dict(C=C, BLOCK=4096), {})
 print("compiled")
 """
 
 
 def test_group_norm_kernels_compile_for_sm90():
-    """The decoder's widths (128, 256, 512 channels): an H100/H200 cubin, no register spills."""
+    """The decoder's widths (128, 256, 512 channels), with a bias and without: an H100/H200 cubin, no register
+    spills."""
     sm90.run(AOT_SCRIPT)
