@@ -154,8 +154,10 @@ class Sampler(nn.Module):
         """Prefix positions 0..T-1 -> the caches, and the logits of the last (first_token draws from them)."""
         T = prefix.shape[1]
         input_pos = torch.arange(T, device=prefix.device)
+        # SDPA over the prefix's keys only, not the whole cache (masked past T anyway): GPT-XL's prefill at n = 1
+        # 3.92 -> 3.30 ms of GPU on an H200, the same logits bit for bit
         logits = self.model(prefix, input_pos, self.key_valid, self.controls, last_only=True,
-                            block_fn=self.prefill_block)[:, -1]
+                            block_fn=self.prefill_block, kv_len=min(-(-T // 8) * 8, self.model.max_seq))[:, -1]
         if self.cache.text_len:
             for layer in self.model.layers:
                 c = layer.attention.kv_cache
