@@ -530,7 +530,9 @@ def rotations(freqs):
 def apply_rotary_emb(x, rot):
     """Rotate adjacent pairs (x[2j], x[2j+1]) of x (B,S,H,hd) by rot = rotations(freqs) (S,hd/2,2,2), in
     float32: (x0 cos - x1 sin, x1 cos + x0 sin), each product rounded to float32 and then the two added, as
-    the official code rounds (a product by -sin is the negated product by sin)."""
+    the official code rounds (a product by -sin is the negated product by sin). The two added as one add, not a
+    sum over the last dimension: the same values (a zero's sign aside), and PyTorch's reduction kernel over pairs was
+    most of the eager rotation's time (GPT-XL's prefill at n = 1 on an H200: 22.2 -> 15.9 us a block)."""
     xs = x.reshape(*x.shape[:-1], -1, 1, 2)  # bf16 times float32 is float32: no copy to float32 first
-    r = rot.view(1, xs.shape[1], 1, xs.shape[3], 2, 2)
-    return (xs * r).sum(-1).flatten(3).type_as(x)
+    p = xs * rot.view(1, xs.shape[1], 1, xs.shape[3], 2, 2)
+    return (p[..., 0] + p[..., 1]).flatten(3).type_as(x)
