@@ -234,6 +234,18 @@ def test_compile_scope_flag(argv, block):
     assert engine.block_scope == block and engine.block_fn is None
 
 
+def test_cudagraph_backend_keeps_the_vq_decoder_off_triton(monkeypatch):
+    """--backend cudagraph promises no Triton: make_engine turns group_norm's kernels off for the VQ decoder too, and
+    the other backends leave them on (a stand-in engine: the cudagraph backend needs CUDA)."""
+    from fast_inference import group_norm
+
+    monkeypatch.setattr(fast_engine, "Engine", lambda *a, **k: "engine")
+    monkeypatch.setattr(group_norm, "ENABLED", True)
+    args = fast_engine.parse_args(["--device", "cpu"])
+    for backend, enabled in (("cudagraph", False), ("inductor", True), ("cudagraph", False), ("eager", True)):
+        assert fast_engine.make_engine(args, None, backend) == "engine" and group_norm.ENABLED is enabled
+
+
 def test_sampling_flags_and_seed(files, tmp_path, capsys):
     runs = []
     for seed in (5, 5, 6):
