@@ -36,16 +36,18 @@ if triton is not None:
         base = X + b.to(tl.int64) * HW * C
         xbias = tl.load(XBIAS + chans) if HAS_BIAS else tl.zeros((C,), tl.float32)
         pix = start + tl.arange(0, BLOCK_P)
-        first = tl.load(base + pix[:, None] * C + chans[None, :], mask=(pix < end)[:, None], other=0.0)
+        ok = (pix < end)[:, None]
+        first = tl.load(base + pix[:, None] * C + chans[None, :], mask=ok, other=0.0)
         if HAS_BIAS:
-            first = tl.where((pix < end)[:, None], first + xbias[None, :], 0.0)
+            first = tl.where(ok, first + xbias[None, :], 0.0)
         n0 = tl.minimum(end - start, BLOCK_P).to(tl.float32)
         # the shift: the first tile's mean per group (padded pixels are zeros, divided by the real count)
         shift = tl.sum(tl.reshape(tl.sum(first, 0), (G, CG)), 1) / (n0 * CG)
         shift_c = tl.reshape(tl.broadcast_to(shift[:, None], (G, CG)), (C,))
-        s1 = tl.zeros((C,), tl.float32)
-        s2 = tl.zeros((C,), tl.float32)
-        for off in range(start, end, BLOCK_P):
+        d = tl.where(ok, first - shift_c[None, :], 0.0)
+        s1 = tl.sum(d, 0)
+        s2 = tl.sum(d * d, 0)
+        for off in range(start + BLOCK_P, end, BLOCK_P):  # the tiles after the first, already in registers
             pix = off + tl.arange(0, BLOCK_P)
             ok = (pix < end)[:, None]
             x = tl.load(base + pix[:, None] * C + chans[None, :], mask=ok, other=0.0)

@@ -21,11 +21,13 @@ torch.manual_seed(0)
 checked = 0
 # one group's pixels over several programs and a partial last tile; a mean 300 times the spread (the shift: float32
 # sums of x and x squared are off by 0.17 there, torch's own float32 GroupNorm by 1.4e-4, as a x + b rounds);
-# 4 to 16 channels a group, as the decoder's 128 to 512 channels have; with the convolution's bias and without
+# 4 to 16 channels a group, as the decoder's 128 to 512 channels have; with the convolution's bias and without; and
+# more pixels than MAX_PARTS tiles, so that a program sums several tiles
 for B, C, H, W, G, scale, mean, silu, with_bias in ((1, 128, 24, 20, 32, 3.0, 5.0, True, True),
                                                     (2, 64, 9, 7, 32, 1.0, 0.0, False, False),
                                                     (1, 512, 23, 23, 32, 1.0, -2.0, True, False),
-                                                    (2, 128, 31, 33, 32, 1.0, 300.0, False, True)):
+                                                    (2, 128, 31, 33, 32, 1.0, 300.0, False, True),
+                                                    (1, 512, 72, 72, 32, 2.0, 1.0, True, True)):
     x = torch.randn(B, C, H, W) * torch.rand(B, C, 1, 1) * scale + mean + torch.randn(B, C, 1, 1) * scale
     x = x.contiguous(memory_format=torch.channels_last)
     w, b, x_bias = torch.randn(C), torch.randn(C), torch.randn(C) if with_bias else None
@@ -51,12 +53,12 @@ print("ok", checked)
 
 def test_group_norm_matches_torch_in_interpreter():
     """Against torch's GroupNorm of x plus the convolution's bias in float64 (then SiLU), to float32's rounding, and
-    the residual add bit for bit: images over several programs each and with a partial last tile, 64 to 512
-    channels, and a mean 300 times the spread, whose variance plain float32 sums of x and x squared lose to
-    cancellation."""
+    the residual add bit for bit: images over several programs each, several tiles a program and a partial last
+    tile, 64 to 512 channels, and a mean 300 times the spread, whose variance plain float32 sums of x and x squared
+    lose to cancellation."""
     out = subprocess.run([sys.executable, "-c", SCRIPT], env=interpret.ENV, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-2000:]
-    assert out.stdout.split()[-2:] == ["ok", "6"], out.stdout
+    assert out.stdout.split()[-2:] == ["ok", "7"], out.stdout
 
 
 def test_supported_only_channels_last_float32_on_cuda():
