@@ -411,9 +411,9 @@ class Engine:
         on_device = all(t is None or t.device == self.device for t in inputs)
         if not (self.hand_capture and on_device):
             return run(*inputs)
-        # prepare() reads cfg_scale only as "> 1", control_strength only under CFG (SPEC's quirk)
+        # prepare() reads cfg_scale only as "> 1" and bakes control_strength in
         key = (tuple(None if t is None else (t.shape, t.dtype) for t in inputs), cfg_scale > 1.0,
-               float(control_strength) if cfg_scale > 1.0 else 1.0)
+               float(control_strength))
         c = self.conditions
         if c is None or c["key"] != key:  # one set at a time: a new one drops the last one's graph
             self.conditions = dict(key=key)
