@@ -31,7 +31,7 @@ if __package__ in (None, ""):
 
 import torch
 
-from fast_inference import decode_block, group_norm
+from fast_inference import decode_block, fused_ops
 from fast_inference.engine import BACKENDS, COMPILE_SCOPES, Engine
 from fast_inference.generate import generate
 from fast_inference.model import ModelArgs, Transformer
@@ -262,7 +262,7 @@ def measure(args, sizes):
     N = grid * grid
     kw = dict(cfg_scale=args.cfg_scale, top_k=args.top_k, temperature=1.0, top_p=1.0)
     fast_model = quantize_int8(copy.deepcopy(model)) if args.quantize == "int8" else model
-    group_norm.ENABLED = args.backend != "cudagraph"  # no Triton there, the VQ decoder's norms included
+    fused_ops.ENABLED = args.backend != "cudagraph"  # no Triton there: the eager model's and VQ decoder's kernels
     engine = Engine(fast_model, backend=args.backend, compile_mode=args.compile_mode,
                     compile_prefill=args.compile_prefill, compile_scope=args.compile_scope,
                     fused_block=not args.no_fused_block)

@@ -122,6 +122,7 @@ class Sampler(nn.Module):
         else:
             self.kv_lens, self.step_window = [None], [0]
         device, dtype, D = model.output.weight.device, model.tok_embeddings.weight.dtype, model.args.dim
+        self.text_table = None  # the engine's, for the text partials of all layers in one kernel (layer_text_sums)
         buf = lambda name, t: self.register_buffer(name, t, persistent=False)
         buf("token", torch.zeros(batch, 1, dtype=torch.long, device=device))
         buf("input_pos", torch.zeros(1, dtype=torch.long, device=device))
@@ -159,9 +160,8 @@ class Sampler(nn.Module):
         logits = self.model(prefix, input_pos, self.key_valid, self.controls, last_only=True,
                             block_fn=self.prefill_block, kv_len=min(-(-T // 8) * 8, self.model.max_seq))[:, -1]
         if self.cache.text_len:
-            for layer in self.model.layers:
-                c = layer.attention.kv_cache
-                decode_attention.text_sums(c.v_cache, self.key_valid, c.text_len, c.text_sum, c.text_count)
+            caches = [layer.attention.kv_cache for layer in self.model.layers]
+            decode_attention.layer_text_sums(caches, self.key_valid, self.text_table)
         return logits
 
     def first_token(self, logits):
@@ -323,6 +323,8 @@ class Engine:
             noise = (s.noise, s.input_pos, s.seed) if s.head_noise else None
             s.logits_fn = functools.partial(decode_block.logits, self.model, noise=noise)
         s.prefetcher = prefetcher
+        if s.cache.text_len and self.device.type == "cuda":  # (a text partial: the Triton decode attention)
+            s.text_table = decode_attention.text_table([layer.attention.kv_cache for layer in self.model.layers])
         if prefetcher is not None:  # a plan per row count the steps run at (CFG on, and off after cfg_interval)
             for r in {rows, batch}:
                 down = prefetcher.compiled and decode_block.serves_down(self.model.layers[0], r)

@@ -22,7 +22,7 @@ if __package__ in (None, ""):  # run as a script: make `fast_inference` importab
 import numpy as np
 import torch
 
-from fast_inference import group_norm
+from fast_inference import fused_ops
 from fast_inference.checkpoint import (CheckpointError, fit_null_caption, gpt_fix_hint, load_weights, no_init,
                                        read_state_dict)
 from fast_inference.engine import BACKENDS, COMPILE_SCOPES, Engine, sync  # noqa: F401  (Engine: seed-compatible)
@@ -395,7 +395,7 @@ def make_engine(args, model, backend):
     """The fast engine the flags ask for, or None for --engine reference."""
     if args.engine == "reference":
         return None
-    group_norm.ENABLED = backend != "cudagraph"  # no Triton there, the VQ decoder's norms included
+    fused_ops.ENABLED = backend != "cudagraph"  # no Triton there: the eager model's and VQ decoder's kernels
     return Engine(model, backend=backend, compile_mode=args.compile_mode, compile_prefill=args.compile_prefill,
                   compile_scope=args.compile_scope)
 

@@ -14,6 +14,8 @@ block's last convolution's bias in the residual add's kernel. tests/test_group_n
 import torch
 import torch.nn.functional as F
 
+from fast_inference import fused_ops
+
 try:
     import triton
     import triton.language as tl
@@ -113,13 +115,11 @@ if triton is not None:
 
 
 MAX_PARTS = 512  # partials per image and group, all folded at once by _scale_shift_kernel
-# False: torch's ops everywhere (the cudagraph backend promises no Triton: fast_engine.make_engine and bench.py set it)
-ENABLED = True
 
 
 def supported(x, num_groups=1):
     C = x.shape[1]
-    return (ENABLED and triton is not None and x.is_cuda and x.dtype == torch.float32 and x.dim() == 4
+    return (fused_ops.ENABLED and triton is not None and x.is_cuda and x.dtype == torch.float32 and x.dim() == 4
             and x.is_contiguous(memory_format=torch.channels_last) and C % num_groups == 0
             and C & (C - 1) == 0 and num_groups & (num_groups - 1) == 0 and C <= 1024)
 

@@ -15,6 +15,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from fast_inference import fused_ops
+
 NUM_CONTROL_LISTS = 3  # condition_layers has three MLPs in every official checkpoint
 
 
@@ -233,6 +235,8 @@ class FeedForward(nn.Module):
         if self.w13 is None:
             return F.silu(self.w1(x)) * self.w3(x)
         w13 = F.linear(x, self.w13) if self.w13_scales is None else int8_linear(x, self.w13, self.w13_scales)
+        if fused_ops.supported(w13):
+            return fused_ops.silu_mul(w13)
         gate, up = w13.chunk(2, dim=-1)
         return F.silu(gate) * up
 
@@ -432,10 +436,14 @@ class Transformer(nn.Module):
             n = key_valid.shape[1] if kv_len is None else kv_len
             mask = attention_mask(key_valid[:, :n], input_pos)
             bias = torch.zeros(mask.shape, dtype=x.dtype, device=x.device).masked_fill_(~mask, float("-inf"))
-            rot = rotations(freqs)
+            fused = fused_ops.supported(x)  # RoPE and the cache write in one kernel, the same bits
+            rot = None if fused else rotations(freqs)
 
-            def attend(q, k, v, freqs, cache):  # freqs unused: rot, made from it once above
-                q, k, v = rope_and_cache(q, k, v, rot, cache, input_pos)
+            def attend(q, k, v, freqs, cache):
+                if fused:
+                    q, k, v = fused_ops.rope_and_cache(q, k, v, freqs, cache, input_pos)
+                else:
+                    q, k, v = rope_and_cache(q, k, v, rot, cache, input_pos)
                 return F.scaled_dot_product_attention(q, k[:, :, :n], v[:, :, :n], attn_mask=bias)
 
         def control_at(i):  # the control rows added before block i, or None

@@ -234,16 +234,20 @@ def test_compile_scope_flag(argv, block):
     assert engine.block_scope == block and engine.block_fn is None
 
 
-def test_cudagraph_backend_keeps_the_vq_decoder_off_triton(monkeypatch):
-    """--backend cudagraph promises no Triton: make_engine turns group_norm's kernels off for the VQ decoder too, and
-    the other backends leave them on (a stand-in engine: the cudagraph backend needs CUDA)."""
-    from fast_inference import group_norm
+def test_cudagraph_backend_keeps_the_eager_model_and_vq_decoder_off_triton(monkeypatch):
+    """--backend cudagraph promises no Triton: make_engine turns fused_ops' kernels off, for the eager model and the VQ
+    decoder's norms (group_norm), and the other backends leave them on (a stand-in engine: the cudagraph backend needs
+    CUDA)."""
+    from fast_inference import fused_ops, group_norm
 
     monkeypatch.setattr(fast_engine, "Engine", lambda *a, **k: "engine")
-    monkeypatch.setattr(group_norm, "ENABLED", True)
+    monkeypatch.setattr(fused_ops, "ENABLED", True)
     args = fast_engine.parse_args(["--device", "cpu"])
+    x = torch.zeros(1, 32, 2, 2).contiguous(memory_format=torch.channels_last)
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda t: True))  # as if on CUDA
     for backend, enabled in (("cudagraph", False), ("inductor", True), ("cudagraph", False), ("eager", True)):
-        assert fast_engine.make_engine(args, None, backend) == "engine" and group_norm.ENABLED is enabled
+        assert fast_engine.make_engine(args, None, backend) == "engine" and fused_ops.ENABLED is enabled
+        assert group_norm.supported(x, 32) is enabled and fused_ops.supported(x) is enabled
 
 
 def test_sampling_flags_and_seed(files, tmp_path, capsys):
