@@ -1,5 +1,5 @@
-"""The VQ decoder's GroupNorm (with the SiLU after it, and the bias of the convolution before it) and its residual
-adds in Triton, for channels-last float32 activations on CUDA; torch's ops elsewhere.
+"""The VQ decoder's GroupNorm (with the SiLU after it, and the bias of the convolution before it), its residual adds
+and its nearest upsampling in Triton, for channels-last float32 activations on CUDA; torch's ops elsewhere.
 
 In eager PyTorch a decoder norm is var_mean over a strided (B, G, C/G, H, W) view, a few ops for the per-channel
 scale and shift, addcmul and then SiLU, and every convolution adds its bias in a pass of its own (cuDNN's output,
@@ -106,6 +106,19 @@ if triton is not None:
         tl.store(Y + at, y, mask=ok)
 
     @triton.jit
+    def _upsample_kernel(X, Y, n_pix, W, C: tl.constexpr, BLOCK_P: tl.constexpr):
+        """Nearest 2x upsampling, channels-last: input pixel (b, i, j) of a (B, H, W) grid, flat p = (b H + i) W + j,
+        to output pixels (b, 2 i + di, 2 j + dj), whose flat index is (2 (b H + i) + di) 2 W + 2 j + dj."""
+        p = tl.program_id(0) * BLOCK_P + tl.arange(0, BLOCK_P)
+        ok = (p < n_pix)[:, None]
+        chans = tl.arange(0, C)[None, :]
+        x = tl.load(X + p[:, None].to(tl.int64) * C + chans, mask=ok)
+        first = (2 * (p // W)) * (2 * W) + 2 * (p % W)
+        for di in tl.static_range(2):
+            for dj in tl.static_range(2):
+                tl.store(Y + (first + di * 2 * W + dj)[:, None].to(tl.int64) * C + chans, x, mask=ok)
+
+    @triton.jit
     def _residual_kernel(X, H, HBIAS, Y, n, C: tl.constexpr, BLOCK: tl.constexpr):
         """Y = X + (H + HBIAS per channel), channels-last (the channel is the index modulo C)."""
         offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
@@ -154,6 +167,18 @@ def residual(x, h, h_bias):
     y = torch.empty_like(x)
     block = 4096
     _residual_kernel[(triton.cdiv(x.numel(), block),)](x, h, h_bias, y, x.numel(), C=x.shape[1], BLOCK=block)
+    return y
+
+
+def upsample(x):
+    """F.interpolate(x, scale_factor=2, mode="nearest"), the same values: PyTorch's channels-last kernel took ~0.36 ms of
+    a 512 px decode on an H200 for ~0.08 ms of bytes."""
+    if not supported(x):
+        return F.interpolate(x, scale_factor=2.0, mode="nearest")
+    B, C, H, W = x.shape
+    y = torch.empty(B, C, 2 * H, 2 * W, device=x.device, dtype=x.dtype, memory_format=torch.channels_last)
+    block_p = max(1, 4096 // C)
+    _upsample_kernel[(triton.cdiv(B * H * W, block_p),)](x, y, B * H * W, W, C=C, BLOCK_P=block_p)
     return y
 
 
