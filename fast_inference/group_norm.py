@@ -132,7 +132,7 @@ MAX_PARTS = 512  # partials per image and group, all folded at once by _scale_sh
 
 def supported(x, num_groups=1):
     C = x.shape[1]
-    return (fused_ops.ENABLED and triton is not None and x.is_cuda and x.dtype == torch.float32 and x.dim() == 4
+    return (fused_ops.supported(x) and x.dtype == torch.float32 and x.dim() == 4  # (Triton allowed here, on CUDA)
             and x.is_contiguous(memory_format=torch.channels_last) and C % num_groups == 0
             and C & (C - 1) == 0 and num_groups & (num_groups - 1) == 0 and C <= 1024)
 
