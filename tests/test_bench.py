@@ -24,7 +24,8 @@ def fake_children(monkeypatch, fail=None):
                    roofline_step_ms=0.5, roofline_pct=50.0, peak_mem_gb=1.0)
         with open(part, "w") as f:
             json.dump(dict(args={}, device="fake", torch="x", copy_bandwidth_Bps=4e12 + B, rows=[row],
-                           end_to_end_s=1.25 if B == 1 else None), f)
+                           end_to_end_s=1.25 if B == 1 else None, end_to_end_runs_s=[1.3, 1.25, 1.2] if B == 1 else None),
+                      f)
         return types.SimpleNamespace(returncode=0)
 
     monkeypatch.setattr(bench.torch.cuda, "is_available", lambda: True)
@@ -44,9 +45,31 @@ def test_each_batch_size_in_a_process_of_its_own(monkeypatch, tmp_path, capsys):
     result = json.load(open(tmp_path / "bench_GPT-XL_inductor.json"))
     assert [r["n"] for r in result["rows"]] == [8, 1, 32]
     assert result["end_to_end_s"] == 1.25 and result["args"]["batch_sizes"] == "8,1,32"
+    assert result["end_to_end_runs_s"] == [1.3, 1.25, 1.2]
     assert result["copy_bandwidth_Bps"] == 4e12 + 8
     assert (tmp_path / "bench_GPT-XL_inductor.png").exists()
-    assert "end-to-end, one image" in capsys.readouterr().out
+    assert "end-to-end, one image (condition encoder + prefill + decode + VQ decode, warm): 1.250 s (median of 3: " \
+           "1.200-1.300 s)" in capsys.readouterr().out
+
+
+def test_end_to_end_is_the_median_of_its_runs(monkeypatch):
+    """--e2e-runs images timed after a warm one, each generated and decoded; their median reported, and each."""
+    calls, times = [], iter([1.03, 1.01, 1.05, 1.00, 1.02])
+    engine = types.SimpleNamespace(generate=lambda *a, **k: calls.append("generate") or "tokens")
+    vq = types.SimpleNamespace(decode_code=lambda tokens, shape: calls.append(("decode", tokens, shape)))
+    monkeypatch.setattr(bench, "inputs", lambda model, B, size, device: (None, None, None))
+    monkeypatch.setattr(bench, "timed", lambda fn, device: (next(times), fn()))
+    args = bench.parse_args(["--random-weights", "--e2e-runs", "5"])
+    median, runs = bench.end_to_end(engine, None, vq, args, {}, "cpu")
+    assert median == 1.02 and runs == [1.03, 1.01, 1.05, 1.00, 1.02]
+    assert calls == ["generate", ("decode", "tokens", (1, 8, 32, 32))] * 6  # the warm image, then five
+
+
+def test_negative_e2e_runs_is_a_usage_error(monkeypatch, tmp_path):
+    calls = fake_children(monkeypatch)
+    with pytest.raises(SystemExit) as e:
+        bench.main(["--random-weights", "--e2e-runs", "-1", "--out-dir", str(tmp_path / "out")])
+    assert "--e2e-runs -1" in str(e.value) and calls == [] and not (tmp_path / "out").exists()
 
 
 def test_a_failed_child_writes_nothing(monkeypatch, tmp_path):
