@@ -418,6 +418,20 @@ def test_error_misc(files, tmp_path, capsys):
     expect_error(capsys, tmp_path, c2i + ["--class-label", "10"], "--class-label must be in 0..9")
 
 
+def test_cli_sets_the_official_scripts_tf32_flags():
+    """The CLIs (fast_engine.py, fast_eval.py: both through cli_main) run their body with TF32 allowed for float32
+    matmuls and cuDNN, as the official sample_t2i.py and test_t2i.py set them."""
+    before = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    seen = []
+    try:
+        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+        fast_engine.cli_main(lambda: seen.append((torch.backends.cuda.matmul.allow_tf32,
+                                                  torch.backends.cudnn.allow_tf32)), False, fast_engine.is_user_error)
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = before
+    assert seen == [(True, True)]
+
+
 def test_error_subprocess_has_no_traceback(tmp_path):
     r = subprocess.run([sys.executable, os.path.join(ROOT, "fast_inference", "fast_engine.py"),
                         "--gpt-ckpt", str(tmp_path / "missing.safetensors"), "--condition-path", "x.png"],
