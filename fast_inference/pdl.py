@@ -9,7 +9,6 @@ previous kernel's writes are visible. The next kernel may launch right after the
 the results are computed (LATE, `pdl_trigger`); either way its own wait holds it until this kernel has
 finished.
 """
-import functools
 import os
 
 import torch
@@ -21,9 +20,10 @@ except ImportError:
     triton = None
 
 
-@functools.lru_cache
 def use_pdl(device):
-    """True where PDL exists: a CUDA device of compute capability 9 or later, outside the interpreter."""
+    """True where PDL exists: a CUDA device of compute capability 9 or later, outside the interpreter. Not cached:
+    dynamo traces it where the compiled block calls decode_block.down, and warns of a functools cache there; it runs
+    at captures, traces and a shape's eager draws only (torch caches the device's properties)."""
     return (torch.device(device).type == "cuda" and os.environ.get("TRITON_INTERPRET") != "1"
             and torch.cuda.get_device_capability(device)[0] >= 9)
 

@@ -392,6 +392,26 @@ def test_down_serves_one_token_steps_past_the_fused_rows():
     assert decode_block.down_for(model.layers[0], x(hi)) is None
 
 
+def test_down_traces_without_a_warning(monkeypatch):
+    """The compiled block traces `down`, whose launch settings ask pdl.use_pdl: dynamo warns of nothing there (a
+    functools cache on use_pdl made it warn at every compile of the block, n = 16 and 32 in bench.py and fast_eval.py)."""
+    import warnings
+
+    import torch
+
+    from fast_inference import decode_block
+
+    monkeypatch.setattr(decode_block, "down_op", lambda a, w, h, progress, count, p: h + p)  # the kernel aside
+    w2 = torch.nn.Linear(8, 4, bias=False)
+    torch._dynamo.reset()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        down = torch.compile(lambda a, h: decode_block.down(a, w2, h), backend="eager", fullgraph=True)
+        out = down(torch.zeros(20, 1, 8), torch.ones(20, 1, 4))
+    assert torch.equal(out, torch.ones(20, 1, 4))
+    assert not [w for w in caught if "dynamo" in str(w.message).lower()], [str(w.message)[:200] for w in caught]
+
+
 def test_the_merge_launches_under_pdl_on_the_dot_path(monkeypatch):
     """The decode attention's merge launches as its partial kernel on the GEMV path (PDL, EARLY), with PDL's late
     trigger on the dot path where the partial kernel has no PDL (MERGE_PDL), and without PDL where there is none."""
