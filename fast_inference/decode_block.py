@@ -53,9 +53,11 @@ DOWN_ROWS = 64
 # scripts/bench_decode_block.py on the H200 (GPT-XL, 2 rows, position 700, with PDL): 29.3 us per
 # block vs 32.2 for (4, 4) everywhere with w2 at (2, 4), and 41.9 for the compiled block; the other
 # tilings within 1 us of these.
-# The output projection (the head) at wo's tiling: in the model at n = 1 it ran as fast as the dot path's
-# (1.136 / 1.146 against 1.139 / 1.140 ms/step), which is faster alone (13.7 against 20.1 us): this one
-# fetches its weights during the last block.
+# The head's float weights take the dot path at any row count (DOT_ALWAYS): at 2 rows its GEMV took ~25 us of a 0.97 ms
+# step for 42 MB (scripts/step_timeline.py), where the dot path's 256 programs stream them in fewer waves. H200,
+# `scripts/engine_ab.py --batch-sizes 1 --process-per-setting`, n = 1: 0.970 / 0.971 -> 0.966 / 0.966 ms/step, the same
+# tokens (at #22's 1.14 ms steps the two had tied); measured at 2 rows only. The head's GEMV tiling stays for int8
+# weights (not measured there) and for A/Bs against it (`decode_block.DOT_ALWAYS = ()`).
 CONFIG = dict(qkv=(8, 8), wo=(4, 4), gate_up=(4, 4), w2=(4, 4), output=(4, 4))
 # (These and CONFIG_INT8 were swept with every kernel multiplying as one (rows, BN, K) product; the one-tile kernels
 # row by row, _gemv, were measured at them and not swept again.)
@@ -87,6 +89,7 @@ DOT_CONFIG = dict(qkv=(32, 256, 4, 3, 1), wo=(16, 128, 4, 3, 4), gate_up=(32, 25
 # int8 weights: wo and w2 as swept before the dot path had PDL; re-swept with it (`--quantize int8 --rows 16`), the
 # best was within noise (43.7 against 44.1 us per block). The head at wo's (int8 64-row tiles spill).
 DOT_CONFIG_INT8 = dict(DOT_CONFIG, wo=(16, 256, 4, 3, 1), w2=(16, 256, 4, 6, 3), output=(16, 256, 4, 3, 1))
+DOT_ALWAYS = ("output",)  # kernels whose float weights take the dot path at <= GEMV_ROWS rows too (CONFIG's comment)
 
 
 def pdl_for(rows, device):
@@ -501,12 +504,13 @@ def rows_per_program(rows, warps, tiles, weight, width):
 
 def plan(name, x, weight, tiles, pdl, progress=None):
     """(weight rows per program, kernel arguments) of kernel `name` for x (R, K) and weight (N, K): the
-    GEMV path at <= GEMV_ROWS rows, else the dot path; `tiles` weight tiles (rows_a, rows_b) per program.
+    GEMV path at <= GEMV_ROWS rows (but DOT_ALWAYS' float weights), else the dot path; `tiles` weight tiles (rows_a,
+    rows_b) per program.
     progress: an int32 count the kernel's first program adds one to as it starts (prefetch.py), or None."""
     (R, K), p2 = x.shape, triton.next_power_of_2
     kw = dict(PREC="ieee" if x.dtype == torch.float32 else "tf32",  # fp32 (tests): exact dots
               PROGRESS=x if progress is None else progress, BUMP=progress is not None, **launch(pdl))
-    if R <= GEMV_ROWS:
+    if R <= GEMV_ROWS and (name not in DOT_ALWAYS or weight.dtype == torch.int8):
         rows, warps = (CONFIG_INT8 if weight.dtype == torch.int8 else CONFIG)[name]
         width = piece_width(name, weight)
         return rows_per_program(rows, warps, tiles, weight, width), dict(kw, DOT=False, RP=max(2, p2(R)), PW=width,

@@ -44,7 +44,7 @@ def recording(name, x, weight, tiles, pdl, progress=None):  # the weights of the
 
 
 decode_block.plan = recording
-tile = lambda n: dict(qkv=(n, 4), wo=(n, 4), gate_up=(n, 2), w2=(n, 4), output=(16 * n, 4))  # the head: few programs
+tile = lambda n: dict(qkv=(n, 4), wo=(n, 4), gate_up=(n, 2), w2=(n, 4))
 dot = lambda n, bk, s=1: dict(qkv=(16, bk, 4, 2, s), wo=(n, bk, 4, 2, s), gate_up=(n, bk, 4, 3, s), w2=(16, bk, 4, 2, s),
                              output=(n, bk, 4, 2, s))
 # (batch, cfg, model widths, GEMV tiling, dot tiling, PDL data paths, int8 weights); > 4 rows take the dot path, whose K
@@ -54,8 +54,10 @@ dot = lambda n, bk, s=1: dict(qkv=(16, bk, 4, 2, s), wo=(n, bk, 4, 2, s), gate_u
 # Two layers (one for `wide`) and three steps: the interpreter is slow, and one block feeding the next is what counts
 narrow, wide = dict(n_head=2, n_layer=2), dict(dim=160, n_head=5, multiple_of=32, n_layer=1)
 STEPS = 3
-cases = [(1, 4.0, narrow, tile(4), None, True, False), (1, 1.0, dict(n_head=4, n_layer=2), tile(2), None, False, False),
-         (2, 4.0, narrow, tile(16), None, True, True), (1, 4.0, wide, tile(4), None, True, False),
+# At <= 4 rows the head's float weights take the dot path too (DOT_ALWAYS): the GEMV cases give it a dot tiling
+head = dot(32, 32)
+cases = [(1, 4.0, narrow, tile(4), head, True, False), (1, 1.0, dict(n_head=4, n_layer=2), tile(2), head, False, False),
+         (2, 4.0, narrow, tile(16), head, True, True), (1, 4.0, wide, tile(4), head, True, False),
          (3, 4.0, narrow, None, dot(16, 32), True, False), (5, 1.0, narrow, None, dot(32, 128, 4), False, True),
          (8, 4.0, narrow, None, dot(16, 16, 3), True, False), (3, 4.0, wide, None, dot(16, 64), False, False)]
 for B, cfg, widths, config, dot_config, pdl, int8 in cases:
@@ -158,9 +160,9 @@ decode_block.use_pdl = lambda device: True
 decode_sampling.supported = lambda device, top_p: top_p >= 1.0
 decode_inputs.supported = lambda device: True
 prefetch.available, prefetch.Prefetcher = lambda device: True, Prefetcher
-# Wide GEMV tiles, few programs: the interpreter's time goes with them (the head's 128 programs took half of it at
-# the default tiling); the tilings are the fused block's test's, the engine's wiring this one's
-decode_block.CONFIG = dict(qkv=(32, 4), wo=(16, 4), gate_up=(16, 4), w2=(16, 4), output=(64, 4))
+# Wide GEMV tiles, few programs: the interpreter's time goes with them (the head takes the dot path: 8 programs of
+# DOT_CONFIG's 64 rows); the tilings are the fused block's test's, the engine's wiring this one's
+decode_block.CONFIG = dict(qkv=(32, 4), wo=(16, 4), gate_up=(16, 4), w2=(16, 4))
 model = tiny_model(cls=8, seed=6, vocab_size=512, n_layer=2)  # small: the interpreter runs every program
 cond, mask, condition = tiny_inputs(model, B=2)
 # 4 tokens: the prefill's and 3 decode steps, 2 guided and, after cfg_interval, 1 unguided
