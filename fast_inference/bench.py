@@ -300,8 +300,7 @@ def measure(args, sizes):
             if B == 1 and args.e2e_runs > 0:  # while the n=1 graphs are warm
                 e2e, e2e_runs = end_to_end(engine, fast_model, vq, args, kw, device)
     return dict(args=vars(args), device=torch.cuda.get_device_name(), torch=torch.__version__, copy_bandwidth_Bps=bw,
-                rows=rows, end_to_end_s=e2e,
-                end_to_end_runs_s=e2e_runs)
+                rows=rows, end_to_end_s=e2e, end_to_end_runs_s=e2e_runs)
 
 
 def print_row(r, flush=False):

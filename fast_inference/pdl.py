@@ -23,7 +23,7 @@ except ImportError:
 def use_pdl(device):
     """True where PDL exists: a CUDA device of compute capability 9 or later, outside the interpreter. Not cached:
     dynamo traces it where the compiled block calls decode_block.down, and warns of a functools cache there; it runs
-    at captures, traces and a shape's eager draws only (torch caches the device's properties)."""
+    at captures, traces and each image's first draw (torch caches the device's properties)."""
     return (torch.device(device).type == "cuda" and os.environ.get("TRITON_INTERPRET") != "1"
             and torch.cuda.get_device_capability(device)[0] >= 9)
 
