@@ -33,6 +33,7 @@ import torch
 
 from fast_inference import decode_block, fused_ops
 from fast_inference.engine import BACKENDS, COMPILE_SCOPES, Engine
+from fast_inference.fast_engine import official_tf32
 from fast_inference.generate import generate
 from fast_inference.model import ModelArgs, Transformer
 from fast_inference.quantize import MODES as QUANTIZE_MODES, quantize_int8
@@ -250,7 +251,7 @@ def measure(args, sizes):
     """Every batch size in this process: the model, the VQ decoder and one engine, built once."""
     device = torch.device("cuda")
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.precision]
-    torch.backends.cuda.matmul.allow_tf32 = True  # as the official scripts
+    official_tf32()
     grid = args.image_size // 16
     margs = ModelArgs.from_name(args.gpt_model, block_size=grid * grid, adapter_size=args.adapter_size,
                                 condition_type="hed")

@@ -528,13 +528,18 @@ def main(argv=None):
     cli_main(lambda: run(args), args.debug, is_user_error)
 
 
-def cli_main(body, debug, user_error):
-    """Run a CLI body: a user's mistake becomes one 'error:' line and exit 2 (--debug: traceback). TF32 for float32
-    matmuls and convolutions on CUDA, as the official sample and test scripts set it (SPEC 9.1): the VQ decoder's
-    attention, and fp32 (--precision none) models."""
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
+def official_tf32():
+    """TF32 for float32 matmuls and convolutions on CUDA, as the official sample and test scripts set it (SPEC 9.1):
+    the VQ decoder's attention, and fp32 (--precision none) models."""
     torch.backends.cuda.matmul.allow_tf32 = True
     torch.backends.cudnn.allow_tf32 = True
+
+
+def cli_main(body, debug, user_error):
+    """Run a CLI body with the official scripts' TF32 flags: a user's mistake becomes one 'error:' line and exit 2
+    (--debug: traceback)."""
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    official_tf32()
     try:
         with torch.no_grad():
             body()
