@@ -10,7 +10,8 @@ The kernels launch with programmatic dependent launch (Hopper+): a kernel starts
 before it drains and fetches its weights before waiting for it, so the weight stream does not stop
 at kernel boundaries. Two ways to multiply, one set of kernels:
   <= 4 rows (GEMV): a program holds whole rows of the weight (all of K) in registers, loaded before
-                    the wait, and multiplies on the CUDA cores, the rows unrolled;
+                    the wait, and multiplies on the CUDA cores, the rows unrolled; it lets the next
+                    kernel launch before its own wait (pdl.FIRST), so that two kernels ahead load;
   5..16 rows (dot): a program walks K in chunks on the tensor cores (tl.dot), with nothing to fetch
                     before the wait: the next kernel may launch once the results are computed
                     (pdl.LATE; right after the wait its programs slowed this one); a
@@ -21,16 +22,18 @@ apply to its rounded output, as model.int8_linear.
 Computes TransformerBlock.forward for S = 1 (tests/test_decode_block.py checks it against it). Past 16 rows, up to
 64, the compiled block borrows the dot path's down projection with its residual add (`down`).
 Before its wait a kernel reads what pdl.py allows: weights and earlier cache rows, and on the GEMV
-path also the position (the previous step's) and the residual (wo's is 4 kernels back, w2's 2), both
-from L2 (.cg). Given a prefetcher (prefetch.py), each projection's first program counts its start, which
-paces the prefetcher's pull of the next projection's weights into L2.
+path also the position (the previous step's, from L2: .cg). Under pdl.EARLY (an A/B setting, GEMV_PDL) the
+GEMV path reads the residual there too (wo's is 4 kernels back, w2's 2); under FIRST no kernel before the wait
+is known to have finished, so it reads it after the wait, as the dot path does. Given a prefetcher (prefetch.py),
+each projection's first program counts its start, which paces the prefetcher's pull of the next projection's
+weights into L2.
 """
 import functools
 
 import torch
 
 from fast_inference import decode_sampling
-from fast_inference.pdl import EARLY, LATE, launch, use_pdl
+from fast_inference.pdl import EARLY, FIRST, LATE, launch, use_pdl
 
 try:
     import triton
@@ -92,15 +95,23 @@ DOT_CONFIG_INT8 = dict(DOT_CONFIG, wo=(16, 256, 4, 3, 1), w2=(16, 256, 4, 6, 3),
 DOT_ALWAYS = ("output",)  # kernels whose float weights take the dot path at <= GEMV_ROWS rows too (CONFIG's comment)
 
 
+# The GEMV path's kernels let the next one launch before their own wait (pdl.FIRST), not right after it (EARLY): the
+# next kernel's programs then load their weights while this one's still wait, so two kernels ahead load rather than
+# one. H200, `python scripts/engine_ab.py --batch-sizes 1 --process-per-setting` (docs/PERF_NOTES.md #65): n = 1
+# 0.966 / 0.965 -> 0.948 / 0.948 ms/step, n = 2 1.467 / 1.465 -> 1.466 / 1.466 (flat), the same tokens; the
+# prefetcher is worth more under it (without it 0.983). The inputs kernel and the draw's kernels FIRST too: flat.
+GEMV_PDL = FIRST
+
+
 def pdl_for(rows, device):
-    """How the kernels of a block at `rows` rows launch: pdl.EARLY on the GEMV path (the weights are
+    """How the kernels of a block at `rows` rows launch: GEMV_PDL on the GEMV path (the weights are
     fetched before the wait), pdl.LATE on the dot path: the next kernel may launch once the results are
     computed. Right after the wait made the 16-row block slower (53 -> 57-59 us): the next kernel's
     early programs hold SM resources the running ones need. GPT-XL in the model, no PDL -> LATE (the
     attention without it), ms/step: n = 6 1.689 / 1.686 -> 1.668 / 1.668, n = 8 1.831 / 1.828 -> 1.794 / 1.794."""
     if not use_pdl(device):
         return False
-    return EARLY if rows <= GEMV_ROWS else LATE
+    return GEMV_PDL if rows <= GEMV_ROWS else LATE
 
 
 # The attention's merge with PDL's late trigger on the dot path, its partial kernel without PDL: the merge launches
@@ -117,10 +128,11 @@ def merge_pdl(rows, device):
 
 
 def attention_pdl(rows, device):
-    """Whether the decode attention between the block's kernels launches with PDL: on the GEMV path. At
+    """How the decode attention between the block's kernels launches: with PDL as the GEMV path, else without. At
     5-16 rows its PDL data path (the current key and value read apart, after the wait) cost more than
     the overlap saved: n = 8 1.845 ms/step with it, 1.794 without (the block's kernels LATE)."""
-    return pdl_for(rows, device) == EARLY
+    pdl = pdl_for(rows, device)
+    return pdl if pdl in (EARLY, FIRST) else False
 
 
 if triton is not None:
@@ -379,7 +391,7 @@ if triton is not None:
         at = offs_r[:, None] * N + rows[None, :]
         res = tl.zeros([RP, BN], tl.float32)
         add = res
-        if not DOT:  # before the wait: the kernel just before never writes them (see linear())
+        if not DOT and PDL != 3:  # before the wait under EARLY: the kernel just before never writes them (linear())
             r_ok = (offs_r < R)[:, None] & rows_ok[None, :]
             res = tl.load(RES + at, mask=r_ok, other=0.0, cache_modifier=".cg").to(tl.float32)
             if THEN:
@@ -387,7 +399,7 @@ if triton is not None:
         y, _, live = _project(X, X, W, S, PART, COUNT, rows, rows, rows_ok, R, 0.0, K, PW, RP, BN, BK, False, False,
                               DOT, PDL, PREC, SPLIT, QUANT, dt)
         ok = (offs_r < live)[:, None] & rows_ok[None, :]
-        if DOT:  # after it: ahead of the wait, n = 4 and 8 ran ~1.3% slower
+        if DOT or PDL == 3:  # after it: ahead of the wait, n = 4 and 8 ran ~1.3% slower; FIRST: maybe not written yet
             res = tl.load(RES + at, mask=ok, other=0.0).to(tl.float32)
             if THEN:
                 add = tl.load(ADD + at, mask=ok, other=0.0).to(tl.float32)
@@ -557,9 +569,9 @@ def _or(t, x):
 def linear(x, weight, scales=None, residual=None, name="wo", pdl=False, progress=None, then=None):
     """residual + x @ weight.T for x (R, K) contiguous, R <= MAX_ROWS, with kernel `name`'s tiling; an int8
     weight with its row scales (quantize.py) as model.int8_linear; then + `then` (R, N) if given, rounded
-    again. With pdl, `residual` and `then` must not be written by the kernel just before (the GEMV path reads
-    them before its wait; in the block the residual is wo's input, 4 kernels back, or w2's, 2 back, and `then`
-    the step's control rows)."""
+    again. With pdl.EARLY, `residual` and `then` must not be written by the kernel just before (the GEMV path
+    reads them before its wait then; in the block the residual is wo's input, 4 kernels back, or w2's, 2 back, and
+    `then` the step's control rows); under FIRST and LATE it reads them after its wait."""
     R, K = x.shape
     N = weight.shape[0]
     bn, kw = plan(name, x, weight, 1, pdl, progress)

@@ -259,6 +259,20 @@ for dt, D, F, hd, int8 in (("bf16", 1280, 3584, 64, False), ("bf16", 4096, 11008
             bn, kw, options = args("w2", dtype, rows, F, 1, int8)
             kw.pop("EPS")
             build(db._linear_kernel, lin, dict(kw, BN=bn, THEN=False), options)
+# Under FIRST (the GEMV path's launch) the next kernel may launch before this one's wait, while the kernel that wrote
+# the residual may still run: the residual and the control rows are then read after the wait; under EARLY before it
+for mode in (db.FIRST, db.EARLY):
+    db.GEMV_PDL = mode
+    t = "*bf16"
+    lin = {"X": t, "W": t, "S": t, "RES": t, "ADD": t, "OUT": t, "PART": "*fp32", "COUNT": "*i32",
+           "PROGRESS": "*i32", "R": "i32", "N": "i32"}
+    bn, kw, options = args("w2", torch.bfloat16, 2, 3584, 1, False)
+    kw.pop("EPS")
+    ptx = build(db._linear_kernel, lin, dict(kw, BN=bn, THEN=True), options).asm["ptx"]
+    wait = ptx.index("griddepcontrol.wait")
+    assert (ptx.index("griddepcontrol.launch_dependents") < wait) == (mode == db.FIRST), mode
+    assert ("ld.global.cg" in ptx[:wait]) == (mode == db.EARLY), mode  # the residual's and control rows' loads
+db.GEMV_PDL = db.FIRST
 # The prefetcher beside the step (one warp per program: bulk L2 prefetches, spins on the count)
 for evict_last in (False, True):
     build(prefetch._prefetch_kernel, {"SEGS": "*i64", "PROGRESS": "*i32", "POS": "*i64", "n_segs": "i32",
@@ -273,6 +287,7 @@ def test_kernels_compile_for_sm90():
     tiling capped for wide K, with programmatic dependent launch), GPT-XL also at 4 (the GEMV path's most rows,
     gate/up's pieces the most registers) and 8 and 16 rows (dot path, with PDL's late
     trigger), each projection (counting for a prefetcher) and the head (with the draw's noise and without),
+    the residual read after the wait where the GEMV path lets the next kernel launch before it (pdl.FIRST),
     w2 as `down` at 32 and 64 rows (bf16 and fp32, with PDL's late trigger), and the prefetcher's kernel: an H100/H200 cubin with Triton's bundled ptxas, and no register spills (a
     GEMV whose weight rows spill would crawl)."""
     sm90.run(AOT_SCRIPT)
@@ -415,12 +430,16 @@ def test_down_traces_without_a_warning(monkeypatch):
 
 
 def test_the_merge_launches_under_pdl_on_the_dot_path(monkeypatch):
-    """The decode attention's merge launches as its partial kernel on the GEMV path (PDL, EARLY), with PDL's late
-    trigger on the dot path where the partial kernel has no PDL (MERGE_PDL), and without PDL where there is none."""
+    """The decode attention's kernels launch as the block's on the GEMV path (PDL, FIRST: the next one before the
+    wait; EARLY where GEMV_PDL says so), the merge with PDL's late trigger on the dot path where the partial kernel
+    has no PDL (MERGE_PDL), and without PDL where there is none."""
     from fast_inference import decode_block
-    from fast_inference.pdl import EARLY, LATE
+    from fast_inference.pdl import EARLY, FIRST, LATE
 
     monkeypatch.setattr(decode_block, "use_pdl", lambda device: True)
+    assert decode_block.merge_pdl(2, "cuda") == decode_block.attention_pdl(2, "cuda") == decode_block.pdl_for(2, "cuda")
+    assert decode_block.pdl_for(4, "cuda") == FIRST and decode_block.pdl_for(5, "cuda") == LATE
+    monkeypatch.setattr(decode_block, "GEMV_PDL", EARLY)
     assert decode_block.merge_pdl(2, "cuda") == decode_block.attention_pdl(2, "cuda") == EARLY
     assert not decode_block.attention_pdl(16, "cuda") and decode_block.merge_pdl(16, "cuda") == LATE
     monkeypatch.setattr(decode_block, "MERGE_PDL", False)
