@@ -10,8 +10,8 @@ The kernels launch with programmatic dependent launch (Hopper+): a kernel starts
 before it drains and fetches its weights before waiting for it, so the weight stream does not stop
 at kernel boundaries. Two ways to multiply, one set of kernels:
   <= 4 rows (GEMV): a program holds whole rows of the weight (all of K) in registers, loaded before
-                    the wait, and multiplies on the CUDA cores, the rows unrolled; it lets the next
-                    kernel launch before its own wait (pdl.FIRST), so that two kernels ahead load;
+                    the wait, and multiplies on the CUDA cores, the rows unrolled; with float weights
+                    it lets the next kernel launch before its own wait (pdl.FIRST): two kernels ahead load;
   5..16 rows (dot): a program walks K in chunks on the tensor cores (tl.dot), with nothing to fetch
                     before the wait: the next kernel may launch once the results are computed
                     (pdl.LATE; right after the wait its programs slowed this one); a
@@ -100,18 +100,23 @@ DOT_ALWAYS = ("output",)  # kernels whose float weights take the dot path at <= 
 # one. H200, `python scripts/engine_ab.py --batch-sizes 1 --process-per-setting` (docs/PERF_NOTES.md #65): n = 1
 # 0.966 / 0.965 -> 0.948 / 0.948 ms/step, n = 2 1.467 / 1.465 -> 1.466 / 1.466 (flat), the same tokens; the
 # prefetcher is worth more under it (without it 0.983). The inputs kernel and the draw's kernels FIRST too: flat.
+# int8 weights lose under it (an untracked probe, one process, alternating: 0.913 / 0.912 -> 0.930 / 0.930 ms/step at
+# n = 1, the same tokens): their GEMVs keep EARLY.
 GEMV_PDL = FIRST
+GEMV_PDL_INT8 = EARLY
 
 
-def pdl_for(rows, device):
-    """How the kernels of a block at `rows` rows launch: GEMV_PDL on the GEMV path (the weights are
-    fetched before the wait), pdl.LATE on the dot path: the next kernel may launch once the results are
+def pdl_for(rows, device, int8=False):
+    """How the kernels of a block at `rows` rows launch: GEMV_PDL (GEMV_PDL_INT8 for int8 weights) on the GEMV path
+    (the weights are fetched before the wait), pdl.LATE on the dot path: the next kernel may launch once the results are
     computed. Right after the wait made the 16-row block slower (53 -> 57-59 us): the next kernel's
     early programs hold SM resources the running ones need. GPT-XL in the model, no PDL -> LATE (the
     attention without it), ms/step: n = 6 1.689 / 1.686 -> 1.668 / 1.668, n = 8 1.831 / 1.828 -> 1.794 / 1.794."""
     if not use_pdl(device):
         return False
-    return GEMV_PDL if rows <= GEMV_ROWS else LATE
+    if rows > GEMV_ROWS:
+        return LATE
+    return GEMV_PDL_INT8 if int8 else GEMV_PDL
 
 
 # The attention's merge with PDL's late trigger on the dot path, its partial kernel without PDL: the merge launches
@@ -120,18 +125,18 @@ def pdl_for(rows, device):
 MERGE_PDL = True
 
 
-def merge_pdl(rows, device):
+def merge_pdl(rows, device, int8=False):
     """How the decode attention's merge launches: as its partial kernel (attention_pdl), or with MERGE_PDL on the
     dot path under PDL's late trigger after a partial kernel without PDL (its launch during the partials' tail)."""
-    pdl = attention_pdl(rows, device)
-    return pdl_for(rows, device) if MERGE_PDL and not pdl else pdl
+    pdl = attention_pdl(rows, device, int8)
+    return pdl_for(rows, device, int8) if MERGE_PDL and not pdl else pdl
 
 
-def attention_pdl(rows, device):
+def attention_pdl(rows, device, int8=False):
     """How the decode attention between the block's kernels launches: with PDL as the GEMV path, else without. At
     5-16 rows its PDL data path (the current key and value read apart, after the wait) cost more than
     the overlap saved: n = 8 1.845 ms/step with it, 1.794 without (the block's kernels LATE)."""
-    pdl = pdl_for(rows, device)
+    pdl = pdl_for(rows, device, int8)
     return pdl if pdl in (EARLY, FIRST) else False
 
 
@@ -612,13 +617,13 @@ def decode_block(layer, x, freqs, attend, input_pos, prefetcher=None, control=No
     """TransformerBlock.forward(x, freqs, attend) for x (R, 1, D), usable as model block_fn; + control (R, 1, D),
     the next block's control rows, if given (adds_control: model.forward passes them).
 
-    attend should launch with PDL where attention_pdl says: decode_attention(..., pdl=attention_pdl(R, device)).
+    attend should launch with PDL where attention_pdl says: decode_attention(..., pdl=attention_pdl(R, device, int8)).
     prefetcher (prefetch.Prefetcher): its count is bumped by each of the 4 projections as it starts."""
     attn, ff = layer.attention, layer.feed_forward
     R, _, D = x.shape
     x = x.view(R, D)
     cache = attn.kv_cache
-    pdl = pdl_for(R, x.device)
+    pdl = pdl_for(R, x.device, row_scales(attn.wqkv) is not None)
     progress = None if prefetcher is None else prefetcher.progress
     q = qkv_rope(x, layer.attention_norm, attn.wqkv.weight, row_scales(attn.wqkv), freqs, input_pos, cache.k_cache,
                  cache.v_cache, attn.n_head, pdl, progress)
@@ -692,7 +697,7 @@ def logits(model, h, noise=None):
     R, _, D = h.shape
     x, weight, scales = h.view(R, D), model.output.weight, row_scales(model.output)
     N = weight.shape[0]
-    bn, kw = plan("output", x, weight, 1, pdl_for(R, h.device))
+    bn, kw = plan("output", x, weight, 1, pdl_for(R, h.device, scales is not None))
     grid, part, counts = split_buffers(x, triton.cdiv(N, bn), kw, bn)
     out = torch.empty(R, N, device=x.device, dtype=x.dtype)
     buf, pos, seed = (out, x, x) if noise is None else noise  # unused pointers without noise

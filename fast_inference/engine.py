@@ -295,8 +295,8 @@ class Engine:
             if prefetch.available(self.device):
                 prefetcher = prefetch.Prefetcher(self.model)
                 block_fn = functools.partial(block_fn, prefetcher=prefetcher)
-            attention = functools.partial(attention, pdl=decode_block.attention_pdl(rows, self.device),
-                                          merge_pdl=decode_block.merge_pdl(rows, self.device))
+            attention = functools.partial(attention, pdl=decode_block.attention_pdl(rows, self.device, self.int8),
+                                          merge_pdl=decode_block.merge_pdl(rows, self.device, self.int8))
         elif self.block_scope and self.int8:
             log.warning("int8 weights at %d rows: the block runs eagerly, slower than bf16 there (fused kernels up "
                         "to %d rows); use --quantize none for large batches", rows, decode_block.MAX_ROWS)

@@ -92,7 +92,7 @@ def main():
                 decode_block.use_pdl = lambda device: pdl is not False
                 attend = lambda q, k, v, freqs, cache: decode_attention(
                     q.transpose(1, 2), cache.k_cache, cache.v_cache, key_valid, pos,
-                    pdl=decode_block.attention_pdl(R, "cuda"))
+                    pdl=decode_block.attention_pdl(R, "cuda", args.quantize == "int8"))
                 return lambda: decode_block.decode_block(layer, x, freqs, attend, pos)
 
             dot = R > decode_block.GEMV_ROWS

@@ -218,7 +218,7 @@ db.use_pdl = lambda device: True  # as on an H100/H200
 
 def args(name, dtype, rows, K, tiles, int8):
     # plan() with the launch options split off, PDL as the engine launches it; meta tensors stand in for x and W
-    pdl = db.pdl_for(rows, "cuda")
+    pdl = db.pdl_for(rows, "cuda", int8)
     meta = lambda n, dt: torch.empty(n, K, dtype=dt, device="meta")
     bn, kw = db.plan(name, meta(rows, dtype), meta(1, torch.int8 if int8 else dtype), tiles, pdl)
     options = {"launch_pdl": kw.pop("launch_pdl", False), **{o: kw.pop(o) for o in ("num_warps", "num_stages") if o in kw}}
@@ -439,6 +439,7 @@ def test_the_merge_launches_under_pdl_on_the_dot_path(monkeypatch):
     monkeypatch.setattr(decode_block, "use_pdl", lambda device: True)
     assert decode_block.merge_pdl(2, "cuda") == decode_block.attention_pdl(2, "cuda") == decode_block.pdl_for(2, "cuda")
     assert decode_block.pdl_for(4, "cuda") == FIRST and decode_block.pdl_for(5, "cuda") == LATE
+    assert decode_block.merge_pdl(2, "cuda", int8=True) == decode_block.attention_pdl(2, "cuda", int8=True) == EARLY
     monkeypatch.setattr(decode_block, "GEMV_PDL", EARLY)
     assert decode_block.merge_pdl(2, "cuda") == decode_block.attention_pdl(2, "cuda") == EARLY
     assert not decode_block.attention_pdl(16, "cuda") and decode_block.merge_pdl(16, "cuda") == LATE
