@@ -59,8 +59,8 @@ DOWN_ROWS = 64
 # The head's float weights take the dot path at any row count (DOT_ALWAYS): at 2 rows its GEMV took ~25 us of a 0.97 ms
 # step for 42 MB (scripts/step_timeline.py), where the dot path's 256 programs stream them in fewer waves. H200,
 # `scripts/engine_ab.py --batch-sizes 1 --process-per-setting`, n = 1: 0.970 / 0.971 -> 0.966 / 0.966 ms/step, the same
-# tokens (at #22's 1.14 ms steps the two had tied); measured at 2 rows only. The head's GEMV tiling stays for int8
-# weights (not measured there) and for A/Bs against it (`decode_block.DOT_ALWAYS = ()`).
+# tokens (at #22's 1.14 ms steps the two had tied); n = 2 (4 rows, PERF_NOTES #65's rows): 1.485 / 1.484 -> 1.467 /
+# 1.465. The head's GEMV tiling stays for int8 weights (not measured there) and for A/Bs (`DOT_ALWAYS = ()`).
 CONFIG = dict(qkv=(8, 8), wo=(4, 4), gate_up=(4, 4), w2=(4, 4), output=(4, 4))
 # (These and CONFIG_INT8 were swept with every kernel multiplying as one (rows, BN, K) product; the one-tile kernels
 # row by row, _gemv, were measured at them and not swept again.)

@@ -39,7 +39,8 @@ except ImportError:
 # H200, GPT-XL, `python scripts/engine_ab.py --batch-sizes 1,8`, ms/step at n = 1 / 8 (docs/PERF_NOTES.md, "The
 # L2 prefetcher"): none 1.044 / 1.689; 12 programs 1.027 / 1.604 (8: 1.09 / 1.637, 16: 1.032 / 1.648, 24: 1.047 at
 # n = 1, 32: 1.06 / 1.88); AHEAD 0, 2 and 4 lost (further ahead, the prefetches compete with the running kernels);
-# 8 KB chunks no better, 64 KB slower; fetching the head's weight too gained nothing.
+# 8 KB chunks no better, 64 KB slower; fetching the head's weight too gained nothing (its GEMV), then lost 0.8% on the
+# dot path (#65). Under the GEMV path's FIRST launch (#65) AHEAD 2 and 16 programs lost again (0.954, 0.957 vs 0.948).
 PROGRAMS = 12  # prefetching programs, one warp each
 CHUNK = 16384  # bytes per bulk prefetch
 AHEAD = 1  # segment j is fetched once projection j - AHEAD has started
