@@ -101,7 +101,7 @@ DOT_ALWAYS = ("output",)  # kernels whose float weights take the dot path at <= 
 # 0.966 / 0.965 -> 0.948 / 0.948 ms/step, n = 2 1.467 / 1.465 -> 1.466 / 1.466 (flat), the same tokens; the
 # prefetcher is worth more under it (without it 0.983). The inputs kernel and the draw's kernels FIRST too: flat.
 # int8 weights lose under it (an untracked probe, one process, alternating: 0.913 / 0.912 -> 0.930 / 0.930 ms/step at
-# n = 1, the same tokens): their GEMVs keep EARLY.
+# n = 1, the same tokens): their GEMVs keep EARLY. The dot path under FIRST: n = 8 1.433 -> 1.892 ms/step.
 GEMV_PDL = FIRST
 GEMV_PDL_INT8 = EARLY
 
