@@ -22,7 +22,7 @@ apply to its rounded output, as model.int8_linear.
 Computes TransformerBlock.forward for S = 1 (tests/test_decode_block.py checks it against it). Past 16 rows, up to
 64, the compiled block borrows the dot path's down projection with its residual add (`down`).
 Before its wait a kernel reads what pdl.py allows: weights and earlier cache rows, and on the GEMV
-path also the position (the previous step's, from L2: .cg). Under pdl.EARLY (an A/B setting, GEMV_PDL) the
+path also the position (the previous step's, from L2: .cg). Under pdl.EARLY (int8 weights, GEMV_PDL_INT8) the
 GEMV path reads the residual there too (wo's is 4 kernels back, w2's 2); under FIRST no kernel before the wait
 is known to have finished, so it reads it after the wait, as the dot path does. Given a prefetcher (prefetch.py),
 each projection's first program counts its start, which paces the prefetcher's pull of the next projection's
