@@ -41,10 +41,10 @@ except ImportError:  # the cudagraph/eager backends work without Triton
 # scripts/bench_decode_attention.py on the H200 (GPT-XL, CUDA-graph timed, with the merge, summed over
 # positions 200/450/700/950/1100): 16 rows 87.9 us with (64, 2) against 91.7 with (128, 4); 64 rows 287.3
 # with (128, 2) against 292.7. The merge with one warp, in the model: n = 8 1.881 -> 1.863 ms/step, n = 32
-# 3.533 -> 3.480. Up to 4 rows the kernels run under PDL (decode_block), where (128, 4) was tuned; its merge with one
-# warp too since the GEMV path's FIRST launch (`python scripts/engine_ab.py --process-per-setting`, H200): n = 1 0.948
-# -> 0.941 ms/step (two warps 0.945), n = 2 1.466 -> 1.442; tiles of 64 or 256 keys, or 2 warps, lost (1.006, 0.960,
-# 0.961).
+# 3.533 -> 3.480. Up to 4 rows the kernels run under PDL (decode_block), where (128, 4) was tuned; its merge with
+# one warp too since the GEMV path's FIRST launch (`python scripts/engine_ab.py --process-per-setting`, H200): n = 1
+# 0.948 -> 0.941 ms/step (two warps 0.945), n = 2 1.466 -> 1.442; tiles of 64 or 256 keys, or the partials on two
+# warps, lost (1.006, 0.960, 0.961).
 CONFIGS = ((4, (128, 4, 1)), (16, (64, 2, 1)), (None, (128, 2, 1)))
 LEAD = 128  # leading keys searched for the first attendable one (the t2i text prefix is 120)
 # K and V are read once per step: loaded with L2's evict-first hint, so that their stream does not push out
