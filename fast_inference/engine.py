@@ -38,7 +38,7 @@ import time
 import torch
 import torch.nn as nn
 
-from fast_inference import decode_attention, decode_block, decode_inputs, decode_sampling, prefetch
+from fast_inference import decode_attention, decode_block, decode_inputs, decode_sampling, prefetch, smem_gemv
 from fast_inference.generate import prepare
 from fast_inference.pdl import use_pdl
 from fast_inference.quantize import is_int8
@@ -308,8 +308,11 @@ class Engine:
                 attention = functools.partial(attention, progress=prefetcher.progress)
                 block_fn = functools.partial(block_fn, progress=prefetcher.progress)
         if self.block_scope:
-            log.info("decode block for %d rows: %s", rows, "fused Triton kernels" if fused else
-                     "eager (int8)" if self.int8 else "compiled (inductor)")
+            dtype = self.model.tok_embeddings.weight.dtype
+            cuda = smem_gemv.used(rows, dtype, self.device) if fused and not self.int8 else ()
+            log.info("decode block for %d rows: %s%s", rows, "fused Triton kernels" if fused else
+                     "eager (int8)" if self.int8 else "compiled (inductor)",
+                     f" ({', '.join(cuda)} in CUDA C++: smem_gemv)" if cuda else "")
         # The draw in one kernel where the attention is Triton's (the cudagraph backend promises no Triton).
         fused_draw = attention is not None and decode_sampling.supported(self.device, top_p)
         # Cache windows where the steps are captured or run eagerly: a compiler would compile each.

@@ -1,0 +1,242 @@
+"""decode_block's GEMV path (one token, <= 4 rows, bf16 weights, sm_90 and later) as CUDA C++ kernels whose weights
+are staged in shared memory before the PDL wait (smem_gemv.cu).
+
+Triton holds a GEMV's weights in registers, so only as many programs as the register file holds can load theirs
+before the kernel before them has finished; shared memory holds more, and bulk copies fill it without registers.
+The kernels are compiled at run time by NVRTC, which PyTorch's CUDA builds ship, and launched through the driver's
+cuLaunchKernelEx with PDL's attribute, so that a CUDA graph captures them as it does Triton's. `serves` says where
+they run; elsewhere (no NVRTC, an older GPU, float32, int8 weights, FAST_SMEM_GEMV=0) decode_block's Triton kernels
+do, which compute the same roundings.
+"""
+import ctypes
+import glob
+import os
+import sys
+import threading
+
+import torch
+
+from fast_inference.pdl import EARLY, use_pdl
+
+SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "smem_gemv.cu")
+# (warps, output columns per warp) per kernel, and how the next kernel launches: pdl.EARLY, after this one's wait
+# (FIRST, before it, lost: n = 1 1.137 -> 1.184 ms/step with all four here). H200, `python scripts/engine_ab.py
+# --batch-sizes 1 --process-per-setting` (docs/PERF_NOTES.md #67), gate/up alone: (4, 4) 0.921, (8, 4) 0.916, (4, 2)
+# 0.939, (4, 7) 1.045 ms/step, against 0.940 with the Triton kernel. The others from a chain of the four alone
+# (GPT-XL, 2 rows, 8 blocks' weights back to back): 17.7 us per block against 21.0 for the Triton GEMVs.
+CONFIG = dict(qkv=(8, 2), wo=(2, 4), gate_up=(8, 4), w2=(4, 1))
+PDL = EARLY
+ENABLED = os.environ.get("FAST_SMEM_GEMV", "1") != "0"
+# The projections that run here. In the model each of the others lost, alone (n = 1, ms/step against 0.940): qkv
+# 1.113, wo 1.016, w2 1.017; all four 1.137. Alone, chained, each had gained (PERF_NOTES #67): next to the Triton
+# kernels, which let the next kernel launch before their wait (FIRST), they lose that overlap. gate/up, the largest
+# (18.4 MB of GPT-XL's 40.7 per block), gains: n = 1 0.940 -> 0.916, n = 2 1.440 -> 1.411 (at (4, 4)).
+KERNELS = ("gate_up",)
+KINDS = dict(linear=0, linear_add=1, gate_up=2, qkv=3)  # smem_gemv.cu's EPI
+
+
+class Args(ctypes.Structure):  # smem_gemv.cu's Args
+    _fields_ = [(name, ctypes.c_void_p) for name in
+                ("w", "x", "norm", "res", "add", "out", "freqs", "pos", "kc", "vc", "progress")] + \
+               [("sr", ctypes.c_longlong), ("sh", ctypes.c_longlong), ("sn", ctypes.c_longlong), ("n", ctypes.c_int),
+                ("hd", ctypes.c_int), ("eps", ctypes.c_float)]
+
+
+class _AttrValue(ctypes.Union):  # CUlaunchAttributeValue
+    _fields_ = [("pad", ctypes.c_char * 64), ("flag", ctypes.c_int)]
+
+
+class _Attr(ctypes.Structure):  # CUlaunchAttribute
+    _fields_ = [("id", ctypes.c_int), ("pad", ctypes.c_char * 4), ("value", _AttrValue)]
+
+
+class _Config(ctypes.Structure):  # CUlaunchConfig
+    _fields_ = [("grid", ctypes.c_uint * 3), ("block", ctypes.c_uint * 3), ("smem", ctypes.c_uint),
+                ("stream", ctypes.c_void_p), ("attrs", ctypes.POINTER(_Attr)), ("n_attrs", ctypes.c_uint)]
+
+
+PROGRAMMATIC_STREAM_SERIALIZATION = 6  # CUlaunchAttributeID
+MAX_DYNAMIC_SHARED_SIZE_BYTES = 8  # CUfunction_attribute
+
+
+def _nvrtc():
+    """PyTorch's NVRTC library: by its soname (loaded with torch, or on the library path), else from the nvidia
+    packages beside torch."""
+    major = torch.version.cuda.split(".")[0]
+    names = [f"nvrtc64_{major}0_0.dll"] if sys.platform == "win32" else [f"libnvrtc.so.{major}", "libnvrtc.so"]
+    names += sorted(p for d in sys.path for p in glob.glob(os.path.join(d, "nvidia", "**", f"libnvrtc.so.{major}*"),
+                                                          recursive=True))
+    for name in names:
+        try:
+            return ctypes.CDLL(name)
+        except OSError:
+            continue
+    raise OSError("NVRTC not found")
+
+
+def _check(r, what):
+    if r:
+        raise RuntimeError(f"smem_gemv: {what} failed with error {r}")
+
+
+def source(names):
+    """smem_gemv.cu with an entry point per (name, (kind, K, warps, columns per warp, rows, pdl)) in `names`."""
+    return open(SOURCE).read() + "".join(
+        f'extern "C" __global__ void __launch_bounds__({nw * 32}) {name}(const Args a) '
+        f"{{ project<{kind}, {k}, {nw}, {rpw}, {xr}, {pdl}>(a); }}\n" for name, (kind, k, nw, rpw, xr, pdl) in names)
+
+
+def _compile(names, arch):
+    """A cubin of `source(names)` for sm_<arch>, by NVRTC."""
+    nvrtc = _nvrtc()
+    src = source(names)
+    prog = ctypes.c_void_p()
+    _check(nvrtc.nvrtcCreateProgram(ctypes.byref(prog), src.encode(), b"smem_gemv.cu", 0, None, None),
+           "nvrtcCreateProgram")
+    opts = [f"--gpu-architecture=sm_{arch}".encode(), b"-std=c++17"]
+    r = nvrtc.nvrtcCompileProgram(prog, len(opts), (ctypes.c_char_p * len(opts))(*opts))
+    if r:
+        size = ctypes.c_size_t()
+        nvrtc.nvrtcGetProgramLogSize(prog, ctypes.byref(size))
+        log = ctypes.create_string_buffer(size.value)
+        nvrtc.nvrtcGetProgramLog(prog, log)
+        raise RuntimeError(f"smem_gemv: NVRTC failed: {log.value.decode(errors='replace')}")
+    size = ctypes.c_size_t()
+    _check(nvrtc.nvrtcGetCUBINSize(prog, ctypes.byref(size)), "nvrtcGetCUBINSize")
+    cubin = ctypes.create_string_buffer(size.value)
+    _check(nvrtc.nvrtcGetCUBIN(prog, cubin), "nvrtcGetCUBIN")
+    nvrtc.nvrtcDestroyProgram(ctypes.byref(prog))
+    return cubin.raw
+
+
+_cuda = None
+_kernels = {}  # (device index, entry) -> CUfunction
+_lock = threading.Lock()
+
+
+def _driver():
+    global _cuda
+    if _cuda is None:
+        _cuda = ctypes.CDLL("nvcuda.dll" if sys.platform == "win32" else "libcuda.so.1")
+    return _cuda
+
+
+def _kernel(device, entry):
+    """The CUfunction of `entry` = (kind, K, warps, columns per warp, rows, pdl) on device, compiled on first use."""
+    key = (device.index, entry)
+    with _lock:
+        if key not in _kernels:
+            cuda = _driver()
+            major, minor = torch.cuda.get_device_capability(device)
+            name = "smem_gemv_" + "_".join(map(str, entry))
+            cubin = _compile([(name, entry)], f"{major}{minor}")
+            torch.cuda.synchronize(device)  # its primary context made, and current on this thread below
+            with torch.cuda.device(device):
+                module, f = ctypes.c_void_p(), ctypes.c_void_p()
+                _check(cuda.cuModuleLoadData(ctypes.byref(module), cubin), "cuModuleLoadData")
+                _check(cuda.cuModuleGetFunction(ctypes.byref(f), module, name.encode()), "cuModuleGetFunction")
+                _check(cuda.cuFuncSetAttribute(f, MAX_DYNAMIC_SHARED_SIZE_BYTES, _smem(entry)), "cuFuncSetAttribute")
+            _kernels[key] = f
+        return _kernels[key]
+
+
+def _smem(entry):
+    kind, k, nw, rpw, xr, _ = entry
+    return 128 + nw * rpw * (2 if kind == KINDS["gate_up"] else 1) * k * 2 + xr * k * 2
+
+
+def _launch(entry, columns, args, device):
+    """Launch `entry` over `columns` output columns on the current stream, with PDL's attribute if it uses PDL."""
+    f = _kernel(device, entry)
+    _, _, nw, rpw, _, pdl = entry
+    attr = _Attr(id=PROGRAMMATIC_STREAM_SERIALIZATION)
+    attr.value.flag = 1
+    config = _Config((columns // (nw * rpw), 1, 1), (nw * 32, 1, 1), _smem(entry),
+                     torch.cuda.current_stream(device).cuda_stream, ctypes.pointer(attr) if pdl else None,
+                     1 if pdl else 0)
+    params = (ctypes.c_void_p * 1)(ctypes.cast(ctypes.pointer(args), ctypes.c_void_p))
+    _check(_driver().cuLaunchKernelEx(ctypes.byref(config), f, params, None), "cuLaunchKernelEx")
+
+
+_available = {}
+
+
+def available(device):
+    """NVRTC and the driver's cuLaunchKernelEx here, and a GPU of compute capability 9.0 or later (bulk copies,
+    PDL). Checked once per device."""
+    device = torch.device(device)
+    if device.index not in _available:
+        ok = device.type == "cuda" and use_pdl(device)
+        if ok:
+            try:
+                _nvrtc()
+                ok = hasattr(_driver(), "cuLaunchKernelEx")
+            except OSError:
+                ok = False
+        _available[device.index] = ok
+    return _available[device.index]
+
+
+def serves(name, x, *weights, scales=None):
+    """Whether these kernels run projection `name` of x (R, K) against `weights`: R <= 4 rows, bf16, no row scales
+    (int8), K a multiple of 256, on a device where they are available."""
+    R, K = x.shape
+    return (ENABLED and name in KERNELS and R <= 4 and scales is None and x.is_cuda and K % 256 == 0
+            and all(t.dtype == torch.bfloat16 and t.is_contiguous() for t in (x, *weights)) and available(x.device))
+
+
+def used(rows, dtype, device):
+    """The projections these kernels run at `rows` rows of `dtype` on device (for the engine's log)."""
+    return KERNELS if ENABLED and rows <= 4 and dtype == torch.bfloat16 and available(device) else ()
+
+
+def _fits(columns, name):
+    nw, rpw = CONFIG[name]
+    return columns % (nw * rpw) == 0
+
+
+def _ptr(t):
+    return None if t is None else t.data_ptr()
+
+
+def linear(x, weight, residual, name, pdl, then=None, progress=None):
+    """residual + x @ weight.T (+ then), as decode_block.linear; None where the shapes do not tile."""
+    R, K = x.shape
+    N = weight.shape[0]
+    if not _fits(N, name):
+        return None
+    out = torch.empty(R, N, device=x.device, dtype=x.dtype)
+    args = Args(w=_ptr(weight), x=_ptr(x), res=_ptr(residual), add=_ptr(then), out=_ptr(out), progress=_ptr(progress),
+                n=N)
+    kind = KINDS["linear" if then is None else "linear_add"]
+    _launch((kind, K, *CONFIG[name], R, PDL if pdl else 0), N, args, x.device)
+    return out
+
+
+def gate_up(x, norm, w13, pdl, progress=None):
+    """SiLU(g) * u for [g | u] = RMSNorm(x) @ w13.T, as decode_block.gate_up; None where the shapes do not tile."""
+    R, K = x.shape
+    F = w13.shape[0] // 2
+    if not _fits(F, "gate_up"):
+        return None
+    out = torch.empty(R, F, device=x.device, dtype=x.dtype)
+    args = Args(w=_ptr(w13), x=_ptr(x), norm=_ptr(norm.weight), out=_ptr(out), progress=_ptr(progress), n=F,
+                eps=norm.eps)
+    _launch((KINDS["gate_up"], K, *CONFIG["gate_up"], R, PDL if pdl else 0), F, args, x.device)
+    return out
+
+
+def qkv_rope(x, norm, weight, freqs, input_pos, k_cache, v_cache, n_head, pdl, progress=None):
+    """q (R, H, 1, hd), k and v written into the caches at input_pos, as decode_block.qkv_rope; None where the
+    shapes do not tile or the RoPE row is not float32."""
+    R, D = x.shape
+    hd = D // n_head
+    nw, rpw = CONFIG["qkv"]
+    if not _fits(3 * D, "qkv") or hd % rpw or freqs.dtype != torch.float32 or input_pos.dtype != torch.int64:
+        return None
+    q = torch.empty(R, n_head, 1, hd, device=x.device, dtype=x.dtype)
+    args = Args(w=_ptr(weight), x=_ptr(x), norm=_ptr(norm.weight), out=_ptr(q), freqs=_ptr(freqs),
+                pos=_ptr(input_pos), kc=_ptr(k_cache), vc=_ptr(v_cache), progress=_ptr(progress),
+                sr=k_cache.stride(0), sh=k_cache.stride(1), sn=k_cache.stride(2), n=3 * D, hd=hd, eps=norm.eps)
+    _launch((KINDS["qkv"], D, nw, rpw, R, PDL if pdl else 0), 3 * D, args, x.device)
+    return q

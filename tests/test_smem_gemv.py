@@ -1,0 +1,85 @@
+"""smem_gemv's CUDA kernels: built for sm_90 with nvcc where it is installed (no GPU needed), and on a GPU of compute
+capability 9.0 or later against decode_block's Triton kernels, which compute the same roundings (skipped without
+one: run there as `python -m pytest tests/test_smem_gemv.py`)."""
+import ctypes
+import os
+import re
+import shutil
+import subprocess
+import tempfile
+
+import pytest
+import torch
+
+from fast_inference import decode_block, smem_gemv
+
+GPU = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 9 and smem_gemv.available("cuda")
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="no nvcc")
+def test_kernels_build_for_sm90_without_spills():
+    """The entries the engine uses at 1-4 rows for GPT-XL (K = 1,280 and 3,584), each PDL mode, as NVRTC gets
+    them; ptxas reports no stack frame."""
+    entries = [(smem_gemv.KINDS[kind], k, *smem_gemv.CONFIG[name], rows, pdl)
+               for kind, k, name in (("qkv", 1280, "qkv"), ("linear", 1280, "wo"), ("gate_up", 1280, "gate_up"),
+                                     ("linear", 3584, "w2"), ("linear_add", 3584, "w2"))
+               for rows in (1, 2, 3, 4) for pdl in (0, smem_gemv.PDL)]
+    src = smem_gemv.source([(f"k{i}", e) for i, e in enumerate(entries)])
+    with tempfile.TemporaryDirectory() as d:
+        path = os.path.join(d, "k.cu")
+        open(path, "w").write(src)
+        out = subprocess.run(["nvcc", "-arch=sm_90", "-cubin", "-Xptxas", "-v", path, "-o", path + ".cubin"],
+                             capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    frames = [int(f) for f in re.findall(r"(\d+) bytes stack frame", out.stderr)]
+    assert len(frames) == len(entries) and not any(frames), out.stderr
+
+
+def test_args_match_the_kernels_struct():
+    """smem_gemv.cu's Args is 128 bytes (its static_assert); the launcher's ctypes mirror must be too."""
+    assert ctypes.sizeof(smem_gemv.Args) == 128
+
+
+def _close(got, want):
+    """Within one bf16 rounding: the float32 sums are added in another order."""
+    diff = (got.float() - want.float()).abs()
+    assert diff.max() <= 2 ** -7 * want.float().abs().max() + 1e-6, diff.max()
+    assert (diff > 0).float().mean() < 0.02
+
+
+@pytest.mark.skipif(not GPU, reason="needs a GPU of compute capability 9.0+ with NVRTC")
+@pytest.mark.parametrize("rows", [1, 2, 3, 4])
+def test_projections_match_the_triton_kernels(rows):
+    torch.manual_seed(rows)
+    D, F, H = 1280, 3584, 20
+    dev, bf = "cuda", torch.bfloat16
+    norm = torch.nn.RMSNorm(D, eps=1e-5).to(dev, bf)
+    norm.weight.data.normal_(1, 0.1)
+    x = torch.randn(rows, D, device=dev, dtype=bf)
+    wqkv, wo = torch.randn(3 * D, D, device=dev, dtype=bf) * 0.03, torch.randn(D, D, device=dev, dtype=bf) * 0.03
+    w13, w2 = torch.randn(2 * F, D, device=dev, dtype=bf) * 0.03, torch.randn(D, F, device=dev, dtype=bf) * 0.03
+    a, then = torch.randn(rows, F, device=dev, dtype=bf), torch.randn(rows, D, device=dev, dtype=bf)
+    freqs = torch.randn(D // H // 2, 2, device=dev)
+    pos = torch.tensor([37], device=dev)
+    caches = [torch.zeros(rows, H, 64, D // H, device=dev, dtype=bf) for _ in range(4)]
+
+    def run(enabled):  # all four projections here, not only smem_gemv.KERNELS
+        saved = smem_gemv.ENABLED, smem_gemv.KERNELS
+        smem_gemv.ENABLED, smem_gemv.KERNELS = enabled, ("qkv", "wo", "gate_up", "w2")
+        try:
+            q = decode_block.qkv_rope(x, norm, wqkv, None, freqs, pos, *caches[2 * enabled:2 * enabled + 2], H,
+                                      pdl=decode_block.FIRST)
+            return (q, decode_block.linear(x, wo, residual=x, name="wo", pdl=decode_block.FIRST),
+                    decode_block.gate_up(x, norm, w13, pdl=decode_block.FIRST),
+                    decode_block.linear(a, w2, residual=x, name="w2", pdl=decode_block.FIRST, then=then))
+        finally:
+            smem_gemv.ENABLED, smem_gemv.KERNELS = saved
+
+    want, got = run(False), run(True)
+    kinds = {entry[0] for _, entry in smem_gemv._kernels if entry[4] == rows}
+    assert kinds == set(smem_gemv.KINDS.values()), kinds  # each ran here, not Triton's in its place
+    for g, w in zip(got, want):
+        _close(g, w)
+    _close(caches[2][:, :, 37], caches[0][:, :, 37])  # the step's key and value
+    _close(caches[3][:, :, 37], caches[1][:, :, 37])
+    assert not caches[2][:, :, :37].any() and not caches[2][:, :, 38:].any()
