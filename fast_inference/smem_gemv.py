@@ -10,6 +10,7 @@ do, which compute the same roundings.
 """
 import ctypes
 import glob
+import logging
 import os
 import sys
 import threading
@@ -17,6 +18,8 @@ import threading
 import torch
 
 from fast_inference.pdl import EARLY, use_pdl
+
+log = logging.getLogger("fast_inference")
 
 SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "smem_gemv.cu")
 # (warps, output columns per warp) per kernel, and how the next kernel launches: pdl.EARLY, after this one's wait
@@ -81,7 +84,9 @@ def _check(r, what):
 
 def source(names):
     """smem_gemv.cu with an entry point per (name, (kind, K, warps, columns per warp, rows, pdl)) in `names`."""
-    return open(SOURCE).read() + "".join(
+    with open(SOURCE) as f:
+        text = f.read()
+    return text + "".join(
         f'extern "C" __global__ void __launch_bounds__({nw * 32}) {name}(const Args a) '
         f"{{ project<{kind}, {k}, {nw}, {rpw}, {xr}, {pdl}>(a); }}\n" for name, (kind, k, nw, rpw, xr, pdl) in names)
 
@@ -122,20 +127,28 @@ def _driver():
 
 
 def _kernel(device, entry):
-    """The CUfunction of `entry` = (kind, K, warps, columns per warp, rows, pdl) on device, compiled on first use."""
+    """The CUfunction of `entry` = (kind, K, warps, columns per warp, rows, pdl) on device, compiled on first use; None
+    if NVRTC or the driver refuses it (a GPU newer than this NVRTC knows, say): then the device is marked unavailable,
+    and decode_block's Triton kernels run from then on."""
     key = (device.index, entry)
     with _lock:
         if key not in _kernels:
-            cuda = _driver()
-            major, minor = torch.cuda.get_device_capability(device)
-            name = "smem_gemv_" + "_".join(map(str, entry))
-            cubin = _compile([(name, entry)], f"{major}{minor}")
-            torch.cuda.synchronize(device)  # its primary context made, and current on this thread below
-            with torch.cuda.device(device):
-                module, f = ctypes.c_void_p(), ctypes.c_void_p()
-                _check(cuda.cuModuleLoadData(ctypes.byref(module), cubin), "cuModuleLoadData")
-                _check(cuda.cuModuleGetFunction(ctypes.byref(f), module, name.encode()), "cuModuleGetFunction")
-                _check(cuda.cuFuncSetAttribute(f, MAX_DYNAMIC_SHARED_SIZE_BYTES, _smem(entry)), "cuFuncSetAttribute")
+            try:
+                cuda = _driver()
+                major, minor = torch.cuda.get_device_capability(device)
+                name = "smem_gemv_" + "_".join(map(str, entry))
+                cubin = _compile([(name, entry)], f"{major}{minor}")
+                torch.cuda.synchronize(device)  # its primary context made, and current on this thread below
+                with torch.cuda.device(device):
+                    module, f = ctypes.c_void_p(), ctypes.c_void_p()
+                    _check(cuda.cuModuleLoadData(ctypes.byref(module), cubin), "cuModuleLoadData")
+                    _check(cuda.cuModuleGetFunction(ctypes.byref(f), module, name.encode()), "cuModuleGetFunction")
+                    _check(cuda.cuFuncSetAttribute(f, MAX_DYNAMIC_SHARED_SIZE_BYTES, _smem(entry)),
+                           "cuFuncSetAttribute")
+            except (OSError, RuntimeError) as e:
+                log.warning("%s; decode_block's Triton kernels run instead", e)
+                _available[device.index] = False
+                return None
             _kernels[key] = f
         return _kernels[key]
 
@@ -146,8 +159,11 @@ def _smem(entry):
 
 
 def _launch(entry, columns, args, device):
-    """Launch `entry` over `columns` output columns on the current stream, with PDL's attribute if it uses PDL."""
+    """Launch `entry` over `columns` output columns on the current stream, with PDL's attribute if it uses PDL; False
+    where it could not be built."""
     f = _kernel(device, entry)
+    if f is None:
+        return False
     _, _, nw, rpw, _, pdl = entry
     attr = _Attr(id=PROGRAMMATIC_STREAM_SERIALIZATION)
     attr.value.flag = 1
@@ -156,6 +172,7 @@ def _launch(entry, columns, args, device):
                      1 if pdl else 0)
     params = (ctypes.c_void_p * 1)(ctypes.cast(ctypes.pointer(args), ctypes.c_void_p))
     _check(_driver().cuLaunchKernelEx(ctypes.byref(config), f, params, None), "cuLaunchKernelEx")
+    return True
 
 
 _available = {}
@@ -200,7 +217,8 @@ def _ptr(t):
 
 
 def linear(x, weight, residual, name, pdl, then=None, progress=None):
-    """residual + x @ weight.T (+ then), as decode_block.linear; None where the shapes do not tile."""
+    """residual + x @ weight.T (+ then), as decode_block.linear; None where the shapes do not tile or the kernel could
+    not be built."""
     R, K = x.shape
     N = weight.shape[0]
     if not _fits(N, name):
@@ -209,8 +227,7 @@ def linear(x, weight, residual, name, pdl, then=None, progress=None):
     args = Args(w=_ptr(weight), x=_ptr(x), res=_ptr(residual), add=_ptr(then), out=_ptr(out), progress=_ptr(progress),
                 n=N)
     kind = KINDS["linear" if then is None else "linear_add"]
-    _launch((kind, K, *CONFIG[name], R, PDL if pdl else 0), N, args, x.device)
-    return out
+    return out if _launch((kind, K, *CONFIG[name], R, PDL if pdl else 0), N, args, x.device) else None
 
 
 def gate_up(x, norm, w13, pdl, progress=None):
@@ -222,8 +239,7 @@ def gate_up(x, norm, w13, pdl, progress=None):
     out = torch.empty(R, F, device=x.device, dtype=x.dtype)
     args = Args(w=_ptr(w13), x=_ptr(x), norm=_ptr(norm.weight), out=_ptr(out), progress=_ptr(progress), n=F,
                 eps=norm.eps)
-    _launch((KINDS["gate_up"], K, *CONFIG["gate_up"], R, PDL if pdl else 0), F, args, x.device)
-    return out
+    return out if _launch((KINDS["gate_up"], K, *CONFIG["gate_up"], R, PDL if pdl else 0), F, args, x.device) else None
 
 
 def qkv_rope(x, norm, weight, freqs, input_pos, k_cache, v_cache, n_head, pdl, progress=None):
@@ -238,5 +254,4 @@ def qkv_rope(x, norm, weight, freqs, input_pos, k_cache, v_cache, n_head, pdl, p
     args = Args(w=_ptr(weight), x=_ptr(x), norm=_ptr(norm.weight), out=_ptr(q), freqs=_ptr(freqs),
                 pos=_ptr(input_pos), kc=_ptr(k_cache), vc=_ptr(v_cache), progress=_ptr(progress),
                 sr=k_cache.stride(0), sh=k_cache.stride(1), sn=k_cache.stride(2), n=3 * D, hd=hd, eps=norm.eps)
-    _launch((KINDS["qkv"], D, nw, rpw, R, PDL if pdl else 0), 3 * D, args, x.device)
-    return q
+    return q if _launch((KINDS["qkv"], D, nw, rpw, R, PDL if pdl else 0), 3 * D, args, x.device) else None

@@ -40,6 +40,21 @@ def test_args_match_the_kernels_struct():
     assert ctypes.sizeof(smem_gemv.Args) == 128
 
 
+def test_a_kernel_that_cannot_be_built_leaves_the_triton_kernels(monkeypatch):
+    """NVRTC or the driver refusing a kernel (here NVRTC, or no driver at all on a CPU machine) marks the device
+    unavailable rather than failing the step: decode_block then runs its Triton kernels."""
+    monkeypatch.setattr(smem_gemv, "_kernels", {})
+    monkeypatch.setattr(smem_gemv, "_available", {0: True})
+
+    def refuse(names, arch):
+        raise RuntimeError("smem_gemv: NVRTC failed: refused by the test")
+
+    monkeypatch.setattr(smem_gemv, "_compile", refuse)
+    entry = (smem_gemv.KINDS["gate_up"], 1280, *smem_gemv.CONFIG["gate_up"], 2, smem_gemv.PDL)
+    assert smem_gemv._kernel(torch.device("cuda", 0), entry) is None
+    assert smem_gemv._available == {0: False} and not smem_gemv._kernels
+
+
 def _close(got, want):
     """Within one bf16 rounding: the float32 sums are added in another order."""
     diff = (got.float() - want.float()).abs()
