@@ -577,10 +577,9 @@ def linear(x, weight, scales=None, residual=None, name="wo", pdl=False, progress
     again. With pdl.EARLY, `residual` and `then` must not be written by the kernel just before (the GEMV path
     reads them before its wait then; in the block the residual is wo's input, 4 kernels back, or w2's, 2 back, and
     `then` the step's control rows); under FIRST and LATE it reads them after its wait."""
-    if residual is not None and smem_gemv.serves(name, x, weight, scales=scales):
-        out = smem_gemv.linear(x, weight, residual, name, pdl, then, progress)
-        if out is not None:
-            return out
+    out = smem_gemv.linear(x, weight, scales, residual, name, pdl, then, progress)
+    if out is not None:
+        return out
     R, K = x.shape
     N = weight.shape[0]
     bn, kw = plan(name, x, weight, 1, pdl, progress)
@@ -593,10 +592,9 @@ def linear(x, weight, scales=None, residual=None, name="wo", pdl=False, progress
 
 def qkv_rope(x, norm, weight, scales, freqs, input_pos, k_cache, v_cache, n_head, pdl=False, progress=None):
     """q (R, H, 1, hd); k and v written into the caches at input_pos."""
-    if smem_gemv.serves("qkv", x, weight, norm.weight, scales=scales):
-        q = smem_gemv.qkv_rope(x, norm, weight, freqs, input_pos, k_cache, v_cache, n_head, pdl, progress)
-        if q is not None:
-            return q
+    q = smem_gemv.qkv_rope(x, norm, weight, scales, freqs, input_pos, k_cache, v_cache, n_head, pdl, progress)
+    if q is not None:
+        return q
     R, D = x.shape
     hd = D // n_head
     pairs, kw = plan("qkv", x, weight, 2, pdl, progress)  # each pair is two weight rows
@@ -611,10 +609,9 @@ def qkv_rope(x, norm, weight, scales, freqs, input_pos, k_cache, v_cache, n_head
 
 
 def gate_up(x, norm, w13, scales=None, pdl=False, progress=None):
-    if smem_gemv.serves("gate_up", x, w13, norm.weight, scales=scales):
-        out = smem_gemv.gate_up(x, norm, w13, pdl, progress)
-        if out is not None:
-            return out
+    out = smem_gemv.gate_up(x, norm, w13, scales, pdl, progress)
+    if out is not None:
+        return out
     R, K = x.shape
     F = w13.shape[0] // 2
     bn, kw = plan("gate_up", x, w13, 2, pdl, progress)  # gate and up rows

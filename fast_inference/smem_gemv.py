@@ -4,11 +4,12 @@ are staged in shared memory before the PDL wait (smem_gemv.cu).
 Triton holds a GEMV's weights in registers, so only as many programs as the register file holds can load theirs
 before the kernel before them has finished; shared memory holds more, and bulk copies fill it without registers.
 The kernels are compiled at run time by NVRTC, which PyTorch's CUDA builds ship, and launched through the driver's
-cuLaunchKernelEx with PDL's attribute, so that a CUDA graph captures them as it does Triton's. `serves` says where
+cuLaunchKernelEx with PDL's attribute, so that a CUDA graph captures them as it does Triton's. `_serves` says where
 they run; elsewhere (no NVRTC, an older GPU, float32, int8 weights, FAST_SMEM_GEMV=0) decode_block's Triton kernels
 do, which compute the same roundings.
 """
 import ctypes
+import functools
 import glob
 import logging
 import os
@@ -62,19 +63,27 @@ PROGRAMMATIC_STREAM_SERIALIZATION = 6  # CUlaunchAttributeID
 MAX_DYNAMIC_SHARED_SIZE_BYTES = 8  # CUfunction_attribute
 
 
-def _nvrtc():
-    """PyTorch's NVRTC library: by its soname (loaded with torch, or on the library path), else from the nvidia
-    packages beside torch."""
-    major = torch.version.cuda.split(".")[0]
-    names = [f"nvrtc64_{major}0_0.dll"] if sys.platform == "win32" else [f"libnvrtc.so.{major}", "libnvrtc.so"]
-    names += sorted(p for d in sys.path for p in glob.glob(os.path.join(d, "nvidia", "**", f"libnvrtc.so.{major}*"),
-                                                          recursive=True))
-    for name in names:
+def _loadable(paths):
+    """The first of `paths` that loads as a shared library, or None."""
+    for path in paths:
         try:
-            return ctypes.CDLL(name)
+            return ctypes.CDLL(path)
         except OSError:
             continue
-    raise OSError("NVRTC not found")
+    return None
+
+
+@functools.lru_cache
+def _nvrtc():
+    """PyTorch's NVRTC library: by its soname (loaded with torch, or on the library path), else from the nvidia
+    packages beside torch (searched only then)."""
+    major = torch.version.cuda.split(".")[0]
+    names = [f"nvrtc64_{major}0_0.dll"] if sys.platform == "win32" else [f"libnvrtc.so.{major}", "libnvrtc.so"]
+    packaged = lambda d: glob.glob(os.path.join(d, "nvidia", "**", f"libnvrtc.so.{major}*"), recursive=True)
+    lib = _loadable(names) or _loadable(sorted(p for d in sys.path for p in packaged(d)))
+    if lib is None:
+        raise OSError("NVRTC not found")
+    return lib
 
 
 def _check(r, what):
@@ -114,16 +123,13 @@ def _compile(names, arch):
     return cubin.raw
 
 
-_cuda = None
 _kernels = {}  # (device index, entry) -> CUfunction
 _lock = threading.Lock()
 
 
+@functools.lru_cache
 def _driver():
-    global _cuda
-    if _cuda is None:
-        _cuda = ctypes.CDLL("nvcuda.dll" if sys.platform == "win32" else "libcuda.so.1")
-    return _cuda
+    return ctypes.CDLL("nvcuda.dll" if sys.platform == "win32" else "libcuda.so.1")
 
 
 def _kernel(device, entry):
@@ -180,48 +186,54 @@ _available = {}
 
 def available(device):
     """NVRTC and the driver's cuLaunchKernelEx here, and a GPU of compute capability 9.0 or later (bulk copies,
-    PDL). Checked once per device."""
+    PDL). Checked once per CUDA device, by its index ("cuda" alone: the current one); no other device has them."""
     device = torch.device(device)
-    if device.index not in _available:
-        ok = device.type == "cuda" and use_pdl(device)
+    if device.type != "cuda":
+        return False
+    index = torch.cuda.current_device() if device.index is None else device.index
+    if index not in _available:
+        ok = use_pdl(device)
         if ok:
             try:
                 _nvrtc()
                 ok = hasattr(_driver(), "cuLaunchKernelEx")
             except OSError:
                 ok = False
-        _available[device.index] = ok
-    return _available[device.index]
+        _available[index] = ok
+    return _available[index]
 
 
-def serves(name, x, *weights, scales=None):
-    """Whether these kernels run projection `name` of x (R, K) against `weights`: R <= 4 rows, bf16, no row scales
-    (int8), K a multiple of 256, on a device where they are available."""
-    R, K = x.shape
-    return (ENABLED and name in KERNELS and R <= 4 and scales is None and x.is_cuda and K % 256 == 0
-            and all(t.dtype == torch.bfloat16 and t.is_contiguous() for t in (x, *weights)) and available(x.device))
+def _runs(rows, dtype, device):
+    """Whether these kernels run at all for `rows` rows of `dtype` on device: <= 4 rows, bf16, where available."""
+    return ENABLED and rows <= 4 and dtype == torch.bfloat16 and available(device)
+
+
+def _serves(name, x, columns, *tensors, scales=None):
+    """Whether these kernels run projection `name` of x (R, K) into `columns` output columns: one of KERNELS where
+    they run (_runs), no row scales (int8), K a multiple of 256, the columns a whole number of programs, every tensor
+    bf16 and contiguous."""
+    if name not in KERNELS or scales is not None or not _runs(x.shape[0], x.dtype, x.device):
+        return False
+    nw, rpw = CONFIG[name]
+    return (x.shape[1] % 256 == 0 and columns % (nw * rpw) == 0
+            and all(t.dtype == torch.bfloat16 and t.is_contiguous() for t in (x, *tensors)))
 
 
 def used(rows, dtype, device):
     """The projections these kernels run at `rows` rows of `dtype` on device (for the engine's log)."""
-    return KERNELS if ENABLED and rows <= 4 and dtype == torch.bfloat16 and available(device) else ()
-
-
-def _fits(columns, name):
-    nw, rpw = CONFIG[name]
-    return columns % (nw * rpw) == 0
+    return KERNELS if _runs(rows, dtype, device) else ()
 
 
 def _ptr(t):
     return None if t is None else t.data_ptr()
 
 
-def linear(x, weight, residual, name, pdl, then=None, progress=None):
-    """residual + x @ weight.T (+ then), as decode_block.linear; None where the shapes do not tile or the kernel could
-    not be built."""
+def linear(x, weight, scales, residual, name, pdl, then=None, progress=None):
+    """residual + x @ weight.T (+ then), as decode_block.linear; None where these kernels do not serve it (_serves,
+    or no residual) or it could not be built."""
     R, K = x.shape
     N = weight.shape[0]
-    if not _fits(N, name):
+    if residual is None or not _serves(name, x, N, weight, scales=scales):
         return None
     out = torch.empty(R, N, device=x.device, dtype=x.dtype)
     args = Args(w=_ptr(weight), x=_ptr(x), res=_ptr(residual), add=_ptr(then), out=_ptr(out), progress=_ptr(progress),
@@ -230,11 +242,12 @@ def linear(x, weight, residual, name, pdl, then=None, progress=None):
     return out if _launch((kind, K, *CONFIG[name], R, PDL if pdl else 0), N, args, x.device) else None
 
 
-def gate_up(x, norm, w13, pdl, progress=None):
-    """SiLU(g) * u for [g | u] = RMSNorm(x) @ w13.T, as decode_block.gate_up; None where the shapes do not tile."""
+def gate_up(x, norm, w13, scales, pdl, progress=None):
+    """SiLU(g) * u for [g | u] = RMSNorm(x) @ w13.T, as decode_block.gate_up; None where these kernels do not serve
+    it or it could not be built."""
     R, K = x.shape
     F = w13.shape[0] // 2
-    if not _fits(F, "gate_up"):
+    if not _serves("gate_up", x, F, w13, norm.weight, scales=scales):
         return None
     out = torch.empty(R, F, device=x.device, dtype=x.dtype)
     args = Args(w=_ptr(w13), x=_ptr(x), norm=_ptr(norm.weight), out=_ptr(out), progress=_ptr(progress), n=F,
@@ -242,13 +255,14 @@ def gate_up(x, norm, w13, pdl, progress=None):
     return out if _launch((KINDS["gate_up"], K, *CONFIG["gate_up"], R, PDL if pdl else 0), F, args, x.device) else None
 
 
-def qkv_rope(x, norm, weight, freqs, input_pos, k_cache, v_cache, n_head, pdl, progress=None):
-    """q (R, H, 1, hd), k and v written into the caches at input_pos, as decode_block.qkv_rope; None where the
-    shapes do not tile or the RoPE row is not float32."""
+def qkv_rope(x, norm, weight, scales, freqs, input_pos, k_cache, v_cache, n_head, pdl, progress=None):
+    """q (R, H, 1, hd), k and v written into the caches at input_pos, as decode_block.qkv_rope; None where these
+    kernels do not serve it (or the RoPE row is not float32) or it could not be built."""
     R, D = x.shape
     hd = D // n_head
     nw, rpw = CONFIG["qkv"]
-    if not _fits(3 * D, "qkv") or hd % rpw or freqs.dtype != torch.float32 or input_pos.dtype != torch.int64:
+    if (not _serves("qkv", x, 3 * D, weight, norm.weight, scales=scales) or hd % rpw or freqs.dtype != torch.float32
+            or input_pos.dtype != torch.int64):
         return None
     q = torch.empty(R, n_head, 1, hd, device=x.device, dtype=x.dtype)
     args = Args(w=_ptr(weight), x=_ptr(x), norm=_ptr(norm.weight), out=_ptr(q), freqs=_ptr(freqs),
