@@ -308,8 +308,8 @@ class Engine:
                 attention = functools.partial(attention, progress=prefetcher.progress)
                 block_fn = functools.partial(block_fn, progress=prefetcher.progress)
         if self.block_scope:
-            dtype = self.model.tok_embeddings.weight.dtype
-            cuda = smem_gemv.used(rows, dtype, self.device) if fused and not self.int8 else ()
+            dtype, layer = self.model.tok_embeddings.weight.dtype, self.model.layers[0]
+            cuda = smem_gemv.used(rows, dtype, self.device, layer) if fused and not self.int8 else ()
             log.info("decode block for %d rows: %s%s", rows, "fused Triton kernels" if fused else
                      "eager (int8)" if self.int8 else "compiled (inductor)",
                      f" ({', '.join(cuda)} in CUDA C++: smem_gemv)" if cuda else "")

@@ -61,6 +61,7 @@ class _Config(ctypes.Structure):  # CUlaunchConfig
 
 PROGRAMMATIC_STREAM_SERIALIZATION = 6  # CUlaunchAttributeID
 MAX_DYNAMIC_SHARED_SIZE_BYTES = 8  # CUfunction_attribute
+MAX_SMEM = 227 * 1024  # shared memory a program may ask for on sm_90
 
 
 def _loadable(paths):
@@ -208,20 +209,33 @@ def _runs(rows, dtype, device):
     return ENABLED and rows <= 4 and dtype == torch.bfloat16 and available(device)
 
 
+def _tiles(name, rows, k, columns):
+    """Whether kernel `name` tiles x (rows, k) into `columns` output columns: K a multiple of 256, the columns a whole
+    number of programs, and the weights and x within a program's shared memory (GPT-1B's gate/up, K = 2,048, would
+    ask for 264 KB, which the driver refuses)."""
+    nw, rpw = CONFIG[name]
+    entry = (KINDS["gate_up" if name == "gate_up" else "linear"], k, nw, rpw, rows, 0)
+    return k % 256 == 0 and columns % (nw * rpw) == 0 and _smem(entry) <= MAX_SMEM
+
+
 def _serves(name, x, columns, *tensors, scales=None):
     """Whether these kernels run projection `name` of x (R, K) into `columns` output columns: one of KERNELS where
-    they run (_runs), no row scales (int8), K a multiple of 256, the columns a whole number of programs, every tensor
-    bf16 and contiguous."""
+    they run (_runs), no row scales (int8), tiled (_tiles), every tensor bf16 and contiguous."""
     if name not in KERNELS or scales is not None or not _runs(x.shape[0], x.dtype, x.device):
         return False
-    nw, rpw = CONFIG[name]
-    return (x.shape[1] % 256 == 0 and columns % (nw * rpw) == 0
-            and all(t.dtype == torch.bfloat16 and t.is_contiguous() for t in (x, *tensors)))
+    return _tiles(name, *x.shape, columns) and all(t.dtype == torch.bfloat16 and t.is_contiguous()
+                                                   for t in (x, *tensors))
 
 
-def used(rows, dtype, device):
-    """The projections these kernels run at `rows` rows of `dtype` on device (for the engine's log)."""
-    return KERNELS if _runs(rows, dtype, device) else ()
+def used(rows, dtype, device, layer):
+    """The projections these kernels run at `rows` rows of `dtype` on device in blocks shaped as `layer`, a fused
+    TransformerBlock (for the engine's log)."""
+    if not _runs(rows, dtype, device):
+        return ()
+    weights = dict(qkv=layer.attention.wqkv.weight, wo=layer.attention.wo.weight, gate_up=layer.feed_forward.w13,
+                   w2=layer.feed_forward.w2.weight)
+    return tuple(name for name in KERNELS if _tiles(name, rows, weights[name].shape[1],
+                                                    weights[name].shape[0] // (2 if name == "gate_up" else 1)))
 
 
 def _ptr(t):

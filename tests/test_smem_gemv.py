@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from fast_inference import decode_block, smem_gemv
+from fast_inference.model import ModelArgs, TransformerBlock
 
 GPU = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 9 and smem_gemv.available("cuda")
 
@@ -53,6 +54,18 @@ def test_a_kernel_that_cannot_be_built_leaves_the_triton_kernels(monkeypatch):
     entry = (smem_gemv.KINDS["gate_up"], 1280, *smem_gemv.CONFIG["gate_up"], 2, smem_gemv.PDL)
     assert smem_gemv._kernel(torch.device("cuda", 0), entry) is None
     assert smem_gemv._available == {0: False} and not smem_gemv._kernels
+
+
+@pytest.mark.parametrize("dim, kernels", [(1280, ("gate_up",)), (2048, ())])
+def test_the_log_names_only_projections_whose_weights_fit(monkeypatch, dim, kernels):
+    """GPT-XL's gate/up runs here; GPT-1B's (K = 2,048) would ask for more shared memory than a program may have, so
+    it is left to Triton rather than refused by the driver (which marks the device unavailable), and the engine's log
+    does not name it."""
+    monkeypatch.setattr(smem_gemv, "_available", {0: True})
+    with torch.device("meta"):
+        layer = TransformerBlock(ModelArgs(dim=dim, n_head=dim // 64))
+        layer.feed_forward.fuse()
+    assert smem_gemv.used(2, torch.bfloat16, "cuda:0", layer) == kernels
 
 
 def _close(got, want):
