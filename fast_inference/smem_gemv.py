@@ -101,10 +101,9 @@ def source(names):
         f"{{ project<{kind}, {k}, {nw}, {rpw}, {xr}, {pdl}>(a); }}\n" for name, (kind, k, nw, rpw, xr, pdl) in names)
 
 
-def _compile(names, arch):
-    """A cubin of `source(names)` for sm_<arch>, by NVRTC."""
+def _cubin(src, arch):
+    """A cubin of the CUDA C++ `src` for sm_<arch>, by NVRTC."""
     nvrtc = _nvrtc()
-    src = source(names)
     prog = ctypes.c_void_p()
     _check(nvrtc.nvrtcCreateProgram(ctypes.byref(prog), src.encode(), b"smem_gemv.cu", 0, None, None),
            "nvrtcCreateProgram")
@@ -124,6 +123,21 @@ def _compile(names, arch):
     return cubin.raw
 
 
+def functions(src, arch, names, smem):
+    """{name: CUfunction} for the entry points `names` of the CUDA C++ `src`, compiled for sm_<arch> and loaded into
+    the current CUDA context, each allowed `smem` bytes of dynamic shared memory (also the probes' loader)."""
+    cuda = _driver()
+    module = ctypes.c_void_p()
+    _check(cuda.cuModuleLoadData(ctypes.byref(module), _cubin(src, arch)), "cuModuleLoadData")
+    out = {}
+    for name in names:
+        f = ctypes.c_void_p()
+        _check(cuda.cuModuleGetFunction(ctypes.byref(f), module, name.encode()), "cuModuleGetFunction")
+        _check(cuda.cuFuncSetAttribute(f, MAX_DYNAMIC_SHARED_SIZE_BYTES, smem), "cuFuncSetAttribute")
+        out[name] = f
+    return out
+
+
 _kernels = {}  # (device index, entry) -> CUfunction
 _lock = threading.Lock()
 
@@ -141,17 +155,12 @@ def _kernel(device, entry):
     with _lock:
         if key not in _kernels:
             try:
-                cuda = _driver()
+                _driver()  # first: without a driver (a CPU machine) OSError, before torch.cuda is asked anything
                 major, minor = torch.cuda.get_device_capability(device)
                 name = "smem_gemv_" + "_".join(map(str, entry))
-                cubin = _compile([(name, entry)], f"{major}{minor}")
                 torch.cuda.synchronize(device)  # its primary context made, and current on this thread below
                 with torch.cuda.device(device):
-                    module, f = ctypes.c_void_p(), ctypes.c_void_p()
-                    _check(cuda.cuModuleLoadData(ctypes.byref(module), cubin), "cuModuleLoadData")
-                    _check(cuda.cuModuleGetFunction(ctypes.byref(f), module, name.encode()), "cuModuleGetFunction")
-                    _check(cuda.cuFuncSetAttribute(f, MAX_DYNAMIC_SHARED_SIZE_BYTES, _smem(entry)),
-                           "cuFuncSetAttribute")
+                    f = functions(source([(name, entry)]), f"{major}{minor}", [name], _smem(entry))[name]
             except (OSError, RuntimeError) as e:
                 log.warning("%s; decode_block's Triton kernels run instead", e)
                 _available[device.index] = False

@@ -47,10 +47,10 @@ def test_a_kernel_that_cannot_be_built_leaves_the_triton_kernels(monkeypatch):
     monkeypatch.setattr(smem_gemv, "_kernels", {})
     monkeypatch.setattr(smem_gemv, "_available", {0: True})
 
-    def refuse(names, arch):
+    def refuse(src, arch):
         raise RuntimeError("smem_gemv: NVRTC failed: refused by the test")
 
-    monkeypatch.setattr(smem_gemv, "_compile", refuse)
+    monkeypatch.setattr(smem_gemv, "_cubin", refuse)
     entry = (smem_gemv.KINDS["gate_up"], 1280, *smem_gemv.CONFIG["gate_up"], 2, smem_gemv.PDL)
     assert smem_gemv._kernel(torch.device("cuda", 0), entry) is None
     assert smem_gemv._available == {0: False} and not smem_gemv._kernels

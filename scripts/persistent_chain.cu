@@ -1,0 +1,467 @@
+// A persistent chain of GPT-XL's four projections at XR rows (GEMVs only: no norms, attention or residuals), one
+// program per SM, measured by scripts/persistent_chain_probe.py (docs/PERF_NOTES.md, "A persistent chain of the
+// projections"). A producer lane streams this SM's weight units (8 output rows each) into a ring of shared-memory
+// stages with bulk copies, running ahead across phases and layers; the consumer warps wait for the phase's input
+// (a grid-wide count), stage x in shared memory and multiply each unit as it lands. Two consumers:
+//   run:     16 warps in two groups of 8 taking units in turn, a weight row per warp, fp32 FMAs;
+//   run_mma: a warp per unit, mma.sync m16n8k16 with the unit's rows as B's columns.
+// Modes that take the chain apart: COPY 1 consumers only take and free stages; COPY 2 no copies (products on the
+// ring as it is); COPY 3 (run_mma) neither; BARRIERS 0 skips the grid-wide waits (results then wrong).
+typedef unsigned short bf16_t;
+struct PArgs {
+  const bf16_t* wqkv; const bf16_t* wo; const bf16_t* w13; const bf16_t* w2;
+  bf16_t* x; bf16_t* qkv; bf16_t* h; bf16_t* gu;
+  unsigned* counters;
+  int layers, nsm;
+  unsigned long long* stamps;  // [SM 0, the last SM][layers][4 phases][12]: globaltimer and clock64 stamps
+  uint2 *xll, *qkvll, *hll, *gull;  // run_ll's activations: {two bf16, the flag of the phase that wrote them}
+};
+__device__ __forceinline__ unsigned long long now() { unsigned long long t; asm volatile("mov.u64 %0, %globaltimer;" : "=l"(t)); return t; }
+constexpr int D = 1280, F = 3584, S = 7, STAGE = 28672, CW = 16;  // ring stages (the probe may change S), consumer warps
+
+__device__ __forceinline__ unsigned saddr(const void* p) { return (unsigned)__cvta_generic_to_shared(p); }
+__device__ __forceinline__ float lo(unsigned u) { return __uint_as_float(u << 16); }
+__device__ __forceinline__ float hi(unsigned u) { return __uint_as_float(u & 0xffff0000u); }
+__device__ __forceinline__ bf16_t to_bf16(float f) { unsigned u = __float_as_uint(f); return (bf16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16); }
+__device__ __forceinline__ float rb(float f) { return __uint_as_float((unsigned)to_bf16(f) << 16); }
+
+__device__ __forceinline__ void wait_parity(unsigned bar, unsigned parity) {
+  unsigned done = 0;
+  while (!done)
+    asm volatile("{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2; selp.u32 %0, 1, 0, p; }"
+                 : "=r"(done) : "r"(bar), "r"(parity) : "memory");
+}
+__device__ __forceinline__ void bulk(unsigned dst, const void* src, int bytes, unsigned bar) {
+  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
+               ::"r"(dst), "l"(src), "r"(bytes), "r"(bar) : "memory");
+}
+__device__ __forceinline__ void consumers_sync() { asm volatile("bar.sync 1, 512;" ::: "memory"); }
+__device__ __forceinline__ void group_sync(int g) { asm volatile("bar.sync %0, 256;" ::"r"(2 + g) : "memory"); }
+
+// the ring's barriers: full[s] completes when stage s has landed, empty[s] when its `consumers` warps are done with it
+__device__ __forceinline__ void init_ring(unsigned long long* full, unsigned long long* empty, unsigned consumers) {
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < S; ++s) {
+      asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(saddr(&full[s])) : "memory");
+      asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(saddr(&empty[s])), "r"(consumers) : "memory");
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  }
+  __syncthreads();
+}
+// the stamps of (layer l, phase p) where this thread stamps them (thread 0 of SM 0 and of the last SM), else null
+__device__ __forceinline__ unsigned long long* stamps(const PArgs& a, int l, int p) {
+  const int sm = blockIdx.x, last = a.nsm - 1;
+  return (sm == 0 || sm == last) && threadIdx.x == 0 ? a.stamps + (((sm ? 1 : 0) * a.layers + l) * 4 + p) * 12 : nullptr;
+}
+
+// phase p's geometry: rows per unit 8; K; units (w2: row groups, two halves each)
+__device__ __forceinline__ int units(int p) { return p == 0 ? 3 * D / 8 : p == 1 ? D / 8 : p == 2 ? F / 4 : D / 8; }
+
+template <int XR, int J>  // J 16-byte loads per lane, unrolled: the accumulators stay in registers
+__device__ __forceinline__ void dots(const uint4* wrow, const bf16_t* xs, int K, int lane, float (&acc)[XR][2]) {
+#pragma unroll
+  for (int j = 0; j < J; ++j) {
+    const uint4 w = wrow[j * 32 + lane];
+    const float wf[8] = {lo(w.x), hi(w.x), lo(w.y), hi(w.y), lo(w.z), hi(w.z), lo(w.w), hi(w.w)};
+#pragma unroll
+    for (int r = 0; r < XR; ++r) {
+      const uint4 xv = *(const uint4*)(xs + r * K + j * 256 + lane * 8);
+      float& c = acc[r][j & 1];
+      c = fmaf(wf[0], lo(xv.x), c); c = fmaf(wf[1], hi(xv.x), c);
+      c = fmaf(wf[2], lo(xv.y), c); c = fmaf(wf[3], hi(xv.y), c);
+      c = fmaf(wf[4], lo(xv.z), c); c = fmaf(wf[5], hi(xv.z), c);
+      c = fmaf(wf[6], lo(xv.w), c); c = fmaf(wf[7], hi(xv.w), c);
+    }
+  }
+}
+
+template <int XR, int J>  // the same with this lane's x fragment in registers (XREG)
+__device__ __forceinline__ void dots_reg(const uint4* wrow, const uint4 (&xr)[XR][J], int lane, float (&acc)[XR][2]) {
+#pragma unroll
+  for (int j = 0; j < J; ++j) {
+    const uint4 w = wrow[j * 32 + lane];
+    const float wf[8] = {lo(w.x), hi(w.x), lo(w.y), hi(w.y), lo(w.z), hi(w.z), lo(w.w), hi(w.w)};
+#pragma unroll
+    for (int r = 0; r < XR; ++r) {
+      const uint4 xv = xr[r][j];
+      float& c = acc[r][j & 1];
+      c = fmaf(wf[0], lo(xv.x), c); c = fmaf(wf[1], hi(xv.x), c);
+      c = fmaf(wf[2], lo(xv.y), c); c = fmaf(wf[3], hi(xv.y), c);
+      c = fmaf(wf[4], lo(xv.z), c); c = fmaf(wf[5], hi(xv.z), c);
+      c = fmaf(wf[6], lo(xv.w), c); c = fmaf(wf[7], hi(xv.w), c);
+    }
+  }
+}
+
+struct Cursor { int l, p, u, half; };
+__device__ __forceinline__ bool advance(Cursor& c, int sm, int nsm, int layers) {  // the next unit of this SM's order
+  if (c.p == 3 && c.half == 0) { c.half = 1; return true; }
+  c.half = 0;
+  for (c.u += nsm; c.u >= units(c.p); c.u = sm)
+    if (++c.p == 4) { c.p = 0; if (++c.l == layers) return false; }
+  return true;
+}
+__device__ __forceinline__ void piece(bool prefetch, unsigned dst, const bf16_t* src, int bytes, unsigned bar) {
+  if (prefetch) asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(src), "r"(bytes) : "memory");
+  else bulk(dst, src, bytes, bar);
+}
+template <bool PREFETCH>
+__device__ __forceinline__ void issue(const PArgs& a, const Cursor& c, unsigned dst, unsigned bar) {
+  const int bytes = c.p == 3 ? 8 * F : 8 * D * 2;
+  if (!PREFETCH) asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(bytes) : "memory");
+  if (c.p < 2) {
+    const bf16_t* w = c.p == 0 ? a.wqkv + (long long)c.l * 3 * D * D : a.wo + (long long)c.l * D * D;
+    piece(PREFETCH, dst, w + (long long)c.u * 8 * D, 8 * D * 2, bar);
+  } else if (c.p == 2) {  // gate rows 4u.. and up rows F + 4u..
+    const bf16_t* w = a.w13 + (long long)c.l * 2 * F * D + (long long)c.u * 4 * D;
+    piece(PREFETCH, dst, w, 4 * D * 2, bar);
+    piece(PREFETCH, dst + 4 * D * 2, w + (long long)F * D, 4 * D * 2, bar);
+  } else {  // 8 rows' halves: F/2 elements = F bytes each
+    const bf16_t* w = a.w2 + (long long)c.l * D * F + (long long)c.u * 8 * F + c.half * (F / 2);
+    for (int r = 0; r < 8; ++r) piece(PREFETCH, dst + r * F, w + (long long)r * F, F, bar);
+  }
+}
+
+// the producer lane: this SM's units in order into the ring; a second cursor AHEAD units further prefetches into L2
+template <int COPY, int AHEAD>
+__device__ __forceinline__ void produce(const PArgs& a, unsigned long long* full, unsigned long long* empty, unsigned char* ring, int sm, int nsm, int lane) {
+  if (lane || COPY == 2) return;  // COPY 2: no copies, the consumers compute on the ring as it is
+  Cursor c{0, 0, sm, 0}, f{0, 0, sm, 0};
+  bool more = true, fmore = true;
+  for (int i = 0; i < AHEAD && fmore; ++i) { issue<true>(a, f, 0, 0); fmore = advance(f, sm, nsm, a.layers); }
+  for (int n = 0; more; ++n, more = advance(c, sm, nsm, a.layers)) {
+    if (AHEAD && fmore) { issue<true>(a, f, 0, 0); fmore = advance(f, sm, nsm, a.layers); }
+    const int s = n % S;
+    if (n >= S) wait_parity(saddr(&empty[s]), ((n / S) - 1) & 1);
+    if ((sm == 0 || sm == nsm - 1) && c.u == sm && c.half == 0) a.stamps[(((sm ? 1 : 0) * a.layers + c.l) * 4 + c.p) * 12 + 7] = now();
+    issue<false>(a, c, saddr(ring + s * STAGE), saddr(&full[s]));
+  }
+}
+
+// AHEAD: units prefetched into L2 ahead of the ring; XREG: x's fragment in registers for the phase (K = D)
+template <int XR, int COPY, int BARRIERS, int AHEAD, int XREG>
+__device__ void run(const PArgs& a) {
+  extern __shared__ __align__(128) unsigned char smem[];
+  unsigned long long* full = (unsigned long long*)smem;
+  unsigned long long* empty = full + S;
+  unsigned char* ring = smem + 128;
+  bf16_t* xs = (bf16_t*)(ring + S * STAGE);
+  float* exch = (float*)(xs + XR * F);  // [group][2][8 rows][XR]
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, sm = blockIdx.x, nsm = a.nsm;
+  init_ring(full, empty, 8);  // empty: one group's warps
+
+  if (warp == CW) {
+    produce<COPY, AHEAD>(a, full, empty, ring, sm, nsm, lane);
+    return;
+  }
+
+  // consumers
+  int n = 0;
+  for (int l = 0; l < a.layers; ++l)
+    for (int p = 0; p < 4; ++p) {
+      const int K = p == 3 ? F : D;
+      unsigned long long* st = stamps(a, l, p);
+      if (st) st[0] = now();
+      // the phase's input: written by the phase before, on every SM
+      const int prev = l * 4 + p - 1;
+      if (prev >= 0 && BARRIERS) {
+        if (threadIdx.x == 0) {
+          unsigned c = 0;
+          do asm volatile("ld.acquire.gpu.u32 %0, [%1];" : "=r"(c) : "l"(a.counters + prev) : "memory");
+          while (c < (unsigned)nsm);
+        }
+        consumers_sync();
+      }
+      if (st) st[5] = now();
+      for (int i = threadIdx.x; i < XR * K / 8; i += 512) {  // 8 elements each
+        const int r = i / (K / 8), k = (i % (K / 8)) * 8;
+        uint4 v;
+        if (p == 0) v = __ldcg((const uint4*)(a.x + r * D + k));
+        else if (p == 1) v = __ldcg((const uint4*)(a.qkv + r * 3 * D + k));
+        else if (p == 2) v = __ldcg((const uint4*)(a.h + r * D + k));
+        else v = __ldcg((const uint4*)(a.gu + r * F + k));
+        *(uint4*)(xs + r * K + k) = v;
+      }
+      if (st) st[1] = now();
+      consumers_sync();
+      if (st) st[2] = now();
+      uint4 xr[XR][D / 256];  // x's fragment of this lane for the phase (K = D), loaded once: shared memory's reads are the bound
+      if (XREG && p < 3)
+        #pragma unroll
+        for (int r = 0; r < XR; ++r)
+          #pragma unroll
+          for (int j = 0; j < D / 256; ++j) xr[r][j] = *(const uint4*)(xs + r * D + j * 256 + lane * 8);
+      float acc[XR][2];
+      const int group = warp / 8, gw = warp % 8;
+      int mine = 0;  // this SM's unit ordinal in the phase: group (ordinal % 2) takes it
+      for (int u = sm; u < units(p); u += nsm, ++mine)
+        for (int half = 0; half < (p == 3 ? 2 : 1); ++half, ++n) {
+          if (mine % 2 != group) continue;
+          const int s = n % S, L = p == 3 ? F / 2 : D, koff = half * (F / 2);
+          if (COPY != 2) wait_parity(saddr(&full[s]), (n / S) & 1);
+          if (st && u == sm && half == 0) { st[6] = now(); st[8] = clock64(); }
+          if (COPY == 1) {
+            __syncwarp();
+            if (lane == 0) asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(saddr(&empty[s])) : "memory");
+            continue;
+          }
+          if (half == 0)
+            #pragma unroll
+            for (int r = 0; r < XR; ++r) acc[r][0] = acc[r][1] = 0.f;
+          const uint4* wrow = (const uint4*)(ring + s * STAGE + gw * L * 2);
+          if (p == 3) dots<XR, F / 2 / 256>(wrow, xs + koff, F, lane, acc);
+          else if (XREG) dots_reg<XR, D / 256>(wrow, xr, lane, acc);
+          else dots<XR, D / 256>(wrow, xs, D, lane, acc);
+          if (st && u == sm && half == 0) st[9] = clock64();
+          __syncwarp();
+          if (lane == 0 && COPY != 2) asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(saddr(&empty[s])) : "memory");
+          if (p == 3 && half == 0) continue;
+          if (st && u == sm) st[10] = clock64();
+          float res[XR];
+          #pragma unroll
+          for (int r = 0; r < XR; ++r) {
+            float v = acc[r][0] + acc[r][1];
+            for (int o = 16; o; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+            res[r] = v;
+          }
+          float v = 0.f;
+          #pragma unroll
+          for (int r = 0; r < XR; ++r) if (r == lane) v = res[r];
+          if (p == 2) {  // SiLU(gate) rounded, times up: the gate row's warp and the up row's meet in shared memory
+            float* ex = exch + (group * 2 + (mine / 2) % 2) * 8 * XR;
+            if (lane < XR) ex[gw * XR + lane] = rb(v);
+            group_sync(group);
+            if (gw < 4 && lane < XR) {
+              const float g = ex[gw * XR + lane], up = ex[(gw + 4) * XR + lane];
+              a.gu[lane * F + u * 4 + gw] = to_bf16(rb(g / (1.f + expf(-g))) * up);
+            }
+            continue;
+          }
+          if (lane < XR) {
+            const int col = u * 8 + gw;
+            bf16_t* out = p == 0 ? a.qkv + lane * 3 * D : p == 1 ? a.h + lane * D : a.x + lane * D;
+            out[col] = to_bf16(v);
+          }
+        }
+      if (st) { st[3] = now(); st[11] = clock64(); }
+      consumers_sync();  // as cooperative groups' grid sync: the block's writes, then one fence and the count
+      if (threadIdx.x == 0) {
+        __threadfence();
+        atomicAdd(a.counters + l * 4 + p, 1u);
+      }
+      if (st) st[4] = now();
+    }
+}
+
+// the tensor-core consumer: a warp owns whole units (ordinal % 16), mma.sync m16n8k16 with the unit's 8 weight rows as
+// B's 8 columns and x's XR rows as A's first rows. K is relabelled within each 32-wide chunk, the same way for x and W:
+// a lane's 16-byte load at chunk + 8 q of weight row g (x row g) is its B (A) fragment for two k-steps.
+__device__ __forceinline__ void mma16816(float (&d)[4], unsigned a0, unsigned a2, unsigned b0, unsigned b1) {
+  asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+               : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]) : "r"(a0), "r"(0u), "r"(a2), "r"(0u), "r"(b0), "r"(b1));
+}
+template <int XR, int CHUNKS>
+__device__ __forceinline__ void mma_dots(const unsigned char* wrow, const bf16_t* xrow, bool has_x, float (&d)[4][4]) {
+#pragma unroll 8
+  for (int c = 0; c < CHUNKS; ++c) {
+    const uint4 w = *(const uint4*)(wrow + c * 64);
+    const uint4 x = has_x ? *(const uint4*)(xrow + c * 32) : make_uint4(0, 0, 0, 0);
+    mma16816(d[(2 * c) & 3], x.x, x.y, w.x, w.y);
+    mma16816(d[(2 * c + 1) & 3], x.z, x.w, w.z, w.w);
+  }
+}
+
+// a stage's products on the tensor cores for warp gw of the NW warps sharing its unit (a slice of K each)
+template <int XR, int NW>
+__device__ __forceinline__ void tc_stage(const unsigned char* stage, const bf16_t* xs, int p, int half, int gw, int lane, float (&d)[4][4]) {
+  const int g = lane >> 2, q = lane & 3;
+  const bool hx = g < XR;
+  if (p == 3) {
+    constexpr int C = F / 2 / 32 / NW;
+    mma_dots<XR, C>(stage + q * 16 + g * F + gw * C * 64, xs + (hx ? g : 0) * F + half * (F / 2) + q * 8 + gw * C * 32, hx, d);
+  } else {
+    constexpr int C = D / 32 / NW;
+    mma_dots<XR, C>(stage + q * 16 + g * D * 2 + gw * C * 64, xs + (hx ? g : 0) * D + q * 8 + gw * C * 32, hx, d);
+  }
+}
+
+// stage n of the ring for warp gw of its unit's NW: wait for it to land, add its products to d (zeroed at a unit's
+// first stage), give it back; st: the stamps of the phase's first unit, else null
+template <int XR, int NW, int COPY>
+__device__ __forceinline__ void take_stage(unsigned long long* full, unsigned long long* empty, const unsigned char* ring,
+                                           const bf16_t* xs, int n, int p, int half, int gw, int lane, float (&d)[4][4],
+                                           unsigned long long* st) {
+  const int s = n % S;
+  if (COPY < 2) wait_parity(saddr(&full[s]), (n / S) & 1);
+  if (st) { st[6] = now(); st[8] = clock64(); }
+  if (half == 0)
+#pragma unroll
+    for (int i = 0; i < 4; ++i) d[i][0] = d[i][1] = d[i][2] = d[i][3] = 0.f;
+  if (COPY == 0 || COPY == 2) tc_stage<XR, NW>(ring + s * STAGE, xs, p, half, gw, lane, d);
+  if (st) st[9] = clock64();
+  __syncwarp();
+  if (lane == 0 && COPY < 2) asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(saddr(&empty[s])) : "memory");
+}
+
+// FLAGS: 1 counts each unit with red.release instead of a fence and an atomic add; 2 skips x's staging (COPY 3 only)
+template <int XR, int COPY, int BARRIERS, int FLAGS = 0>
+__device__ void run_mma(const PArgs& a) {
+  extern __shared__ __align__(128) unsigned char smem[];
+  unsigned long long* full = (unsigned long long*)smem;
+  unsigned long long* empty = full + S;
+  unsigned char* ring = smem + 128;
+  bf16_t* xs = (bf16_t*)(ring + S * STAGE);
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, sm = blockIdx.x, nsm = a.nsm, g = lane >> 2, q = lane & 3;
+  init_ring(full, empty, 1);  // empty: the owning warp
+  if (warp == CW) {
+    produce<COPY >= 2 ? 2 : COPY, 0>(a, full, empty, ring, sm, nsm, lane);  // COPY 3: no copies, no products (the grid's chain alone)
+    return;
+  }
+  int n = 0;
+  for (int l = 0; l < a.layers; ++l)
+    for (int p = 0; p < 4; ++p) {
+      const int K = p == 3 ? F : D;
+      unsigned long long* st = stamps(a, l, p);
+      if (st) st[0] = now();
+      const int prev = l * 4 + p - 1;  // the phase before: done when each of its units is counted
+      if (prev >= 0 && BARRIERS) {
+        if (threadIdx.x == 0) {
+          const unsigned want = units(prev % 4);
+          unsigned c = 0;
+          do asm volatile("ld.acquire.gpu.u32 %0, [%1];" : "=r"(c) : "l"(a.counters + prev) : "memory");
+          while (c < want);
+        }
+        consumers_sync();
+      }
+      if (st) st[5] = now();
+      if (!(FLAGS & 2)) for (int i = threadIdx.x; i < XR * K / 8; i += 512) {
+        const int r = i / (K / 8), k = (i % (K / 8)) * 8;
+        const bf16_t* src = p == 0 ? a.x + r * D : p == 1 ? a.qkv + r * 3 * D : p == 2 ? a.h + r * D : a.gu + r * F;
+        *(uint4*)(xs + r * K + k) = __ldcg((const uint4*)(src + k));
+      }
+      if (st) st[1] = now();
+      consumers_sync();
+      if (st) st[2] = now();
+      int mine = 0;
+      float d[4][4];
+      for (int u = sm; u < units(p); u += nsm, ++mine)
+        for (int half = 0; half < (p == 3 ? 2 : 1); ++half, ++n) {
+          if (mine % CW != warp) continue;
+          take_stage<XR, 1, COPY>(full, empty, ring, xs, n, p, half, 0, lane, d, st && u == sm && half == 0 ? st : nullptr);
+          if (p == 3 && half == 0) continue;
+          // lane (g, q) holds row g's columns 2q, 2q + 1 of the unit
+          const float v0 = (d[0][0] + d[1][0]) + (d[2][0] + d[3][0]), v1 = (d[0][1] + d[1][1]) + (d[2][1] + d[3][1]);
+          if (p == 2) {  // the unit's columns 0-3 are gate rows 4u.., 4-7 the same up rows: lane q + 2 holds q's up
+            const float u0 = __shfl_down_sync(0xffffffffu, v0, 2), u1 = __shfl_down_sync(0xffffffffu, v1, 2);
+            if (g < XR && q < 2) {
+              const float g0 = rb(v0), g1 = rb(v1);
+              a.gu[g * F + u * 4 + 2 * q] = to_bf16(rb(g0 / (1.f + expf(-g0))) * rb(u0));
+              a.gu[g * F + u * 4 + 2 * q + 1] = to_bf16(rb(g1 / (1.f + expf(-g1))) * rb(u1));
+            }
+          } else if (g < XR) {
+            bf16_t* out = p == 0 ? a.qkv + g * 3 * D : p == 1 ? a.h + g * D : a.x + g * D;
+            out[u * 8 + 2 * q] = to_bf16(v0);
+            out[u * 8 + 2 * q + 1] = to_bf16(v1);
+          }
+          __syncwarp();
+          if (lane == 0) {  // this unit's outputs are written: count it
+            if (FLAGS & 1) asm volatile("red.release.gpu.global.add.u32 [%0], 1;" ::"l"(a.counters + l * 4 + p) : "memory");
+            else { __threadfence(); atomicAdd(a.counters + l * 4 + p, 1u); }
+          }
+        }
+      if (st) { st[3] = now(); st[11] = clock64(); }
+      consumers_sync();  // xs is rewritten by the next phase
+      if (st) st[4] = now();
+    }
+}
+
+// run_ll: each phase's output carries its own readiness, as NCCL's LL protocol does: every 8-byte store is two
+// bf16 values and the flag of the phase that wrote them (4 l + p + 2; the first input 1), so a reader polls the
+// values themselves: no fence, no count, one trip through L2 per phase boundary. A unit is shared by NW warps, each
+// a slice of K, their partial products summed in warp order through shared memory. WAIT 0 does not poll (timing).
+__device__ __forceinline__ void ll_store(uint2* p, unsigned data, unsigned flag) {
+  asm volatile("st.volatile.global.v2.u32 [%0], {%1, %2};" ::"l"(p), "r"(data), "r"(flag) : "memory");
+}
+__device__ __forceinline__ uint2 ll_load(const uint2* p) {
+  uint2 v;
+  asm volatile("ld.volatile.global.v2.u32 {%0, %1}, [%2];" : "=r"(v.x), "=r"(v.y) : "l"(p) : "memory");
+  return v;
+}
+__device__ __forceinline__ unsigned pack(float lo_, float hi_) { return (unsigned)to_bf16(lo_) | ((unsigned)to_bf16(hi_) << 16); }
+
+template <int XR, int NW, int COPY, int WAIT>
+__device__ void run_ll(const PArgs& a) {
+  constexpr int G = CW / NW;  // groups of NW warps, taking this SM's units in turn
+  extern __shared__ __align__(128) unsigned char smem[];
+  unsigned long long* full = (unsigned long long*)smem;
+  unsigned long long* empty = full + S;
+  unsigned char* ring = smem + 128;
+  bf16_t* xs = (bf16_t*)(ring + S * STAGE);
+  float* exch = (float*)(xs + XR * F);  // [G][2 units][NW][4 XR lanes][2]
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, sm = blockIdx.x, nsm = a.nsm, g = lane >> 2, q = lane & 3;
+  const int group = warp / NW, gw = warp % NW;
+  init_ring(full, empty, NW);  // empty: the group's warps
+  if (warp == CW) {
+    produce<COPY >= 2 ? 2 : COPY, 0>(a, full, empty, ring, sm, nsm, lane);
+    return;
+  }
+  int n = 0;
+  for (int l = 0; l < a.layers; ++l)
+    for (int p = 0; p < 4; ++p) {
+      const int K = p == 3 ? F : D;
+      unsigned long long* st = stamps(a, l, p);
+      if (st) st[0] = st[5] = now();  // no barrier: the poll is part of x's staging
+      const uint2* src = p == 0 ? a.xll : p == 1 ? a.qkvll : p == 2 ? a.hll : a.gull;
+      const int stride = p == 1 ? 3 * D / 2 : K / 2;  // pairs per row of the input (wo reads qkv's first D)
+      const unsigned want = 4 * l + p + 1;
+      constexpr int PER = (XR * F / 2 + 511) / 512;  // pairs per thread at most: all loaded at once, then polled
+      uint2 v[PER];
+#pragma unroll
+      for (int j = 0; j < PER; ++j) {
+        const int i = threadIdx.x + j * 512;
+        if (i < XR * K / 2) v[j] = ll_load(src + (i / (K / 2)) * stride + i % (K / 2));
+      }
+#pragma unroll
+      for (int j = 0; j < PER; ++j) {
+        const int i = threadIdx.x + j * 512;
+        if (i >= XR * K / 2) break;
+        while (WAIT && v[j].y != want) v[j] = ll_load(src + (i / (K / 2)) * stride + i % (K / 2));
+        ((unsigned*)xs)[i] = v[j].x;
+      }
+      if (st) st[1] = now();
+      consumers_sync();
+      if (st) st[2] = now();
+      int mine = 0;
+      float d[4][4];
+      for (int u = sm; u < units(p); u += nsm, ++mine)
+        for (int half = 0; half < (p == 3 ? 2 : 1); ++half, ++n) {
+          if (mine % G != group) continue;
+          take_stage<XR, NW, COPY>(full, empty, ring, xs, n, p, half, gw, lane, d, st && u == sm && half == 0 ? st : nullptr);
+          if (p == 3 && half == 0) continue;
+          float v0 = (d[0][0] + d[1][0]) + (d[2][0] + d[3][0]), v1 = (d[0][1] + d[1][1]) + (d[2][1] + d[3][1]);
+          if (NW > 1) {  // the group's partials, summed in warp order by its first warp
+            float* ex = exch + ((group * 2 + (mine / G) % 2) * NW) * 4 * XR * 2;
+            if (lane < 4 * XR) { ex[(gw * 4 * XR + lane) * 2] = v0; ex[(gw * 4 * XR + lane) * 2 + 1] = v1; }
+            asm volatile("bar.sync %0, %1;" ::"r"(2 + group), "r"(NW * 32) : "memory");
+            if (gw) continue;
+            if (lane < 4 * XR)
+              for (int w = 1; w < NW; ++w) { v0 += ex[(w * 4 * XR + lane) * 2]; v1 += ex[(w * 4 * XR + lane) * 2 + 1]; }
+          }
+          const unsigned flag = 4 * l + p + 2;
+          if (p == 2) {  // the unit's columns 0-3 are gate rows 4u.., 4-7 the same up rows: lane q + 2 holds q's up
+            const float u0 = __shfl_down_sync(0xffffffffu, v0, 2), u1 = __shfl_down_sync(0xffffffffu, v1, 2);
+            if (g < XR && q < 2) {
+              const float g0 = rb(v0), g1 = rb(v1);
+              ll_store(a.gull + g * (F / 2) + u * 2 + q, pack(rb(g0 / (1.f + expf(-g0))) * rb(u0), rb(g1 / (1.f + expf(-g1))) * rb(u1)), flag);
+            }
+          } else if (g < XR) {
+            uint2* out = p == 0 ? a.qkvll + g * (3 * D / 2) : p == 1 ? a.hll + g * (D / 2) : a.xll + g * (D / 2);
+            ll_store(out + u * 4 + q, pack(v0, v1), flag);
+          }
+        }
+      if (st) { st[3] = now(); st[11] = clock64(); }
+      if (st) st[4] = now();
+      consumers_sync();  // xs is rewritten by the next phase
+    }
+}

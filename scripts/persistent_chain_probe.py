@@ -1,0 +1,151 @@
+"""A persistent chain of GPT-XL's four projections against decode_block's kernels (docs/PERF_NOTES.md, "A persistent
+chain of the projections"). Needs an sm_90 GPU.
+
+    LAYERS=8 [STAGES=7] [VARIANTS="[(0, 1, 0, 0), ('m', 0, 1)]"] python scripts/persistent_chain_probe.py
+
+scripts/persistent_chain.cu compiled by NVRTC (smem_gemv's loader), one program per SM, 2 rows (one image with its
+classifier-free guidance), LAYERS blocks of random weights. A variant is `run`'s (COPY, BARRIERS, AHEAD, XREG),
+`run_mma`'s ('m', COPY, BARRIERS[, FLAGS]) or `run_ll`'s ('ll', NW, COPY, WAIT), see the .cu. Prints each full variant's largest difference from a float
+reference at LAYERS blocks (check at LAYERS=1: the random activations vanish over 8), then each variant's time per
+block in a CUDA graph, the stamps of SM 0 and the last SM in the second block of the first full run_mma or run_ll variant, the
+same four projections as decode_block's kernels at 2 rows (their epilogues, no attention) and a device copy of the
+weights.
+"""
+import ctypes
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch
+import torch.nn.functional as Fn
+
+from fast_inference import decode_block as B
+from fast_inference import smem_gemv as S
+from graph_timing import launch, timed
+
+D, F, H, R = 1280, 3584, 20, 2  # GPT-XL width, MLP width, heads; rows
+L = int(os.environ.get("LAYERS", 8))
+STAGES = int(os.environ.get("STAGES", 7))
+VARIANTS = eval(os.environ.get("VARIANTS", "[(0, 1, 0, 0), (1, 0, 0, 0), (1, 1, 0, 0), (2, 0, 0, 0), ('m', 0, 1, 1), "
+                                           "('m', 3, 1, 1), ('ll', 1, 0, 1), ('ll', 2, 0, 1), ('ll', 4, 0, 1), "
+                                           "('ll', 8, 0, 1), ('ll', 4, 3, 1), ('ll', 4, 2, 0), ('ll', 4, 1, 1)]"))
+SMEM = 128 + STAGES * 28672 + R * F * 2 + 2048  # barriers, the ring, x, the consumers' exchange
+STAMPS = ["producer issued", "start", "barrier passed", "x staged", "x synced", "first unit in", "units done", "signalled"]
+STAMP_SLOTS = (7, 0, 5, 1, 2, 6, 3, 4)
+dev, bf = "cuda", torch.bfloat16
+nsm = torch.cuda.get_device_properties(0).multi_processor_count
+
+
+def name(v):
+    return "persist_" + "_".join(map(str, v))
+
+
+def instance(v):
+    kind = {"m": "run_mma", "ll": "run_ll"}.get(v[0], "run")
+    return f"{kind}<{R}, {', '.join(map(str, v[1:] if kind != 'run' else v))}>"
+
+
+def is_full(v):
+    """Whether the variant computes the chain (copies, products and every wait)."""
+    return {"m": lambda: v[1:3] == (0, 1), "ll": lambda: v[2:4] == (0, 1)}.get(v[0], lambda: v[:2] == (0, 1))()
+
+
+def load_kernels():
+    here = os.path.dirname(os.path.abspath(__file__))
+    src = open(os.path.join(here, "persistent_chain.cu")).read().replace("S = 7,", f"S = {STAGES},")
+    src += "".join(f'extern "C" __global__ void __launch_bounds__(544, 1) {name(v)}(const PArgs a) {{ {instance(v)}(a); }}\n'
+                   for v in VARIANTS)
+    fns = S.functions(src, "90", [name(v) for v in VARIANTS], SMEM)
+    return {v: fns[name(v)] for v in VARIANTS}
+
+
+class PArgs(ctypes.Structure):
+    _fields_ = [(n, ctypes.c_void_p) for n in ("wqkv", "wo", "w13", "w2", "x", "qkv", "h", "gu", "counters")] + \
+               [("layers", ctypes.c_int), ("nsm", ctypes.c_int), ("stamps", ctypes.c_void_p)] + \
+               [(n, ctypes.c_void_p) for n in ("xll", "qkvll", "hll", "gull")]
+
+
+torch.manual_seed(0)
+wqkv = torch.randn(L, 3 * D, D, device=dev, dtype=bf) / D ** .5
+wo = torch.randn(L, D, D, device=dev, dtype=bf) / D ** .5
+w13 = torch.randn(L, 2 * F, D, device=dev, dtype=bf) / D ** .5
+w2 = torch.randn(L, D, F, device=dev, dtype=bf) / F ** .5
+x0 = torch.randn(R, D, device=dev, dtype=bf)
+x = x0.clone()
+qkv, h, gu = (torch.empty(R, n, device=dev, dtype=bf) for n in (3 * D, D, F))
+counters = torch.zeros(L * 4 + 4, device=dev, dtype=torch.int32)
+stamps = torch.zeros(2, L, 4, 12, device=dev, dtype=torch.int64)
+ll = torch.zeros(R * (5 * D + F) // 2, device=dev, dtype=torch.int64)  # run_ll's x, qkv, h, gu as (pair, flag)
+xll, qkvll, hll, gull = ll.split([R * D // 2, R * 3 * D // 2, R * D // 2, R * F // 2])
+x0ll = torch.stack([x0.view(torch.int32).flatten(), torch.ones(R * D // 2, device=dev, dtype=torch.int32)], 1)
+args = PArgs(wqkv.data_ptr(), wo.data_ptr(), w13.data_ptr(), w2.data_ptr(), x.data_ptr(), qkv.data_ptr(),
+             h.data_ptr(), gu.data_ptr(), counters.data_ptr(), L, nsm, stamps.data_ptr(),
+             xll.data_ptr(), qkvll.data_ptr(), hll.data_ptr(), gull.data_ptr())
+kernels = load_kernels()
+params = (ctypes.c_void_p * 1)(ctypes.cast(ctypes.pointer(args), ctypes.c_void_p))
+
+
+def persist(v):
+    counters.zero_()
+    if v[0] == "ll":  # every flag 0, the input's 1
+        ll.zero_()
+        xll.view(torch.int32).view(-1, 2).copy_(x0ll)
+    launch(kernels[v], nsm, 544, SMEM, params)
+
+
+def reference(xr):
+    for l in range(L):
+        q = (xr.float() @ wqkv[l].float().T).to(bf)
+        hh = (q[:, :D].float() @ wo[l].float().T).to(bf)
+        g = (hh.float() @ w13[l].float().T).to(bf)
+        a = (Fn.silu(g[:, :F].float()).to(bf).float() * g[:, F:].float()).to(bf)
+        xr = (a.float() @ w2[l].float().T).to(bf)
+    return xr
+
+
+ref = reference(x0)
+for v in VARIANTS:
+    if is_full(v):
+        x.copy_(x0)
+        persist(v)
+        torch.cuda.synchronize()
+        out = xll.view(torch.int32).view(R, D // 2, 2)[..., 0].contiguous().view(bf) if v[0] == "ll" else x
+        d = (out.float() - ref.float()).abs().max().item()
+        print(f"{v}, {L} blocks: max abs diff {d:.4g} (reference's largest {ref.float().abs().max().item():.3g})", flush=True)
+for v in VARIANTS:
+    print(f"{v}, {STAGES} stages: {timed(lambda: persist(v), L):.2f} us per block", flush=True)
+
+timeline = [v for v in VARIANTS if v[0] in ("m", "ll") and is_full(v)]
+if timeline and L > 1:
+    persist(timeline[0])
+    torch.cuda.synchronize()
+    st = stamps.cpu().double()
+    for i, who in enumerate(("SM 0", "last SM")):
+        for p in range(4):
+            us = "  ".join(f"{n} {(st[i, 1, p, k] - st[0, 0, 0, 0]) / 1e3:6.2f}" for n, k in zip(STAMPS, STAMP_SLOTS))
+            print(f"{timeline[0]} {who}, block 1, phase {p}, us: {us}; cycles from the first unit's data to its "
+                  f"products {st[i, 1, p, 9] - st[i, 1, p, 8]:.0f}, to the phase's end {st[i, 1, p, 11] - st[i, 1, p, 8]:.0f}")
+
+norm = torch.nn.RMSNorm(D, eps=1e-5).to(dev, bf)
+freqs = torch.randn(D // H // 2, 2, device=dev)
+pos = torch.tensor([37], device=dev)
+kc, vc = (torch.zeros(R, H, 64, D // H, device=dev, dtype=bf) for _ in range(2))
+pdl = B.pdl_for(R, dev)
+
+
+def chain():
+    hx = x0
+    for l in range(L):
+        q = B.qkv_rope(hx, norm, wqkv[l], None, freqs, pos, kc, vc, H, pdl=pdl)
+        h1 = B.linear(q.view(R, D), wo[l], residual=hx, name="wo", pdl=pdl)
+        a = B.gate_up(h1, norm, w13[l], pdl=pdl)
+        hx = B.linear(a, w2[l], residual=h1, name="w2", pdl=pdl)
+
+
+print(f"decode_block's kernels: {timed(chain, L):.2f} us per block", flush=True)
+big = torch.cat([w.flatten() for w in (wqkv, wo, w13, w2)])
+dst = torch.empty_like(big)
+t = timed(lambda: dst.copy_(big), 1)
+print(f"device copy of the {big.numel() * 2 / 1e6:.0f} MB of weights: {t:.1f} us, "
+      f"{2 * big.numel() * 2 / t / 1e6:.2f} TB/s read + write", flush=True)
