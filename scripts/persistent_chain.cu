@@ -1,12 +1,14 @@
 // A persistent chain of GPT-XL's four projections at XR rows (GEMVs only: no norms, attention or residuals), one
 // program per SM, measured by scripts/persistent_chain_probe.py (docs/PERF_NOTES.md, "A persistent chain of the
 // projections"). A producer lane streams this SM's weight units (8 output rows each) into a ring of shared-memory
-// stages with bulk copies, running ahead across phases and layers; the consumer warps wait for the phase's input
-// (a grid-wide count), stage x in shared memory and multiply each unit as it lands. Two consumers:
-//   run:     16 warps in two groups of 8 taking units in turn, a weight row per warp, fp32 FMAs;
-//   run_mma: a warp per unit, mma.sync m16n8k16 with the unit's rows as B's columns.
+// stages with bulk copies, running ahead across phases and layers; the consumer warps wait for the phase's input,
+// stage x in shared memory and multiply each unit as it lands. Three consumers:
+//   run:     16 warps in two groups of 8 taking units in turn, a weight row per warp, fp32 FMAs; a grid-wide count;
+//   run_mma: a warp per unit, mma.sync m16n8k16 with the unit's rows as B's columns; a grid-wide count;
+//   run_ll:  NW warps per unit on the tensor cores; the values carry their own flags (the fastest, 17.2-17.5 us).
 // Modes that take the chain apart: COPY 1 consumers only take and free stages; COPY 2 no copies (products on the
-// ring as it is); COPY 3 (run_mma) neither; BARRIERS 0 skips the grid-wide waits (results then wrong).
+// ring as it is); COPY 3 (run_mma, run_ll) neither; BARRIERS / WAIT 0 skip the waits for the phase's input (results
+// then wrong).
 typedef unsigned short bf16_t;
 struct PArgs {
   const bf16_t* wqkv; const bf16_t* wo; const bf16_t* w13; const bf16_t* w2;
