@@ -19,7 +19,13 @@ struct PArgs {
   uint2 *xll, *qkvll, *hll, *gull;  // run_ll's activations: {two bf16, the flag of the phase that wrote them}
 };
 __device__ __forceinline__ unsigned long long now() { unsigned long long t; asm volatile("mov.u64 %0, %globaltimer;" : "=l"(t)); return t; }
-constexpr int D = 1280, F = 3584, S = 7, STAGE = 28672, CW = 16;  // ring stages (the probe may change S), consumer warps
+constexpr int D = 1280, F = 3584, S = 7, CW = 16, W2P = 2;  // ring stages, consumer warps, w2 pieces (the probe may change S, W2P)
+// w2's rows go through the ring in W2P pieces of K (w2_len(h) elements from w2_start(h)), each a stage
+constexpr int W2K = (F / W2P + 255) / 256 * 256;
+constexpr int STAGE = (8 * D * 2 > 8 * W2K * 2 ? 8 * D * 2 : 8 * W2K * 2);  // bytes
+__device__ __forceinline__ int w2_start(int h) { return h * W2K; }
+__device__ __forceinline__ int w2_len(int h) { return h < W2P - 1 ? W2K : F - (W2P - 1) * W2K; }
+constexpr int W2LAST = F - (W2P - 1) * W2K;
 
 __device__ __forceinline__ unsigned saddr(const void* p) { return (unsigned)__cvta_generic_to_shared(p); }
 __device__ __forceinline__ float lo(unsigned u) { return __uint_as_float(u << 16); }
@@ -98,7 +104,7 @@ __device__ __forceinline__ void dots_reg(const uint4* wrow, const uint4 (&xr)[XR
 
 struct Cursor { int l, p, u, half; };
 __device__ __forceinline__ bool advance(Cursor& c, int sm, int nsm, int layers) {  // the next unit of this SM's order
-  if (c.p == 3 && c.half == 0) { c.half = 1; return true; }
+  if (c.p == 3 && c.half < W2P - 1) { ++c.half; return true; }
   c.half = 0;
   for (c.u += nsm; c.u >= units(c.p); c.u = sm)
     if (++c.p == 4) { c.p = 0; if (++c.l == layers) return false; }
@@ -110,7 +116,7 @@ __device__ __forceinline__ void piece(bool prefetch, unsigned dst, const bf16_t*
 }
 template <bool PREFETCH>
 __device__ __forceinline__ void issue(const PArgs& a, const Cursor& c, unsigned dst, unsigned bar) {
-  const int bytes = c.p == 3 ? 8 * F : 8 * D * 2;
+  const int bytes = c.p == 3 ? 8 * w2_len(c.half) * 2 : 8 * D * 2;
   if (!PREFETCH) asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(bytes) : "memory");
   if (c.p < 2) {
     const bf16_t* w = c.p == 0 ? a.wqkv + (long long)c.l * 3 * D * D : a.wo + (long long)c.l * D * D;
@@ -119,9 +125,10 @@ __device__ __forceinline__ void issue(const PArgs& a, const Cursor& c, unsigned 
     const bf16_t* w = a.w13 + (long long)c.l * 2 * F * D + (long long)c.u * 4 * D;
     piece(PREFETCH, dst, w, 4 * D * 2, bar);
     piece(PREFETCH, dst + 4 * D * 2, w + (long long)F * D, 4 * D * 2, bar);
-  } else {  // 8 rows' halves: F/2 elements = F bytes each
-    const bf16_t* w = a.w2 + (long long)c.l * D * F + (long long)c.u * 8 * F + c.half * (F / 2);
-    for (int r = 0; r < 8; ++r) piece(PREFETCH, dst + r * F, w + (long long)r * F, F, bar);
+  } else {  // 8 rows' piece c.half of K, packed
+    const bf16_t* w = a.w2 + (long long)c.l * D * F + (long long)c.u * 8 * F + w2_start(c.half);
+    const int len = w2_len(c.half);
+    for (int r = 0; r < 8; ++r) piece(PREFETCH, dst + r * len * 2, w + (long long)r * F, len * 2, bar);
   }
 }
 
@@ -198,9 +205,9 @@ __device__ void run(const PArgs& a) {
       const int group = warp / 8, gw = warp % 8;
       int mine = 0;  // this SM's unit ordinal in the phase: group (ordinal % 2) takes it
       for (int u = sm; u < units(p); u += nsm, ++mine)
-        for (int half = 0; half < (p == 3 ? 2 : 1); ++half, ++n) {
+        for (int half = 0; half < (p == 3 ? W2P : 1); ++half, ++n) {
           if (mine % 2 != group) continue;
-          const int s = n % S, L = p == 3 ? F / 2 : D, koff = half * (F / 2);
+          const int s = n % S, L = p == 3 ? w2_len(half) : D, koff = p == 3 ? w2_start(half) : 0;
           if (COPY != 2) wait_parity(saddr(&full[s]), (n / S) & 1);
           if (st && u == sm && half == 0) { st[6] = now(); st[8] = clock64(); }
           if (COPY == 1) {
@@ -212,13 +219,14 @@ __device__ void run(const PArgs& a) {
             #pragma unroll
             for (int r = 0; r < XR; ++r) acc[r][0] = acc[r][1] = 0.f;
           const uint4* wrow = (const uint4*)(ring + s * STAGE + gw * L * 2);
-          if (p == 3) dots<XR, F / 2 / 256>(wrow, xs + koff, F, lane, acc);
+          if (p == 3 && L == W2K) dots<XR, W2K / 256>(wrow, xs + koff, F, lane, acc);
+          else if (p == 3) dots<XR, W2LAST / 256>(wrow, xs + koff, F, lane, acc);
           else if (XREG) dots_reg<XR, D / 256>(wrow, xr, lane, acc);
           else dots<XR, D / 256>(wrow, xs, D, lane, acc);
           if (st && u == sm && half == 0) st[9] = clock64();
           __syncwarp();
           if (lane == 0 && COPY != 2) asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(saddr(&empty[s])) : "memory");
-          if (p == 3 && half == 0) continue;
+          if (p == 3 && half < W2P - 1) continue;
           if (st && u == sm) st[10] = clock64();
           float res[XR];
           #pragma unroll
@@ -279,9 +287,13 @@ template <int XR, int NW>
 __device__ __forceinline__ void tc_stage(const unsigned char* stage, const bf16_t* xs, int p, int half, int gw, int lane, float (&d)[4][4]) {
   const int g = lane >> 2, q = lane & 3;
   const bool hx = g < XR;
-  if (p == 3) {
-    constexpr int C = F / 2 / 32 / NW;
-    mma_dots<XR, C>(stage + q * 16 + g * F + gw * C * 64, xs + (hx ? g : 0) * F + half * (F / 2) + q * 8 + gw * C * 32, hx, d);
+  const bf16_t* x3 = xs + (hx ? g : 0) * F + w2_start(half) + q * 8;
+  if (p == 3 && w2_len(half) == W2K) {
+    constexpr int C = W2K / 32 / NW;
+    mma_dots<XR, C>(stage + q * 16 + g * W2K * 2 + gw * C * 64, x3 + gw * C * 32, hx, d);
+  } else if (p == 3) {
+    constexpr int C = W2LAST / 32 / NW;
+    mma_dots<XR, C>(stage + q * 16 + g * W2LAST * 2 + gw * C * 64, x3 + gw * C * 32, hx, d);
   } else {
     constexpr int C = D / 32 / NW;
     mma_dots<XR, C>(stage + q * 16 + g * D * 2 + gw * C * 64, xs + (hx ? g : 0) * D + q * 8 + gw * C * 32, hx, d);
@@ -348,10 +360,10 @@ __device__ void run_mma(const PArgs& a) {
       int mine = 0;
       float d[4][4];
       for (int u = sm; u < units(p); u += nsm, ++mine)
-        for (int half = 0; half < (p == 3 ? 2 : 1); ++half, ++n) {
+        for (int half = 0; half < (p == 3 ? W2P : 1); ++half, ++n) {
           if (mine % CW != warp) continue;
           take_stage<XR, 1, COPY>(full, empty, ring, xs, n, p, half, 0, lane, d, st && u == sm && half == 0 ? st : nullptr);
-          if (p == 3 && half == 0) continue;
+          if (p == 3 && half < W2P - 1) continue;
           // lane (g, q) holds row g's columns 2q, 2q + 1 of the unit
           const float v0 = (d[0][0] + d[1][0]) + (d[2][0] + d[3][0]), v1 = (d[0][1] + d[1][1]) + (d[2][1] + d[3][1]);
           if (p == 2) {  // the unit's columns 0-3 are gate rows 4u.., 4-7 the same up rows: lane q + 2 holds q's up
@@ -392,7 +404,7 @@ __device__ __forceinline__ uint2 ll_load(const uint2* p) {
 }
 __device__ __forceinline__ unsigned pack(float lo_, float hi_) { return (unsigned)to_bf16(lo_) | ((unsigned)to_bf16(hi_) << 16); }
 
-template <int XR, int NW, int COPY, int WAIT>
+template <int XR, int NW, int COPY, int WAIT, int POLL = CW>  // POLL: the warps that read the phase's input
 __device__ void run_ll(const PArgs& a) {
   constexpr int G = CW / NW;  // groups of NW warps, taking this SM's units in turn
   extern __shared__ __align__(128) unsigned char smem[];
@@ -417,30 +429,34 @@ __device__ void run_ll(const PArgs& a) {
       const uint2* src = p == 0 ? a.xll : p == 1 ? a.qkvll : p == 2 ? a.hll : a.gull;
       const int stride = p == 1 ? 3 * D / 2 : K / 2;  // pairs per row of the input (wo reads qkv's first D)
       const unsigned want = 4 * l + p + 1;
-      constexpr int PER = (XR * F / 2 + 511) / 512;  // pairs per thread at most: all loaded at once, then polled
-      uint2 v[PER];
+      // POLL warps read the input, PER pairs per thread at a time: all loaded at once, then polled
+      constexpr int T = POLL * 32, PER = (XR * F / 2 + T - 1) / T < 8 ? (XR * F / 2 + T - 1) / T : 8;
+      if (threadIdx.x < T)
+        for (int base = threadIdx.x; base < XR * K / 2; base += PER * T) {
+          uint2 v[PER];
 #pragma unroll
-      for (int j = 0; j < PER; ++j) {
-        const int i = threadIdx.x + j * 512;
-        if (i < XR * K / 2) v[j] = ll_load(src + (i / (K / 2)) * stride + i % (K / 2));
-      }
+          for (int j = 0; j < PER; ++j) {
+            const int i = base + j * T;
+            if (i < XR * K / 2) v[j] = ll_load(src + (i / (K / 2)) * stride + i % (K / 2));
+          }
 #pragma unroll
-      for (int j = 0; j < PER; ++j) {
-        const int i = threadIdx.x + j * 512;
-        if (i >= XR * K / 2) break;
-        while (WAIT && v[j].y != want) v[j] = ll_load(src + (i / (K / 2)) * stride + i % (K / 2));
-        ((unsigned*)xs)[i] = v[j].x;
-      }
+          for (int j = 0; j < PER; ++j) {
+            const int i = base + j * T;
+            if (i >= XR * K / 2) break;
+            while (WAIT && v[j].y != want) v[j] = ll_load(src + (i / (K / 2)) * stride + i % (K / 2));
+            ((unsigned*)xs)[i] = v[j].x;
+          }
+        }
       if (st) st[1] = now();
       consumers_sync();
       if (st) st[2] = now();
       int mine = 0;
       float d[4][4];
       for (int u = sm; u < units(p); u += nsm, ++mine)
-        for (int half = 0; half < (p == 3 ? 2 : 1); ++half, ++n) {
+        for (int half = 0; half < (p == 3 ? W2P : 1); ++half, ++n) {
           if (mine % G != group) continue;
           take_stage<XR, NW, COPY>(full, empty, ring, xs, n, p, half, gw, lane, d, st && u == sm && half == 0 ? st : nullptr);
-          if (p == 3 && half == 0) continue;
+          if (p == 3 && half < W2P - 1) continue;
           float v0 = (d[0][0] + d[1][0]) + (d[2][0] + d[3][0]), v1 = (d[0][1] + d[1][1]) + (d[2][1] + d[3][1]);
           if (NW > 1) {  // the group's partials, summed in warp order by its first warp
             float* ex = exch + ((group * 2 + (mine / G) % 2) * NW) * 4 * XR * 2;

@@ -1,15 +1,16 @@
 """A persistent chain of GPT-XL's four projections against decode_block's kernels (docs/PERF_NOTES.md, "A persistent
 chain of the projections"). Needs an sm_90 GPU.
 
-    LAYERS=8 [STAGES=7] [VARIANTS="[(0, 1, 0, 0), ('m', 0, 1)]"] python scripts/persistent_chain_probe.py
+    LAYERS=8 [STAGES=7] [W2P=2] [VARIANTS="[(0, 1, 0, 0), ('ll', 8, 0, 1)]"] python scripts/persistent_chain_probe.py
 
 scripts/persistent_chain.cu compiled by NVRTC (smem_gemv's loader), one program per SM, 2 rows (one image with its
 classifier-free guidance), LAYERS blocks of random weights. A variant is `run`'s (COPY, BARRIERS, AHEAD, XREG),
-`run_mma`'s ('m', COPY, BARRIERS[, FLAGS]) or `run_ll`'s ('ll', NW, COPY, WAIT), see the .cu. Prints each full variant's largest difference from a float
-reference at LAYERS blocks (check at LAYERS=1: the random activations vanish over 8), then each variant's time per
-block in a CUDA graph, the stamps of SM 0 and the last SM in the second block of the first full run_mma or run_ll variant, the
-same four projections as decode_block's kernels at 2 rows (their epilogues, no attention) and a device copy of the
-weights.
+`run_mma`'s ('m', COPY, BARRIERS[, FLAGS]) or `run_ll`'s ('ll', NW, COPY, WAIT[, POLL]), see the .cu; STAGES stages
+in the ring, w2's rows in W2P pieces of K (3: stages of 20 KB instead of 28, so 10 of them fit). Prints each full
+variant's largest difference from a float reference at LAYERS blocks (check at LAYERS=1: the random activations
+vanish over 8), then each variant's time per block in a CUDA graph, the stamps of SM 0 and the last SM in the second
+block of the first full run_mma or run_ll variant, the same four projections as decode_block's kernels at 2 rows
+(their epilogues, no attention) and a device copy of the weights.
 """
 import ctypes
 import os
@@ -27,10 +28,12 @@ from graph_timing import launch, timed
 D, F, H, R = 1280, 3584, 20, 2  # GPT-XL width, MLP width, heads; rows
 L = int(os.environ.get("LAYERS", 8))
 STAGES = int(os.environ.get("STAGES", 7))
+W2P = int(os.environ.get("W2P", 2))
+STAGE = max(8 * D * 2, 8 * ((F // W2P + 255) // 256 * 256) * 2)  # bytes, as persistent_chain.cu's STAGE
 VARIANTS = eval(os.environ.get("VARIANTS", "[(0, 1, 0, 0), (1, 0, 0, 0), (1, 1, 0, 0), (2, 0, 0, 0), ('m', 0, 1, 1), "
                                            "('m', 3, 1, 1), ('ll', 1, 0, 1), ('ll', 2, 0, 1), ('ll', 4, 0, 1), "
                                            "('ll', 8, 0, 1), ('ll', 4, 3, 1), ('ll', 4, 2, 0), ('ll', 4, 1, 1)]"))
-SMEM = 128 + STAGES * 28672 + R * F * 2 + 2048  # barriers, the ring, x, the consumers' exchange
+SMEM = 128 + STAGES * STAGE + R * F * 2 + 2048  # barriers, the ring, x, the consumers' exchange
 STAMPS = ["producer issued", "start", "barrier passed", "x staged", "x synced", "first unit in", "units done", "signalled"]
 STAMP_SLOTS = (7, 0, 5, 1, 2, 6, 3, 4)
 dev, bf = "cuda", torch.bfloat16
@@ -53,7 +56,7 @@ def is_full(v):
 
 def load_kernels():
     here = os.path.dirname(os.path.abspath(__file__))
-    src = open(os.path.join(here, "persistent_chain.cu")).read().replace("S = 7,", f"S = {STAGES},")
+    src = open(os.path.join(here, "persistent_chain.cu")).read().replace("S = 7,", f"S = {STAGES},").replace("W2P = 2;", f"W2P = {W2P};")
     src += "".join(f'extern "C" __global__ void __launch_bounds__(544, 1) {name(v)}(const PArgs a) {{ {instance(v)}(a); }}\n'
                    for v in VARIANTS)
     fns = S.functions(src, "90", [name(v) for v in VARIANTS], SMEM)
@@ -114,7 +117,7 @@ for v in VARIANTS:
         d = (out.float() - ref.float()).abs().max().item()
         print(f"{v}, {L} blocks: max abs diff {d:.4g} (reference's largest {ref.float().abs().max().item():.3g})", flush=True)
 for v in VARIANTS:
-    print(f"{v}, {STAGES} stages: {timed(lambda: persist(v), L):.2f} us per block", flush=True)
+    print(f"{v}, {STAGES} stages, w2 in {W2P} pieces: {timed(lambda: persist(v), L):.2f} us per block", flush=True)
 
 timeline = [v for v in VARIANTS if v[0] in ("m", "ll") and is_full(v)]
 if timeline and L > 1:
