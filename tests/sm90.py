@@ -53,3 +53,14 @@ def run(script, **extra):
         pytest.skip("Triton's ptxas is not available here")
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip().endswith("compiled")
+
+
+def nvcc_stack_frames(src):
+    """ptxas's stack frame, in bytes, per kernel of the CUDA C++ `src` built for sm_90 by nvcc (asserts it builds)."""
+    with tempfile.TemporaryDirectory() as d:
+        path = os.path.join(d, "k.cu")
+        open(path, "w").write(src)
+        out = subprocess.run(["nvcc", "-arch=sm_90", "-cubin", "-Xptxas", "-v", path, "-o", path + ".cubin"],
+                             capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    return [int(f) for f in re.findall(r"(\d+) bytes stack frame", out.stderr)]

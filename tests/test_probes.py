@@ -2,28 +2,16 @@
 variant that docs/PERF_NOTES.md quotes, without a stack frame (accumulators in local memory had cost the persistent
 chain a fifth of its time), with the ring, x and the exchange inside a program's 227 KB of shared memory."""
 import os
-import re
 import shutil
-import subprocess
-import tempfile
 
 import pytest
+
+import sm90
 
 SCRIPTS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts")
 CHAIN = ["run<2, 0, 1, 0, 0>", "run<2, 1, 1, 0, 0>", "run<2, 2, 0, 0, 0>", "run_mma<2, 0, 1, 1>", "run_mma<2, 3, 0, 3>",
          "run_ll<2, 1, 0, 1>", "run_ll<2, 8, 0, 1>", "run_ll<2, 4, 3, 1>", "run_ll<2, 8, 0, 1, 8>", "run_ll<2, 8, 0, 1, 4>"]
 AHEAD_XREG = "run<2, 0, 1, 7, 1>"  # measured (and lost) with w2 in halves only; in thirds it spills at 96 registers
-
-
-def stack_frames(src):
-    """ptxas's stack frame per kernel of src, built for sm_90."""
-    with tempfile.TemporaryDirectory() as d:
-        path = os.path.join(d, "probe.cu")
-        open(path, "w").write(src)
-        out = subprocess.run(["nvcc", "-arch=sm_90", "-cubin", "-Xptxas", "-v", path, "-o", path + ".cubin"],
-                             capture_output=True, text=True)
-    assert out.returncode == 0, out.stderr
-    return [int(f) for f in re.findall(r"(\d+) bytes stack frame", out.stderr)]
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="no nvcc")
@@ -36,7 +24,7 @@ def test_persistent_chain_builds_without_stack(w2p, stages, variants):
     src += 'static_assert(128 + S * STAGE + 2 * F * 2 + 2048 <= 227 * 1024, "the ring, x and the exchange fit");\n'
     src += "".join(f'extern "C" __global__ void __launch_bounds__(544, 1) k{i}(const PArgs a) {{ {v}(a); }}\n'
                    for i, v in enumerate(variants))
-    frames = stack_frames(src)
+    frames = sm90.nvcc_stack_frames(src)
     assert len(frames) == len(variants) and not any(frames)
 
 
@@ -45,5 +33,5 @@ def test_bulk_stream_builds_without_stack():
     src = open(os.path.join(SCRIPTS, "bulk_stream.cu")).read()
     src += 'extern "C" __global__ void s(const unsigned char* s, long long n) { stream<20480, 7, 1, 1>(s, n); }\n'
     src += 'extern "C" __global__ void l(const unsigned char* s, long long n, unsigned* o) { stream_ldg(s, n, o); }\n'
-    frames = stack_frames(src)
+    frames = sm90.nvcc_stack_frames(src)
     assert len(frames) == 2 and not any(frames)

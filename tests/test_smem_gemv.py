@@ -2,14 +2,12 @@
 capability 9.0 or later against decode_block's Triton kernels, which compute the same roundings (skipped without
 one: run there as `python -m pytest tests/test_smem_gemv.py`)."""
 import ctypes
-import os
-import re
 import shutil
-import subprocess
-import tempfile
 
 import pytest
 import torch
+
+import sm90
 
 from fast_inference import decode_block, smem_gemv
 from fast_inference.model import ModelArgs, TransformerBlock
@@ -25,15 +23,8 @@ def test_kernels_build_for_sm90_without_spills():
                for kind, k, name in (("qkv", 1280, "qkv"), ("linear", 1280, "wo"), ("gate_up", 1280, "gate_up"),
                                      ("linear", 3584, "w2"), ("linear_add", 3584, "w2"))
                for rows in (1, 2, 3, 4) for pdl in (0, smem_gemv.PDL)]
-    src = smem_gemv.source([(f"k{i}", e) for i, e in enumerate(entries)])
-    with tempfile.TemporaryDirectory() as d:
-        path = os.path.join(d, "k.cu")
-        open(path, "w").write(src)
-        out = subprocess.run(["nvcc", "-arch=sm_90", "-cubin", "-Xptxas", "-v", path, "-o", path + ".cubin"],
-                             capture_output=True, text=True)
-    assert out.returncode == 0, out.stderr
-    frames = [int(f) for f in re.findall(r"(\d+) bytes stack frame", out.stderr)]
-    assert len(frames) == len(entries) and not any(frames), out.stderr
+    frames = sm90.nvcc_stack_frames(smem_gemv.source([(f"k{i}", e) for i, e in enumerate(entries)]))
+    assert len(frames) == len(entries) and not any(frames), frames
 
 
 def test_args_match_the_kernels_struct():
