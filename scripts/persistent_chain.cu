@@ -26,6 +26,9 @@ constexpr int STAGE = (8 * D * 2 > 8 * W2K * 2 ? 8 * D * 2 : 8 * W2K * 2);  // b
 __device__ __forceinline__ int w2_start(int h) { return h * W2K; }
 __device__ __forceinline__ int w2_len(int h) { return h < W2P - 1 ? W2K : F - (W2P - 1) * W2K; }
 constexpr int W2LAST = F - (W2P - 1) * W2K;
+// what a program asks for at up to 2 rows (the probe's SMEM): the ring's barriers, its stages, x, the exchange
+constexpr int SMEM_BYTES = 128 + S * STAGE + 2 * F * 2 + 2048;
+static_assert(SMEM_BYTES <= 227 * 1024, "the ring, x and the exchange fit a program's shared memory");
 
 __device__ __forceinline__ unsigned saddr(const void* p) { return (unsigned)__cvta_generic_to_shared(p); }
 __device__ __forceinline__ float lo(unsigned u) { return __uint_as_float(u << 16); }
@@ -57,24 +60,69 @@ __device__ __forceinline__ void init_ring(unsigned long long* full, unsigned lon
   }
   __syncthreads();
 }
-// the stamps of (layer l, phase p) where this thread stamps them (thread 0 of SM 0 and of the last SM), else null
+// the stamps of (layer l, phase p) on SM 0 and the last SM, else null; `stamps` only for their thread 0
+__device__ __forceinline__ unsigned long long* stamp_row(const PArgs& a, int l, int p) {
+  const int sm = blockIdx.x;
+  return sm == 0 || sm == a.nsm - 1 ? a.stamps + (((sm ? 1 : 0) * a.layers + l) * 4 + p) * 12 : nullptr;
+}
 __device__ __forceinline__ unsigned long long* stamps(const PArgs& a, int l, int p) {
-  const int sm = blockIdx.x, last = a.nsm - 1;
-  return (sm == 0 || sm == last) && threadIdx.x == 0 ? a.stamps + (((sm ? 1 : 0) * a.layers + l) * 4 + p) * 12 : nullptr;
+  return threadIdx.x == 0 ? stamp_row(a, l, p) : nullptr;
 }
 
-// phase p's geometry: rows per unit 8; K; units (w2: row groups, two halves each)
+// dynamic shared memory: the ring's barriers, its stages, x's rows, the consumers' exchange
+struct Smem {
+  unsigned long long *full, *empty;
+  unsigned char* ring;
+  bf16_t* xs;
+  float* exch;
+};
+template <int XR>
+__device__ __forceinline__ Smem smem_layout() {
+  extern __shared__ __align__(128) unsigned char smem[];
+  unsigned long long* full = (unsigned long long*)smem;
+  bf16_t* xs = (bf16_t*)(smem + 128 + S * STAGE);
+  return {full, full + S, smem + 128, xs, (float*)(xs + XR * F)};
+}
+
+// phase p's geometry: rows per unit 8; K; units (w2: row groups, W2P pieces each)
 __device__ __forceinline__ int units(int p) { return p == 0 ? 3 * D / 8 : p == 1 ? D / 8 : p == 2 ? F / 4 : D / 8; }
 
-template <int XR, int J>  // J 16-byte loads per lane, unrolled: the accumulators stay in registers
-__device__ __forceinline__ void dots(const uint4* wrow, const bf16_t* xs, int K, int lane, float (&acc)[XR][2]) {
+// the consumers wait until phase `prev`'s count reaches `want` (run and run_mma's grid-wide waits)
+__device__ __forceinline__ void wait_count(const PArgs& a, int prev, unsigned want) {
+  if (threadIdx.x == 0) {
+    unsigned c = 0;
+    do asm volatile("ld.acquire.gpu.u32 %0, [%1];" : "=r"(c) : "l"(a.counters + prev) : "memory");
+    while (c < want);
+  }
+  consumers_sync();
+}
+// phase p's input (x, qkv's first D, h, SiLU x up), XR rows, from L2 into xs [XR][K]
+template <int XR>
+__device__ __forceinline__ void stage_x(const PArgs& a, int p, bf16_t* xs) {
+  const int K = p == 3 ? F : D;
+  for (int i = threadIdx.x; i < XR * K / 8; i += 512) {  // 8 elements each
+    const int r = i / (K / 8), k = (i % (K / 8)) * 8;
+    const bf16_t* src = p == 0 ? a.x + r * D : p == 1 ? a.qkv + r * 3 * D : p == 2 ? a.h + r * D : a.gu + r * F;
+    *(uint4*)(xs + r * K + k) = __ldcg((const uint4*)(src + k));
+  }
+}
+// SiLU of the gate times up, each rounded to bf16 as the model's ops are (the result left for its store to round)
+__device__ __forceinline__ float silu_up(float g, float up) {
+  g = rb(g);
+  return rb(g / (1.f + expf(-g))) * rb(up);
+}
+
+// J 16-byte loads per lane, unrolled: the accumulators stay in registers; x(r, j): row r's 8 values at this lane's
+// j-th load (from shared memory, or registers with XREG)
+template <int XR, int J, class X>
+__device__ __forceinline__ void dots(const uint4* wrow, int lane, float (&acc)[XR][2], X x) {
 #pragma unroll
   for (int j = 0; j < J; ++j) {
     const uint4 w = wrow[j * 32 + lane];
     const float wf[8] = {lo(w.x), hi(w.x), lo(w.y), hi(w.y), lo(w.z), hi(w.z), lo(w.w), hi(w.w)};
 #pragma unroll
     for (int r = 0; r < XR; ++r) {
-      const uint4 xv = *(const uint4*)(xs + r * K + j * 256 + lane * 8);
+      const uint4 xv = x(r, j);
       float& c = acc[r][j & 1];
       c = fmaf(wf[0], lo(xv.x), c); c = fmaf(wf[1], hi(xv.x), c);
       c = fmaf(wf[2], lo(xv.y), c); c = fmaf(wf[3], hi(xv.y), c);
@@ -84,25 +132,7 @@ __device__ __forceinline__ void dots(const uint4* wrow, const bf16_t* xs, int K,
   }
 }
 
-template <int XR, int J>  // the same with this lane's x fragment in registers (XREG)
-__device__ __forceinline__ void dots_reg(const uint4* wrow, const uint4 (&xr)[XR][J], int lane, float (&acc)[XR][2]) {
-#pragma unroll
-  for (int j = 0; j < J; ++j) {
-    const uint4 w = wrow[j * 32 + lane];
-    const float wf[8] = {lo(w.x), hi(w.x), lo(w.y), hi(w.y), lo(w.z), hi(w.z), lo(w.w), hi(w.w)};
-#pragma unroll
-    for (int r = 0; r < XR; ++r) {
-      const uint4 xv = xr[r][j];
-      float& c = acc[r][j & 1];
-      c = fmaf(wf[0], lo(xv.x), c); c = fmaf(wf[1], hi(xv.x), c);
-      c = fmaf(wf[2], lo(xv.y), c); c = fmaf(wf[3], hi(xv.y), c);
-      c = fmaf(wf[4], lo(xv.z), c); c = fmaf(wf[5], hi(xv.z), c);
-      c = fmaf(wf[6], lo(xv.w), c); c = fmaf(wf[7], hi(xv.w), c);
-    }
-  }
-}
-
-struct Cursor { int l, p, u, half; };
+struct Cursor { int l, p, u, half; };  // half: w2's piece of K (0 .. W2P - 1; halves by default)
 __device__ __forceinline__ bool advance(Cursor& c, int sm, int nsm, int layers) {  // the next unit of this SM's order
   if (c.p == 3 && c.half < W2P - 1) { ++c.half; return true; }
   c.half = 0;
@@ -143,7 +173,8 @@ __device__ __forceinline__ void produce(const PArgs& a, unsigned long long* full
     if (AHEAD && fmore) { issue<true>(a, f, 0, 0); fmore = advance(f, sm, nsm, a.layers); }
     const int s = n % S;
     if (n >= S) wait_parity(saddr(&empty[s]), ((n / S) - 1) & 1);
-    if ((sm == 0 || sm == nsm - 1) && c.u == sm && c.half == 0) a.stamps[(((sm ? 1 : 0) * a.layers + c.l) * 4 + c.p) * 12 + 7] = now();
+    unsigned long long* st = c.u == sm && c.half == 0 ? stamp_row(a, c.l, c.p) : nullptr;
+    if (st) st[7] = now();
     issue<false>(a, c, saddr(ring + s * STAGE), saddr(&full[s]));
   }
 }
@@ -151,12 +182,11 @@ __device__ __forceinline__ void produce(const PArgs& a, unsigned long long* full
 // AHEAD: units prefetched into L2 ahead of the ring; XREG: x's fragment in registers for the phase (K = D)
 template <int XR, int COPY, int BARRIERS, int AHEAD, int XREG>
 __device__ void run(const PArgs& a) {
-  extern __shared__ __align__(128) unsigned char smem[];
-  unsigned long long* full = (unsigned long long*)smem;
-  unsigned long long* empty = full + S;
-  unsigned char* ring = smem + 128;
-  bf16_t* xs = (bf16_t*)(ring + S * STAGE);
-  float* exch = (float*)(xs + XR * F);  // [group][2][8 rows][XR]
+  const Smem m = smem_layout<XR>();
+  unsigned long long *full = m.full, *empty = m.empty;
+  unsigned char* ring = m.ring;
+  bf16_t* xs = m.xs;
+  float* exch = m.exch;  // [group][2][8 rows][XR]
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, sm = blockIdx.x, nsm = a.nsm;
   init_ring(full, empty, 8);  // empty: one group's warps
 
@@ -174,24 +204,9 @@ __device__ void run(const PArgs& a) {
       if (st) st[0] = now();
       // the phase's input: written by the phase before, on every SM
       const int prev = l * 4 + p - 1;
-      if (prev >= 0 && BARRIERS) {
-        if (threadIdx.x == 0) {
-          unsigned c = 0;
-          do asm volatile("ld.acquire.gpu.u32 %0, [%1];" : "=r"(c) : "l"(a.counters + prev) : "memory");
-          while (c < (unsigned)nsm);
-        }
-        consumers_sync();
-      }
+      if (prev >= 0 && BARRIERS) wait_count(a, prev, nsm);  // every SM counts the phase once
       if (st) st[5] = now();
-      for (int i = threadIdx.x; i < XR * K / 8; i += 512) {  // 8 elements each
-        const int r = i / (K / 8), k = (i % (K / 8)) * 8;
-        uint4 v;
-        if (p == 0) v = __ldcg((const uint4*)(a.x + r * D + k));
-        else if (p == 1) v = __ldcg((const uint4*)(a.qkv + r * 3 * D + k));
-        else if (p == 2) v = __ldcg((const uint4*)(a.h + r * D + k));
-        else v = __ldcg((const uint4*)(a.gu + r * F + k));
-        *(uint4*)(xs + r * K + k) = v;
-      }
+      stage_x<XR>(a, p, xs);
       if (st) st[1] = now();
       consumers_sync();
       if (st) st[2] = now();
@@ -219,10 +234,11 @@ __device__ void run(const PArgs& a) {
             #pragma unroll
             for (int r = 0; r < XR; ++r) acc[r][0] = acc[r][1] = 0.f;
           const uint4* wrow = (const uint4*)(ring + s * STAGE + gw * L * 2);
-          if (p == 3 && L == W2K) dots<XR, W2K / 256>(wrow, xs + koff, F, lane, acc);
-          else if (p == 3) dots<XR, W2LAST / 256>(wrow, xs + koff, F, lane, acc);
-          else if (XREG) dots_reg<XR, D / 256>(wrow, xr, lane, acc);
-          else dots<XR, D / 256>(wrow, xs, D, lane, acc);
+          const auto from_smem = [=](int r, int j) { return *(const uint4*)(xs + r * K + koff + j * 256 + lane * 8); };
+          if (p == 3 && L == W2K) dots<XR, W2K / 256>(wrow, lane, acc, from_smem);
+          else if (p == 3) dots<XR, W2LAST / 256>(wrow, lane, acc, from_smem);
+          else if (XREG) dots<XR, D / 256>(wrow, lane, acc, [&](int r, int j) { return xr[r][j]; });
+          else dots<XR, D / 256>(wrow, lane, acc, from_smem);
           if (st && u == sm && half == 0) st[9] = clock64();
           __syncwarp();
           if (lane == 0 && COPY != 2) asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(saddr(&empty[s])) : "memory");
@@ -243,8 +259,7 @@ __device__ void run(const PArgs& a) {
             if (lane < XR) ex[gw * XR + lane] = rb(v);
             group_sync(group);
             if (gw < 4 && lane < XR) {
-              const float g = ex[gw * XR + lane], up = ex[(gw + 4) * XR + lane];
-              a.gu[lane * F + u * 4 + gw] = to_bf16(rb(g / (1.f + expf(-g))) * up);
+              a.gu[lane * F + u * 4 + gw] = to_bf16(silu_up(ex[gw * XR + lane], ex[(gw + 4) * XR + lane]));
             }
             continue;
           }
@@ -318,14 +333,16 @@ __device__ __forceinline__ void take_stage(unsigned long long* full, unsigned lo
   if (lane == 0 && COPY < 2) asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(saddr(&empty[s])) : "memory");
 }
 
+// column 2q + i of row g (lane (g, q)) of a unit: its four accumulators summed
+__device__ __forceinline__ float tc_sum(const float (&d)[4][4], int i) { return (d[0][i] + d[1][i]) + (d[2][i] + d[3][i]); }
+
 // FLAGS: 1 counts each unit with red.release instead of a fence and an atomic add; 2 skips x's staging (COPY 3 only)
 template <int XR, int COPY, int BARRIERS, int FLAGS = 0>
 __device__ void run_mma(const PArgs& a) {
-  extern __shared__ __align__(128) unsigned char smem[];
-  unsigned long long* full = (unsigned long long*)smem;
-  unsigned long long* empty = full + S;
-  unsigned char* ring = smem + 128;
-  bf16_t* xs = (bf16_t*)(ring + S * STAGE);
+  const Smem m = smem_layout<XR>();
+  unsigned long long *full = m.full, *empty = m.empty;
+  unsigned char* ring = m.ring;
+  bf16_t* xs = m.xs;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, sm = blockIdx.x, nsm = a.nsm, g = lane >> 2, q = lane & 3;
   init_ring(full, empty, 1);  // empty: the owning warp
   if (warp == CW) {
@@ -338,22 +355,10 @@ __device__ void run_mma(const PArgs& a) {
       const int K = p == 3 ? F : D;
       unsigned long long* st = stamps(a, l, p);
       if (st) st[0] = now();
-      const int prev = l * 4 + p - 1;  // the phase before: done when each of its units is counted
-      if (prev >= 0 && BARRIERS) {
-        if (threadIdx.x == 0) {
-          const unsigned want = units(prev % 4);
-          unsigned c = 0;
-          do asm volatile("ld.acquire.gpu.u32 %0, [%1];" : "=r"(c) : "l"(a.counters + prev) : "memory");
-          while (c < want);
-        }
-        consumers_sync();
-      }
+      const int prev = l * 4 + p - 1;
+      if (prev >= 0 && BARRIERS) wait_count(a, prev, units(prev % 4));  // each of its units counted
       if (st) st[5] = now();
-      if (!(FLAGS & 2)) for (int i = threadIdx.x; i < XR * K / 8; i += 512) {
-        const int r = i / (K / 8), k = (i % (K / 8)) * 8;
-        const bf16_t* src = p == 0 ? a.x + r * D : p == 1 ? a.qkv + r * 3 * D : p == 2 ? a.h + r * D : a.gu + r * F;
-        *(uint4*)(xs + r * K + k) = __ldcg((const uint4*)(src + k));
-      }
+      if (!(FLAGS & 2)) stage_x<XR>(a, p, xs);
       if (st) st[1] = now();
       consumers_sync();
       if (st) st[2] = now();
@@ -364,14 +369,12 @@ __device__ void run_mma(const PArgs& a) {
           if (mine % CW != warp) continue;
           take_stage<XR, 1, COPY>(full, empty, ring, xs, n, p, half, 0, lane, d, st && u == sm && half == 0 ? st : nullptr);
           if (p == 3 && half < W2P - 1) continue;
-          // lane (g, q) holds row g's columns 2q, 2q + 1 of the unit
-          const float v0 = (d[0][0] + d[1][0]) + (d[2][0] + d[3][0]), v1 = (d[0][1] + d[1][1]) + (d[2][1] + d[3][1]);
+          const float v0 = tc_sum(d, 0), v1 = tc_sum(d, 1);
           if (p == 2) {  // the unit's columns 0-3 are gate rows 4u.., 4-7 the same up rows: lane q + 2 holds q's up
             const float u0 = __shfl_down_sync(0xffffffffu, v0, 2), u1 = __shfl_down_sync(0xffffffffu, v1, 2);
             if (g < XR && q < 2) {
-              const float g0 = rb(v0), g1 = rb(v1);
-              a.gu[g * F + u * 4 + 2 * q] = to_bf16(rb(g0 / (1.f + expf(-g0))) * rb(u0));
-              a.gu[g * F + u * 4 + 2 * q + 1] = to_bf16(rb(g1 / (1.f + expf(-g1))) * rb(u1));
+              a.gu[g * F + u * 4 + 2 * q] = to_bf16(silu_up(v0, u0));
+              a.gu[g * F + u * 4 + 2 * q + 1] = to_bf16(silu_up(v1, u1));
             }
           } else if (g < XR) {
             bf16_t* out = p == 0 ? a.qkv + g * 3 * D : p == 1 ? a.h + g * D : a.x + g * D;
@@ -407,12 +410,11 @@ __device__ __forceinline__ unsigned pack(float lo_, float hi_) { return (unsigne
 template <int XR, int NW, int COPY, int WAIT, int POLL = CW>  // POLL: the warps that read the phase's input
 __device__ void run_ll(const PArgs& a) {
   constexpr int G = CW / NW;  // groups of NW warps, taking this SM's units in turn
-  extern __shared__ __align__(128) unsigned char smem[];
-  unsigned long long* full = (unsigned long long*)smem;
-  unsigned long long* empty = full + S;
-  unsigned char* ring = smem + 128;
-  bf16_t* xs = (bf16_t*)(ring + S * STAGE);
-  float* exch = (float*)(xs + XR * F);  // [G][2 units][NW][4 XR lanes][2]
+  const Smem m = smem_layout<XR>();
+  unsigned long long *full = m.full, *empty = m.empty;
+  unsigned char* ring = m.ring;
+  bf16_t* xs = m.xs;
+  float* exch = m.exch;  // [G][2 units][NW][4 XR lanes][2]
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, sm = blockIdx.x, nsm = a.nsm, g = lane >> 2, q = lane & 3;
   const int group = warp / NW, gw = warp % NW;
   init_ring(full, empty, NW);  // empty: the group's warps
@@ -457,7 +459,7 @@ __device__ void run_ll(const PArgs& a) {
           if (mine % G != group) continue;
           take_stage<XR, NW, COPY>(full, empty, ring, xs, n, p, half, gw, lane, d, st && u == sm && half == 0 ? st : nullptr);
           if (p == 3 && half < W2P - 1) continue;
-          float v0 = (d[0][0] + d[1][0]) + (d[2][0] + d[3][0]), v1 = (d[0][1] + d[1][1]) + (d[2][1] + d[3][1]);
+          float v0 = tc_sum(d, 0), v1 = tc_sum(d, 1);
           if (NW > 1) {  // the group's partials, summed in warp order by its first warp
             float* ex = exch + ((group * 2 + (mine / G) % 2) * NW) * 4 * XR * 2;
             if (lane < 4 * XR) { ex[(gw * 4 * XR + lane) * 2] = v0; ex[(gw * 4 * XR + lane) * 2 + 1] = v1; }
@@ -469,10 +471,7 @@ __device__ void run_ll(const PArgs& a) {
           const unsigned flag = 4 * l + p + 2;
           if (p == 2) {  // the unit's columns 0-3 are gate rows 4u.., 4-7 the same up rows: lane q + 2 holds q's up
             const float u0 = __shfl_down_sync(0xffffffffu, v0, 2), u1 = __shfl_down_sync(0xffffffffu, v1, 2);
-            if (g < XR && q < 2) {
-              const float g0 = rb(v0), g1 = rb(v1);
-              ll_store(a.gull + g * (F / 2) + u * 2 + q, pack(rb(g0 / (1.f + expf(-g0))) * rb(u0), rb(g1 / (1.f + expf(-g1))) * rb(u1)), flag);
-            }
+            if (g < XR && q < 2) ll_store(a.gull + g * (F / 2) + u * 2 + q, pack(silu_up(v0, u0), silu_up(v1, u1)), flag);
           } else if (g < XR) {
             uint2* out = p == 0 ? a.qkvll + g * (3 * D / 2) : p == 1 ? a.hll + g * (D / 2) : a.xll + g * (D / 2);
             ll_store(out + u * 4 + q, pack(v0, v1), flag);

@@ -33,7 +33,7 @@ STAGE = max(8 * D * 2, 8 * ((F // W2P + 255) // 256 * 256) * 2)  # bytes, as per
 VARIANTS = eval(os.environ.get("VARIANTS", "[(0, 1, 0, 0), (1, 0, 0, 0), (1, 1, 0, 0), (2, 0, 0, 0), ('m', 0, 1, 1), "
                                            "('m', 3, 1, 1), ('ll', 1, 0, 1), ('ll', 2, 0, 1), ('ll', 4, 0, 1), "
                                            "('ll', 8, 0, 1), ('ll', 4, 3, 1), ('ll', 4, 2, 0), ('ll', 4, 1, 1)]"))
-SMEM = 128 + STAGES * STAGE + R * F * 2 + 2048  # barriers, the ring, x, the consumers' exchange
+SMEM = 128 + STAGES * STAGE + R * F * 2 + 2048  # as persistent_chain.cu's SMEM_BYTES
 STAMPS = ["producer issued", "start", "barrier passed", "x staged", "x synced", "first unit in", "units done", "signalled"]
 STAMP_SLOTS = (7, 0, 5, 1, 2, 6, 3, 4)
 dev, bf = "cuda", torch.bfloat16
