@@ -16,7 +16,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch
 
 from fast_inference import smem_gemv as S
-from graph_timing import launch, timed
+from graph_timing import launch, require_sm90, timed
+
+require_sm90("bulk_stream_probe.py")
 
 BLOCK = 40_632_320  # bytes of one GPT-XL block's four projections
 VARIANTS = [(20480, 7, 1, 1), (28672, 7, 1, 1), (28672, 7, 1, 8), (4096, 32, 1, 1), (8192, 16, 1, 1),

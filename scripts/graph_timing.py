@@ -1,10 +1,16 @@
-"""Timing for the CUDA C++ probes (persistent_chain_probe.py, bulk_stream_probe.py): a driver launch on the current
-stream, and the best time of a CUDA graph of it."""
+"""Timing for the CUDA C++ probes (persistent_chain_probe.py, bulk_stream_probe.py): the GPU they need, a driver
+launch on the current stream, and the best time of a CUDA graph of it."""
 import ctypes
 
 import torch
 
 from fast_inference import smem_gemv as S
+
+
+def require_sm90(script):
+    """Exit with one line unless a GPU of compute capability 9.0+ with NVRTC is here (the probes' kernels need it)."""
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9:
+        raise SystemExit(f"{script}: needs an NVIDIA GPU of compute capability 9.0 or later (H100, H200); run it there")
 
 
 def launch(f, blocks, threads, smem, params):

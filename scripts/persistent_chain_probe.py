@@ -23,7 +23,9 @@ import torch.nn.functional as Fn
 
 from fast_inference import decode_block as B
 from fast_inference import smem_gemv as S
-from graph_timing import launch, timed
+from graph_timing import launch, require_sm90, timed
+
+require_sm90("persistent_chain_probe.py")
 
 D, F, H, R = 1280, 3584, 20, 2  # GPT-XL width, MLP width, heads; rows
 L = int(os.environ.get("LAYERS", 8))
