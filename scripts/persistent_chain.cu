@@ -7,7 +7,7 @@
 //   run_mma: a warp per unit, mma.sync m16n8k16 with the unit's rows as B's columns; a grid-wide count;
 //   run_ll:  NW warps per unit on the tensor cores; the values carry their own flags (the fastest, 17.2-17.5 us).
 // Modes that take the chain apart: COPY 1 consumers only take and free stages; COPY 2 no copies (products on the
-// ring as it is); COPY 3 (run_mma, run_ll) neither; BARRIERS / WAIT 0 skip the waits for the phase's input (results
+// ring as it is); COPY 3 (run_mma, run_ll) neither; COPY 4 (run_ll) the producer alone; BARRIERS / WAIT 0 skip the waits for the phase's input (results
 // then wrong).
 typedef unsigned short bf16_t;
 struct PArgs {
@@ -26,9 +26,12 @@ constexpr int STAGE = (8 * D * 2 > 8 * W2K * 2 ? 8 * D * 2 : 8 * W2K * 2);  // b
 __device__ __forceinline__ int w2_start(int h) { return h * W2K; }
 __device__ __forceinline__ int w2_len(int h) { return h < W2P - 1 ? W2K : F - (W2P - 1) * W2K; }
 constexpr int W2LAST = F - (W2P - 1) * W2K;
-// what a program asks for at up to 2 rows (the probe's SMEM): the ring's barriers, its stages, x, the exchange
-constexpr int SMEM_BYTES = 128 + S * STAGE + 2 * F * 2 + 2048;
-static_assert(SMEM_BYTES <= 227 * 1024, "the ring, x and the exchange fit a program's shared memory");
+// the consumers' exchange at XR rows: run_ll's partials, [CW warps][2 units][lanes holding rows][a lane's values]
+__host__ __device__ constexpr int exch_bytes(int xr) { return CW * 2 * (4 * xr < 32 ? 4 * xr : 32) * (xr > 8 ? 4 : 2) * 4; }
+// x's buffers: two at up to 2 rows (run_ll's SLICE alternates them phase by phase), else one
+__host__ __device__ constexpr int xs_bufs(int xr) { return xr <= 2 ? 2 : 1; }
+// what a program asks for at XR rows (the probe's SMEM): the ring's barriers, its stages, x, the exchange
+__host__ __device__ constexpr int smem_bytes(int xr) { return 128 + S * STAGE + xs_bufs(xr) * xr * F * 2 + exch_bytes(xr); }
 
 __device__ __forceinline__ unsigned saddr(const void* p) { return (unsigned)__cvta_generic_to_shared(p); }
 __device__ __forceinline__ float lo(unsigned u) { return __uint_as_float(u << 16); }
@@ -41,6 +44,12 @@ __device__ __forceinline__ void wait_parity(unsigned bar, unsigned parity) {
   while (!done)
     asm volatile("{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2; selp.u32 %0, 1, 0, p; }"
                  : "=r"(done) : "r"(bar), "r"(parity) : "memory");
+}
+__device__ __forceinline__ bool test_parity(unsigned bar, unsigned parity) {  // without waiting
+  unsigned done;
+  asm volatile("{ .reg .pred p; mbarrier.test_wait.parity.shared::cta.b64 p, [%1], %2; selp.u32 %0, 1, 0, p; }"
+               : "=r"(done) : "r"(bar), "r"(parity) : "memory");
+  return done;
 }
 __device__ __forceinline__ void bulk(unsigned dst, const void* src, int bytes, unsigned bar) {
   asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
@@ -78,10 +87,11 @@ struct Smem {
 };
 template <int XR>
 __device__ __forceinline__ Smem smem_layout() {
+  static_assert(smem_bytes(XR) <= 227 * 1024, "the ring, x and the exchange fit a program's shared memory");
   extern __shared__ __align__(128) unsigned char smem[];
   unsigned long long* full = (unsigned long long*)smem;
   bf16_t* xs = (bf16_t*)(smem + 128 + S * STAGE);
-  return {full, full + S, smem + 128, xs, (float*)(xs + XR * F)};
+  return {full, full + S, smem + 128, xs, (float*)(xs + xs_bufs(XR) * XR * F)};
 }
 
 // phase p's geometry: rows per unit 8; K; units (w2: row groups, W2P pieces each)
@@ -97,13 +107,22 @@ __device__ __forceinline__ void wait_count(const PArgs& a, int prev, unsigned wa
   consumers_sync();
 }
 // phase p's input (x, qkv's first D, h, SiLU x up), XR rows, from L2 into xs [XR][K]
-template <int XR>
+// XB: a thread's 16-byte pieces loaded at once (one at a time, each waits for L2); more spill at 96 registers
+template <int XR, int XB = 4>
 __device__ __forceinline__ void stage_x(const PArgs& a, int p, bf16_t* xs) {
-  const int K = p == 3 ? F : D;
-  for (int i = threadIdx.x; i < XR * K / 8; i += 512) {  // 8 elements each
+  const int K = p == 3 ? F : D, n = XR * K / 8;
+  const auto src = [&](int i) {
     const int r = i / (K / 8), k = (i % (K / 8)) * 8;
-    const bf16_t* src = p == 0 ? a.x + r * D : p == 1 ? a.qkv + r * 3 * D : p == 2 ? a.h + r * D : a.gu + r * F;
-    *(uint4*)(xs + r * K + k) = __ldcg((const uint4*)(src + k));
+    return (const uint4*)((p == 0 ? a.x + r * D : p == 1 ? a.qkv + r * 3 * D : p == 2 ? a.h + r * D : a.gu + r * F) + k);
+  };
+  for (int base = threadIdx.x; base < n; base += XB * 512) {
+    uint4 v[XB];
+#pragma unroll
+    for (int j = 0; j < XB; ++j)
+      if (base + j * 512 < n) v[j] = __ldcg(src(base + j * 512));
+#pragma unroll
+    for (int j = 0; j < XB; ++j)
+      if (base + j * 512 < n) ((uint4*)xs)[base + j * 512] = v[j];
   }
 }
 // SiLU of the gate times up, each rounded to bf16 as the model's ops are (the result left for its store to round)
@@ -132,11 +151,22 @@ __device__ __forceinline__ void dots(const uint4* wrow, int lane, float (&acc)[X
   }
 }
 
+// ROT 1: phase (l, p)'s units dealt on from the SM after the one that took the last unit before it, in stages (w2's
+// W2P a unit), so the SMs that take one unit more than the rest change phase by phase; ROT 0: from SM 0 in every
+// phase, so SM 0 streams ~21% more than the average SM in a block, and every phase waits for it
+constexpr int ROT = 0;
+__device__ __forceinline__ int first_unit(int sm, int nsm, int l, int p) {
+  if (!ROT) return sm;
+  int o = l * (units(0) + units(1) + units(2) + W2P * units(3));
+  for (int q = 0; q < p; ++q) o += units(q);
+  return ((sm - o) % nsm + nsm) % nsm;  // unit u goes to SM (u + o) % nsm
+}
+
 struct Cursor { int l, p, u, half; };  // half: w2's piece of K (0 .. W2P - 1; halves by default)
 __device__ __forceinline__ bool advance(Cursor& c, int sm, int nsm, int layers) {  // the next unit of this SM's order
   if (c.p == 3 && c.half < W2P - 1) { ++c.half; return true; }
   c.half = 0;
-  for (c.u += nsm; c.u >= units(c.p); c.u = sm)
+  for (c.u += nsm; c.u >= units(c.p); c.u = first_unit(sm, nsm, c.l, c.p))
     if (++c.p == 4) { c.p = 0; if (++c.l == layers) return false; }
   return true;
 }
@@ -162,21 +192,33 @@ __device__ __forceinline__ void issue(const PArgs& a, const Cursor& c, unsigned 
   }
 }
 
-// the producer lane: this SM's units in order into the ring; a second cursor AHEAD units further prefetches into L2
-template <int COPY, int AHEAD>
+// the producer lane: this SM's units in order into the ring; a second cursor AHEAD units further prefetches into L2.
+// PF: while the ring is full (its consumers wait for a phase's input), the next PF units go into L2, the bus idle else
+template <int COPY, int AHEAD, int PF = 0>
 __device__ __forceinline__ void produce(const PArgs& a, unsigned long long* full, unsigned long long* empty, unsigned char* ring, int sm, int nsm, int lane) {
   if (lane || COPY == 2) return;  // COPY 2: no copies, the consumers compute on the ring as it is
-  Cursor c{0, 0, sm, 0}, f{0, 0, sm, 0};
-  bool more = true, fmore = true;
+  const int u0 = first_unit(sm, nsm, 0, 0);
+  Cursor c{0, 0, u0, 0}, f{0, 0, u0, 0}, b{0, 0, u0, 0};
+  bool more = true, fmore = true, bmore = true;
+  int nb = 0;  // b's ordinal: units before it are in L2 or already past
   for (int i = 0; i < AHEAD && fmore; ++i) { issue<true>(a, f, 0, 0); fmore = advance(f, sm, nsm, a.layers); }
-  for (int n = 0; more; ++n, more = advance(c, sm, nsm, a.layers)) {
+  int n = 0;
+  for (; more; ++n, more = advance(c, sm, nsm, a.layers)) {
     if (AHEAD && fmore) { issue<true>(a, f, 0, 0); fmore = advance(f, sm, nsm, a.layers); }
     const int s = n % S;
-    if (n >= S) wait_parity(saddr(&empty[s]), ((n / S) - 1) & 1);
-    unsigned long long* st = c.u == sm && c.half == 0 ? stamp_row(a, c.l, c.p) : nullptr;
+    if (n >= S && PF) {
+      const unsigned bar = saddr(&empty[s]), parity = ((n / S) - 1) & 1;
+      for (; bmore && nb < n; ++nb) bmore = advance(b, sm, nsm, a.layers);
+      while (!test_parity(bar, parity))
+        if (bmore && nb < n + PF) { issue<true>(a, b, 0, 0); bmore = advance(b, sm, nsm, a.layers); ++nb; }
+    }
+    if (n >= S) wait_parity(saddr(COPY == 4 ? &full[s] : &empty[s]), ((n / S) - 1) & 1);  // 4: its own landing
+    unsigned long long* st = c.u == first_unit(sm, nsm, c.l, c.p) && c.half == 0 ? stamp_row(a, c.l, c.p) : nullptr;
     if (st) st[7] = now();
     issue<false>(a, c, saddr(ring + s * STAGE), saddr(&full[s]));
   }
+  if (COPY == 4)  // the last copies land before the program ends
+    for (int k = n > S ? n - S : 0; k < n; ++k) wait_parity(saddr(&full[k % S]), (k / S) & 1);
 }
 
 // AHEAD: units prefetched into L2 ahead of the ring; XREG: x's fragment in registers for the phase (K = D)
@@ -206,7 +248,7 @@ __device__ void run(const PArgs& a) {
       const int prev = l * 4 + p - 1;
       if (prev >= 0 && BARRIERS) wait_count(a, prev, nsm);  // every SM counts the phase once
       if (st) st[5] = now();
-      stage_x<XR>(a, p, xs);
+      stage_x<XR, XREG ? 1 : 4>(a, p, xs);  // x in registers leaves none for loads at once
       if (st) st[1] = now();
       consumers_sync();
       if (st) st[2] = now();
@@ -219,12 +261,13 @@ __device__ void run(const PArgs& a) {
       float acc[XR][2];
       const int group = warp / 8, gw = warp % 8;
       int mine = 0;  // this SM's unit ordinal in the phase: group (ordinal % 2) takes it
-      for (int u = sm; u < units(p); u += nsm, ++mine)
+      const int u0 = first_unit(sm, nsm, l, p);
+      for (int u = u0; u < units(p); u += nsm, ++mine)
         for (int half = 0; half < (p == 3 ? W2P : 1); ++half, ++n) {
           if (mine % 2 != group) continue;
           const int s = n % S, L = p == 3 ? w2_len(half) : D, koff = p == 3 ? w2_start(half) : 0;
           if (COPY != 2) wait_parity(saddr(&full[s]), (n / S) & 1);
-          if (st && u == sm && half == 0) { st[6] = now(); st[8] = clock64(); }
+          if (st && u == u0 && half == 0) { st[6] = now(); st[8] = clock64(); }
           if (COPY == 1) {
             __syncwarp();
             if (lane == 0) asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(saddr(&empty[s])) : "memory");
@@ -239,11 +282,11 @@ __device__ void run(const PArgs& a) {
           else if (p == 3) dots<XR, W2LAST / 256>(wrow, lane, acc, from_smem);
           else if (XREG) dots<XR, D / 256>(wrow, lane, acc, [&](int r, int j) { return xr[r][j]; });
           else dots<XR, D / 256>(wrow, lane, acc, from_smem);
-          if (st && u == sm && half == 0) st[9] = clock64();
+          if (st && u == u0 && half == 0) st[9] = clock64();
           __syncwarp();
           if (lane == 0 && COPY != 2) asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(saddr(&empty[s])) : "memory");
           if (p == 3 && half < W2P - 1) continue;
-          if (st && u == sm) st[10] = clock64();
+          if (st && u == u0) st[10] = clock64();
           float res[XR];
           #pragma unroll
           for (int r = 0; r < XR; ++r) {
@@ -280,38 +323,42 @@ __device__ void run(const PArgs& a) {
 }
 
 // the tensor-core consumer: a warp owns whole units (ordinal % 16), mma.sync m16n8k16 with the unit's 8 weight rows as
-// B's 8 columns and x's XR rows as A's first rows. K is relabelled within each 32-wide chunk, the same way for x and W:
-// a lane's 16-byte load at chunk + 8 q of weight row g (x row g) is its B (A) fragment for two k-steps.
-__device__ __forceinline__ void mma16816(float (&d)[4], unsigned a0, unsigned a2, unsigned b0, unsigned b1) {
+// B's 8 columns and x's XR rows (up to 16) as A's rows. K is relabelled within each 32-wide chunk, the same way for x
+// and W: a lane's 16-byte load at chunk + 8 q of weight row g (x rows g and g + 8) is its B (A) fragment for two
+// k-steps. Lane (g, q) ends with row g's columns 2q, 2q + 1 in d[.][0..1] and row g + 8's in d[.][2..3].
+__device__ __forceinline__ void mma16816(float (&d)[4], unsigned a0, unsigned a1, unsigned a2, unsigned a3, unsigned b0, unsigned b1) {
   asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
-               : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]) : "r"(a0), "r"(0u), "r"(a2), "r"(0u), "r"(b0), "r"(b1));
+               : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]) : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
+// xrow: x row g at this lane's offset, K its row stride (row g + 8 is xrow + 8 K)
 template <int XR, int CHUNKS>
-__device__ __forceinline__ void mma_dots(const unsigned char* wrow, const bf16_t* xrow, bool has_x, float (&d)[4][4]) {
-#pragma unroll 8
+__device__ __forceinline__ void mma_dots(const unsigned char* wrow, const bf16_t* xrow, int K, int g, float (&d)[4][4]) {
+  const uint4 z = make_uint4(0, 0, 0, 0);
+  constexpr int UNROLL = XR > 8 && CHUNKS > 8 ? 2 : 8;  // 544 threads cap ptxas at 96 registers: with row g + 8 too, 8 chunks of 40 spill
+#pragma unroll UNROLL
   for (int c = 0; c < CHUNKS; ++c) {
     const uint4 w = *(const uint4*)(wrow + c * 64);
-    const uint4 x = has_x ? *(const uint4*)(xrow + c * 32) : make_uint4(0, 0, 0, 0);
-    mma16816(d[(2 * c) & 3], x.x, x.y, w.x, w.y);
-    mma16816(d[(2 * c + 1) & 3], x.z, x.w, w.z, w.w);
+    const uint4 x = g < XR ? *(const uint4*)(xrow + c * 32) : z;
+    const uint4 x8 = XR > 8 && g + 8 < XR ? *(const uint4*)(xrow + 8 * K + c * 32) : z;
+    mma16816(d[(2 * c) & 3], x.x, x8.x, x.y, x8.y, w.x, w.y);
+    mma16816(d[(2 * c + 1) & 3], x.z, x8.z, x.w, x8.w, w.z, w.w);
   }
 }
 
 // a stage's products on the tensor cores for warp gw of the NW warps sharing its unit (a slice of K each)
 template <int XR, int NW>
 __device__ __forceinline__ void tc_stage(const unsigned char* stage, const bf16_t* xs, int p, int half, int gw, int lane, float (&d)[4][4]) {
-  const int g = lane >> 2, q = lane & 3;
-  const bool hx = g < XR;
-  const bf16_t* x3 = xs + (hx ? g : 0) * F + w2_start(half) + q * 8;
+  const int g = lane >> 2, q = lane & 3, xg = g < XR ? g : 0;
+  const bf16_t* x3 = xs + xg * F + w2_start(half) + q * 8;
   if (p == 3 && w2_len(half) == W2K) {
     constexpr int C = W2K / 32 / NW;
-    mma_dots<XR, C>(stage + q * 16 + g * W2K * 2 + gw * C * 64, x3 + gw * C * 32, hx, d);
+    mma_dots<XR, C>(stage + q * 16 + g * W2K * 2 + gw * C * 64, x3 + gw * C * 32, F, g, d);
   } else if (p == 3) {
     constexpr int C = W2LAST / 32 / NW;
-    mma_dots<XR, C>(stage + q * 16 + g * W2LAST * 2 + gw * C * 64, x3 + gw * C * 32, hx, d);
+    mma_dots<XR, C>(stage + q * 16 + g * W2LAST * 2 + gw * C * 64, x3 + gw * C * 32, F, g, d);
   } else {
     constexpr int C = D / 32 / NW;
-    mma_dots<XR, C>(stage + q * 16 + g * D * 2 + gw * C * 64, xs + (hx ? g : 0) * D + q * 8 + gw * C * 32, hx, d);
+    mma_dots<XR, C>(stage + q * 16 + g * D * 2 + gw * C * 64, xs + xg * D + q * 8 + gw * C * 32, D, g, d);
   }
 }
 
@@ -336,6 +383,18 @@ __device__ __forceinline__ void take_stage(unsigned long long* full, unsigned lo
 // column 2q + i of row g (lane (g, q)) of a unit: its four accumulators summed
 __device__ __forceinline__ float tc_sum(const float (&d)[4][4], int i) { return (d[0][i] + d[1][i]) + (d[2][i] + d[3][i]); }
 
+// gate/up's unit: columns 0-3 are gate rows 4u.., 4-7 the same up rows, so lane (g, q + 2) holds (g, q)'s up. Lanes
+// q < 2 turn their v into SiLU(gate) x up, row g's and row g + 8's, and say so.
+__device__ __forceinline__ bool unit_ups(float (&v)[4]) {
+  float u[4];
+#pragma unroll
+  for (int i = 0; i < 4; ++i) u[i] = __shfl_down_sync(0xffffffffu, v[i], 2);
+  if ((threadIdx.x & 3) >= 2) return false;
+#pragma unroll
+  for (int i = 0; i < 4; ++i) v[i] = silu_up(v[i], u[i]);
+  return true;
+}
+
 // FLAGS: 1 counts each unit with red.release instead of a fence and an atomic add; 2 skips x's staging (COPY 3 only)
 template <int XR, int COPY, int BARRIERS, int FLAGS = 0>
 __device__ void run_mma(const PArgs& a) {
@@ -358,28 +417,28 @@ __device__ void run_mma(const PArgs& a) {
       const int prev = l * 4 + p - 1;
       if (prev >= 0 && BARRIERS) wait_count(a, prev, units(prev % 4));  // each of its units counted
       if (st) st[5] = now();
-      if (!(FLAGS & 2)) stage_x<XR>(a, p, xs);
+      if (!(FLAGS & 2)) stage_x<XR, 2>(a, p, xs);
       if (st) st[1] = now();
       consumers_sync();
       if (st) st[2] = now();
       int mine = 0;
       float d[4][4];
-      for (int u = sm; u < units(p); u += nsm, ++mine)
+      const int u0 = first_unit(sm, nsm, l, p);
+      for (int u = u0; u < units(p); u += nsm, ++mine)
         for (int half = 0; half < (p == 3 ? W2P : 1); ++half, ++n) {
           if (mine % CW != warp) continue;
-          take_stage<XR, 1, COPY>(full, empty, ring, xs, n, p, half, 0, lane, d, st && u == sm && half == 0 ? st : nullptr);
+          take_stage<XR, 1, COPY>(full, empty, ring, xs, n, p, half, 0, lane, d, st && u == u0 && half == 0 ? st : nullptr);
           if (p == 3 && half < W2P - 1) continue;
-          const float v0 = tc_sum(d, 0), v1 = tc_sum(d, 1);
-          if (p == 2) {  // the unit's columns 0-3 are gate rows 4u.., 4-7 the same up rows: lane q + 2 holds q's up
-            const float u0 = __shfl_down_sync(0xffffffffu, v0, 2), u1 = __shfl_down_sync(0xffffffffu, v1, 2);
-            if (g < XR && q < 2) {
-              a.gu[g * F + u * 4 + 2 * q] = to_bf16(silu_up(v0, u0));
-              a.gu[g * F + u * 4 + 2 * q + 1] = to_bf16(silu_up(v1, u1));
-            }
-          } else if (g < XR) {
-            bf16_t* out = p == 0 ? a.qkv + g * 3 * D : p == 1 ? a.h + g * D : a.x + g * D;
-            out[u * 8 + 2 * q] = to_bf16(v0);
-            out[u * 8 + 2 * q + 1] = to_bf16(v1);
+          float v[4] = {tc_sum(d, 0), tc_sum(d, 1), tc_sum(d, 2), tc_sum(d, 3)};
+          const bool up = p == 2 && unit_ups(v);
+#pragma unroll
+          for (int h8 = 0; h8 < (XR > 8 ? 2 : 1); ++h8) {  // rows g and g + 8
+            const int r = g + 8 * h8;
+            if (r >= XR || (p == 2 && !up)) continue;
+            bf16_t* out = p == 0 ? a.qkv + r * 3 * D : p == 1 ? a.h + r * D : p == 2 ? a.gu + r * F : a.x + r * D;
+            const int col = p == 2 ? u * 4 + 2 * q : u * 8 + 2 * q;
+            out[col] = to_bf16(v[2 * h8]);
+            out[col + 1] = to_bf16(v[2 * h8 + 1]);
           }
           __syncwarp();
           if (lane == 0) {  // this unit's outputs are written: count it
@@ -397,35 +456,54 @@ __device__ void run_mma(const PArgs& a) {
 // bf16 values and the flag of the phase that wrote them (4 l + p + 2; the first input 1), so a reader polls the
 // values themselves: no fence, no count, one trip through L2 per phase boundary. A unit is shared by NW warps, each
 // a slice of K, their partial products summed in warp order through shared memory. WAIT 0 does not poll (timing).
+// LLREL 0: volatile accesses (system scope, as NCCL's LL); 1: relaxed at GPU scope, one 8-byte word each; 2: the
+// stores weak (L2-cached), the loads as 1
+constexpr int LLREL = 0;
 __device__ __forceinline__ void ll_store(uint2* p, unsigned data, unsigned flag) {
-  asm volatile("st.volatile.global.v2.u32 [%0], {%1, %2};" ::"l"(p), "r"(data), "r"(flag) : "memory");
+  if (LLREL == 0) asm volatile("st.volatile.global.v2.u32 [%0], {%1, %2};" ::"l"(p), "r"(data), "r"(flag) : "memory");
+  else if (LLREL == 1) asm volatile("{ .reg .b64 w; mov.b64 w, {%1, %2}; st.relaxed.gpu.global.b64 [%0], w; }" ::"l"(p), "r"(data), "r"(flag) : "memory");
+  else asm volatile("st.global.cg.v2.u32 [%0], {%1, %2};" ::"l"(p), "r"(data), "r"(flag) : "memory");
 }
 __device__ __forceinline__ uint2 ll_load(const uint2* p) {
   uint2 v;
-  asm volatile("ld.volatile.global.v2.u32 {%0, %1}, [%2];" : "=r"(v.x), "=r"(v.y) : "l"(p) : "memory");
+  if (LLREL == 0) asm volatile("ld.volatile.global.v2.u32 {%0, %1}, [%2];" : "=r"(v.x), "=r"(v.y) : "l"(p) : "memory");
+  else asm volatile("{ .reg .b64 w; ld.relaxed.gpu.global.b64 w, [%2]; mov.b64 {%0, %1}, w; }" : "=r"(v.x), "=r"(v.y) : "l"(p) : "memory");
   return v;
 }
 __device__ __forceinline__ unsigned pack(float lo_, float hi_) { return (unsigned)to_bf16(lo_) | ((unsigned)to_bf16(hi_) << 16); }
 
-template <int XR, int NW, int COPY, int WAIT, int POLL = CW>  // POLL: the warps that read the phase's input
+// POLL: the warps that read the phase's input; PF: the producer's L2 prefetch while the ring is full; CNT 1: plain
+// bf16 outputs, each unit counted with red.release, the readers waiting for the count (no flags: at 16 rows the
+// flagged input, twice the bytes, is read whole by every SM); BO: nanoseconds a poller sleeps before it reads a value
+// that was not ready again (the spinning SMs' loads share L2 with the others' copies)
+// DBG (timing only, results wrong): 1 no sum of the group's partials (its other warps move on at once), 2 no stores.
+// XROT 1: each SM reads the input from its own starting point (every SM reads the same few KB: in one order they
+// queue at the same L2 slices). SLICE 1: no staging of the whole input by every consumer and no barrier of them all:
+// the two warps that multiply K-slice gw (one a group) poll that slice alone into x's buffer of the phase's parity
+// and meet at a barrier of their own, so a warp starts as soon as its slice has come
+template <int XR, int NW, int COPY, int WAIT, int POLL = CW, int PF = 0, int CNT = 0, int BO = 0, int DBG = 0, int XROT = 0, int SLICE = 0>
 __device__ void run_ll(const PArgs& a) {
   constexpr int G = CW / NW;  // groups of NW warps, taking this SM's units in turn
+  static_assert(!SLICE || (G == 2 && xs_bufs(XR) == 2 && W2K * W2P == F && !CNT), "SLICE: two groups, two x buffers, equal pieces of w2");
   const Smem m = smem_layout<XR>();
   unsigned long long *full = m.full, *empty = m.empty;
   unsigned char* ring = m.ring;
-  bf16_t* xs = m.xs;
-  float* exch = m.exch;  // [G][2 units][NW][4 XR lanes][2]
+  bf16_t* const xs0 = m.xs;
+  float* exch = m.exch;  // [G][2 units][NW][LN lanes holding rows][V values]
+  constexpr int LN = 4 * XR < 32 ? 4 * XR : 32, V = XR > 8 ? 4 : 2;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, sm = blockIdx.x, nsm = a.nsm, g = lane >> 2, q = lane & 3;
   const int group = warp / NW, gw = warp % NW;
   init_ring(full, empty, NW);  // empty: the group's warps
   if (warp == CW) {
-    produce<COPY >= 2 ? 2 : COPY, 0>(a, full, empty, ring, sm, nsm, lane);
+    produce<COPY == 3 ? 2 : COPY, 0, PF>(a, full, empty, ring, sm, nsm, lane);
     return;
   }
+  if (COPY == 4) return;  // the producer alone, waiting for its own copies to land (as bulk_stream.cu, in this order)
   int n = 0;
   for (int l = 0; l < a.layers; ++l)
     for (int p = 0; p < 4; ++p) {
       const int K = p == 3 ? F : D;
+      bf16_t* const xs = xs0 + (SLICE ? (p & 1) * XR * F : 0);
       unsigned long long* st = stamps(a, l, p);
       if (st) st[0] = st[5] = now();  // no barrier: the poll is part of x's staging
       const uint2* src = p == 0 ? a.xll : p == 1 ? a.qkvll : p == 2 ? a.hll : a.gull;
@@ -433,52 +511,101 @@ __device__ void run_ll(const PArgs& a) {
       const unsigned want = 4 * l + p + 1;
       // POLL warps read the input, PER pairs per thread at a time: all loaded at once, then polled
       constexpr int T = POLL * 32, PER = (XR * F / 2 + T - 1) / T < 8 ? (XR * F / 2 + T - 1) / T : 8;
-      if (threadIdx.x < T)
-        for (int base = threadIdx.x; base < XR * K / 2; base += PER * T) {
+      const int prev = l * 4 + p - 1;
+      if (CNT && prev >= 0 && WAIT) wait_count(a, prev, units(prev % 4));
+      if (CNT) stage_x<XR>(a, p, xs);
+      const int np = XR * K / 2, off = XROT ? sm * np / nsm / 32 * 32 : 0;  // pairs; this SM's first (whole lines)
+      const auto at = [&](int i) { return i + off < np ? i + off : i + off - np; };
+      if (SLICE) {
+        // warp gw's K-slice: D / NW elements, or in each of w2's W2P pieces W2K / NW; P pairs per row and piece
+        const int NR = p == 3 ? W2P : 1, P = (p == 3 ? W2K : D) / NW / 2, total = XR * NR * P;
+        constexpr int SB = 4;  // pairs a thread loads at once (8 spill at 96 registers)
+        for (int base = group * 32 + lane; base < total; base += SB * 64) {
+          uint2 v[SB];
+          int e[SB];  // the pair's first element in x's rows [XR][K]
+#pragma unroll
+          for (int j = 0; j < SB; ++j) {
+            const int i = base + j * 64, r = i / (NR * P), h = i % (NR * P) / P, k = i % P;
+            e[j] = r * K + (p == 3 ? w2_start(h) : 0) + gw * 2 * P + 2 * k;
+            if (i < total) v[j] = ll_load(src + r * stride + (e[j] - r * K) / 2);
+          }
+#pragma unroll
+          for (int j = 0; j < SB; ++j) {
+            const int i = base + j * 64, r = i / (NR * P);
+            if (i >= total) break;
+            while (WAIT && v[j].y != want) v[j] = ll_load(src + r * stride + (e[j] - r * K) / 2);
+            ((unsigned*)xs)[e[j] / 2] = v[j].x;
+          }
+        }
+        asm volatile("bar.sync %0, 64;" ::"r"(4 + gw) : "memory");
+      }
+      if (!SLICE && !CNT && threadIdx.x < T)
+        for (int base = threadIdx.x; base < np; base += PER * T) {
           uint2 v[PER];
 #pragma unroll
           for (int j = 0; j < PER; ++j) {
-            const int i = base + j * T;
-            if (i < XR * K / 2) v[j] = ll_load(src + (i / (K / 2)) * stride + i % (K / 2));
+            const int i = at(base + j * T);
+            if (base + j * T < np) v[j] = ll_load(src + (i / (K / 2)) * stride + i % (K / 2));
           }
 #pragma unroll
           for (int j = 0; j < PER; ++j) {
-            const int i = base + j * T;
-            if (i >= XR * K / 2) break;
-            while (WAIT && v[j].y != want) v[j] = ll_load(src + (i / (K / 2)) * stride + i % (K / 2));
+            if (base + j * T >= np) break;
+            const int i = at(base + j * T);
+            while (WAIT && v[j].y != want) {
+              if (BO) __nanosleep(BO);
+              v[j] = ll_load(src + (i / (K / 2)) * stride + i % (K / 2));
+            }
             ((unsigned*)xs)[i] = v[j].x;
           }
         }
       if (st) st[1] = now();
-      consumers_sync();
+      if (!SLICE) consumers_sync();
       if (st) st[2] = now();
       int mine = 0;
       float d[4][4];
-      for (int u = sm; u < units(p); u += nsm, ++mine)
+      const int u0 = first_unit(sm, nsm, l, p);
+      for (int u = u0; u < units(p); u += nsm, ++mine)
         for (int half = 0; half < (p == 3 ? W2P : 1); ++half, ++n) {
           if (mine % G != group) continue;
-          take_stage<XR, NW, COPY>(full, empty, ring, xs, n, p, half, gw, lane, d, st && u == sm && half == 0 ? st : nullptr);
+          take_stage<XR, NW, COPY>(full, empty, ring, xs, n, p, half, gw, lane, d, st && u == u0 && half == 0 ? st : nullptr);
           if (p == 3 && half < W2P - 1) continue;
-          float v0 = tc_sum(d, 0), v1 = tc_sum(d, 1);
-          if (NW > 1) {  // the group's partials, summed in warp order by its first warp
-            float* ex = exch + ((group * 2 + (mine / G) % 2) * NW) * 4 * XR * 2;
-            if (lane < 4 * XR) { ex[(gw * 4 * XR + lane) * 2] = v0; ex[(gw * 4 * XR + lane) * 2 + 1] = v1; }
+          float v[4] = {tc_sum(d, 0), tc_sum(d, 1), tc_sum(d, 2), tc_sum(d, 3)};
+          if (DBG & 1) {
+            if (gw) continue;
+          } else if (NW > 1) {  // the group's partials, summed in warp order by its first warp
+            float* ex = exch + (group * 2 + (mine / G) % 2) * NW * LN * V;
+            if (lane < LN)
+#pragma unroll
+              for (int i = 0; i < V; ++i) ex[(gw * LN + lane) * V + i] = v[i];
             asm volatile("bar.sync %0, %1;" ::"r"(2 + group), "r"(NW * 32) : "memory");
             if (gw) continue;
-            if (lane < 4 * XR)
-              for (int w = 1; w < NW; ++w) { v0 += ex[(w * 4 * XR + lane) * 2]; v1 += ex[(w * 4 * XR + lane) * 2 + 1]; }
+            if (lane < LN)
+              for (int w = 1; w < NW; ++w)
+#pragma unroll
+                for (int i = 0; i < V; ++i) v[i] += ex[(w * LN + lane) * V + i];
           }
           const unsigned flag = 4 * l + p + 2;
-          if (p == 2) {  // the unit's columns 0-3 are gate rows 4u.., 4-7 the same up rows: lane q + 2 holds q's up
-            const float u0 = __shfl_down_sync(0xffffffffu, v0, 2), u1 = __shfl_down_sync(0xffffffffu, v1, 2);
-            if (g < XR && q < 2) ll_store(a.gull + g * (F / 2) + u * 2 + q, pack(silu_up(v0, u0), silu_up(v1, u1)), flag);
-          } else if (g < XR) {
-            uint2* out = p == 0 ? a.qkvll + g * (3 * D / 2) : p == 1 ? a.hll + g * (D / 2) : a.xll + g * (D / 2);
-            ll_store(out + u * 4 + q, pack(v0, v1), flag);
+          const bool up = p == 2 && unit_ups(v);
+#pragma unroll
+          for (int h8 = 0; h8 < (XR > 8 ? 2 : 1); ++h8) {  // rows g and g + 8
+            const int r = g + 8 * h8;
+            if (r >= XR || (p == 2 && !up) || (DBG & 2)) continue;
+            const int pair = p == 2 ? u * 2 + q : u * 4 + q;
+            if (CNT) {
+              bf16_t* out = p == 0 ? a.qkv + r * 3 * D : p == 1 ? a.h + r * D : p == 2 ? a.gu + r * F : a.x + r * D;
+              ((unsigned*)out)[pair] = pack(v[2 * h8], v[2 * h8 + 1]);
+              continue;
+            }
+            uint2* out = p == 0 ? a.qkvll + r * (3 * D / 2) : p == 1 ? a.hll + r * (D / 2) : p == 2 ? a.gull + r * (F / 2) : a.xll + r * (D / 2);
+            ll_store(out + pair, pack(v[2 * h8], v[2 * h8 + 1]), flag);
+          }
+          if (CNT) {  // the unit's outputs are written: count it
+            __syncwarp();
+            if (lane == 0) asm volatile("red.release.gpu.global.add.u32 [%0], 1;" ::"l"(a.counters + l * 4 + p) : "memory");
           }
         }
       if (st) { st[3] = now(); st[11] = clock64(); }
       if (st) st[4] = now();
-      consumers_sync();  // xs is rewritten by the next phase
+      if (!SLICE) consumers_sync();  // xs is rewritten by the next phase (SLICE: the next but one)
     }
 }
