@@ -5,17 +5,17 @@
 // stage x in shared memory and multiply each unit as it lands. Three consumers:
 //   run:     16 warps in two groups of 8 taking units in turn, a weight row per warp, fp32 FMAs; a grid-wide count;
 //   run_mma: a warp per unit, mma.sync m16n8k16 with the unit's rows as B's columns; a grid-wide count;
-//   run_ll:  NW warps per unit on the tensor cores; the values carry their own flags (the fastest, 17.2-17.5 us).
-// Modes that take the chain apart: COPY 1 consumers only take and free stages; COPY 2 no copies (products on the
-// ring as it is); COPY 3 (run_mma, run_ll) neither; COPY 4 (run_ll) the producer alone; BARRIERS / WAIT 0 skip the waits for the phase's input (results
-// then wrong).
+//   run_ll:  NW warps per unit on the tensor cores; the values carry their own flags (the fastest).
+// The tensor-core consumers take up to 16 rows (n = 8). Modes that take the chain apart: COPY 1 consumers only take
+// and free stages; COPY 2 no copies (products on the ring as it is); COPY 3 (run_mma, run_ll) neither; COPY 4
+// (run_ll) the producer alone; BARRIERS / WAIT 0 skip the waits for the phase's input (results then wrong).
 typedef unsigned short bf16_t;
 struct PArgs {
   const bf16_t* wqkv; const bf16_t* wo; const bf16_t* w13; const bf16_t* w2;
   bf16_t* x; bf16_t* qkv; bf16_t* h; bf16_t* gu;
   unsigned* counters;
   int layers, nsm;
-  unsigned long long* stamps;  // [SM 0, the last SM][layers][4 phases][12]: globaltimer and clock64 stamps
+  unsigned long long* stamps;  // [SM 0, the last SM][layers][4 phases][16]: globaltimer and clock64 stamps
   uint2 *xll, *qkvll, *hll, *gull;  // run_ll's activations: {two bf16, the flag of the phase that wrote them}
 };
 __device__ __forceinline__ unsigned long long now() { unsigned long long t; asm volatile("mov.u64 %0, %globaltimer;" : "=l"(t)); return t; }
@@ -28,10 +28,8 @@ __device__ __forceinline__ int w2_len(int h) { return h < W2P - 1 ? W2K : F - (W
 constexpr int W2LAST = F - (W2P - 1) * W2K;
 // the consumers' exchange at XR rows: run_ll's partials, [CW warps][2 units][lanes holding rows][a lane's values]
 __host__ __device__ constexpr int exch_bytes(int xr) { return CW * 2 * (4 * xr < 32 ? 4 * xr : 32) * (xr > 8 ? 4 : 2) * 4; }
-// x's buffers: two at up to 2 rows (run_ll's SLICE alternates them phase by phase), else one
-__host__ __device__ constexpr int xs_bufs(int xr) { return xr <= 2 ? 2 : 1; }
 // what a program asks for at XR rows (the probe's SMEM): the ring's barriers, its stages, x, the exchange
-__host__ __device__ constexpr int smem_bytes(int xr) { return 128 + S * STAGE + xs_bufs(xr) * xr * F * 2 + exch_bytes(xr); }
+__host__ __device__ constexpr int smem_bytes(int xr) { return 128 + S * STAGE + xr * F * 2 + exch_bytes(xr); }
 
 __device__ __forceinline__ unsigned saddr(const void* p) { return (unsigned)__cvta_generic_to_shared(p); }
 __device__ __forceinline__ float lo(unsigned u) { return __uint_as_float(u << 16); }
@@ -44,12 +42,6 @@ __device__ __forceinline__ void wait_parity(unsigned bar, unsigned parity) {
   while (!done)
     asm volatile("{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2; selp.u32 %0, 1, 0, p; }"
                  : "=r"(done) : "r"(bar), "r"(parity) : "memory");
-}
-__device__ __forceinline__ bool test_parity(unsigned bar, unsigned parity) {  // without waiting
-  unsigned done;
-  asm volatile("{ .reg .pred p; mbarrier.test_wait.parity.shared::cta.b64 p, [%1], %2; selp.u32 %0, 1, 0, p; }"
-               : "=r"(done) : "r"(bar), "r"(parity) : "memory");
-  return done;
 }
 __device__ __forceinline__ void bulk(unsigned dst, const void* src, int bytes, unsigned bar) {
   asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
@@ -72,7 +64,7 @@ __device__ __forceinline__ void init_ring(unsigned long long* full, unsigned lon
 // the stamps of (layer l, phase p) on SM 0 and the last SM, else null; `stamps` only for their thread 0
 __device__ __forceinline__ unsigned long long* stamp_row(const PArgs& a, int l, int p) {
   const int sm = blockIdx.x;
-  return sm == 0 || sm == a.nsm - 1 ? a.stamps + (((sm ? 1 : 0) * a.layers + l) * 4 + p) * 12 : nullptr;
+  return sm == 0 || sm == a.nsm - 1 ? a.stamps + (((sm ? 1 : 0) * a.layers + l) * 4 + p) * 16 : nullptr;
 }
 __device__ __forceinline__ unsigned long long* stamps(const PArgs& a, int l, int p) {
   return threadIdx.x == 0 ? stamp_row(a, l, p) : nullptr;
@@ -91,7 +83,7 @@ __device__ __forceinline__ Smem smem_layout() {
   extern __shared__ __align__(128) unsigned char smem[];
   unsigned long long* full = (unsigned long long*)smem;
   bf16_t* xs = (bf16_t*)(smem + 128 + S * STAGE);
-  return {full, full + S, smem + 128, xs, (float*)(xs + xs_bufs(XR) * XR * F)};
+  return {full, full + S, smem + 128, xs, (float*)(xs + XR * F)};
 }
 
 // phase p's geometry: rows per unit 8; K; units (w2: row groups, W2P pieces each)
@@ -151,22 +143,11 @@ __device__ __forceinline__ void dots(const uint4* wrow, int lane, float (&acc)[X
   }
 }
 
-// ROT 1: phase (l, p)'s units dealt on from the SM after the one that took the last unit before it, in stages (w2's
-// W2P a unit), so the SMs that take one unit more than the rest change phase by phase; ROT 0: from SM 0 in every
-// phase, so SM 0 streams ~21% more than the average SM in a block, and every phase waits for it
-constexpr int ROT = 0;
-__device__ __forceinline__ int first_unit(int sm, int nsm, int l, int p) {
-  if (!ROT) return sm;
-  int o = l * (units(0) + units(1) + units(2) + W2P * units(3));
-  for (int q = 0; q < p; ++q) o += units(q);
-  return ((sm - o) % nsm + nsm) % nsm;  // unit u goes to SM (u + o) % nsm
-}
-
 struct Cursor { int l, p, u, half; };  // half: w2's piece of K (0 .. W2P - 1; halves by default)
 __device__ __forceinline__ bool advance(Cursor& c, int sm, int nsm, int layers) {  // the next unit of this SM's order
   if (c.p == 3 && c.half < W2P - 1) { ++c.half; return true; }
   c.half = 0;
-  for (c.u += nsm; c.u >= units(c.p); c.u = first_unit(sm, nsm, c.l, c.p))
+  for (c.u += nsm; c.u >= units(c.p); c.u = sm)
     if (++c.p == 4) { c.p = 0; if (++c.l == layers) return false; }
   return true;
 }
@@ -192,28 +173,19 @@ __device__ __forceinline__ void issue(const PArgs& a, const Cursor& c, unsigned 
   }
 }
 
-// the producer lane: this SM's units in order into the ring; a second cursor AHEAD units further prefetches into L2.
-// PF: while the ring is full (its consumers wait for a phase's input), the next PF units go into L2, the bus idle else
-template <int COPY, int AHEAD, int PF = 0>
+// the producer lane: this SM's units in order into the ring; a second cursor AHEAD units further prefetches into L2
+template <int COPY, int AHEAD>
 __device__ __forceinline__ void produce(const PArgs& a, unsigned long long* full, unsigned long long* empty, unsigned char* ring, int sm, int nsm, int lane) {
   if (lane || COPY == 2) return;  // COPY 2: no copies, the consumers compute on the ring as it is
-  const int u0 = first_unit(sm, nsm, 0, 0);
-  Cursor c{0, 0, u0, 0}, f{0, 0, u0, 0}, b{0, 0, u0, 0};
-  bool more = true, fmore = true, bmore = true;
-  int nb = 0;  // b's ordinal: units before it are in L2 or already past
+  Cursor c{0, 0, sm, 0}, f{0, 0, sm, 0};
+  bool more = true, fmore = true;
   for (int i = 0; i < AHEAD && fmore; ++i) { issue<true>(a, f, 0, 0); fmore = advance(f, sm, nsm, a.layers); }
   int n = 0;
   for (; more; ++n, more = advance(c, sm, nsm, a.layers)) {
     if (AHEAD && fmore) { issue<true>(a, f, 0, 0); fmore = advance(f, sm, nsm, a.layers); }
     const int s = n % S;
-    if (n >= S && PF) {
-      const unsigned bar = saddr(&empty[s]), parity = ((n / S) - 1) & 1;
-      for (; bmore && nb < n; ++nb) bmore = advance(b, sm, nsm, a.layers);
-      while (!test_parity(bar, parity))
-        if (bmore && nb < n + PF) { issue<true>(a, b, 0, 0); bmore = advance(b, sm, nsm, a.layers); ++nb; }
-    }
     if (n >= S) wait_parity(saddr(COPY == 4 ? &full[s] : &empty[s]), ((n / S) - 1) & 1);  // 4: its own landing
-    unsigned long long* st = c.u == first_unit(sm, nsm, c.l, c.p) && c.half == 0 ? stamp_row(a, c.l, c.p) : nullptr;
+    unsigned long long* st = c.u == sm && c.half == 0 ? stamp_row(a, c.l, c.p) : nullptr;
     if (st) st[7] = now();
     issue<false>(a, c, saddr(ring + s * STAGE), saddr(&full[s]));
   }
@@ -261,13 +233,12 @@ __device__ void run(const PArgs& a) {
       float acc[XR][2];
       const int group = warp / 8, gw = warp % 8;
       int mine = 0;  // this SM's unit ordinal in the phase: group (ordinal % 2) takes it
-      const int u0 = first_unit(sm, nsm, l, p);
-      for (int u = u0; u < units(p); u += nsm, ++mine)
+      for (int u = sm; u < units(p); u += nsm, ++mine)
         for (int half = 0; half < (p == 3 ? W2P : 1); ++half, ++n) {
           if (mine % 2 != group) continue;
           const int s = n % S, L = p == 3 ? w2_len(half) : D, koff = p == 3 ? w2_start(half) : 0;
           if (COPY != 2) wait_parity(saddr(&full[s]), (n / S) & 1);
-          if (st && u == u0 && half == 0) { st[6] = now(); st[8] = clock64(); }
+          if (st && u == sm && half == 0) { st[6] = now(); st[8] = clock64(); }
           if (COPY == 1) {
             __syncwarp();
             if (lane == 0) asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(saddr(&empty[s])) : "memory");
@@ -282,11 +253,11 @@ __device__ void run(const PArgs& a) {
           else if (p == 3) dots<XR, W2LAST / 256>(wrow, lane, acc, from_smem);
           else if (XREG) dots<XR, D / 256>(wrow, lane, acc, [&](int r, int j) { return xr[r][j]; });
           else dots<XR, D / 256>(wrow, lane, acc, from_smem);
-          if (st && u == u0 && half == 0) st[9] = clock64();
+          if (st && u == sm && half == 0) st[9] = clock64();
           __syncwarp();
           if (lane == 0 && COPY != 2) asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(saddr(&empty[s])) : "memory");
           if (p == 3 && half < W2P - 1) continue;
-          if (st && u == u0) st[10] = clock64();
+          if (st && u == sm) st[10] = clock64();
           float res[XR];
           #pragma unroll
           for (int r = 0; r < XR; ++r) {
@@ -423,11 +394,10 @@ __device__ void run_mma(const PArgs& a) {
       if (st) st[2] = now();
       int mine = 0;
       float d[4][4];
-      const int u0 = first_unit(sm, nsm, l, p);
-      for (int u = u0; u < units(p); u += nsm, ++mine)
+      for (int u = sm; u < units(p); u += nsm, ++mine)
         for (int half = 0; half < (p == 3 ? W2P : 1); ++half, ++n) {
           if (mine % CW != warp) continue;
-          take_stage<XR, 1, COPY>(full, empty, ring, xs, n, p, half, 0, lane, d, st && u == u0 && half == 0 ? st : nullptr);
+          take_stage<XR, 1, COPY>(full, empty, ring, xs, n, p, half, 0, lane, d, st && u == sm && half == 0 ? st : nullptr);
           if (p == 3 && half < W2P - 1) continue;
           float v[4] = {tc_sum(d, 0), tc_sum(d, 1), tc_sum(d, 2), tc_sum(d, 3)};
           const bool up = p == 2 && unit_ups(v);
@@ -456,46 +426,46 @@ __device__ void run_mma(const PArgs& a) {
 // bf16 values and the flag of the phase that wrote them (4 l + p + 2; the first input 1), so a reader polls the
 // values themselves: no fence, no count, one trip through L2 per phase boundary. A unit is shared by NW warps, each
 // a slice of K, their partial products summed in warp order through shared memory. WAIT 0 does not poll (timing).
-// LLREL 0: volatile accesses (system scope, as NCCL's LL); 1: relaxed at GPU scope, one 8-byte word each; 2: the
-// stores weak (L2-cached), the loads as 1
-constexpr int LLREL = 0;
 __device__ __forceinline__ void ll_store(uint2* p, unsigned data, unsigned flag) {
-  if (LLREL == 0) asm volatile("st.volatile.global.v2.u32 [%0], {%1, %2};" ::"l"(p), "r"(data), "r"(flag) : "memory");
-  else if (LLREL == 1) asm volatile("{ .reg .b64 w; mov.b64 w, {%1, %2}; st.relaxed.gpu.global.b64 [%0], w; }" ::"l"(p), "r"(data), "r"(flag) : "memory");
-  else asm volatile("st.global.cg.v2.u32 [%0], {%1, %2};" ::"l"(p), "r"(data), "r"(flag) : "memory");
+  asm volatile("st.volatile.global.v2.u32 [%0], {%1, %2};" ::"l"(p), "r"(data), "r"(flag) : "memory");
 }
 __device__ __forceinline__ uint2 ll_load(const uint2* p) {
   uint2 v;
-  if (LLREL == 0) asm volatile("ld.volatile.global.v2.u32 {%0, %1}, [%2];" : "=r"(v.x), "=r"(v.y) : "l"(p) : "memory");
-  else asm volatile("{ .reg .b64 w; ld.relaxed.gpu.global.b64 w, [%2]; mov.b64 {%0, %1}, w; }" : "=r"(v.x), "=r"(v.y) : "l"(p) : "memory");
+  asm volatile("ld.volatile.global.v2.u32 {%0, %1}, [%2];" : "=r"(v.x), "=r"(v.y) : "l"(p) : "memory");
+  return v;
+}
+// two flagged pairs in one 16-byte access, as NCCL's LL reads and writes them: {data, flag, data, flag}, each 8-byte
+// half written whole
+__device__ __forceinline__ void ll_store4(uint4* p, unsigned d0, unsigned d1, unsigned flag) {
+  asm volatile("st.volatile.global.v4.u32 [%0], {%1, %2, %3, %2};" ::"l"(p), "r"(d0), "r"(flag), "r"(d1) : "memory");
+}
+__device__ __forceinline__ uint4 ll_load4(const uint4* p) {  // relaxed.gpu or weak .cg loads measured the same
+  uint4 v;
+  asm volatile("ld.volatile.global.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p) : "memory");
   return v;
 }
 __device__ __forceinline__ unsigned pack(float lo_, float hi_) { return (unsigned)to_bf16(lo_) | ((unsigned)to_bf16(hi_) << 16); }
 
-// POLL: the warps that read the phase's input; PF: the producer's L2 prefetch while the ring is full; CNT 1: plain
-// bf16 outputs, each unit counted with red.release, the readers waiting for the count (no flags: at 16 rows the
-// flagged input, twice the bytes, is read whole by every SM); BO: nanoseconds a poller sleeps before it reads a value
-// that was not ready again (the spinning SMs' loads share L2 with the others' copies)
-// DBG (timing only, results wrong): 1 no sum of the group's partials (its other warps move on at once), 2 no stores.
-// XROT 1: each SM reads the input from its own starting point (every SM reads the same few KB: in one order they
-// queue at the same L2 slices). SLICE 1: no staging of the whole input by every consumer and no barrier of them all:
-// the two warps that multiply K-slice gw (one a group) poll that slice alone into x's buffer of the phase's parity
-// and meet at a barrier of their own, so a warp starts as soon as its slice has come
-template <int XR, int NW, int COPY, int WAIT, int POLL = CW, int PF = 0, int CNT = 0, int BO = 0, int DBG = 0, int XROT = 0, int SLICE = 0>
+// POLL: the warps that read the phase's input. CNT 1: plain bf16 outputs, each unit counted with red.release, the
+// readers waiting for the count (no flags: at 16 rows the flagged input, twice the bytes, is read whole by every
+// SM). DBG (timing only, results wrong): 1 no sum of the group's partials (its other warps move on at once), 2 no
+// stores, 4 (with WAIT 0) only every fourth SM reads the input (fewer requests for each of its L2 lines). L16 1:
+// the flagged values read and written two pairs (16 bytes) at a time, as NCCL's LL does (the fastest: 16.8-17.1 us). Measured and removed (docs/PERF_NOTES.md, "The persistent chain taken further"; the code at 50c908a): L2
+// prefetch while the ring is full, poll back-off, relaxed flags, a per-SM read order, per-warp-pair K-slices.
+template <int XR, int NW, int COPY, int WAIT, int POLL = CW, int CNT = 0, int DBG = 0, int L16 = 0>
 __device__ void run_ll(const PArgs& a) {
   constexpr int G = CW / NW;  // groups of NW warps, taking this SM's units in turn
-  static_assert(!SLICE || (G == 2 && xs_bufs(XR) == 2 && W2K * W2P == F && !CNT), "SLICE: two groups, two x buffers, equal pieces of w2");
   const Smem m = smem_layout<XR>();
   unsigned long long *full = m.full, *empty = m.empty;
   unsigned char* ring = m.ring;
-  bf16_t* const xs0 = m.xs;
+  bf16_t* xs = m.xs;
   float* exch = m.exch;  // [G][2 units][NW][LN lanes holding rows][V values]
   constexpr int LN = 4 * XR < 32 ? 4 * XR : 32, V = XR > 8 ? 4 : 2;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, sm = blockIdx.x, nsm = a.nsm, g = lane >> 2, q = lane & 3;
   const int group = warp / NW, gw = warp % NW;
   init_ring(full, empty, NW);  // empty: the group's warps
   if (warp == CW) {
-    produce<COPY == 3 ? 2 : COPY, 0, PF>(a, full, empty, ring, sm, nsm, lane);
+    produce<COPY == 3 ? 2 : COPY, 0>(a, full, empty, ring, sm, nsm, lane);
     return;
   }
   if (COPY == 4) return;  // the producer alone, waiting for its own copies to land (as bulk_stream.cu, in this order)
@@ -503,9 +473,8 @@ __device__ void run_ll(const PArgs& a) {
   for (int l = 0; l < a.layers; ++l)
     for (int p = 0; p < 4; ++p) {
       const int K = p == 3 ? F : D;
-      bf16_t* const xs = xs0 + (SLICE ? (p & 1) * XR * F : 0);
       unsigned long long* st = stamps(a, l, p);
-      if (st) st[0] = st[5] = now();  // no barrier: the poll is part of x's staging
+      if (st) { st[0] = st[5] = now(); st[12] = clock64(); }  // no barrier: the poll is part of x's staging
       const uint2* src = p == 0 ? a.xll : p == 1 ? a.qkvll : p == 2 ? a.hll : a.gull;
       const int stride = p == 1 ? 3 * D / 2 : K / 2;  // pairs per row of the input (wo reads qkv's first D)
       const unsigned want = 4 * l + p + 1;
@@ -514,60 +483,48 @@ __device__ void run_ll(const PArgs& a) {
       const int prev = l * 4 + p - 1;
       if (CNT && prev >= 0 && WAIT) wait_count(a, prev, units(prev % 4));
       if (CNT) stage_x<XR>(a, p, xs);
-      const int np = XR * K / 2, off = XROT ? sm * np / nsm / 32 * 32 : 0;  // pairs; this SM's first (whole lines)
-      const auto at = [&](int i) { return i + off < np ? i + off : i + off - np; };
-      if (SLICE) {
-        // warp gw's K-slice: D / NW elements, or in each of w2's W2P pieces W2K / NW; P pairs per row and piece
-        const int NR = p == 3 ? W2P : 1, P = (p == 3 ? W2K : D) / NW / 2, total = XR * NR * P;
-        constexpr int SB = 4;  // pairs a thread loads at once (8 spill at 96 registers)
-        for (int base = group * 32 + lane; base < total; base += SB * 64) {
-          uint2 v[SB];
-          int e[SB];  // the pair's first element in x's rows [XR][K]
+      const int np = XR * K / 2;  // pairs
+      constexpr int PER4 = (XR * F / 4 + T - 1) / T < 8 ? (XR * F / 4 + T - 1) / T : 8;
+      if (L16 && !CNT && threadIdx.x < T && !((DBG & 4) && sm % 4))
+        for (int base = threadIdx.x; base < np / 2; base += PER4 * T) {  // 16-byte pieces: two pairs each
+          const auto at = [&](int i) { return (const uint4*)src + (i / (K / 4)) * (stride / 2) + i % (K / 4); };
+          uint4 v[PER4];
 #pragma unroll
-          for (int j = 0; j < SB; ++j) {
-            const int i = base + j * 64, r = i / (NR * P), h = i % (NR * P) / P, k = i % P;
-            e[j] = r * K + (p == 3 ? w2_start(h) : 0) + gw * 2 * P + 2 * k;
-            if (i < total) v[j] = ll_load(src + r * stride + (e[j] - r * K) / 2);
-          }
+          for (int j = 0; j < PER4; ++j)
+            if (base + j * T < np / 2) v[j] = ll_load4(at(base + j * T));
 #pragma unroll
-          for (int j = 0; j < SB; ++j) {
-            const int i = base + j * 64, r = i / (NR * P);
-            if (i >= total) break;
-            while (WAIT && v[j].y != want) v[j] = ll_load(src + r * stride + (e[j] - r * K) / 2);
-            ((unsigned*)xs)[e[j] / 2] = v[j].x;
+          for (int j = 0; j < PER4; ++j) {
+            const int i = base + j * T;
+            if (i >= np / 2) break;
+            while (WAIT && (v[j].y != want || v[j].w != want)) v[j] = ll_load4(at(i));
+            ((uint2*)xs)[i] = make_uint2(v[j].x, v[j].z);
           }
         }
-        asm volatile("bar.sync %0, 64;" ::"r"(4 + gw) : "memory");
-      }
-      if (!SLICE && !CNT && threadIdx.x < T)
+      if (!L16 && !CNT && threadIdx.x < T && !((DBG & 4) && sm % 4))
         for (int base = threadIdx.x; base < np; base += PER * T) {
           uint2 v[PER];
 #pragma unroll
           for (int j = 0; j < PER; ++j) {
-            const int i = at(base + j * T);
-            if (base + j * T < np) v[j] = ll_load(src + (i / (K / 2)) * stride + i % (K / 2));
+            const int i = base + j * T;
+            if (i < np) v[j] = ll_load(src + (i / (K / 2)) * stride + i % (K / 2));
           }
 #pragma unroll
           for (int j = 0; j < PER; ++j) {
-            if (base + j * T >= np) break;
-            const int i = at(base + j * T);
-            while (WAIT && v[j].y != want) {
-              if (BO) __nanosleep(BO);
-              v[j] = ll_load(src + (i / (K / 2)) * stride + i % (K / 2));
-            }
+            const int i = base + j * T;
+            if (i >= np) break;
+            while (WAIT && v[j].y != want) v[j] = ll_load(src + (i / (K / 2)) * stride + i % (K / 2));
             ((unsigned*)xs)[i] = v[j].x;
           }
         }
-      if (st) st[1] = now();
-      if (!SLICE) consumers_sync();
-      if (st) st[2] = now();
+      if (st) { st[1] = now(); st[13] = clock64(); }
+      consumers_sync();
+      if (st) { st[2] = now(); st[14] = clock64(); }
       int mine = 0;
       float d[4][4];
-      const int u0 = first_unit(sm, nsm, l, p);
-      for (int u = u0; u < units(p); u += nsm, ++mine)
+      for (int u = sm; u < units(p); u += nsm, ++mine)
         for (int half = 0; half < (p == 3 ? W2P : 1); ++half, ++n) {
           if (mine % G != group) continue;
-          take_stage<XR, NW, COPY>(full, empty, ring, xs, n, p, half, gw, lane, d, st && u == u0 && half == 0 ? st : nullptr);
+          take_stage<XR, NW, COPY>(full, empty, ring, xs, n, p, half, gw, lane, d, st && u == sm && half == 0 ? st : nullptr);
           if (p == 3 && half < W2P - 1) continue;
           float v[4] = {tc_sum(d, 0), tc_sum(d, 1), tc_sum(d, 2), tc_sum(d, 3)};
           if (DBG & 1) {
@@ -589,15 +546,18 @@ __device__ void run_ll(const PArgs& a) {
 #pragma unroll
           for (int h8 = 0; h8 < (XR > 8 ? 2 : 1); ++h8) {  // rows g and g + 8
             const int r = g + 8 * h8;
+            const unsigned pk = pack(v[2 * h8], v[2 * h8 + 1]);
+            const unsigned pk1 = L16 ? __shfl_down_sync(0xffffffffu, pk, 1) : 0u;  // lane q + 1's pair, the next one
             if (r >= XR || (p == 2 && !up) || (DBG & 2)) continue;
             const int pair = p == 2 ? u * 2 + q : u * 4 + q;
             if (CNT) {
               bf16_t* out = p == 0 ? a.qkv + r * 3 * D : p == 1 ? a.h + r * D : p == 2 ? a.gu + r * F : a.x + r * D;
-              ((unsigned*)out)[pair] = pack(v[2 * h8], v[2 * h8 + 1]);
+              ((unsigned*)out)[pair] = pk;
               continue;
             }
             uint2* out = p == 0 ? a.qkvll + r * (3 * D / 2) : p == 1 ? a.hll + r * (D / 2) : p == 2 ? a.gull + r * (F / 2) : a.xll + r * (D / 2);
-            ll_store(out + pair, pack(v[2 * h8], v[2 * h8 + 1]), flag);
+            if (L16 && (q & 1) == 0) ll_store4((uint4*)(out + pair), pk, pk1, flag);
+            if (!L16) ll_store(out + pair, pk, flag);
           }
           if (CNT) {  // the unit's outputs are written: count it
             __syncwarp();
@@ -606,6 +566,6 @@ __device__ void run_ll(const PArgs& a) {
         }
       if (st) { st[3] = now(); st[11] = clock64(); }
       if (st) st[4] = now();
-      if (!SLICE) consumers_sync();  // xs is rewritten by the next phase (SLICE: the next but one)
+      consumers_sync();  // xs is rewritten by the next phase
     }
 }

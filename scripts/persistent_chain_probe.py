@@ -1,17 +1,18 @@
 """A persistent chain of GPT-XL's four projections against decode_block's kernels (docs/PERF_NOTES.md, "A persistent
-chain of the projections"). Needs an sm_90 GPU.
+chain of the projections" and "The persistent chain taken further"). Needs an sm_90 GPU.
 
-    LAYERS=8 [ROWS=2] [STAGES=7] [W2P=2] [ROT=0] [LLREL=0] [VARIANTS="[(0, 1, 0, 0), ('ll', 8, 0, 1)]"] python scripts/persistent_chain_probe.py
+    LAYERS=8 [ROWS=2] [STAGES=7] [W2P=2] [VARIANTS="[('ll', 8, 0, 1, 16, 0, 0, 1)]"] [TIMELINE="[...]"] \
+        python scripts/persistent_chain_probe.py
 
 scripts/persistent_chain.cu compiled by NVRTC (smem_gemv's loader), one program per SM, ROWS rows (2: one image with
 its classifier-free guidance; up to 16, n = 8, on the tensor-core consumers: x takes 7 KB of shared memory per row,
-so ROWS=16 needs W2P=3 STAGES=4), LAYERS blocks of random weights. A variant is `run`'s (COPY, BARRIERS, AHEAD, XREG),
-`run_mma`'s ('m', COPY, BARRIERS[, FLAGS]) or `run_ll`'s ('ll', NW, COPY, WAIT[, POLL, PF, CNT]), see the .cu; STAGES stages
-in the ring, w2's rows in W2P pieces of K (3: stages of 20 KB instead of 28, so 9 of them fit beside x's two buffers). Prints each full
-variant's largest difference from a float reference at LAYERS blocks (check at LAYERS=1: the random activations
-vanish over 8), then each variant's time per block in a CUDA graph, the stamps of SM 0 and the last SM in the second
-block of the first full run_mma or run_ll variant (or of those TIMELINE lists), the same four projections as decode_block's kernels at 2 rows
-(their epilogues, no attention) and a device copy of the weights.
+so ROWS=16 needs W2P=3 STAGES=4), LAYERS blocks of random weights. A variant is `run`'s (COPY, BARRIERS, AHEAD,
+XREG), `run_mma`'s ('m', COPY, BARRIERS[, FLAGS]) or `run_ll`'s ('ll', NW, COPY, WAIT[, POLL, CNT, DBG, L16]), see the
+.cu; STAGES stages in the ring, w2's rows in W2P pieces of K (3: stages of 20 KB instead of 28, so 10 of them fit).
+Prints each full variant's largest difference from a float reference at LAYERS blocks (check at LAYERS=1: the random
+activations vanish over 8), then each variant's time per block in a CUDA graph, the stamps of SM 0 and the last SM
+in the second block of the first full run_mma or run_ll variant (or of those TIMELINE lists), the same four
+projections as decode_block's kernels at ROWS rows (their epilogues, no attention) and a device copy of the weights.
 """
 import ctypes
 import os
@@ -33,13 +34,13 @@ R = int(os.environ.get("ROWS", 2))
 L = int(os.environ.get("LAYERS", 8))
 STAGES = int(os.environ.get("STAGES", 7))
 W2P = int(os.environ.get("W2P", 2))
-ROT = int(os.environ.get("ROT", 0))  # 1: each phase's units dealt on from where the phase before stopped
-LLREL = int(os.environ.get("LLREL", 0))  # run_ll's flagged accesses: 0 volatile, 1 relaxed.gpu, 2 weak stores
 STAGE = max(8 * D * 2, 8 * ((F // W2P + 255) // 256 * 256) * 2)  # bytes, as persistent_chain.cu's STAGE
 VARIANTS = eval(os.environ.get("VARIANTS", "[(0, 1, 0, 0), (1, 0, 0, 0), (1, 1, 0, 0), (2, 0, 0, 0), ('m', 0, 1, 1), "
                                            "('m', 3, 1, 1), ('ll', 1, 0, 1), ('ll', 2, 0, 1), ('ll', 4, 0, 1), "
-                                           "('ll', 8, 0, 1), ('ll', 4, 3, 1), ('ll', 4, 2, 0), ('ll', 4, 1, 1)]"))
-SMEM = 128 + STAGES * STAGE + (2 if R <= 2 else 1) * R * F * 2 + 16 * 2 * min(4 * R, 32) * (4 if R > 8 else 2) * 4  # as the .cu's smem_bytes
+                                           "('ll', 8, 0, 1), ('ll', 4, 3, 1), ('ll', 4, 2, 0), ('ll', 4, 1, 1), "
+                                           "('ll', 8, 0, 1, 16, 0, 0, 1)]"))
+EXCH = 16 * 2 * min(4 * R, 32) * (4 if R > 8 else 2) * 4  # bytes, as the .cu's exch_bytes
+SMEM = 128 + STAGES * STAGE + R * F * 2 + EXCH  # as the .cu's smem_bytes
 STAMPS = ["producer issued", "start", "barrier passed", "x staged", "x synced", "first unit in", "units done", "signalled"]
 STAMP_SLOTS = (7, 0, 5, 1, 2, 6, 3, 4)
 dev, bf = "cuda", torch.bfloat16
@@ -62,7 +63,7 @@ def is_full(v):
 
 def load_kernels():
     here = os.path.dirname(os.path.abspath(__file__))
-    src = open(os.path.join(here, "persistent_chain.cu")).read().replace("S = 7,", f"S = {STAGES},").replace("W2P = 2;", f"W2P = {W2P};").replace("ROT = 0;", f"ROT = {ROT};").replace("LLREL = 0;", f"LLREL = {LLREL};")
+    src = open(os.path.join(here, "persistent_chain.cu")).read().replace("S = 7,", f"S = {STAGES},").replace("W2P = 2;", f"W2P = {W2P};")
     src += "".join(f'extern "C" __global__ void __launch_bounds__(544, 1) {name(v)}(const PArgs a) {{ {instance(v)}(a); }}\n'
                    for v in VARIANTS)
     fns = S.functions(src, "90", [name(v) for v in VARIANTS], SMEM)
@@ -84,7 +85,7 @@ x0 = torch.randn(R, D, device=dev, dtype=bf)
 x = x0.clone()
 qkv, h, gu = (torch.empty(R, n, device=dev, dtype=bf) for n in (3 * D, D, F))
 counters = torch.zeros(L * 4 + 4, device=dev, dtype=torch.int32)
-stamps = torch.zeros(2, L, 4, 12, device=dev, dtype=torch.int64)
+stamps = torch.zeros(2, L, 4, 16, device=dev, dtype=torch.int64)
 ll = torch.zeros(R * (5 * D + F) // 2, device=dev, dtype=torch.int64)  # run_ll's x, qkv, h, gu as (pair, flag)
 xll, qkvll, hll, gull = ll.split([R * D // 2, R * 3 * D // 2, R * D // 2, R * F // 2])
 x0ll = torch.stack([x0.view(torch.int32).flatten(), torch.ones(R * D // 2, device=dev, dtype=torch.int32)], 1)
@@ -119,12 +120,12 @@ for v in VARIANTS:
         x.copy_(x0)
         persist(v)
         torch.cuda.synchronize()
-        flagged = v[0] == "ll" and not (len(v) > 6 and v[6])  # run_ll's CNT 1 writes plain bf16
+        flagged = v[0] == "ll" and not (len(v) > 5 and v[5])  # run_ll's CNT 1 writes plain bf16
         out = xll.view(torch.int32).view(R, D // 2, 2)[..., 0].contiguous().view(bf) if flagged else x
         d = (out.float() - ref.float()).abs().max().item()
         print(f"{v}, {L} blocks: max abs diff {d:.4g} (reference's largest {ref.float().abs().max().item():.3g})", flush=True)
 for v in VARIANTS:
-    print(f"{v}, {R} rows, {STAGES} stages, w2 in {W2P} pieces, ROT {ROT}, LLREL {LLREL}: {timed(lambda: persist(v), L):.2f} us per block", flush=True)
+    print(f"{v}, {R} rows, {STAGES} stages, w2 in {W2P} pieces: {timed(lambda: persist(v), L):.2f} us per block", flush=True)
 
 timeline = [v for v in VARIANTS if v[0] in ("m", "ll") and is_full(v)]
 timeline = eval(os.environ.get("TIMELINE", "timeline[:1]"))  # the variants whose stamps are printed
@@ -135,8 +136,11 @@ for tv in (timeline if L > 1 else []):
     for i, who in enumerate(("SM 0", "last SM")):
         for p in range(4):
             us = "  ".join(f"{n} {(st[i, 1, p, k] - st[0, 0, 0, 0]) / 1e3:6.2f}" for n, k in zip(STAMPS, STAMP_SLOTS))
-            print(f"{tv} {who}, block 1, phase {p}, us: {us}; cycles from the first unit's data to its "
-                  f"products {st[i, 1, p, 9] - st[i, 1, p, 8]:.0f}, to the phase's end {st[i, 1, p, 11] - st[i, 1, p, 8]:.0f}")
+            cyc = st[i, 1, p].tolist()
+            ll = (f"; run_ll's cycles reading x {cyc[13] - cyc[12]:.0f}, then all consumers' barrier "
+                  f"{cyc[14] - cyc[13]:.0f}") if tv[0] == "ll" else ""
+            print(f"{tv} {who}, block 1, phase {p}, us: {us}; cycles from the first unit's data to its products "
+                  f"{cyc[9] - cyc[8]:.0f}, to the phase's end {cyc[11] - cyc[8]:.0f}{ll}")
 
 norm = torch.nn.RMSNorm(D, eps=1e-5).to(dev, bf)
 freqs = torch.randn(D // H // 2, 2, device=dev)
