@@ -450,7 +450,8 @@ __device__ __forceinline__ unsigned pack(float lo_, float hi_) { return (unsigne
 // readers waiting for the count (no flags: at 16 rows the flagged input, twice the bytes, is read whole by every
 // SM). DBG (timing only, results wrong): 1 no sum of the group's partials (its other warps move on at once), 2 no
 // stores, 4 (with WAIT 0) only every fourth SM reads the input (fewer requests for each of its L2 lines). L16 1:
-// the flagged values read and written two pairs (16 bytes) at a time, as NCCL's LL does (the fastest: 16.8-17.1 us). Measured and removed (docs/PERF_NOTES.md, "The persistent chain taken further"; the code at 50c908a): L2
+// the flagged values read and written two pairs (16 bytes) at a time, as NCCL's LL does (the fastest: 16.6 us per
+// block with STAGES=5, 16.8-17.1 with 7). Measured and removed (docs/PERF_NOTES.md, "The persistent chain taken further"; the code at 50c908a): L2
 // prefetch while the ring is full, poll back-off, relaxed flags, a per-SM read order, per-warp-pair K-slices.
 template <int XR, int NW, int COPY, int WAIT, int POLL = CW, int CNT = 0, int DBG = 0, int L16 = 0>
 __device__ void run_ll(const PArgs& a) {
