@@ -137,10 +137,10 @@ for tv in (timeline if L > 1 else []):
         for p in range(4):
             us = "  ".join(f"{n} {(st[i, 1, p, k] - st[0, 0, 0, 0]) / 1e3:6.2f}" for n, k in zip(STAMPS, STAMP_SLOTS))
             cyc = st[i, 1, p].tolist()
-            ll = (f"; run_ll's cycles reading x {cyc[13] - cyc[12]:.0f}, then all consumers' barrier "
-                  f"{cyc[14] - cyc[13]:.0f}") if tv[0] == "ll" else ""
+            read = (f"; run_ll's cycles reading x {cyc[13] - cyc[12]:.0f}, then all consumers' barrier "
+                    f"{cyc[14] - cyc[13]:.0f}") if tv[0] == "ll" else ""
             print(f"{tv} {who}, block 1, phase {p}, us: {us}; cycles from the first unit's data to its products "
-                  f"{cyc[9] - cyc[8]:.0f}, to the phase's end {cyc[11] - cyc[8]:.0f}{ll}")
+                  f"{cyc[9] - cyc[8]:.0f}, to the phase's end {cyc[11] - cyc[8]:.0f}{read}")
 
 norm = torch.nn.RMSNorm(D, eps=1e-5).to(dev, bf)
 freqs = torch.randn(D // H // 2, 2, device=dev)
