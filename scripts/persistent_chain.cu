@@ -17,9 +17,14 @@ struct PArgs {
   int layers, nsm;
   unsigned long long* stamps;  // [SM 0, the last SM][layers][4 phases][16]: globaltimer and clock64 stamps
   uint2 *xll, *qkvll, *hll, *gull;  // run_ll's activations: {two bf16, the flag of the phase that wrote them}
+  // run_ll's EPI: the block's other work, as decode_block's kernels do it
+  const bf16_t* nw;    // [layers][2][D]: attention_norm's and ffn_norm's weights
+  const float* freqs;  // [HD / 2][2]: the step's (cos, sin) per pair of a head's columns
+  bf16_t *kc, *vc;     // [layers][XR][D]: the step's keys and values, as the caches get them
+  float eps;
 };
 __device__ __forceinline__ unsigned long long now() { unsigned long long t; asm volatile("mov.u64 %0, %globaltimer;" : "=l"(t)); return t; }
-constexpr int D = 1280, F = 3584, S = 7, CW = 16, W2P = 2;  // ring stages, consumer warps, w2 pieces (the probe may change S, W2P)
+constexpr int D = 1280, F = 3584, HD = 64, S = 7, CW = 16, W2P = 2;  // ring stages, consumer warps, w2 pieces (the probe may change S, W2P)
 // w2's rows go through the ring in W2P pieces of K (w2_len(h) elements from w2_start(h)), each a stage
 constexpr int W2K = (F / W2P + 255) / 256 * 256;
 constexpr int STAGE = (8 * D * 2 > 8 * W2K * 2 ? 8 * D * 2 : 8 * W2K * 2);  // bytes
@@ -28,8 +33,10 @@ __device__ __forceinline__ int w2_len(int h) { return h < W2P - 1 ? W2K : F - (W
 constexpr int W2LAST = F - (W2P - 1) * W2K;
 // the consumers' exchange at XR rows: run_ll's partials, [CW warps][2 units][lanes holding rows][a lane's values]
 __host__ __device__ constexpr int exch_bytes(int xr) { return CW * 2 * (4 * xr < 32 ? 4 * xr : 32) * (xr > 8 ? 4 : 2) * 4; }
-// what a program asks for at XR rows (the probe's SMEM): the ring's barriers, its stages, x, the exchange
-__host__ __device__ constexpr int smem_bytes(int xr) { return 128 + S * STAGE + xr * F * 2 + exch_bytes(xr); }
+// run_ll's EPI at up to 8 rows: the residual's rows and the norm's partial sums [CW][XR]
+__host__ __device__ constexpr int epi_bytes(int xr) { return xr <= 8 ? xr * D * 2 + CW * xr * 4 : 0; }
+// what a program asks for at XR rows (the probe's SMEM): the ring's barriers, its stages, x, the exchange, EPI's
+__host__ __device__ constexpr int smem_bytes(int xr) { return 128 + S * STAGE + xr * F * 2 + exch_bytes(xr) + epi_bytes(xr); }
 
 __device__ __forceinline__ unsigned saddr(const void* p) { return (unsigned)__cvta_generic_to_shared(p); }
 __device__ __forceinline__ float lo(unsigned u) { return __uint_as_float(u << 16); }
@@ -76,6 +83,8 @@ struct Smem {
   unsigned char* ring;
   bf16_t* xs;
   float* exch;
+  bf16_t* res;  // EPI: the rows of the residual add
+  float* red;   // EPI: the norm's partial sums
 };
 template <int XR>
 __device__ __forceinline__ Smem smem_layout() {
@@ -83,7 +92,9 @@ __device__ __forceinline__ Smem smem_layout() {
   extern __shared__ __align__(128) unsigned char smem[];
   unsigned long long* full = (unsigned long long*)smem;
   bf16_t* xs = (bf16_t*)(smem + 128 + S * STAGE);
-  return {full, full + S, smem + 128, xs, (float*)(xs + XR * F)};
+  float* exch = (float*)(xs + XR * F);
+  bf16_t* res = (bf16_t*)(exch + exch_bytes(XR) / 4);
+  return {full, full + S, smem + 128, xs, exch, res, (float*)(res + XR * D)};
 }
 
 // phase p's geometry: rows per unit 8; K; units (w2: row groups, W2P pieces each)
@@ -446,16 +457,50 @@ __device__ __forceinline__ uint4 ll_load4(const uint4* p) {  // relaxed.gpu or w
 }
 __device__ __forceinline__ unsigned pack(float lo_, float hi_) { return (unsigned)to_bf16(lo_) | ((unsigned)to_bf16(hi_) << 16); }
 
+// EPI: the staged rows kept in res (the residual of the phase after next), then RMSNorm'd in place in decode_block's
+// order: float32 statistics, x * rstd rounded, times the weight w, rounded
+template <int XR>
+__device__ void norm_rows(bf16_t* xs, bf16_t* res, const bf16_t* w, float* red, float eps) {
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  unsigned* x2 = (unsigned*)xs;
+#pragma unroll 1
+  for (int r = 0; r < XR; ++r) {
+    float ss = 0.f;
+    for (int i = threadIdx.x; i < D / 2; i += 512) {
+      const unsigned u = x2[r * D / 2 + i];
+      ((unsigned*)res)[r * D / 2 + i] = u;
+      ss += lo(u) * lo(u) + hi(u) * hi(u);
+    }
+    for (int o = 16; o; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
+    if (lane == 0) red[warp * XR + r] = ss;
+  }
+  consumers_sync();
+#pragma unroll 1
+  for (int r = 0; r < XR; ++r) {
+    float t = 0.f;
+    for (int w = 0; w < CW; ++w) t += red[w * XR + r];
+    const float rstd = rsqrtf(t / D + eps);
+    for (int i = threadIdx.x; i < D / 2; i += 512) {
+      const unsigned u = x2[r * D / 2 + i], wu = ((const unsigned*)w)[i];
+      x2[r * D / 2 + i] = pack(rb(lo(u) * rstd) * lo(wu), rb(hi(u) * rstd) * hi(wu));
+    }
+  }
+  consumers_sync();
+}
+
 // POLL: the warps that read the phase's input. CNT 1: plain bf16 outputs, each unit counted with red.release, the
 // readers waiting for the count (no flags: at 16 rows the flagged input, twice the bytes, is read whole by every
 // SM). DBG (timing only, results wrong): 1 no sum of the group's partials (its other warps move on at once), 2 no
 // stores, 4 (with WAIT 0) only every fourth SM reads the input (fewer requests for each of its L2 lines). L16 1:
 // the flagged values read and written two pairs (16 bytes) at a time, as NCCL's LL does (the fastest: 16.6 us per
-// block with STAGES=5, 16.8-17.1 with 7). Measured and removed (docs/PERF_NOTES.md, "The persistent chain taken further"; the code at 50c908a): L2
+// block with STAGES=5, 16.8-17.1 with 7). EPI 1 (with L16, up to 8 rows): the block's other work too, as decode_block's
+// kernels do it: RMSNorm before qkv and gate/up, RoPE on q and k, k and v written out (the caches), the residual adds
+// after wo and w2 (wo still reads q, where the model reads the attention's output). Measured and removed (docs/PERF_NOTES.md, "The persistent chain taken further"; the code at 50c908a): L2
 // prefetch while the ring is full, poll back-off, relaxed flags, a per-SM read order, per-warp-pair K-slices.
-template <int XR, int NW, int COPY, int WAIT, int POLL = CW, int CNT = 0, int DBG = 0, int L16 = 0>
+template <int XR, int NW, int COPY, int WAIT, int POLL = CW, int CNT = 0, int DBG = 0, int L16 = 0, int EPI = 0>
 __device__ void run_ll(const PArgs& a) {
   constexpr int G = CW / NW;  // groups of NW warps, taking this SM's units in turn
+  static_assert(!EPI || (L16 && !CNT && XR <= 8), "EPI: 16-byte flagged values, up to 8 rows");
   const Smem m = smem_layout<XR>();
   unsigned long long *full = m.full, *empty = m.empty;
   unsigned char* ring = m.ring;
@@ -519,6 +564,7 @@ __device__ void run_ll(const PArgs& a) {
         }
       if (st) { st[1] = now(); st[13] = clock64(); }
       consumers_sync();
+      if (EPI && (p == 0 || p == 2)) norm_rows<XR>(xs, m.res, a.nw + (l * 2 + p / 2) * D, m.red, a.eps);
       if (st) { st[2] = now(); st[14] = clock64(); }
       int mine = 0;
       float d[4][4];
@@ -546,11 +592,30 @@ __device__ void run_ll(const PArgs& a) {
           const bool up = p == 2 && unit_ups(v);
 #pragma unroll
           for (int h8 = 0; h8 < (XR > 8 ? 2 : 1); ++h8) {  // rows g and g + 8
-            const int r = g + 8 * h8;
-            const unsigned pk = pack(v[2 * h8], v[2 * h8 + 1]);
+            const int r = g + 8 * h8, col = u * 8 + 2 * q;  // col: qkv's, wo's and w2's (gate/up's pair is u * 2 + q)
+            float e = v[2 * h8], o = v[2 * h8 + 1];
+            if (EPI && p != 2) {  // the projection rounded, then RoPE (q, k) or the residual (wo, w2), in float32
+              e = rb(e);
+              o = rb(o);
+              if (p == 0 && col < 2 * D) {
+                const float c = a.freqs[col % HD], sn = a.freqs[col % HD + 1], e0 = e;
+                e = e * c - o * sn;
+                o = o * c + e0 * sn;
+              }
+              if ((p == 1 || p == 3) && r < XR) {
+                const unsigned rr = ((const unsigned*)m.res)[(r * D + col) / 2];
+                e += lo(rr);
+                o += hi(rr);
+              }
+            }
+            const unsigned pk = pack(e, o);
             const unsigned pk1 = L16 ? __shfl_down_sync(0xffffffffu, pk, 1) : 0u;  // lane q + 1's pair, the next one
             if (r >= XR || (p == 2 && !up) || (DBG & 2)) continue;
             const int pair = p == 2 ? u * 2 + q : u * 4 + q;
+            if (EPI && p == 0 && col >= D) {  // k and v: to the caches, not to the next phase
+              ((unsigned*)((col < 2 * D ? a.kc : a.vc) + (l * XR + r) * D))[(col % D) / 2] = pk;
+              continue;
+            }
             if (CNT) {
               bf16_t* out = p == 0 ? a.qkv + r * 3 * D : p == 1 ? a.h + r * D : p == 2 ? a.gu + r * F : a.x + r * D;
               ((unsigned*)out)[pair] = pk;

@@ -7,8 +7,8 @@ chain of the projections" and "The persistent chain taken further"). Needs an sm
 scripts/persistent_chain.cu compiled by NVRTC (smem_gemv's loader), one program per SM, ROWS rows (2: one image with
 its classifier-free guidance; up to 16, n = 8, on the tensor-core consumers: x takes 7 KB of shared memory per row,
 so ROWS=16 needs W2P=3 STAGES=4), LAYERS blocks of random weights. A variant is `run`'s (COPY, BARRIERS, AHEAD,
-XREG), `run_mma`'s ('m', COPY, BARRIERS[, FLAGS]) or `run_ll`'s ('ll', NW, COPY, WAIT[, POLL, CNT, DBG, L16]), see the
-.cu; STAGES stages in the ring, w2's rows in W2P pieces of K (3: stages of 20 KB instead of 28, so 10 of them fit).
+XREG), `run_mma`'s ('m', COPY, BARRIERS[, FLAGS]) or `run_ll`'s ('ll', NW, COPY, WAIT[, POLL, CNT, DBG, L16, EPI]),
+see the .cu; STAGES stages in the ring, w2's rows in W2P pieces of K (3: stages of 20 KB instead of 28, so 10 of them fit).
 Prints each full variant's largest difference from a float reference at LAYERS blocks (check at LAYERS=1: the random
 activations vanish over 8), then each variant's time per block in a CUDA graph, the stamps of SM 0 and the last SM
 in the second block of the first full run_mma or run_ll variant (or of those TIMELINE lists), the same four
@@ -29,7 +29,7 @@ from graph_timing import launch, require_sm90, timed
 
 require_sm90("persistent_chain_probe.py")
 
-D, F, H = 1280, 3584, 20  # GPT-XL width, MLP width, heads
+D, F, H, HD = 1280, 3584, 20, 64  # GPT-XL width, MLP width, heads, head size
 R = int(os.environ.get("ROWS", 2))
 L = int(os.environ.get("LAYERS", 8))
 STAGES = int(os.environ.get("STAGES", 7))
@@ -40,7 +40,8 @@ VARIANTS = eval(os.environ.get("VARIANTS", "[(0, 1, 0, 0), (1, 0, 0, 0), (1, 1, 
                                            "('ll', 8, 0, 1), ('ll', 4, 3, 1), ('ll', 4, 2, 0), ('ll', 4, 1, 1), "
                                            "('ll', 8, 0, 1, 16, 0, 0, 1)]"))
 EXCH = 16 * 2 * min(4 * R, 32) * (4 if R > 8 else 2) * 4  # bytes, as the .cu's exch_bytes
-SMEM = 128 + STAGES * STAGE + R * F * 2 + EXCH  # as the .cu's smem_bytes
+EPI = R * D * 2 + 16 * R * 4 if R <= 8 else 0  # bytes, as the .cu's epi_bytes
+SMEM = 128 + STAGES * STAGE + R * F * 2 + EXCH + EPI  # as the .cu's smem_bytes
 STAMPS = ["producer issued", "start", "barrier passed", "x staged", "x synced", "first unit in", "units done", "signalled"]
 STAMP_SLOTS = (7, 0, 5, 1, 2, 6, 3, 4)
 dev, bf = "cuda", torch.bfloat16
@@ -73,7 +74,8 @@ def load_kernels():
 class PArgs(ctypes.Structure):
     _fields_ = [(n, ctypes.c_void_p) for n in ("wqkv", "wo", "w13", "w2", "x", "qkv", "h", "gu", "counters")] + \
                [("layers", ctypes.c_int), ("nsm", ctypes.c_int), ("stamps", ctypes.c_void_p)] + \
-               [(n, ctypes.c_void_p) for n in ("xll", "qkvll", "hll", "gull")]
+               [(n, ctypes.c_void_p) for n in ("xll", "qkvll", "hll", "gull", "nw", "freqs", "kc", "vc")] + \
+               [("eps", ctypes.c_float)]
 
 
 torch.manual_seed(0)
@@ -89,9 +91,14 @@ stamps = torch.zeros(2, L, 4, 16, device=dev, dtype=torch.int64)
 ll = torch.zeros(R * (5 * D + F) // 2, device=dev, dtype=torch.int64)  # run_ll's x, qkv, h, gu as (pair, flag)
 xll, qkvll, hll, gull = ll.split([R * D // 2, R * 3 * D // 2, R * D // 2, R * F // 2])
 x0ll = torch.stack([x0.view(torch.int32).flatten(), torch.ones(R * D // 2, device=dev, dtype=torch.int32)], 1)
+nw = (1 + torch.randn(L, 2, D, device=dev) / 8).to(bf)  # EPI: attention_norm's and ffn_norm's weights
+angle = torch.rand(HD // 2, device=dev) * 6.28
+cos_sin = torch.stack([angle.cos(), angle.sin()], 1)  # EPI: the step's (cos, sin) per pair, as decode_block reads them
+keys_out, values_out = (torch.zeros(L, R, D, device=dev, dtype=bf) for _ in range(2))  # EPI: k and v as written
 args = PArgs(wqkv.data_ptr(), wo.data_ptr(), w13.data_ptr(), w2.data_ptr(), x.data_ptr(), qkv.data_ptr(),
              h.data_ptr(), gu.data_ptr(), counters.data_ptr(), L, nsm, stamps.data_ptr(),
-             xll.data_ptr(), qkvll.data_ptr(), hll.data_ptr(), gull.data_ptr())
+             xll.data_ptr(), qkvll.data_ptr(), hll.data_ptr(), gull.data_ptr(), nw.data_ptr(), cos_sin.data_ptr(),
+             keys_out.data_ptr(), values_out.data_ptr(), 1e-5)
 kernels = load_kernels()
 params = (ctypes.c_void_p * 1)(ctypes.cast(ctypes.pointer(args), ctypes.c_void_p))
 
@@ -104,17 +111,39 @@ def persist(v):
     launch(kernels[v], nsm, 544, SMEM, params)
 
 
-def reference(xr):
+def rms(xr, w):
+    """decode_block's RMSNorm: float32 statistics, x * rstd rounded, times the weight, rounded."""
+    rstd = torch.rsqrt(xr.float().pow(2).mean(1, keepdim=True) + 1e-5)
+    return ((xr.float() * rstd).to(bf).float() * w.float()).to(bf)
+
+
+def rope(y):
+    """Each (even, odd) pair of a head's columns rotated by cos_sin, in float32 from the rounded projection."""
+    e, o = y.float().view(R, -1, HD // 2, 2).unbind(-1)
+    c, s = cos_sin[:, 0], cos_sin[:, 1]
+    return torch.stack([e * c - o * s, o * c + e * s], -1).view(R, -1).to(bf)
+
+
+def reference(xr, epi):
+    """The chain in float32 with the model's roundings; epi: with the block's other work, as run_ll's EPI."""
+    keys = []
     for l in range(L):
-        q = (xr.float() @ wqkv[l].float().T).to(bf)
-        hh = (q[:, :D].float() @ wo[l].float().T).to(bf)
-        g = (hh.float() @ w13[l].float().T).to(bf)
+        xn = rms(xr, nw[l, 0]) if epi else xr
+        y = (xn.float() @ wqkv[l].float().T).to(bf)
+        q = rope(y[:, :D]) if epi else y[:, :D]
+        if epi:
+            keys.append((rope(y[:, D:2 * D]), y[:, 2 * D:]))
+        hh = (q.float() @ wo[l].float().T).to(bf)
+        hh = (hh.float() + xr.float()).to(bf) if epi else hh
+        g = ((rms(hh, nw[l, 1]) if epi else hh).float() @ w13[l].float().T).to(bf)
         a = (Fn.silu(g[:, :F].float()).to(bf).float() * g[:, F:].float()).to(bf)
-        xr = (a.float() @ w2[l].float().T).to(bf)
-    return xr
+        out = (a.float() @ w2[l].float().T).to(bf)
+        xr = (out.float() + hh.float()).to(bf) if epi else out
+    return xr, keys
 
 
-ref = reference(x0)
+ref, _ = reference(x0, False)
+ref_epi, keys = reference(x0, True)
 for v in VARIANTS:
     if is_full(v):
         x.copy_(x0)
@@ -122,8 +151,14 @@ for v in VARIANTS:
         torch.cuda.synchronize()
         flagged = v[0] == "ll" and not (len(v) > 5 and v[5])  # run_ll's CNT 1 writes plain bf16
         out = xll.view(torch.int32).view(R, D // 2, 2)[..., 0].contiguous().view(bf) if flagged else x
-        d = (out.float() - ref.float()).abs().max().item()
-        print(f"{v}, {L} blocks: max abs diff {d:.4g} (reference's largest {ref.float().abs().max().item():.3g})", flush=True)
+        epi = v[0] == "ll" and len(v) > 8 and v[8]
+        want = ref_epi if epi else ref
+        d = (out.float() - want.float()).abs().max().item()
+        print(f"{v}, {L} blocks: max abs diff {d:.4g} (reference's largest {want.float().abs().max().item():.3g})", flush=True)
+        if epi:
+            dk = max((keys_out[l].float() - k.float()).abs().max().item() for l, (k, _) in enumerate(keys))
+            dv = max((values_out[l].float() - vv.float()).abs().max().item() for l, (_, vv) in enumerate(keys))
+            print(f"{v}: keys and values written, max abs diff {dk:.4g} / {dv:.4g}", flush=True)
 for v in VARIANTS:
     print(f"{v}, {R} rows, {STAGES} stages, w2 in {W2P} pieces: {timed(lambda: persist(v), L):.2f} us per block", flush=True)
 
