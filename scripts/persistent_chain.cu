@@ -33,8 +33,8 @@ __device__ __forceinline__ int w2_len(int h) { return h < W2P - 1 ? W2K : F - (W
 constexpr int W2LAST = F - (W2P - 1) * W2K;
 // the consumers' exchange at XR rows: run_ll's partials, [CW warps][2 units][lanes holding rows][a lane's values]
 __host__ __device__ constexpr int exch_bytes(int xr) { return CW * 2 * (4 * xr < 32 ? 4 * xr : 32) * (xr > 8 ? 4 : 2) * 4; }
-// run_ll's EPI at up to 8 rows: the residual's rows and the norm's partial sums [CW][XR]
-__host__ __device__ constexpr int epi_bytes(int xr) { return xr <= 8 ? xr * D * 2 + CW * xr * 4 : 0; }
+// run_ll's EPI at up to 8 rows: the residual's rows, the norm's partial sums [CW][XR] and the RoPE table [HD]
+__host__ __device__ constexpr int epi_bytes(int xr) { return xr <= 8 ? xr * D * 2 + CW * xr * 4 + HD * 4 : 0; }
 // what a program asks for at XR rows (the probe's SMEM): the ring's barriers, its stages, x, the exchange, EPI's
 __host__ __device__ constexpr int smem_bytes(int xr) { return 128 + S * STAGE + xr * F * 2 + exch_bytes(xr) + epi_bytes(xr); }
 
@@ -85,6 +85,7 @@ struct Smem {
   float* exch;
   bf16_t* res;  // EPI: the rows of the residual add
   float* red;   // EPI: the norm's partial sums
+  float* rope;  // EPI 2: the RoPE table
 };
 template <int XR>
 __device__ __forceinline__ Smem smem_layout() {
@@ -94,7 +95,8 @@ __device__ __forceinline__ Smem smem_layout() {
   bf16_t* xs = (bf16_t*)(smem + 128 + S * STAGE);
   float* exch = (float*)(xs + XR * F);
   bf16_t* res = (bf16_t*)(exch + exch_bytes(XR) / 4);
-  return {full, full + S, smem + 128, xs, exch, res, (float*)(res + XR * D)};
+  float* red = (float*)(res + XR * D);
+  return {full, full + S, smem + 128, xs, exch, res, red, red + CW * XR};
 }
 
 // phase p's geometry: rows per unit 8; K; units (w2: row groups, W2P pieces each)
@@ -495,12 +497,15 @@ __device__ void norm_rows(bf16_t* xs, bf16_t* res, const bf16_t* w, float* red, 
 // the flagged values read and written two pairs (16 bytes) at a time, as NCCL's LL does (the fastest: 16.6 us per
 // block with STAGES=5, 16.8-17.1 with 7). EPI 1 (with L16, up to 8 rows): the block's other work too, as decode_block's
 // kernels do it: RMSNorm before qkv and gate/up, RoPE on q and k, k and v written out (the caches), the residual adds
-// after wo and w2 (wo still reads q, where the model reads the attention's output). Measured and removed (docs/PERF_NOTES.md, "The persistent chain taken further"; the code at 50c908a): L2
+// after wo and w2 (wo still reads q, where the model reads the attention's output); the norms' weights and the RoPE
+// table read after each wait (22.0 us per block). EPI 2 (up to 2 rows): the same work, the weights loaded before the
+// wait, the sums of squares taken while the input is read, the table in shared memory (not yet run). Measured and removed (docs/PERF_NOTES.md, "The persistent chain taken further"; the code at 50c908a): L2
 // prefetch while the ring is full, poll back-off, relaxed flags, a per-SM read order, per-warp-pair K-slices.
 template <int XR, int NW, int COPY, int WAIT, int POLL = CW, int CNT = 0, int DBG = 0, int L16 = 0, int EPI = 0>
 __device__ void run_ll(const PArgs& a) {
   constexpr int G = CW / NW;  // groups of NW warps, taking this SM's units in turn
-  static_assert(!EPI || (L16 && !CNT && XR <= 8), "EPI: 16-byte flagged values, up to 8 rows");
+  static_assert(!EPI || (L16 && !CNT && XR <= 8 && (EPI == 1 || (XR <= 2 && POLL == CW))),
+                "EPI: 16-byte flagged values, up to 8 rows (2: up to 2, every consumer reading)");
   const Smem m = smem_layout<XR>();
   unsigned long long *full = m.full, *empty = m.empty;
   unsigned char* ring = m.ring;
@@ -515,12 +520,28 @@ __device__ void run_ll(const PArgs& a) {
     return;
   }
   if (COPY == 4) return;  // the producer alone, waiting for its own copies to land (as bulk_stream.cu, in this order)
+  if (EPI == 2) {
+    for (int i = threadIdx.x; i < HD; i += 512) m.rope[i] = a.freqs[i];
+    consumers_sync();
+  }
+  const float* rope_table = EPI == 2 ? m.rope : a.freqs;
   int n = 0;
   for (int l = 0; l < a.layers; ++l)
     for (int p = 0; p < 4; ++p) {
       const int K = p == 3 ? F : D;
       unsigned long long* st = stamps(a, l, p);
       if (st) { st[0] = st[5] = now(); st[12] = clock64(); }  // no barrier: the poll is part of x's staging
+      // EPI 2, a norm's phase: this thread's weights for the (at most two) pieces it reads, loaded before the wait
+      const bool norm2 = EPI == 2 && (p == 0 || p == 2);
+      uint2 wv[2] = {make_uint2(0, 0), make_uint2(0, 0)};
+      float ss[XR];
+#pragma unroll
+      for (int r = 0; r < XR; ++r) ss[r] = 0.f;
+      if (norm2)
+#pragma unroll
+        for (int j = 0; j < 2; ++j)
+          if (threadIdx.x + j * 512 < XR * D / 4)
+            wv[j] = __ldg((const uint2*)(a.nw + (l * 2 + p / 2) * D) + (threadIdx.x + j * 512) % (D / 4));
       const uint2* src = p == 0 ? a.xll : p == 1 ? a.qkvll : p == 2 ? a.hll : a.gull;
       const int stride = p == 1 ? 3 * D / 2 : K / 2;  // pairs per row of the input (wo reads qkv's first D)
       const unsigned want = 4 * l + p + 1;
@@ -544,7 +565,19 @@ __device__ void run_ll(const PArgs& a) {
             if (i >= np / 2) break;
             while (WAIT && (v[j].y != want || v[j].w != want)) v[j] = ll_load4(at(i));
             ((uint2*)xs)[i] = make_uint2(v[j].x, v[j].z);
+            if (norm2) {  // the residual's copy, and the row's sum of squares
+              ((uint2*)m.res)[i] = make_uint2(v[j].x, v[j].z);
+              const float sq = lo(v[j].x) * lo(v[j].x) + hi(v[j].x) * hi(v[j].x) + lo(v[j].z) * lo(v[j].z) + hi(v[j].z) * hi(v[j].z);
+#pragma unroll
+              for (int r = 0; r < XR; ++r) ss[r] += r == i / (D / 4) ? sq : 0.f;  // (an index spills)
+            }
           }
+        }
+      if (norm2)
+#pragma unroll
+        for (int r = 0; r < XR; ++r) {
+          for (int o = 16; o; o >>= 1) ss[r] += __shfl_xor_sync(0xffffffffu, ss[r], o);
+          if (lane == 0) m.red[warp * XR + r] = ss[r];
         }
       if (!L16 && !CNT && threadIdx.x < T && !((DBG & 4) && sm % 4))
         for (int base = threadIdx.x; base < np; base += PER * T) {
@@ -564,7 +597,21 @@ __device__ void run_ll(const PArgs& a) {
         }
       if (st) { st[1] = now(); st[13] = clock64(); }
       consumers_sync();
-      if (EPI && (p == 0 || p == 2)) norm_rows<XR>(xs, m.res, a.nw + (l * 2 + p / 2) * D, m.red, a.eps);
+      if (EPI == 1 && (p == 0 || p == 2)) norm_rows<XR>(xs, m.res, a.nw + (l * 2 + p / 2) * D, m.red, a.eps);
+      if (norm2) {  // each thread normalises the pieces it read, with the weights it loaded before the wait
+#pragma unroll
+        for (int j = 0; j < 2; ++j) {
+          const int i = threadIdx.x + j * 512;
+          if (i >= XR * D / 4) continue;
+          float t = 0.f;  // the row's sum of squares, from every consumer warp's share
+          for (int w = 0; w < CW; ++w) t += m.red[w * XR + i / (D / 4)];
+          const float rs = rsqrtf(t / D + a.eps);
+          const uint2 xv = ((const uint2*)xs)[i];
+          ((uint2*)xs)[i] = make_uint2(pack(rb(lo(xv.x) * rs) * lo(wv[j].x), rb(hi(xv.x) * rs) * hi(wv[j].x)),
+                                       pack(rb(lo(xv.y) * rs) * lo(wv[j].y), rb(hi(xv.y) * rs) * hi(wv[j].y)));
+        }
+        consumers_sync();
+      }
       if (st) { st[2] = now(); st[14] = clock64(); }
       int mine = 0;
       float d[4][4];
@@ -598,7 +645,7 @@ __device__ void run_ll(const PArgs& a) {
               e = rb(e);
               o = rb(o);
               if (p == 0 && col < 2 * D) {
-                const float c = a.freqs[col % HD], sn = a.freqs[col % HD + 1], e0 = e;
+                const float c = rope_table[col % HD], sn = rope_table[col % HD + 1], e0 = e;
                 e = e * c - o * sn;
                 o = o * c + e0 * sn;
               }

@@ -40,7 +40,7 @@ VARIANTS = eval(os.environ.get("VARIANTS", "[(0, 1, 0, 0), (1, 0, 0, 0), (1, 1, 
                                            "('ll', 8, 0, 1), ('ll', 4, 3, 1), ('ll', 4, 2, 0), ('ll', 4, 1, 1), "
                                            "('ll', 8, 0, 1, 16, 0, 0, 1)]"))
 EXCH = 16 * 2 * min(4 * R, 32) * (4 if R > 8 else 2) * 4  # bytes, as the .cu's exch_bytes
-EPI = R * D * 2 + 16 * R * 4 if R <= 8 else 0  # bytes, as the .cu's epi_bytes
+EPI = R * D * 2 + 16 * R * 4 + HD * 4 if R <= 8 else 0  # bytes, as the .cu's epi_bytes
 SMEM = 128 + STAGES * STAGE + R * F * 2 + EXCH + EPI  # as the .cu's smem_bytes
 STAMPS = ["producer issued", "start", "barrier passed", "x staged", "x synced", "first unit in", "units done", "signalled"]
 STAMP_SLOTS = (7, 0, 5, 1, 2, 6, 3, 4)
