@@ -490,6 +490,72 @@ __device__ void norm_rows(bf16_t* xs, bf16_t* res, const bf16_t* w, float* red, 
   consumers_sync();
 }
 
+// run_ll's read of a phase's flagged input (K columns a row, `stride` pairs apart) into xs [XR][K]: POLL warps'
+// threads each load up to 8 pairs at once, then poll each until its flag is `want` (WAIT 0: take them as they are)
+template <int XR, int POLL, int WAIT>
+__device__ __forceinline__ void read_ll8(const uint2* src, int K, int stride, unsigned want, bf16_t* xs) {
+  constexpr int T = POLL * 32, PER = (XR * F / 2 + T - 1) / T < 8 ? (XR * F / 2 + T - 1) / T : 8;
+  const int np = XR * K / 2;  // pairs
+  const auto at = [&](int i) { return src + (i / (K / 2)) * stride + i % (K / 2); };
+  for (int base = threadIdx.x; base < np; base += PER * T) {
+    uint2 v[PER];
+#pragma unroll
+    for (int j = 0; j < PER; ++j)
+      if (base + j * T < np) v[j] = ll_load(at(base + j * T));
+#pragma unroll
+    for (int j = 0; j < PER; ++j) {
+      const int i = base + j * T;
+      if (i >= np) break;
+      while (WAIT && v[j].y != want) v[j] = ll_load(at(i));
+      ((unsigned*)xs)[i] = v[j].x;
+    }
+  }
+}
+// the same in 16-byte pieces of two pairs; with `norm` (K = D), also the residual's copy into res and each row's
+// sum of squares into ss
+template <int XR, int POLL, int WAIT>
+__device__ __forceinline__ void read_ll16(const uint2* src, int K, int stride, unsigned want, bf16_t* xs, bool norm,
+                                          bf16_t* res, float (&ss)[XR]) {
+  constexpr int T = POLL * 32, PER = (XR * F / 4 + T - 1) / T < 8 ? (XR * F / 4 + T - 1) / T : 8;
+  const int nq = XR * K / 4;  // pieces
+  const auto at = [&](int i) { return (const uint4*)src + (i / (K / 4)) * (stride / 2) + i % (K / 4); };
+  for (int base = threadIdx.x; base < nq; base += PER * T) {
+    uint4 v[PER];
+#pragma unroll
+    for (int j = 0; j < PER; ++j)
+      if (base + j * T < nq) v[j] = ll_load4(at(base + j * T));
+#pragma unroll
+    for (int j = 0; j < PER; ++j) {
+      const int i = base + j * T;
+      if (i >= nq) break;
+      while (WAIT && (v[j].y != want || v[j].w != want)) v[j] = ll_load4(at(i));
+      ((uint2*)xs)[i] = make_uint2(v[j].x, v[j].z);
+      if (norm) {
+        ((uint2*)res)[i] = make_uint2(v[j].x, v[j].z);
+        const float sq = lo(v[j].x) * lo(v[j].x) + hi(v[j].x) * hi(v[j].x) + lo(v[j].z) * lo(v[j].z) + hi(v[j].z) * hi(v[j].z);
+#pragma unroll
+        for (int r = 0; r < XR; ++r) ss[r] += r == i / (D / 4) ? sq : 0.f;  // (an index spills)
+      }
+    }
+  }
+}
+// EPI 2: each thread RMSNorms the (at most two) pieces of xs it read, with the weights wv it loaded before the wait,
+// from the rows' sums of squares in red [CW][XR]; decode_block's rounding order
+template <int XR>
+__device__ __forceinline__ void norm_pieces(bf16_t* xs, const uint2 (&wv)[2], const float* red, float eps) {
+#pragma unroll
+  for (int j = 0; j < 2; ++j) {
+    const int i = threadIdx.x + j * 512;
+    if (i >= XR * D / 4) continue;
+    float t = 0.f;
+    for (int w = 0; w < CW; ++w) t += red[w * XR + i / (D / 4)];
+    const float rs = rsqrtf(t / D + eps);
+    const uint2 xv = ((const uint2*)xs)[i];
+    ((uint2*)xs)[i] = make_uint2(pack(rb(lo(xv.x) * rs) * lo(wv[j].x), rb(hi(xv.x) * rs) * hi(wv[j].x)),
+                                 pack(rb(lo(xv.y) * rs) * lo(wv[j].y), rb(hi(xv.y) * rs) * hi(wv[j].y)));
+  }
+}
+
 // POLL: the warps that read the phase's input. CNT 1: plain bf16 outputs, each unit counted with red.release, the
 // readers waiting for the count (no flags: at 16 rows the flagged input, twice the bytes, is read whole by every
 // SM). DBG (timing only, results wrong): 1 no sum of the group's partials (its other warps move on at once), 2 no
@@ -545,71 +611,23 @@ __device__ void run_ll(const PArgs& a) {
       const uint2* src = p == 0 ? a.xll : p == 1 ? a.qkvll : p == 2 ? a.hll : a.gull;
       const int stride = p == 1 ? 3 * D / 2 : K / 2;  // pairs per row of the input (wo reads qkv's first D)
       const unsigned want = 4 * l + p + 1;
-      // POLL warps read the input, PER pairs per thread at a time: all loaded at once, then polled
-      constexpr int T = POLL * 32, PER = (XR * F / 2 + T - 1) / T < 8 ? (XR * F / 2 + T - 1) / T : 8;
       const int prev = l * 4 + p - 1;
       if (CNT && prev >= 0 && WAIT) wait_count(a, prev, units(prev % 4));
       if (CNT) stage_x<XR>(a, p, xs);
-      const int np = XR * K / 2;  // pairs
-      constexpr int PER4 = (XR * F / 4 + T - 1) / T < 8 ? (XR * F / 4 + T - 1) / T : 8;
-      if (L16 && !CNT && threadIdx.x < T && !((DBG & 4) && sm % 4))
-        for (int base = threadIdx.x; base < np / 2; base += PER4 * T) {  // 16-byte pieces: two pairs each
-          const auto at = [&](int i) { return (const uint4*)src + (i / (K / 4)) * (stride / 2) + i % (K / 4); };
-          uint4 v[PER4];
-#pragma unroll
-          for (int j = 0; j < PER4; ++j)
-            if (base + j * T < np / 2) v[j] = ll_load4(at(base + j * T));
-#pragma unroll
-          for (int j = 0; j < PER4; ++j) {
-            const int i = base + j * T;
-            if (i >= np / 2) break;
-            while (WAIT && (v[j].y != want || v[j].w != want)) v[j] = ll_load4(at(i));
-            ((uint2*)xs)[i] = make_uint2(v[j].x, v[j].z);
-            if (norm2) {  // the residual's copy, and the row's sum of squares
-              ((uint2*)m.res)[i] = make_uint2(v[j].x, v[j].z);
-              const float sq = lo(v[j].x) * lo(v[j].x) + hi(v[j].x) * hi(v[j].x) + lo(v[j].z) * lo(v[j].z) + hi(v[j].z) * hi(v[j].z);
-#pragma unroll
-              for (int r = 0; r < XR; ++r) ss[r] += r == i / (D / 4) ? sq : 0.f;  // (an index spills)
-            }
-          }
-        }
+      const bool reads = !CNT && threadIdx.x < POLL * 32 && !((DBG & 4) && sm % 4);
+      if (reads && L16) read_ll16<XR, POLL, WAIT>(src, K, stride, want, xs, norm2, m.res, ss);
+      if (reads && !L16) read_ll8<XR, POLL, WAIT>(src, K, stride, want, xs);
       if (norm2)
 #pragma unroll
         for (int r = 0; r < XR; ++r) {
           for (int o = 16; o; o >>= 1) ss[r] += __shfl_xor_sync(0xffffffffu, ss[r], o);
           if (lane == 0) m.red[warp * XR + r] = ss[r];
         }
-      if (!L16 && !CNT && threadIdx.x < T && !((DBG & 4) && sm % 4))
-        for (int base = threadIdx.x; base < np; base += PER * T) {
-          uint2 v[PER];
-#pragma unroll
-          for (int j = 0; j < PER; ++j) {
-            const int i = base + j * T;
-            if (i < np) v[j] = ll_load(src + (i / (K / 2)) * stride + i % (K / 2));
-          }
-#pragma unroll
-          for (int j = 0; j < PER; ++j) {
-            const int i = base + j * T;
-            if (i >= np) break;
-            while (WAIT && v[j].y != want) v[j] = ll_load(src + (i / (K / 2)) * stride + i % (K / 2));
-            ((unsigned*)xs)[i] = v[j].x;
-          }
-        }
       if (st) { st[1] = now(); st[13] = clock64(); }
       consumers_sync();
       if (EPI == 1 && (p == 0 || p == 2)) norm_rows<XR>(xs, m.res, a.nw + (l * 2 + p / 2) * D, m.red, a.eps);
-      if (norm2) {  // each thread normalises the pieces it read, with the weights it loaded before the wait
-#pragma unroll
-        for (int j = 0; j < 2; ++j) {
-          const int i = threadIdx.x + j * 512;
-          if (i >= XR * D / 4) continue;
-          float t = 0.f;  // the row's sum of squares, from every consumer warp's share
-          for (int w = 0; w < CW; ++w) t += m.red[w * XR + i / (D / 4)];
-          const float rs = rsqrtf(t / D + a.eps);
-          const uint2 xv = ((const uint2*)xs)[i];
-          ((uint2*)xs)[i] = make_uint2(pack(rb(lo(xv.x) * rs) * lo(wv[j].x), rb(hi(xv.x) * rs) * hi(wv[j].x)),
-                                       pack(rb(lo(xv.y) * rs) * lo(wv[j].y), rb(hi(xv.y) * rs) * hi(wv[j].y)));
-        }
+      if (norm2) {
+        norm_pieces<XR>(xs, wv, m.red, a.eps);
         consumers_sync();
       }
       if (st) { st[2] = now(); st[14] = clock64(); }
