@@ -512,7 +512,7 @@ __device__ __forceinline__ void read_ll8(const uint2* src, int K, int stride, un
   }
 }
 // the same in 16-byte pieces of two pairs; with `norm` (K = D), also the residual's copy into res and each row's
-// sum of squares into ss
+// sum of squares into ss (one template for both reads spilled EPI 2 at the 96-register cap)
 template <int XR, int POLL, int WAIT>
 __device__ __forceinline__ void read_ll16(const uint2* src, int K, int stride, unsigned want, bf16_t* xs, bool norm,
                                           bf16_t* res, float (&ss)[XR]) {
