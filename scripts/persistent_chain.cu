@@ -130,6 +130,20 @@ __device__ __forceinline__ void stage_x(const PArgs& a, int p, bf16_t* xs) {
       if (base + j * 512 < n) ((uint4*)xs)[base + j * 512] = v[j];
   }
 }
+// run and run_mma's start of phase (l, p): wait until the phase before is counted (per SM, or per unit with
+// per_unit), stage x with XB loads at once (unless !stage), and meet; the stamps of each step on st
+template <int XR, int XB>
+__device__ __forceinline__ void counted_input(const PArgs& a, int l, int p, bool wait, bool per_unit, bool stage,
+                                              bf16_t* xs, unsigned long long* st) {
+  if (st) st[0] = now();
+  const int prev = l * 4 + p - 1;
+  if (prev >= 0 && wait) wait_count(a, prev, per_unit ? units(prev % 4) : a.nsm);
+  if (st) st[5] = now();
+  if (stage) stage_x<XR, XB>(a, p, xs);
+  if (st) st[1] = now();
+  consumers_sync();
+  if (st) st[2] = now();
+}
 // SiLU of the gate times up, each rounded to bf16 as the model's ops are (the result left for its store to round)
 __device__ __forceinline__ float silu_up(float g, float up) {
   g = rb(g);
@@ -206,6 +220,16 @@ __device__ __forceinline__ void produce(const PArgs& a, unsigned long long* full
     for (int k = n > S ? n - S : 0; k < n; ++k) wait_parity(saddr(&full[k % S]), (k / S) & 1);
 }
 
+// a program's start: the ring's barriers (empty[s] awaits `consumers` warps); the producer warp streams, then is
+// done (true)
+template <int COPY, int AHEAD>
+__device__ __forceinline__ bool producer_done(const PArgs& a, const Smem& m, unsigned consumers) {
+  init_ring(m.full, m.empty, consumers);
+  if (threadIdx.x >> 5 != CW) return false;
+  produce<COPY, AHEAD>(a, m.full, m.empty, m.ring, blockIdx.x, a.nsm, threadIdx.x & 31);
+  return true;
+}
+
 // AHEAD: units prefetched into L2 ahead of the ring; XREG: x's fragment in registers for the phase (K = D)
 template <int XR, int COPY, int BARRIERS, int AHEAD, int XREG>
 __device__ void run(const PArgs& a) {
@@ -215,12 +239,7 @@ __device__ void run(const PArgs& a) {
   bf16_t* xs = m.xs;
   float* exch = m.exch;  // [group][2][8 rows][XR]
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, sm = blockIdx.x, nsm = a.nsm;
-  init_ring(full, empty, 8);  // empty: one group's warps
-
-  if (warp == CW) {
-    produce<COPY, AHEAD>(a, full, empty, ring, sm, nsm, lane);
-    return;
-  }
+  if (producer_done<COPY, AHEAD>(a, m, 8)) return;  // empty: one group's warps
 
   // consumers
   int n = 0;
@@ -228,15 +247,9 @@ __device__ void run(const PArgs& a) {
     for (int p = 0; p < 4; ++p) {
       const int K = p == 3 ? F : D;
       unsigned long long* st = stamps(a, l, p);
-      if (st) st[0] = now();
-      // the phase's input: written by the phase before, on every SM
-      const int prev = l * 4 + p - 1;
-      if (prev >= 0 && BARRIERS) wait_count(a, prev, nsm);  // every SM counts the phase once
-      if (st) st[5] = now();
-      stage_x<XR, XREG ? 1 : 4>(a, p, xs);  // x in registers leaves none for loads at once
-      if (st) st[1] = now();
-      consumers_sync();
-      if (st) st[2] = now();
+      // the phase's input, written by the phase before on every SM (each counts it once); x in registers leaves none
+      // for loads at once
+      counted_input<XR, XREG ? 1 : 4>(a, l, p, BARRIERS, false, true, xs, st);
       uint4 xr[XR][D / 256];  // x's fragment of this lane for the phase (K = D), loaded once: shared memory's reads are the bound
       if (XREG && p < 3)
         #pragma unroll
@@ -387,24 +400,14 @@ __device__ void run_mma(const PArgs& a) {
   unsigned char* ring = m.ring;
   bf16_t* xs = m.xs;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, sm = blockIdx.x, nsm = a.nsm, g = lane >> 2, q = lane & 3;
-  init_ring(full, empty, 1);  // empty: the owning warp
-  if (warp == CW) {
-    produce<COPY >= 2 ? 2 : COPY, 0>(a, full, empty, ring, sm, nsm, lane);  // COPY 3: no copies, no products (the grid's chain alone)
-    return;
-  }
+  // empty: the owning warp; COPY 3: no copies, no products (the grid's chain alone)
+  if (producer_done<COPY >= 2 ? 2 : COPY, 0>(a, m, 1)) return;
   int n = 0;
   for (int l = 0; l < a.layers; ++l)
     for (int p = 0; p < 4; ++p) {
       const int K = p == 3 ? F : D;
       unsigned long long* st = stamps(a, l, p);
-      if (st) st[0] = now();
-      const int prev = l * 4 + p - 1;
-      if (prev >= 0 && BARRIERS) wait_count(a, prev, units(prev % 4));  // each of its units counted
-      if (st) st[5] = now();
-      if (!(FLAGS & 2)) stage_x<XR, 2>(a, p, xs);
-      if (st) st[1] = now();
-      consumers_sync();
-      if (st) st[2] = now();
+      counted_input<XR, 2>(a, l, p, BARRIERS, true, !(FLAGS & 2), xs, st);  // each of its units counted
       int mine = 0;
       float d[4][4];
       for (int u = sm; u < units(p); u += nsm, ++mine)
@@ -580,7 +583,7 @@ __device__ void run_ll(const PArgs& a) {
   constexpr int LN = 4 * XR < 32 ? 4 * XR : 32, V = XR > 8 ? 4 : 2;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, sm = blockIdx.x, nsm = a.nsm, g = lane >> 2, q = lane & 3;
   const int group = warp / NW, gw = warp % NW;
-  init_ring(full, empty, NW);  // empty: the group's warps
+  init_ring(full, empty, NW);  // empty: the group's warps (producer_done here spills run_ll<16, 8, 0, 1> at 96 registers)
   if (warp == CW) {
     produce<COPY == 3 ? 2 : COPY, 0>(a, full, empty, ring, sm, nsm, lane);
     return;
