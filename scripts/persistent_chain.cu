@@ -568,8 +568,10 @@ __device__ __forceinline__ void norm_pieces(bf16_t* xs, const uint2 (&wv)[2], co
 // kernels do it: RMSNorm before qkv and gate/up, RoPE on q and k, k and v written out (the caches), the residual adds
 // after wo and w2 (wo still reads q, where the model reads the attention's output); the norms' weights and the RoPE
 // table read after each wait (22.0 us per block). EPI 2 (up to 2 rows): the same work, the weights loaded before the
-// wait, the sums of squares taken while the input is read, the table in shared memory (not yet run). Measured and removed (docs/PERF_NOTES.md, "The persistent chain taken further"; the code at 50c908a): L2
-// prefetch while the ring is full, poll back-off, relaxed flags, a per-SM read order, per-warp-pair K-slices.
+// wait, the sums of squares taken while the input is read, the table in shared memory (20.0-20.3 us, a tie with
+// decode_block's kernels: the norms' statistics stay on the exchange's path). Measured and removed
+// (docs/PERF_NOTES.md, "The persistent chain taken further"; the code at 50c908a): L2 prefetch while the ring is
+// full, poll back-off, relaxed flags, a per-SM read order, per-warp-pair K-slices.
 template <int XR, int NW, int COPY, int WAIT, int POLL = CW, int CNT = 0, int DBG = 0, int L16 = 0, int EPI = 0>
 __device__ void run_ll(const PArgs& a) {
   constexpr int G = CW / NW;  // groups of NW warps, taking this SM's units in turn
