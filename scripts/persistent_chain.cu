@@ -22,6 +22,7 @@ struct PArgs {
   const float* freqs;  // [HD / 2][2]: the step's (cos, sin) per pair of a head's columns
   bf16_t *kc, *vc;     // [layers][XR][D]: the step's keys and values, as the caches get them
   float eps;
+  uint4* sqll;  // EPI 3: [2][D / 8] wo's and w2's units' sums of squares of their outputs' two rows, flagged: x's, h's
 };
 __device__ __forceinline__ unsigned long long now() { unsigned long long t; asm volatile("mov.u64 %0, %globaltimer;" : "=l"(t)); return t; }
 constexpr int D = 1280, F = 3584, HD = 64, S = 7, CW = 16, W2P = 2;  // ring stages, consumer warps, w2 pieces (the probe may change S, W2P)
@@ -516,7 +517,7 @@ __device__ __forceinline__ void read_ll8(const uint2* src, int K, int stride, un
 }
 // the same in 16-byte pieces of two pairs; with `norm` (K = D), also the residual's copy into res and each row's
 // sum of squares into ss (one template for both reads spilled EPI 2 at the 96-register cap)
-template <int XR, int POLL, int WAIT>
+template <int XR, int POLL, int WAIT, int SQ = 1>
 __device__ __forceinline__ void read_ll16(const uint2* src, int K, int stride, unsigned want, bf16_t* xs, bool norm,
                                           bf16_t* res, float (&ss)[XR]) {
   constexpr int T = POLL * 32, PER = (XR * F / 4 + T - 1) / T < 8 ? (XR * F / 4 + T - 1) / T : 8;
@@ -535,6 +536,7 @@ __device__ __forceinline__ void read_ll16(const uint2* src, int K, int stride, u
       ((uint2*)xs)[i] = make_uint2(v[j].x, v[j].z);
       if (norm) {
         ((uint2*)res)[i] = make_uint2(v[j].x, v[j].z);
+        if (!SQ) continue;
         const float sq = lo(v[j].x) * lo(v[j].x) + hi(v[j].x) * hi(v[j].x) + lo(v[j].z) * lo(v[j].z) + hi(v[j].z) * hi(v[j].z);
 #pragma unroll
         for (int r = 0; r < XR; ++r) ss[r] += r == i / (D / 4) ? sq : 0.f;  // (an index spills)
@@ -544,19 +546,47 @@ __device__ __forceinline__ void read_ll16(const uint2* src, int K, int stride, u
 }
 // EPI 2: each thread RMSNorms the (at most two) pieces of xs it read, with the weights wv it loaded before the wait,
 // from the rows' sums of squares in red [CW][XR]; decode_block's rounding order
+// (EPI 3, given: from rows 0's and 1's rstd r0, r1)
 template <int XR>
-__device__ __forceinline__ void norm_pieces(bf16_t* xs, const uint2 (&wv)[2], const float* red, float eps) {
+__device__ __forceinline__ void norm_pieces(bf16_t* xs, const uint2 (&wv)[2], const float* red, float eps,
+                                            bool given = false, float r0 = 0.f, float r1 = 0.f) {
 #pragma unroll
   for (int j = 0; j < 2; ++j) {
     const int i = threadIdx.x + j * 512;
     if (i >= XR * D / 4) continue;
     float t = 0.f;
-    for (int w = 0; w < CW; ++w) t += red[w * XR + i / (D / 4)];
-    const float rs = rsqrtf(t / D + eps);
+    if (!given)
+      for (int w = 0; w < CW; ++w) t += red[w * XR + i / (D / 4)];
+    const float rs = given ? (i / (D / 4) ? r1 : r0) : rsqrtf(t / D + eps);
     const uint2 xv = ((const uint2*)xs)[i];
     ((uint2*)xs)[i] = make_uint2(pack(rb(lo(xv.x) * rs) * lo(wv[j].x), rb(hi(xv.x) * rs) * hi(wv[j].x)),
                                  pack(rb(lo(xv.y) * rs) * lo(wv[j].y), rb(hi(xv.y) * rs) * hi(wv[j].y)));
   }
+}
+
+// EPI 3: the rows' rstd from the 160 units' flagged sums of squares, read by every warp (5 per lane) and added in one
+// fixed order (each lane's in turn, then a butterfly: every lane of every SM ends with the same bits), so no
+// barrier of the consumers is needed for the statistics
+template <int XR>
+__device__ __forceinline__ void rstd_ll(const uint4* sq, unsigned want, float eps, float (&rs)[2]) {
+  constexpr int N = D / 8 / 32;
+  const int lane = threadIdx.x & 31;
+  uint4 v[N];
+#pragma unroll
+  for (int j = 0; j < N; ++j) v[j] = ll_load4(sq + lane + 32 * j);
+  float s0 = 0.f, s1 = 0.f;
+#pragma unroll
+  for (int j = 0; j < N; ++j) {
+    while (v[j].y != want || v[j].w != want) v[j] = ll_load4(sq + lane + 32 * j);
+    s0 += __uint_as_float(v[j].x);
+    s1 += __uint_as_float(v[j].z);
+  }
+  for (int o = 16; o; o >>= 1) {
+    s0 += __shfl_xor_sync(0xffffffffu, s0, o);
+    s1 += __shfl_xor_sync(0xffffffffu, s1, o);
+  }
+  rs[0] = rsqrtf(s0 / D + eps);
+  rs[1] = XR > 1 ? rsqrtf(s1 / D + eps) : 0.f;
 }
 
 // POLL: the warps that read the phase's input. CNT 1: plain bf16 outputs, each unit counted with red.release, the
@@ -569,14 +599,17 @@ __device__ __forceinline__ void norm_pieces(bf16_t* xs, const uint2 (&wv)[2], co
 // after wo and w2 (wo still reads q, where the model reads the attention's output); the norms' weights and the RoPE
 // table read after each wait (22.0 us per block). EPI 2 (up to 2 rows): the same work, the weights loaded before the
 // wait, the sums of squares taken while the input is read, the table in shared memory (20.0-20.3 us, a tie with
-// decode_block's kernels: the norms' statistics stay on the exchange's path). Measured and removed
+// decode_block's kernels: the norms' statistics stay on the exchange's path). EPI 3 (up to 2 rows): EPI 2 with the
+// statistics published by the units that write a norm's input (wo's and w2's: each unit's rows' sums of squares,
+// flagged) and read by every warp beside its pieces (rstd_ll), so a norm adds no barrier of the consumers; its sum's
+// order is not decode_block's. Measured and removed
 // (docs/PERF_NOTES.md, "The persistent chain taken further"; the code at 50c908a): L2 prefetch while the ring is
 // full, poll back-off, relaxed flags, a per-SM read order, per-warp-pair K-slices.
 template <int XR, int NW, int COPY, int WAIT, int POLL = CW, int CNT = 0, int DBG = 0, int L16 = 0, int EPI = 0>
 __device__ void run_ll(const PArgs& a) {
   constexpr int G = CW / NW;  // groups of NW warps, taking this SM's units in turn
   static_assert(!EPI || (L16 && !CNT && XR <= 8 && (EPI == 1 || (XR <= 2 && POLL == CW))),
-                "EPI: 16-byte flagged values, up to 8 rows (2: up to 2, every consumer reading)");
+                "EPI: 16-byte flagged values, up to 8 rows (2 and 3: up to 2, every consumer reading)");
   const Smem m = smem_layout<XR>();
   unsigned long long *full = m.full, *empty = m.empty;
   unsigned char* ring = m.ring;
@@ -591,11 +624,11 @@ __device__ void run_ll(const PArgs& a) {
     return;
   }
   if (COPY == 4) return;  // the producer alone, waiting for its own copies to land (as bulk_stream.cu, in this order)
-  if (EPI == 2) {
+  if (EPI >= 2) {
     for (int i = threadIdx.x; i < HD; i += 512) m.rope[i] = a.freqs[i];
     consumers_sync();
   }
-  const float* rope_table = EPI == 2 ? m.rope : a.freqs;
+  const float* rope_table = EPI >= 2 ? m.rope : a.freqs;
   int n = 0;
   for (int l = 0; l < a.layers; ++l)
     for (int p = 0; p < 4; ++p) {
@@ -603,7 +636,7 @@ __device__ void run_ll(const PArgs& a) {
       unsigned long long* st = stamps(a, l, p);
       if (st) { st[0] = st[5] = now(); st[12] = clock64(); }  // no barrier: the poll is part of x's staging
       // EPI 2, a norm's phase: this thread's weights for the (at most two) pieces it reads, loaded before the wait
-      const bool norm2 = EPI == 2 && (p == 0 || p == 2);
+      const bool norm2 = EPI >= 2 && (p == 0 || p == 2);
       uint2 wv[2] = {make_uint2(0, 0), make_uint2(0, 0)};
       float ss[XR];
 #pragma unroll
@@ -620,9 +653,14 @@ __device__ void run_ll(const PArgs& a) {
       if (CNT && prev >= 0 && WAIT) wait_count(a, prev, units(prev % 4));
       if (CNT) stage_x<XR>(a, p, xs);
       const bool reads = !CNT && threadIdx.x < POLL * 32 && !((DBG & 4) && sm % 4);
-      if (reads && L16) read_ll16<XR, POLL, WAIT>(src, K, stride, want, xs, norm2, m.res, ss);
+      if (reads && L16) read_ll16<XR, POLL, WAIT, EPI != 3>(src, K, stride, want, xs, norm2, m.res, ss);
       if (reads && !L16) read_ll8<XR, POLL, WAIT>(src, K, stride, want, xs);
-      if (norm2)
+      if (EPI == 3 && norm2) {  // the statistics from the units that wrote the input: this thread's pieces at once
+        float rs[2];
+        rstd_ll<XR>(a.sqll + (p == 0 ? 0 : D / 8), want, a.eps, rs);
+        norm_pieces<XR>(xs, wv, m.red, a.eps, true, rs[0], rs[1]);
+      }
+      if (EPI == 2 && norm2)
 #pragma unroll
         for (int r = 0; r < XR; ++r) {
           for (int o = 16; o; o >>= 1) ss[r] += __shfl_xor_sync(0xffffffffu, ss[r], o);
@@ -631,7 +669,7 @@ __device__ void run_ll(const PArgs& a) {
       if (st) { st[1] = now(); st[13] = clock64(); }
       consumers_sync();
       if (EPI == 1 && (p == 0 || p == 2)) norm_rows<XR>(xs, m.res, a.nw + (l * 2 + p / 2) * D, m.red, a.eps);
-      if (norm2) {
+      if (EPI == 2 && norm2) {
         norm_pieces<XR>(xs, wv, m.red, a.eps);
         consumers_sync();
       }
@@ -680,6 +718,13 @@ __device__ void run_ll(const PArgs& a) {
             }
             const unsigned pk = pack(e, o);
             const unsigned pk1 = L16 ? __shfl_down_sync(0xffffffffu, pk, 1) : 0u;  // lane q + 1's pair, the next one
+            if (EPI == 3 && (p == 1 || p == 3)) {  // the unit's rows' sums of squares of its rounded outputs, flagged
+              float sq = lo(pk) * lo(pk) + hi(pk) * hi(pk);
+              sq += __shfl_xor_sync(0xffffffffu, sq, 1);
+              sq += __shfl_xor_sync(0xffffffffu, sq, 2);
+              const float sq1 = __shfl_down_sync(0xffffffffu, sq, 4);  // row 1's, from lane 4
+              if (lane == 0) ll_store4(a.sqll + (p == 3 ? 0 : D / 8) + u, __float_as_uint(sq), __float_as_uint(sq1), flag);
+            }
             if (r >= XR || (p == 2 && !up) || (DBG & 2)) continue;
             const int pair = p == 2 ? u * 2 + q : u * 4 + q;
             if (EPI && p == 0 && col >= D) {  // k and v: to the caches, not to the next phase

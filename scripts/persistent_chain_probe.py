@@ -7,7 +7,7 @@ chain of the projections" and "The persistent chain taken further"). Needs an sm
 scripts/persistent_chain.cu compiled by NVRTC (smem_gemv's loader), one program per SM, ROWS rows (2: one image with
 its classifier-free guidance; up to 16, n = 8, on the tensor-core consumers: x takes 7 KB of shared memory per row,
 so ROWS=16 needs W2P=3 STAGES=4), LAYERS blocks of random weights. A variant is `run`'s (COPY, BARRIERS, AHEAD,
-XREG), `run_mma`'s ('m', COPY, BARRIERS[, FLAGS]) or `run_ll`'s ('ll', NW, COPY, WAIT[, POLL, CNT, DBG, L16, EPI]),
+XREG), `run_mma`'s ('m', COPY, BARRIERS[, FLAGS]) or `run_ll`'s ('ll', NW, COPY, WAIT[, POLL, CNT, DBG, L16, EPI]; EPI 1-3),
 see the .cu; STAGES stages in the ring, w2's rows in W2P pieces of K (3: stages of 20 KB instead of 28, so 10 of them fit).
 Prints each full variant's largest difference from a float reference at LAYERS blocks (check at LAYERS=1: the random
 activations vanish over 8), then each variant's time per block in a CUDA graph, the stamps of SM 0 and the last SM
@@ -75,7 +75,7 @@ class PArgs(ctypes.Structure):
     _fields_ = [(n, ctypes.c_void_p) for n in ("wqkv", "wo", "w13", "w2", "x", "qkv", "h", "gu", "counters")] + \
                [("layers", ctypes.c_int), ("nsm", ctypes.c_int), ("stamps", ctypes.c_void_p)] + \
                [(n, ctypes.c_void_p) for n in ("xll", "qkvll", "hll", "gull", "nw", "freqs", "kc", "vc")] + \
-               [("eps", ctypes.c_float)]
+               [("eps", ctypes.c_float), ("sqll", ctypes.c_void_p)]
 
 
 torch.manual_seed(0)
@@ -95,10 +95,13 @@ nw = (1 + torch.randn(L, 2, D, device=dev) / 8).to(bf)  # EPI: attention_norm's 
 angle = torch.rand(HD // 2, device=dev) * 6.28
 cos_sin = torch.stack([angle.cos(), angle.sin()], 1)  # EPI: the step's (cos, sin) per pair, as decode_block reads them
 keys_out, values_out = (torch.zeros(L, R, D, device=dev, dtype=bf) for _ in range(2))  # EPI: k and v as written
+sqll = torch.zeros(2, D // 8, 4, device=dev, dtype=torch.int32)  # EPI 3: per unit {row 0's sum, flag, row 1's, flag}
+x0sq = x0.float().view(R, D // 8, 8).pow(2).sum(-1)  # EPI 3: the first input's, flagged 1 as the input itself
+x0sq = torch.stack([x0sq[0], x0sq[-1] if R > 1 else torch.zeros_like(x0sq[0])], 1).contiguous().view(torch.int32)
 args = PArgs(wqkv.data_ptr(), wo.data_ptr(), w13.data_ptr(), w2.data_ptr(), x.data_ptr(), qkv.data_ptr(),
              h.data_ptr(), gu.data_ptr(), counters.data_ptr(), L, nsm, stamps.data_ptr(),
              xll.data_ptr(), qkvll.data_ptr(), hll.data_ptr(), gull.data_ptr(), nw.data_ptr(), cos_sin.data_ptr(),
-             keys_out.data_ptr(), values_out.data_ptr(), 1e-5)
+             keys_out.data_ptr(), values_out.data_ptr(), 1e-5, sqll.data_ptr())
 kernels = load_kernels()
 params = (ctypes.c_void_p * 1)(ctypes.cast(ctypes.pointer(args), ctypes.c_void_p))
 
@@ -108,6 +111,9 @@ def persist(v):
     if v[0] == "ll":  # every flag 0, the input's 1
         ll.zero_()
         xll.view(torch.int32).view(-1, 2).copy_(x0ll)
+        sqll.zero_()
+        sqll[0, :, 0::2] = x0sq
+        sqll[0, :, 1::2] = 1
     launch(kernels[v], nsm, 544, SMEM, params)
 
 
