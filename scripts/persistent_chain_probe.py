@@ -95,7 +95,7 @@ nw = (1 + torch.randn(L, 2, D, device=dev) / 8).to(bf)  # EPI: attention_norm's 
 angle = torch.rand(HD // 2, device=dev) * 6.28
 cos_sin = torch.stack([angle.cos(), angle.sin()], 1)  # EPI: the step's (cos, sin) per pair, as decode_block reads them
 keys_out, values_out = (torch.zeros(L, R, D, device=dev, dtype=bf) for _ in range(2))  # EPI: k and v as written
-sqll = torch.zeros(2, D // 8, 4, device=dev, dtype=torch.int32)  # EPI 3: per unit {row 0's sum, flag, row 1's, flag}
+sqll = torch.zeros(2, 16, D // 8, 4, device=dev, dtype=torch.int32)  # EPI 3: per warp, unit {row 0's sum, flag, row 1's, flag}
 x0sq = x0.float().view(R, D // 8, 8).pow(2).sum(-1)  # EPI 3: the first input's, flagged 1 as the input itself
 x0sq = torch.stack([x0sq[0], x0sq[-1] if R > 1 else torch.zeros_like(x0sq[0])], 1).contiguous().view(torch.int32)
 args = PArgs(wqkv.data_ptr(), wo.data_ptr(), w13.data_ptr(), w2.data_ptr(), x.data_ptr(), qkv.data_ptr(),
@@ -112,8 +112,8 @@ def persist(v):
         ll.zero_()
         xll.view(torch.int32).view(-1, 2).copy_(x0ll)
         sqll.zero_()
-        sqll[0, :, 0::2] = x0sq
-        sqll[0, :, 1::2] = 1
+        sqll[0, :, :, 0::2] = x0sq
+        sqll[0, :, :, 1::2] = 1
     launch(kernels[v], nsm, 544, SMEM, params)
 
 
