@@ -485,7 +485,7 @@ __device__ void norm_rows(bf16_t* xs, bf16_t* res, const bf16_t* w, float* red, 
 #pragma unroll 1
   for (int r = 0; r < XR; ++r) {
     float t = 0.f;
-    for (int w = 0; w < CW; ++w) t += red[w * XR + r];
+    for (int j = 0; j < CW; ++j) t += red[j * XR + r];
     const float rstd = rsqrtf(t / D + eps);
     for (int i = threadIdx.x; i < D / 2; i += 512) {
       const unsigned u = x2[r * D / 2 + i], wu = ((const unsigned*)w)[i];
@@ -594,7 +594,8 @@ __device__ __forceinline__ void rstd_ll(const uint4* sq, unsigned want, float ep
 // POLL: the warps that read the phase's input. CNT 1: plain bf16 outputs, each unit counted with red.release, the
 // readers waiting for the count (no flags: at 16 rows the flagged input, twice the bytes, is read whole by every
 // SM). DBG (timing only, results wrong): 1 no sum of the group's partials (its other warps move on at once), 2 no
-// stores, 4 (with WAIT 0) only every fourth SM reads the input (fewer requests for each of its L2 lines). L16 1:
+// stores, 4 (with WAIT 0) only every fourth SM reads the input (fewer requests for each of its L2 lines), 8 (EPI) the
+// input read without the residual's copy or the squares, 16 (EPI) without the squares. L16 1:
 // the flagged values read and written two pairs (16 bytes) at a time, as NCCL's LL does (the fastest: 16.6 us per
 // block with STAGES=5, 16.8-17.1 with 7). EPI 1 (with L16, up to 8 rows): the block's other work too, as decode_block's
 // kernels do it: RMSNorm before qkv and gate/up, RoPE on q and k, k and v written out (the caches), the residual adds
@@ -604,14 +605,17 @@ __device__ __forceinline__ void rstd_ll(const uint4* sq, unsigned want, float ep
 // decode_block's kernels: the norms' statistics stay on the exchange's path). EPI 3 (up to 2 rows): EPI 2 with the
 // statistics published by the units that write a norm's input (wo's and w2's: each unit's rows' sums of squares,
 // flagged) and read by every warp beside its pieces (rstd_ll), so a norm adds no barrier of the consumers; its sum's
-// order is not decode_block's. Measured and removed
+// order is not decode_block's. EPI 4 (up to 2 rows): the norms' weights folded into qkv's and gate/up's weights (the
+// probe passes W * w rounded), x multiplied raw and each product scaled by its row's rstd before it is rounded, so
+// the statistics are only needed at the units' ends: no normalising pass and no barrier for it, but not the model's
+// roundings (rb(x * rstd) * w before the product there). Measured and removed
 // (docs/PERF_NOTES.md, "The persistent chain taken further"; the code at 50c908a): L2 prefetch while the ring is
 // full, poll back-off, relaxed flags, a per-SM read order, per-warp-pair K-slices.
 template <int XR, int NW, int COPY, int WAIT, int POLL = CW, int CNT = 0, int DBG = 0, int L16 = 0, int EPI = 0>
 __device__ void run_ll(const PArgs& a) {
   constexpr int G = CW / NW;  // groups of NW warps, taking this SM's units in turn
   static_assert(!EPI || (L16 && !CNT && XR <= 8 && (EPI == 1 || (XR <= 2 && POLL == CW))),
-                "EPI: 16-byte flagged values, up to 8 rows (2 and 3: up to 2, every consumer reading)");
+                "EPI: 16-byte flagged values, up to 8 rows (2-4: up to 2, every consumer reading)");
   const Smem m = smem_layout<XR>();
   unsigned long long *full = m.full, *empty = m.empty;
   unsigned char* ring = m.ring;
@@ -643,7 +647,7 @@ __device__ void run_ll(const PArgs& a) {
       float ss[XR];
 #pragma unroll
       for (int r = 0; r < XR; ++r) ss[r] = 0.f;
-      if (norm2)
+      if (norm2 && EPI != 4)
 #pragma unroll
         for (int j = 0; j < 2; ++j)
           if (threadIdx.x + j * 512 < XR * D / 4)
@@ -655,14 +659,15 @@ __device__ void run_ll(const PArgs& a) {
       if (CNT && prev >= 0 && WAIT) wait_count(a, prev, units(prev % 4));
       if (CNT) stage_x<XR>(a, p, xs);
       const bool reads = !CNT && threadIdx.x < POLL * 32 && !((DBG & 4) && sm % 4);
-      if (reads && L16) read_ll16<XR, POLL, WAIT, EPI != 3>(src, K, stride, want, xs, norm2, m.res, ss);
+      if (reads && L16)
+        read_ll16<XR, POLL, WAIT, EPI != 3 && !(DBG & 16)>(src, K, stride, want, xs, norm2 && !(DBG & 8), m.res, ss);
       if (reads && !L16) read_ll8<XR, POLL, WAIT>(src, K, stride, want, xs);
       if (EPI == 3 && norm2) {  // the statistics from the units that wrote the input: this thread's pieces at once
         float rs[2];
         rstd_ll<XR>(a.sqll + ((p == 0 ? 0 : CW) + (threadIdx.x >> 5)) * (D / 8), want, a.eps, rs);
         norm_pieces<XR>(xs, wv, m.red, a.eps, true, rs[0], rs[1]);
       }
-      if (EPI == 2 && norm2)
+      if ((EPI == 2 || EPI == 4) && norm2)
 #pragma unroll
         for (int r = 0; r < XR; ++r) {
           for (int o = 16; o; o >>= 1) ss[r] += __shfl_xor_sync(0xffffffffu, ss[r], o);
@@ -674,6 +679,17 @@ __device__ void run_ll(const PArgs& a) {
       if (EPI == 2 && norm2) {
         norm_pieces<XR>(xs, wv, m.red, a.eps);
         consumers_sync();
+      }
+      float rs0 = 0.f, rs1 = 0.f;  // EPI 4: rows 0's and 1's rstd, for the products
+      if (EPI == 4 && norm2) {
+        float t0 = 0.f, t1 = 0.f;
+#pragma unroll
+        for (int w = 0; w < CW; ++w) {
+          t0 += m.red[w * XR];
+          t1 += XR > 1 ? m.red[w * XR + 1] : 0.f;
+        }
+        rs0 = rsqrtf(t0 / D + a.eps);
+        rs1 = rsqrtf(t1 / D + a.eps);
       }
       if (st) { st[2] = now(); st[14] = clock64(); }
       int mine = 0;
@@ -699,6 +715,11 @@ __device__ void run_ll(const PArgs& a) {
                 for (int i = 0; i < V; ++i) v[i] += ex[(w * LN + lane) * V + i];
           }
           const unsigned flag = 4 * l + p + 2;
+          if (EPI == 4 && (p == 0 || p == 2)) {  // the norm's rstd on the products of raw x and the folded weights
+            const float rg = g ? rs1 : rs0;  // row g's (rows past XR are not stored)
+#pragma unroll
+            for (int i = 0; i < 4; ++i) v[i] *= rg;
+          }
           const bool up = p == 2 && unit_ups(v);
 #pragma unroll
           for (int h8 = 0; h8 < (XR > 8 ? 2 : 1); ++h8) {  // rows g and g + 8

@@ -7,7 +7,7 @@ chain of the projections" and "The persistent chain taken further"). Needs an sm
 scripts/persistent_chain.cu compiled by NVRTC (smem_gemv's loader), one program per SM, ROWS rows (2: one image with
 its classifier-free guidance; up to 16, n = 8, on the tensor-core consumers: x takes 7 KB of shared memory per row,
 so ROWS=16 needs W2P=3 STAGES=4), LAYERS blocks of random weights. A variant is `run`'s (COPY, BARRIERS, AHEAD,
-XREG), `run_mma`'s ('m', COPY, BARRIERS[, FLAGS]) or `run_ll`'s ('ll', NW, COPY, WAIT[, POLL, CNT, DBG, L16, EPI]; EPI 1-3),
+XREG), `run_mma`'s ('m', COPY, BARRIERS[, FLAGS]) or `run_ll`'s ('ll', NW, COPY, WAIT[, POLL, CNT, DBG, L16, EPI]; EPI 1-4),
 see the .cu; STAGES stages in the ring, w2's rows in W2P pieces of K (3: stages of 20 KB instead of 28, so 10 of them fit).
 Prints each full variant's largest difference from a float reference at LAYERS blocks (check at LAYERS=1: the random
 activations vanish over 8), then each variant's time per block in a CUDA graph, the stamps of SM 0 and the last SM
@@ -97,6 +97,7 @@ cos_sin = torch.stack([angle.cos(), angle.sin()], 1)  # EPI: the step's (cos, si
 keys_out, values_out = (torch.zeros(L, R, D, device=dev, dtype=bf) for _ in range(2))  # EPI: k and v as written
 sqll = torch.zeros(2, 16, D // 8, 4, device=dev, dtype=torch.int32)  # EPI 3: per warp, unit {row 0's sum, flag, row 1's, flag}
 x0sq = x0.float().view(R, D // 8, 8).pow(2).sum(-1)  # EPI 3: the first input's, flagged 1 as the input itself
+wqkv_f, w13_f = ((w.float() * nw[:, i, None, :].float()).to(bf) for i, w in ((0, wqkv), (1, w13)))  # EPI 4: folded
 x0sq = torch.stack([x0sq[0], x0sq[-1] if R > 1 else torch.zeros_like(x0sq[0])], 1).contiguous().view(torch.int32)
 args = PArgs(wqkv.data_ptr(), wo.data_ptr(), w13.data_ptr(), w2.data_ptr(), x.data_ptr(), qkv.data_ptr(),
              h.data_ptr(), gu.data_ptr(), counters.data_ptr(), L, nsm, stamps.data_ptr(),
@@ -106,7 +107,13 @@ kernels = load_kernels()
 params = (ctypes.c_void_p * 1)(ctypes.cast(ctypes.pointer(args), ctypes.c_void_p))
 
 
+def epi(v):
+    return v[8] if v[0] == "ll" and len(v) > 8 else 0
+
+
 def persist(v):
+    folded = epi(v) == 4  # EPI 4 multiplies by the weights with the norms' folded in
+    args.wqkv, args.w13 = ((wqkv_f if folded else wqkv).data_ptr(), (w13_f if folded else w13).data_ptr())
     counters.zero_()
     if v[0] == "ll":  # every flag 0, the input's 1
         ll.zero_()
@@ -130,18 +137,25 @@ def rope(y):
     return torch.stack([e * c - o * s, o * c + e * s], -1).view(R, -1).to(bf)
 
 
-def reference(xr, epi):
-    """The chain in float32 with the model's roundings; epi: with the block's other work, as run_ll's EPI."""
+def folded(xr, w):
+    """EPI 4's norm and product: raw x times the weight with the norm's folded in, scaled by the row's rstd, rounded."""
+    rstd = torch.rsqrt(xr.float().pow(2).mean(1, keepdim=True) + 1e-5)
+    return ((xr.float() @ w.float().T) * rstd).to(bf)
+
+
+def reference(xr, epi, fold=False):
+    """The chain in float32 with the model's roundings; epi: with the block's other work, as run_ll's EPI (fold: as
+    EPI 4, the norms folded into the weights)."""
     keys = []
     for l in range(L):
         xn = rms(xr, nw[l, 0]) if epi else xr
-        y = (xn.float() @ wqkv[l].float().T).to(bf)
+        y = folded(xr, wqkv_f[l]) if fold else (xn.float() @ wqkv[l].float().T).to(bf)
         q = rope(y[:, :D]) if epi else y[:, :D]
         if epi:
             keys.append((rope(y[:, D:2 * D]), y[:, 2 * D:]))
         hh = (q.float() @ wo[l].float().T).to(bf)
         hh = (hh.float() + xr.float()).to(bf) if epi else hh
-        g = ((rms(hh, nw[l, 1]) if epi else hh).float() @ w13[l].float().T).to(bf)
+        g = folded(hh, w13_f[l]) if fold else ((rms(hh, nw[l, 1]) if epi else hh).float() @ w13[l].float().T).to(bf)
         a = (Fn.silu(g[:, :F].float()).to(bf).float() * g[:, F:].float()).to(bf)
         out = (a.float() @ w2[l].float().T).to(bf)
         xr = (out.float() + hh.float()).to(bf) if epi else out
@@ -150,6 +164,7 @@ def reference(xr, epi):
 
 ref, _ = reference(x0, False)
 ref_epi, keys = reference(x0, True)
+ref_fold, keys_fold = reference(x0, True, True)
 for v in VARIANTS:
     if is_full(v):
         x.copy_(x0)
@@ -157,13 +172,15 @@ for v in VARIANTS:
         torch.cuda.synchronize()
         flagged = v[0] == "ll" and not (len(v) > 5 and v[5])  # run_ll's CNT 1 writes plain bf16
         out = xll.view(torch.int32).view(R, D // 2, 2)[..., 0].contiguous().view(bf) if flagged else x
-        epi = v[0] == "ll" and len(v) > 8 and v[8]
-        want = ref_epi if epi else ref
+        e = epi(v)
+        want, want_kv = (ref_fold, keys_fold) if e == 4 else (ref_epi, keys) if e else (ref, None)
         d = (out.float() - want.float()).abs().max().item()
         print(f"{v}, {L} blocks: max abs diff {d:.4g} (reference's largest {want.float().abs().max().item():.3g})", flush=True)
-        if epi:
-            dk = max((keys_out[l].float() - k.float()).abs().max().item() for l, (k, _) in enumerate(keys))
-            dv = max((values_out[l].float() - vv.float()).abs().max().item() for l, (_, vv) in enumerate(keys))
+        if e == 4:  # and how far the folded norm is from the model's roundings
+            print(f"{v}: from the model's roundings {(out.float() - ref_epi.float()).abs().max().item():.4g}", flush=True)
+        if e:
+            dk = max((keys_out[l].float() - k.float()).abs().max().item() for l, (k, _) in enumerate(want_kv))
+            dv = max((values_out[l].float() - vv.float()).abs().max().item() for l, (_, vv) in enumerate(want_kv))
             print(f"{v}: keys and values written, max abs diff {dk:.4g} / {dv:.4g}", flush=True)
 for v in VARIANTS:
     print(f"{v}, {R} rows, {STAGES} stages, w2 in {W2P} pieces: {timed(lambda: persist(v), L):.2f} us per block", flush=True)

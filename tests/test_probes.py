@@ -14,7 +14,7 @@ CHAIN = ["run<2, 0, 1, 0, 0>", "run<2, 1, 1, 0, 0>", "run<2, 2, 0, 0, 0>", "run_
          "run_ll<2, 8, 0, 1, 16, 1>", "run_ll<2, 8, 4, 0>", "run_ll<2, 8, 3, 0, 16, 0, 3>", "run_ll<2, 8, 3, 0, 16, 0, 7>",
          "run_ll<2, 8, 0, 1, 16, 0, 0, 1>", "run_ll<2, 4, 0, 1, 16, 0, 0, 1>",
          "run_ll<2, 8, 0, 1, 16, 0, 0, 1, 1>", "run_ll<2, 8, 3, 1, 16, 0, 0, 1, 1>", "run_ll<2, 8, 0, 1, 16, 0, 0, 1, 2>",
-         "run_ll<2, 8, 0, 1, 16, 0, 0, 1, 3>"]
+         "run_ll<2, 8, 0, 1, 16, 0, 0, 1, 3>", "run_ll<2, 8, 0, 1, 16, 0, 0, 1, 4>", "run_ll<2, 8, 0, 1, 16, 0, 8, 1, 4>"]
 AHEAD_XREG = "run<2, 0, 1, 7, 1>"  # measured (and lost) with w2 in halves only; in thirds it spills at 96 registers
 ROWS16 = ["run_mma<16, 0, 1, 1>", "run_ll<16, 8, 0, 1>", "run_ll<16, 8, 3, 1>", "run_ll<16, 8, 0, 1, 16, 1>"]  # n = 8's rows (run_ll with NW 4 or 16, or L16, spills)
 
