@@ -24,6 +24,7 @@ struct PArgs {
   float eps;
   uint4* sqll;  // EPI 3: [2][CW][D / 8] wo's and w2's units' sums of squares of their outputs' two rows, flagged (x's,
                 // h's), a copy for each consumer warp
+  unsigned long long* ends;  // run_ll: [layers][4 phases][SM] the time each SM's consumers are done with the phase
 };
 __device__ __forceinline__ unsigned long long now() { unsigned long long t; asm volatile("mov.u64 %0, %globaltimer;" : "=l"(t)); return t; }
 constexpr int D = 1280, F = 3584, HD = 64, S = 7, CW = 16, W2P = 2;  // ring stages, consumer warps, w2 pieces (the probe may change S, W2P)
@@ -595,7 +596,8 @@ __device__ __forceinline__ void rstd_ll(const uint4* sq, unsigned want, float ep
 // readers waiting for the count (no flags: at 16 rows the flagged input, twice the bytes, is read whole by every
 // SM). DBG (timing only, results wrong): 1 no sum of the group's partials (its other warps move on at once), 2 no
 // stores, 4 (with WAIT 0) only every fourth SM reads the input (fewer requests for each of its L2 lines), 8 (EPI) the
-// input read without the residual's copy or the squares, 16 (EPI) without the squares. L16 1:
+// input read without the residual's copy or the squares, 16 (EPI) without the squares, 32 (results right) each
+// SM's end of each phase stamped (ends). L16 1:
 // the flagged values read and written two pairs (16 bytes) at a time, as NCCL's LL does (the fastest: 16.6 us per
 // block with STAGES=5, 16.8-17.1 with 7). EPI 1 (with L16, up to 8 rows): the block's other work too, as decode_block's
 // kernels do it: RMSNorm before qkv and gate/up, RoPE on q and k, k and v written out (the caches), the residual adds
@@ -772,5 +774,6 @@ __device__ void run_ll(const PArgs& a) {
       if (st) { st[3] = now(); st[11] = clock64(); }
       if (st) st[4] = now();
       consumers_sync();  // xs is rewritten by the next phase
+      if ((DBG & 32) && threadIdx.x == 0) a.ends[(l * 4 + p) * nsm + sm] = now();  // every consumer's stores issued
     }
 }

@@ -75,7 +75,7 @@ class PArgs(ctypes.Structure):
     _fields_ = [(n, ctypes.c_void_p) for n in ("wqkv", "wo", "w13", "w2", "x", "qkv", "h", "gu", "counters")] + \
                [("layers", ctypes.c_int), ("nsm", ctypes.c_int), ("stamps", ctypes.c_void_p)] + \
                [(n, ctypes.c_void_p) for n in ("xll", "qkvll", "hll", "gull", "nw", "freqs", "kc", "vc")] + \
-               [("eps", ctypes.c_float), ("sqll", ctypes.c_void_p)]
+               [("eps", ctypes.c_float), ("sqll", ctypes.c_void_p), ("ends", ctypes.c_void_p)]
 
 
 torch.manual_seed(0)
@@ -88,6 +88,7 @@ x = x0.clone()
 qkv, h, gu = (torch.empty(R, n, device=dev, dtype=bf) for n in (3 * D, D, F))
 counters = torch.zeros(L * 4 + 4, device=dev, dtype=torch.int32)
 stamps = torch.zeros(2, L, 4, 16, device=dev, dtype=torch.int64)
+ends = torch.zeros(L, 4, nsm, device=dev, dtype=torch.int64)  # run_ll: when each SM is done with each phase
 ll = torch.zeros(R * (5 * D + F) // 2, device=dev, dtype=torch.int64)  # run_ll's x, qkv, h, gu as (pair, flag)
 xll, qkvll, hll, gull = ll.split([R * D // 2, R * 3 * D // 2, R * D // 2, R * F // 2])
 x0ll = torch.stack([x0.view(torch.int32).flatten(), torch.ones(R * D // 2, device=dev, dtype=torch.int32)], 1)
@@ -102,7 +103,7 @@ x0sq = torch.stack([x0sq[0], x0sq[-1] if R > 1 else torch.zeros_like(x0sq[0])], 
 args = PArgs(wqkv.data_ptr(), wo.data_ptr(), w13.data_ptr(), w2.data_ptr(), x.data_ptr(), qkv.data_ptr(),
              h.data_ptr(), gu.data_ptr(), counters.data_ptr(), L, nsm, stamps.data_ptr(),
              xll.data_ptr(), qkvll.data_ptr(), hll.data_ptr(), gull.data_ptr(), nw.data_ptr(), cos_sin.data_ptr(),
-             keys_out.data_ptr(), values_out.data_ptr(), 1e-5, sqll.data_ptr())
+             keys_out.data_ptr(), values_out.data_ptr(), 1e-5, sqll.data_ptr(), ends.data_ptr())
 kernels = load_kernels()
 params = (ctypes.c_void_p * 1)(ctypes.cast(ctypes.pointer(args), ctypes.c_void_p))
 
@@ -199,6 +200,12 @@ for tv in (timeline if L > 1 else []):
                     f"{cyc[14] - cyc[13]:.0f}") if tv[0] == "ll" else ""
             print(f"{tv} {who}, block 1, phase {p}, us: {us}; cycles from the first unit's data to its products "
                   f"{cyc[9] - cyc[8]:.0f}, to the phase's end {cyc[11] - cyc[8]:.0f}{read}")
+    if tv[0] == "ll" and len(tv) > 6 and tv[6] & 32:  # DBG 32: every SM's end of each phase of block 1
+        e = (ends[1].cpu().double() - st[0, 0, 0, 0]) / 1e3
+        for p in range(4):
+            late = e[p].argsort(descending=True)[:5].tolist()
+            print(f"{tv} block 1, phase {p}, SMs done: first {e[p].min():.2f} median {e[p].median():.2f} last "
+                  f"{e[p].max():.2f} us; the last five: {', '.join(f'SM {i} {e[p, i]:.2f}' for i in late)}")
 
 norm = torch.nn.RMSNorm(D, eps=1e-5).to(dev, bf)
 freqs = torch.randn(D // H // 2, 2, device=dev)
