@@ -11,7 +11,8 @@ XREG), `run_mma`'s ('m', COPY, BARRIERS[, FLAGS]) or `run_ll`'s ('ll', NW, COPY,
 see the .cu; STAGES stages in the ring, w2's rows in W2P pieces of K (3: stages of 20 KB instead of 28, so 10 of them fit).
 Prints each full variant's largest difference from a float reference at LAYERS blocks (check at LAYERS=1: the random
 activations vanish over 8), then each variant's time per block in a CUDA graph, the stamps of SM 0 and the last SM
-in the second block of the first full run_mma or run_ll variant (or of those TIMELINE lists), the same four
+in the second block of the first full run_mma or run_ll variant (or of those TIMELINE lists; a run_ll variant with
+DBG 32 also every SM's end of each phase: the spread and the last five SMs), the same four
 projections as decode_block's kernels at ROWS rows (their epilogues, no attention) and a device copy of the weights.
 """
 import ctypes
@@ -98,8 +99,8 @@ cos_sin = torch.stack([angle.cos(), angle.sin()], 1)  # EPI: the step's (cos, si
 keys_out, values_out = (torch.zeros(L, R, D, device=dev, dtype=bf) for _ in range(2))  # EPI: k and v as written
 sqll = torch.zeros(2, 16, D // 8, 4, device=dev, dtype=torch.int32)  # EPI 3: per warp, unit {row 0's sum, flag, row 1's, flag}
 x0sq = x0.float().view(R, D // 8, 8).pow(2).sum(-1)  # EPI 3: the first input's, flagged 1 as the input itself
-wqkv_f, w13_f = ((w.float() * nw[:, i, None, :].float()).to(bf) for i, w in ((0, wqkv), (1, w13)))  # EPI 4: folded
 x0sq = torch.stack([x0sq[0], x0sq[-1] if R > 1 else torch.zeros_like(x0sq[0])], 1).contiguous().view(torch.int32)
+wqkv_f, w13_f = ((w.float() * nw[:, i, None, :].float()).to(bf) for i, w in ((0, wqkv), (1, w13)))  # EPI 4: folded
 args = PArgs(wqkv.data_ptr(), wo.data_ptr(), w13.data_ptr(), w2.data_ptr(), x.data_ptr(), qkv.data_ptr(),
              h.data_ptr(), gu.data_ptr(), counters.data_ptr(), L, nsm, stamps.data_ptr(),
              xll.data_ptr(), qkvll.data_ptr(), hll.data_ptr(), gull.data_ptr(), nw.data_ptr(), cos_sin.data_ptr(),
