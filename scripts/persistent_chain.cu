@@ -546,20 +546,28 @@ __device__ __forceinline__ void read_ll16(const uint2* src, int K, int stride, u
     }
   }
 }
-// EPI 2: each thread RMSNorms the (at most two) pieces of xs it read, with the weights wv it loaded before the wait,
-// from the rows' sums of squares in red [CW][XR]; decode_block's rounding order
-// (EPI 3, given: from rows 0's and 1's rstd r0, r1)
+// EPI 2, 4: rows 0's and 1's rstd from the consumers' partial sums of squares red [CW][XR], the 16 in turn (as a
+// tree across the warp's lanes, two shared loads a lane and a butterfly, EPI 2 took as long and EPI 4 0.6-0.8 us more)
 template <int XR>
-__device__ __forceinline__ void norm_pieces(bf16_t* xs, const uint2 (&wv)[2], const float* red, float eps,
-                                            bool given = false, float r0 = 0.f, float r1 = 0.f) {
+__device__ __forceinline__ void row_rstd(const float* red, float eps, float& r0, float& r1) {
+  float t0 = 0.f, t1 = 0.f;
+#pragma unroll
+  for (int w = 0; w < CW; ++w) {
+    t0 += red[w * XR];
+    t1 += XR > 1 ? red[w * XR + 1] : 0.f;
+  }
+  r0 = rsqrtf(t0 / D + eps);
+  r1 = rsqrtf(t1 / D + eps);
+}
+// EPI 2: each thread RMSNorms the (at most two) pieces of xs it read, with the weights wv it loaded before the wait,
+// with rows 0's and 1's rstd r0, r1; decode_block's rounding order
+template <int XR>
+__device__ __forceinline__ void norm_pieces(bf16_t* xs, const uint2 (&wv)[2], float r0, float r1) {
 #pragma unroll
   for (int j = 0; j < 2; ++j) {
     const int i = threadIdx.x + j * 512;
     if (i >= XR * D / 4) continue;
-    float t = 0.f;
-    if (!given)
-      for (int w = 0; w < CW; ++w) t += red[w * XR + i / (D / 4)];
-    const float rs = given ? (i / (D / 4) ? r1 : r0) : rsqrtf(t / D + eps);
+    const float rs = i / (D / 4) ? r1 : r0;
     const uint2 xv = ((const uint2*)xs)[i];
     ((uint2*)xs)[i] = make_uint2(pack(rb(lo(xv.x) * rs) * lo(wv[j].x), rb(hi(xv.x) * rs) * hi(wv[j].x)),
                                  pack(rb(lo(xv.y) * rs) * lo(wv[j].y), rb(hi(xv.y) * rs) * hi(wv[j].y)));
@@ -597,14 +605,16 @@ __device__ __forceinline__ void rstd_ll(const uint4* sq, unsigned want, float ep
 // SM). DBG (timing only, results wrong): 1 no sum of the group's partials (its other warps move on at once), 2 no
 // stores, 4 (with WAIT 0) only every fourth SM reads the input (fewer requests for each of its L2 lines), 8 (EPI) the
 // input read without the residual's copy or the squares, 16 (EPI) without the squares, 32 (results right) each
-// SM's end of each phase stamped (ends). L16 1:
-// the flagged values read and written two pairs (16 bytes) at a time, as NCCL's LL does (the fastest: 16.6 us per
+// SM's end of each phase stamped (ends), 64 (EPI) no keys or values written, 128 (EPI) no RoPE or residual adds,
+// 256 (EPI 2, 4) no sums of the squares across threads, 512 (EPI 2-4) the RoPE table not staged.
+// L16 1: the flagged values read and written two pairs (16 bytes) at a time, as NCCL's LL does (the fastest: 16.6 us per
 // block with STAGES=5, 16.8-17.1 with 7). EPI 1 (with L16, up to 8 rows): the block's other work too, as decode_block's
 // kernels do it: RMSNorm before qkv and gate/up, RoPE on q and k, k and v written out (the caches), the residual adds
 // after wo and w2 (wo still reads q, where the model reads the attention's output); the norms' weights and the RoPE
 // table read after each wait (22.0 us per block). EPI 2 (up to 2 rows): the same work, the weights loaded before the
-// wait, the sums of squares taken while the input is read, the table in shared memory (20.0-20.3 us, a tie with
-// decode_block's kernels: the norms' statistics stay on the exchange's path). EPI 3 (up to 2 rows): EPI 2 with the
+// wait, the sums of squares taken while the input is read, the table in shared memory (20.0-20.9 us, a tie with
+// decode_block's kernels: the norms' statistics across threads cost ~2 us, DBG 256, the keys' and values' stores
+// ~0.8, DBG 64). EPI 3 (up to 2 rows): EPI 2 with the
 // statistics published by the units that write a norm's input (wo's and w2's: each unit's rows' sums of squares,
 // flagged) and read by every warp beside its pieces (rstd_ll), so a norm adds no barrier of the consumers; its sum's
 // order is not decode_block's. EPI 4 (up to 2 rows): the norms' weights folded into qkv's and gate/up's weights (the
@@ -632,11 +642,11 @@ __device__ void run_ll(const PArgs& a) {
     return;
   }
   if (COPY == 4) return;  // the producer alone, waiting for its own copies to land (as bulk_stream.cu, in this order)
-  if (EPI >= 2) {
+  if (EPI >= 2 && !(DBG & 512)) {
     for (int i = threadIdx.x; i < HD; i += 512) m.rope[i] = a.freqs[i];
     consumers_sync();
   }
-  const float* rope_table = EPI >= 2 ? m.rope : a.freqs;
+  const float* rope_table = EPI >= 2 && !(DBG & 512) ? m.rope : a.freqs;
   int n = 0;
   for (int l = 0; l < a.layers; ++l)
     for (int p = 0; p < 4; ++p) {
@@ -667,9 +677,9 @@ __device__ void run_ll(const PArgs& a) {
       if (EPI == 3 && norm2) {  // the statistics from the units that wrote the input: this thread's pieces at once
         float rs[2];
         rstd_ll<XR>(a.sqll + ((p == 0 ? 0 : CW) + (threadIdx.x >> 5)) * (D / 8), want, a.eps, rs);
-        norm_pieces<XR>(xs, wv, m.red, a.eps, true, rs[0], rs[1]);
+        norm_pieces<XR>(xs, wv, rs[0], rs[1]);
       }
-      if ((EPI == 2 || EPI == 4) && norm2)
+      if ((EPI == 2 || EPI == 4) && norm2 && !(DBG & 256))
 #pragma unroll
         for (int r = 0; r < XR; ++r) {
           for (int o = 16; o; o >>= 1) ss[r] += __shfl_xor_sync(0xffffffffu, ss[r], o);
@@ -678,20 +688,11 @@ __device__ void run_ll(const PArgs& a) {
       if (st) { st[1] = now(); st[13] = clock64(); }
       consumers_sync();
       if (EPI == 1 && (p == 0 || p == 2)) norm_rows<XR>(xs, m.res, a.nw + (l * 2 + p / 2) * D, m.red, a.eps);
+      float rs0 = 0.f, rs1 = 0.f;  // EPI 2, 4: rows 0's and 1's rstd (EPI 4: for the products)
+      if ((EPI == 2 || EPI == 4) && norm2 && !(DBG & 256)) row_rstd<XR>(m.red, a.eps, rs0, rs1);
       if (EPI == 2 && norm2) {
-        norm_pieces<XR>(xs, wv, m.red, a.eps);
+        norm_pieces<XR>(xs, wv, rs0, rs1);
         consumers_sync();
-      }
-      float rs0 = 0.f, rs1 = 0.f;  // EPI 4: rows 0's and 1's rstd, for the products
-      if (EPI == 4 && norm2) {
-        float t0 = 0.f, t1 = 0.f;
-#pragma unroll
-        for (int w = 0; w < CW; ++w) {
-          t0 += m.red[w * XR];
-          t1 += XR > 1 ? m.red[w * XR + 1] : 0.f;
-        }
-        rs0 = rsqrtf(t0 / D + a.eps);
-        rs1 = rsqrtf(t1 / D + a.eps);
       }
       if (st) { st[2] = now(); st[14] = clock64(); }
       int mine = 0;
@@ -730,12 +731,12 @@ __device__ void run_ll(const PArgs& a) {
             if (EPI && p != 2) {  // the projection rounded, then RoPE (q, k) or the residual (wo, w2), in float32
               e = rb(e);
               o = rb(o);
-              if (p == 0 && col < 2 * D) {
+              if (p == 0 && col < 2 * D && !(DBG & 128)) {
                 const float c = rope_table[col % HD], sn = rope_table[col % HD + 1], e0 = e;
                 e = e * c - o * sn;
                 o = o * c + e0 * sn;
               }
-              if ((p == 1 || p == 3) && r < XR) {
+              if ((p == 1 || p == 3) && r < XR && !(DBG & 128)) {
                 const unsigned rr = ((const unsigned*)m.res)[(r * D + col) / 2];
                 e += lo(rr);
                 o += hi(rr);
@@ -754,7 +755,7 @@ __device__ void run_ll(const PArgs& a) {
             if (r >= XR || (p == 2 && !up) || (DBG & 2)) continue;
             const int pair = p == 2 ? u * 2 + q : u * 4 + q;
             if (EPI && p == 0 && col >= D) {  // k and v: to the caches, not to the next phase
-              ((unsigned*)((col < 2 * D ? a.kc : a.vc) + (l * XR + r) * D))[(col % D) / 2] = pk;
+              if (!(DBG & 64)) ((unsigned*)((col < 2 * D ? a.kc : a.vc) + (l * XR + r) * D))[(col % D) / 2] = pk;
               continue;
             }
             if (CNT) {
