@@ -606,7 +606,8 @@ __device__ __forceinline__ void rstd_ll(const uint4* sq, unsigned want, float ep
 // stores, 4 (with WAIT 0) only every fourth SM reads the input (fewer requests for each of its L2 lines), 8 (EPI) the
 // input read without the residual's copy or the squares, 16 (EPI) without the squares, 32 (results right) each
 // SM's end of each phase stamped (ends), 64 (EPI) no keys or values written, 128 (EPI) no RoPE or residual adds,
-// 256 (EPI 2, 4) no sums of the squares across threads, 512 (EPI 2-4) the RoPE table not staged.
+// 256 (EPI 2, 4) no sums of the squares across threads, 512 (EPI 2-5) the RoPE table not staged, 1024 (EPI 2, 4, 5)
+// no butterfly of a warp's sums before the consumers' barrier (the rstd then from stale sums).
 // L16 1: the flagged values read and written two pairs (16 bytes) at a time, as NCCL's LL does (the fastest: 16.6 us per
 // block with STAGES=5, 16.8-17.1 with 7). EPI 1 (with L16, up to 8 rows): the block's other work too, as decode_block's
 // kernels do it: RMSNorm before qkv and gate/up, RoPE on q and k, k and v written out (the caches), the residual adds
@@ -620,14 +621,15 @@ __device__ __forceinline__ void rstd_ll(const uint4* sq, unsigned want, float ep
 // order is not decode_block's. EPI 4 (up to 2 rows): the norms' weights folded into qkv's and gate/up's weights (the
 // probe passes W * w rounded), x multiplied raw and each product scaled by its row's rstd before it is rounded, so
 // the statistics are only needed at the units' ends: no normalising pass and no barrier for it, but not the model's
-// roundings (rb(x * rstd) * w before the product there). Measured and removed
+// roundings (rb(x * rstd) * w before the product there). EPI 5: EPI 4 with the rstd added up only by the warps that
+// store, at their first store, not by every consumer before its first unit. Measured and removed
 // (docs/PERF_NOTES.md, "The persistent chain taken further"; the code at 50c908a): L2 prefetch while the ring is
 // full, poll back-off, relaxed flags, a per-SM read order, per-warp-pair K-slices.
 template <int XR, int NW, int COPY, int WAIT, int POLL = CW, int CNT = 0, int DBG = 0, int L16 = 0, int EPI = 0>
 __device__ void run_ll(const PArgs& a) {
   constexpr int G = CW / NW;  // groups of NW warps, taking this SM's units in turn
   static_assert(!EPI || (L16 && !CNT && XR <= 8 && (EPI == 1 || (XR <= 2 && POLL == CW))),
-                "EPI: 16-byte flagged values, up to 8 rows (2-4: up to 2, every consumer reading)");
+                "EPI: 16-byte flagged values, up to 8 rows (2-5: up to 2, every consumer reading)");
   const Smem m = smem_layout<XR>();
   unsigned long long *full = m.full, *empty = m.empty;
   unsigned char* ring = m.ring;
@@ -659,7 +661,7 @@ __device__ void run_ll(const PArgs& a) {
       float ss[XR];
 #pragma unroll
       for (int r = 0; r < XR; ++r) ss[r] = 0.f;
-      if (norm2 && EPI != 4)
+      if (norm2 && EPI < 4)
 #pragma unroll
         for (int j = 0; j < 2; ++j)
           if (threadIdx.x + j * 512 < XR * D / 4)
@@ -679,7 +681,7 @@ __device__ void run_ll(const PArgs& a) {
         rstd_ll<XR>(a.sqll + ((p == 0 ? 0 : CW) + (threadIdx.x >> 5)) * (D / 8), want, a.eps, rs);
         norm_pieces<XR>(xs, wv, rs[0], rs[1]);
       }
-      if ((EPI == 2 || EPI == 4) && norm2 && !(DBG & 256))
+      if ((EPI == 2 || EPI >= 4) && norm2 && !(DBG & (256 | 1024)))
 #pragma unroll
         for (int r = 0; r < XR; ++r) {
           for (int o = 16; o; o >>= 1) ss[r] += __shfl_xor_sync(0xffffffffu, ss[r], o);
@@ -718,8 +720,14 @@ __device__ void run_ll(const PArgs& a) {
                 for (int i = 0; i < V; ++i) v[i] += ex[(w * LN + lane) * V + i];
           }
           const unsigned flag = 4 * l + p + 2;
-          if (EPI == 4 && (p == 0 || p == 2)) {  // the norm's rstd on the products of raw x and the folded weights
-            const float rg = g ? rs1 : rs0;  // row g's (rows past XR are not stored)
+          if (EPI >= 4 && (p == 0 || p == 2)) {  // the norm's rstd on the products of raw x and the folded weights
+            if (EPI == 5 && mine < G) {  // at the warp's first store: row g's alone (both rows' spill at 96 registers)
+              float t = 0.f;
+#pragma unroll
+              for (int w = 0; w < CW; ++w) t += m.red[w * XR + (g < XR ? g : 0)];
+              rs0 = rsqrtf(t / D + a.eps);
+            }
+            const float rg = EPI == 5 ? rs0 : g ? rs1 : rs0;  // row g's (rows past XR are not stored)
 #pragma unroll
             for (int i = 0; i < 4; ++i) v[i] *= rg;
           }

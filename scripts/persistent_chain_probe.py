@@ -7,7 +7,7 @@ chain of the projections" and "The persistent chain taken further"). Needs an sm
 scripts/persistent_chain.cu compiled by NVRTC (smem_gemv's loader), one program per SM, ROWS rows (2: one image with
 its classifier-free guidance; up to 16, n = 8, on the tensor-core consumers: x takes 7 KB of shared memory per row,
 so ROWS=16 needs W2P=3 STAGES=4), LAYERS blocks of random weights. A variant is `run`'s (COPY, BARRIERS, AHEAD,
-XREG), `run_mma`'s ('m', COPY, BARRIERS[, FLAGS]) or `run_ll`'s ('ll', NW, COPY, WAIT[, POLL, CNT, DBG, L16, EPI]; EPI 1-4),
+XREG), `run_mma`'s ('m', COPY, BARRIERS[, FLAGS]) or `run_ll`'s ('ll', NW, COPY, WAIT[, POLL, CNT, DBG, L16, EPI]; EPI 1-5),
 see the .cu; STAGES stages in the ring, w2's rows in W2P pieces of K (3: stages of 20 KB instead of 28, so 10 of them fit).
 Prints each full variant's largest difference from a float reference at LAYERS blocks (check at LAYERS=1: the random
 activations vanish over 8), then each variant's time per block in a CUDA graph, the stamps of SM 0 and the last SM
@@ -114,7 +114,7 @@ def epi(v):
 
 
 def persist(v):
-    folded = epi(v) == 4  # EPI 4 multiplies by the weights with the norms' folded in
+    folded = epi(v) >= 4  # EPI 4 and 5 multiply by the weights with the norms' folded in
     args.wqkv, args.w13 = ((wqkv_f if folded else wqkv).data_ptr(), (w13_f if folded else w13).data_ptr())
     counters.zero_()
     if v[0] == "ll":  # every flag 0, the input's 1
@@ -175,10 +175,10 @@ for v in VARIANTS:
         flagged = v[0] == "ll" and not (len(v) > 5 and v[5])  # run_ll's CNT 1 writes plain bf16
         out = xll.view(torch.int32).view(R, D // 2, 2)[..., 0].contiguous().view(bf) if flagged else x
         e = epi(v)
-        want, want_kv = (ref_fold, keys_fold) if e == 4 else (ref_epi, keys) if e else (ref, None)
+        want, want_kv = (ref_fold, keys_fold) if e >= 4 else (ref_epi, keys) if e else (ref, None)
         d = (out.float() - want.float()).abs().max().item()
         print(f"{v}, {L} blocks: max abs diff {d:.4g} (reference's largest {want.float().abs().max().item():.3g})", flush=True)
-        if e == 4:  # and how far the folded norm is from the model's roundings
+        if e >= 4:  # and how far the folded norm is from the model's roundings
             print(f"{v}: from the model's roundings {(out.float() - ref_epi.float()).abs().max().item():.4g}", flush=True)
         if e:
             dk = max((keys_out[l].float() - k.float()).abs().max().item() for l, (k, _) in enumerate(want_kv))
