@@ -614,15 +614,15 @@ __device__ __forceinline__ void rstd_ll(const uint4* sq, unsigned want, float ep
 // after wo and w2 (wo still reads q, where the model reads the attention's output); the norms' weights and the RoPE
 // table read after each wait (22.0 us per block). EPI 2 (up to 2 rows): the same work, the weights loaded before the
 // wait, the sums of squares taken while the input is read, the table in shared memory (20.0-20.9 us, a tie with
-// decode_block's kernels: the norms' statistics across threads cost ~2 us, DBG 256, the keys' and values' stores
-// ~0.8, DBG 64). EPI 3 (up to 2 rows): EPI 2 with the
-// statistics published by the units that write a norm's input (wo's and w2's: each unit's rows' sums of squares,
-// flagged) and read by every warp beside its pieces (rstd_ll), so a norm adds no barrier of the consumers; its sum's
-// order is not decode_block's. EPI 4 (up to 2 rows): the norms' weights folded into qkv's and gate/up's weights (the
-// probe passes W * w rounded), x multiplied raw and each product scaled by its row's rstd before it is rounded, so
-// the statistics are only needed at the units' ends: no normalising pass and no barrier for it, but not the model's
-// roundings (rb(x * rstd) * w before the product there). EPI 5: EPI 4 with the rstd added up only by the warps that
-// store, at their first store, not by every consumer before its first unit. Measured and removed
+// decode_block's kernels; the norms' statistics across threads cost ~2 us of it, DBG 256, the keys' and values'
+// stores ~0.8, DBG 64). EPI 3 (up to 2 rows): EPI 2 with the statistics published by the units that write a norm's
+// input (wo's and w2's: each unit's rows' sums of squares, flagged) and read by every warp beside its pieces
+// (rstd_ll), so a norm adds no barrier of the consumers; its sum's order is not decode_block's (22.8-23.0 us). EPI 4
+// (up to 2 rows): the norms' weights folded into qkv's and gate/up's weights (the probe passes W * w rounded), x
+// multiplied raw and each product scaled by its row's rstd before it is rounded, so the statistics are only needed at
+// the units' ends: no normalising pass and no barrier for it, but not the model's roundings (rb(x * rstd) * w before
+// the product there; 20.2-20.8 us). EPI 5: EPI 4 with the rstd added up only by the warps that store, at their first
+// store (20.3-20.6 us). Measured and removed
 // (docs/PERF_NOTES.md, "The persistent chain taken further"; the code at 50c908a): L2 prefetch while the ring is
 // full, poll back-off, relaxed flags, a per-SM read order, per-warp-pair K-slices.
 template <int XR, int NW, int COPY, int WAIT, int POLL = CW, int CNT = 0, int DBG = 0, int L16 = 0, int EPI = 0>
