@@ -465,6 +465,28 @@ __device__ __forceinline__ uint4 ll_load4(const uint4* p) {  // relaxed.gpu or w
 }
 __device__ __forceinline__ unsigned pack(float lo_, float hi_) { return (unsigned)to_bf16(lo_) | ((unsigned)to_bf16(hi_) << 16); }
 
+// EPI: row r's (< XR) rstd from the consumers' partial sums of squares red [CW][XR], the 16 in turn (as a tree across the
+// warp's lanes, two shared loads a lane and a butterfly, EPI 2 took as long and EPI 4 0.6-0.8 us more)
+template <int XR>
+__device__ __forceinline__ float row_rstd(const float* red, float eps, int r) {
+  float t = 0.f;
+#pragma unroll
+  for (int w = 0; w < CW; ++w) t += red[w * XR + r];
+  return rsqrtf(t / D + eps);
+}
+// EPI 2, 4: rows 0's and 1's, the same sums in one loop (two calls of row_rstd build EPI 2 at 96 registers, not the
+// measured 94)
+template <int XR>
+__device__ __forceinline__ void rows_rstd(const float* red, float eps, float& r0, float& r1) {
+  float t0 = 0.f, t1 = 0.f;
+#pragma unroll
+  for (int w = 0; w < CW; ++w) {
+    t0 += red[w * XR];
+    t1 += XR > 1 ? red[w * XR + 1] : 0.f;
+  }
+  r0 = rsqrtf(t0 / D + eps);
+  r1 = rsqrtf(t1 / D + eps);
+}
 // EPI: the staged rows kept in res (the residual of the phase after next), then RMSNorm'd in place in decode_block's
 // order: float32 statistics, x * rstd rounded, times the weight w, rounded
 template <int XR>
@@ -485,9 +507,7 @@ __device__ void norm_rows(bf16_t* xs, bf16_t* res, const bf16_t* w, float* red, 
   consumers_sync();
 #pragma unroll 1
   for (int r = 0; r < XR; ++r) {
-    float t = 0.f;
-    for (int j = 0; j < CW; ++j) t += red[j * XR + r];
-    const float rstd = rsqrtf(t / D + eps);
+    const float rstd = row_rstd<XR>(red, eps, r);
     for (int i = threadIdx.x; i < D / 2; i += 512) {
       const unsigned u = x2[r * D / 2 + i], wu = ((const unsigned*)w)[i];
       x2[r * D / 2 + i] = pack(rb(lo(u) * rstd) * lo(wu), rb(hi(u) * rstd) * hi(wu));
@@ -545,19 +565,6 @@ __device__ __forceinline__ void read_ll16(const uint2* src, int K, int stride, u
       }
     }
   }
-}
-// EPI 2, 4: rows 0's and 1's rstd from the consumers' partial sums of squares red [CW][XR], the 16 in turn (as a
-// tree across the warp's lanes, two shared loads a lane and a butterfly, EPI 2 took as long and EPI 4 0.6-0.8 us more)
-template <int XR>
-__device__ __forceinline__ void row_rstd(const float* red, float eps, float& r0, float& r1) {
-  float t0 = 0.f, t1 = 0.f;
-#pragma unroll
-  for (int w = 0; w < CW; ++w) {
-    t0 += red[w * XR];
-    t1 += XR > 1 ? red[w * XR + 1] : 0.f;
-  }
-  r0 = rsqrtf(t0 / D + eps);
-  r1 = rsqrtf(t1 / D + eps);
 }
 // EPI 2: each thread RMSNorms the (at most two) pieces of xs it read, with the weights wv it loaded before the wait,
 // with rows 0's and 1's rstd r0, r1; decode_block's rounding order
@@ -691,7 +698,7 @@ __device__ void run_ll(const PArgs& a) {
       consumers_sync();
       if (EPI == 1 && (p == 0 || p == 2)) norm_rows<XR>(xs, m.res, a.nw + (l * 2 + p / 2) * D, m.red, a.eps);
       float rs0 = 0.f, rs1 = 0.f;  // EPI 2, 4: rows 0's and 1's rstd (EPI 4: for the products)
-      if ((EPI == 2 || EPI == 4) && norm2 && !(DBG & 256)) row_rstd<XR>(m.red, a.eps, rs0, rs1);
+      if ((EPI == 2 || EPI == 4) && norm2 && !(DBG & 256)) rows_rstd<XR>(m.red, a.eps, rs0, rs1);
       if (EPI == 2 && norm2) {
         norm_pieces<XR>(xs, wv, rs0, rs1);
         consumers_sync();
@@ -721,12 +728,8 @@ __device__ void run_ll(const PArgs& a) {
           }
           const unsigned flag = 4 * l + p + 2;
           if (EPI >= 4 && (p == 0 || p == 2)) {  // the norm's rstd on the products of raw x and the folded weights
-            if (EPI == 5 && mine < G) {  // at the warp's first store: row g's alone (both rows' spill at 96 registers)
-              float t = 0.f;
-#pragma unroll
-              for (int w = 0; w < CW; ++w) t += m.red[w * XR + (g < XR ? g : 0)];
-              rs0 = rsqrtf(t / D + a.eps);
-            }
+            if (EPI == 5 && mine < G)  // at the warp's first store: row g's alone (both rows' spill at 96 registers)
+              rs0 = row_rstd<XR>(m.red, a.eps, g < XR ? g : 0);
             const float rg = EPI == 5 ? rs0 : g ? rs1 : rs0;  // row g's (rows past XR are not stored)
 #pragma unroll
             for (int i = 0; i < 4; ++i) v[i] *= rg;
