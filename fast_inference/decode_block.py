@@ -571,13 +571,14 @@ def _or(t, x):
     return x if t is None else t  # a kernel's unused pointer argument
 
 
-def linear(x, weight, scales=None, residual=None, name="wo", pdl=False, progress=None, then=None):
+def linear(x, weight, scales=None, residual=None, name="wo", pdl=False, progress=None, then=None, kernels=None):
     """residual + x @ weight.T for x (R, K) contiguous, R <= MAX_ROWS, with kernel `name`'s tiling; an int8
     weight with its row scales (quantize.py) as model.int8_linear; then + `then` (R, N) if given, rounded
     again. With pdl.EARLY, `residual` and `then` must not be written by the kernel just before (the GEMV path
     reads them before its wait then; in the block the residual is wo's input, 4 kernels back, or w2's, 2 back, and
-    `then` the step's control rows); under FIRST and LATE it reads them after its wait."""
-    out = smem_gemv.linear(x, weight, scales, residual, name, pdl, then, progress)
+    `then` the step's control rows); under FIRST and LATE it reads them after its wait. kernels: the projections
+    smem_gemv's CUDA kernels run where they can (smem_gemv.KERNELS if None)."""
+    out = smem_gemv.linear(x, weight, scales, residual, name, pdl, then, progress, kernels)
     if out is not None:
         return out
     R, K = x.shape
@@ -590,9 +591,10 @@ def linear(x, weight, scales=None, residual=None, name="wo", pdl=False, progress
     return out
 
 
-def qkv_rope(x, norm, weight, scales, freqs, input_pos, k_cache, v_cache, n_head, pdl=False, progress=None):
+def qkv_rope(x, norm, weight, scales, freqs, input_pos, k_cache, v_cache, n_head, pdl=False, progress=None,
+             kernels=None):
     """q (R, H, 1, hd); k and v written into the caches at input_pos."""
-    q = smem_gemv.qkv_rope(x, norm, weight, scales, freqs, input_pos, k_cache, v_cache, n_head, pdl, progress)
+    q = smem_gemv.qkv_rope(x, norm, weight, scales, freqs, input_pos, k_cache, v_cache, n_head, pdl, progress, kernels)
     if q is not None:
         return q
     R, D = x.shape
@@ -608,8 +610,8 @@ def qkv_rope(x, norm, weight, scales, freqs, input_pos, k_cache, v_cache, n_head
     return q
 
 
-def gate_up(x, norm, w13, scales=None, pdl=False, progress=None):
-    out = smem_gemv.gate_up(x, norm, w13, scales, pdl, progress)
+def gate_up(x, norm, w13, scales=None, pdl=False, progress=None, kernels=None):
+    out = smem_gemv.gate_up(x, norm, w13, scales, pdl, progress, kernels)
     if out is not None:
         return out
     R, K = x.shape
@@ -622,12 +624,15 @@ def gate_up(x, norm, w13, scales=None, pdl=False, progress=None):
     return out
 
 
-def decode_block(layer, x, freqs, attend, input_pos, prefetcher=None, control=None):
+def decode_block(layer, x, freqs, attend, input_pos, prefetcher=None, control=None, kernels=None):
     """TransformerBlock.forward(x, freqs, attend) for x (R, 1, D), usable as model block_fn; + control (R, 1, D),
     the next block's control rows, if given (adds_control: model.forward passes them).
 
     attend should launch with PDL where attention_pdl says: decode_attention(..., pdl=attention_pdl(R, device, int8)).
-    prefetcher (prefetch.Prefetcher): its count is bumped by each of the 4 projections as it starts."""
+    prefetcher (prefetch.Prefetcher): its count is bumped by each of the 4 projections as it starts.
+    kernels: the projections that run as smem_gemv's CUDA kernels where they can (smem_gemv.KERNELS if None); with
+    smem_gemv.ALL, where smem_gemv.builds_block says so, no Triton kernel runs (the cudagraph backend, whose attend is
+    SDPA's)."""
     attn, ff = layer.attention, layer.feed_forward
     R, _, D = x.shape
     x = x.view(R, D)
@@ -635,14 +640,15 @@ def decode_block(layer, x, freqs, attend, input_pos, prefetcher=None, control=No
     pdl = pdl_for(R, x.device, row_scales(attn.wqkv) is not None)
     progress = None if prefetcher is None else prefetcher.progress
     q = qkv_rope(x, layer.attention_norm, attn.wqkv.weight, row_scales(attn.wqkv), freqs, input_pos, cache.k_cache,
-                 cache.v_cache, attn.n_head, pdl, progress)
+                 cache.v_cache, attn.n_head, pdl, progress, kernels)
     # q rotated, the step's key and value in the cache: attend's other arguments go unused
     y = attend(q.transpose(1, 2), None, None, freqs, cache)  # (R, H, 1, hd): its flat rows are heads side by side
-    h = linear(y.view(R, D), attn.wo.weight, row_scales(attn.wo), residual=x, name="wo", pdl=pdl, progress=progress)
-    a = gate_up(h, layer.ffn_norm, ff.w13, ff.w13_scales, pdl, progress)
+    h = linear(y.view(R, D), attn.wo.weight, row_scales(attn.wo), residual=x, name="wo", pdl=pdl, progress=progress,
+               kernels=kernels)
+    a = gate_up(h, layer.ffn_norm, ff.w13, ff.w13_scales, pdl, progress, kernels)
     then = None if control is None else control.reshape(R, D)
     return linear(a, ff.w2.weight, row_scales(ff.w2), residual=h, name="w2", pdl=pdl, progress=progress,
-                  then=then).view(R, 1, D)
+                  then=then, kernels=kernels).view(R, 1, D)
 
 
 # The control rows added before blocks L and 2L (model.forward), in the down projection of the block before: a

@@ -21,7 +21,8 @@ can be captured once and replayed N-1 times:
                        kernels up to 16 rows, the eager block beyond, nothing compiled
   backend "cudagraph": torch.cuda.CUDAGraph captured by hand around the eager step (no Triton);
                        its SDPA reads a static window of the cache per group of steps (one graph
-                       per window, CACHE_WINDOWS), not the whole cache
+                       per window, CACHE_WINDOWS), not the whole cache; up to 4 rows in bf16 on
+                       Hopper+ the blocks' projections run as smem_gemv's CUDA C++ kernels (NVRTC)
   backend "eager":     the same steps run op by op (CPU, debugging)
 Where the steps are captured by hand the eager prefill is captured too from a shape's second image on
 (replayed per image, its prefix copied in; the first token's draw runs after it, outside its graph), and so is
@@ -307,6 +308,12 @@ class Engine:
                 prefetcher = prefetch.Prefetcher(self.model, compiled=True)
                 attention = functools.partial(attention, progress=prefetcher.progress)
                 block_fn = functools.partial(block_fn, progress=prefetcher.progress)
+        elif self.backend == "cudagraph" and smem_gemv.builds_block(self.model.layers[0], {rows, batch}, self.device):
+            # no Triton: the four projections with their norms, RoPE, cache writes and residuals as smem_gemv's CUDA
+            # kernels, SDPA between them (README's cudagraph rows)
+            block_fn = functools.partial(decode_block.decode_block, kernels=smem_gemv.ALL)
+            log.info("decode block for %d rows: smem_gemv's CUDA C++ kernels (%s) and SDPA", rows,
+                     ", ".join(smem_gemv.ALL))
         if self.block_scope:
             dtype, layer = self.model.tok_embeddings.weight.dtype, self.model.layers[0]
             cuda = smem_gemv.used(rows, dtype, self.device, layer) if fused and not self.int8 else ()

@@ -411,7 +411,8 @@ class Transformer(nn.Module):
         decode_attention: a kernel (q, k_cache, v_cache, key_valid, input_pos, fresh=(k, v, freqs), text=...) for
         one-token steps that reads only the filled cache and does rope_and_cache's work itself (fast
         engine; text: the cache's text partial, KVCache.text); default SDPA with the mask (additive) after
-        rope_and_cache.
+        rope_and_cache. Either way attend(q, None, None, freqs, cache) takes q rotated and the step's key and value
+        already in the cache (a block_fn whose QKV kernel did rope_and_cache's work).
         block_fn(layer, x, freqs, attend, input_pos): runs a block instead of layer(x, freqs, attend) (the
         fast engine passes one compiled function shared by all blocks; input_pos is for its fused kernels); one
         marked adds_control is passed control= too, the next block's control rows, and adds them to its output.
@@ -440,7 +441,9 @@ class Transformer(nn.Module):
             rot = None if fused else rotations(freqs)
 
             def attend(q, k, v, freqs, cache):
-                if fused:
+                if k is None:  # q rotated, the step's key and value in the cache (decode_block's QKV kernel)
+                    q, k, v = q.transpose(1, 2), cache.k_cache[: q.shape[0]], cache.v_cache[: q.shape[0]]
+                elif fused:
                     q, k, v = fused_ops.rope_and_cache(q, k, v, freqs, cache, input_pos)
                 else:
                     q, k, v = rope_and_cache(q, k, v, rot, cache, input_pos)

@@ -6,7 +6,8 @@ before the kernel before them has finished; shared memory holds more, and bulk c
 The kernels are compiled at run time by NVRTC, which PyTorch's CUDA builds ship, and launched through the driver's
 cuLaunchKernelEx with PDL's attribute, so that a CUDA graph captures them as it does Triton's. `_serves` says where
 they run; elsewhere (no NVRTC, an older GPU, float32, int8 weights, FAST_SMEM_GEMV=0) decode_block's Triton kernels
-do, which compute the same roundings.
+do, which compute the same roundings. They need no Triton: on the cudagraph backend all four of a block's projections
+run here (ALL, where builds_block says so), with the model's SDPA between them, and the eager block elsewhere.
 """
 import ctypes
 import functools
@@ -36,6 +37,9 @@ ENABLED = os.environ.get("FAST_SMEM_GEMV", "1") != "0"
 # kernels, which let the next kernel launch before their wait (FIRST), they lose that overlap. gate/up, the largest
 # (18.4 MB of GPT-XL's 40.7 per block), gains: n = 1 0.940 -> 0.916, n = 2 1.440 -> 1.411 (at (4, 4)).
 KERNELS = ("gate_up",)
+# Where there is no Triton (the cudagraph backend) all four run here, against cuBLAS's GEMVs and the eager ops between
+# them (engine: `decode_block.decode_block(..., kernels=ALL)` where `builds_block` says so).
+ALL = ("qkv", "wo", "gate_up", "w2")
 KINDS = dict(linear=0, linear_add=1, gate_up=2, qkv=3)  # smem_gemv.cu's EPI
 
 
@@ -227,36 +231,59 @@ def _tiles(name, rows, k, columns):
     return k % 256 == 0 and columns % (nw * rpw) == 0 and _smem(entry) <= MAX_SMEM
 
 
-def _serves(name, x, columns, *tensors, scales=None):
-    """Whether these kernels run projection `name` of x (R, K) into `columns` output columns: one of KERNELS where
-    they run (_runs), no row scales (int8), tiled (_tiles), every tensor bf16 and contiguous."""
-    if name not in KERNELS or scales is not None or not _runs(x.shape[0], x.dtype, x.device):
+def _serves(name, x, columns, *tensors, scales=None, kernels=None):
+    """Whether these kernels run projection `name` of x (R, K) into `columns` output columns: one of `kernels`
+    (KERNELS if None) where they run (_runs), no row scales (int8), tiled (_tiles), every tensor bf16 and contiguous."""
+    mine = KERNELS if kernels is None else kernels
+    if name not in mine or scales is not None or not _runs(x.shape[0], x.dtype, x.device):
         return False
     return _tiles(name, *x.shape, columns) and all(t.dtype == torch.bfloat16 and t.is_contiguous()
                                                    for t in (x, *tensors))
 
 
-def used(rows, dtype, device, layer):
-    """The projections these kernels run at `rows` rows of `dtype` on device in blocks shaped as `layer`, a fused
-    TransformerBlock (for the engine's log)."""
+def used(rows, dtype, device, layer, kernels=None):
+    """The projections of `kernels` (KERNELS if None) these kernels run at `rows` rows of `dtype` on device in blocks
+    shaped as `layer`, a fused TransformerBlock (for the engine's log)."""
     if not _runs(rows, dtype, device):
         return ()
     weights = dict(qkv=layer.attention.wqkv.weight, wo=layer.attention.wo.weight, gate_up=layer.feed_forward.w13,
                    w2=layer.feed_forward.w2.weight)
-    return tuple(name for name in KERNELS if _tiles(name, rows, weights[name].shape[1],
-                                                    weights[name].shape[0] // (2 if name == "gate_up" else 1)))
+    columns = lambda name: weights[name].shape[0] // (2 if name == "gate_up" else 1)
+    return tuple(name for name in (KERNELS if kernels is None else kernels)
+                 if _tiles(name, rows, weights[name].shape[1], columns(name)))
+
+
+def builds_block(layer, rows, device):
+    """Whether every projection of blocks shaped as `layer` (fused gate/up, bf16 weights) runs here at each row count
+    in `rows`: they tile, and their kernels build now, before any step is captured, so that a refusal leaves the
+    eager block whole rather than a step half made of these kernels (the cudagraph backend, which has no Triton to
+    fall back on)."""
+    attn, ff = layer.attention, layer.feed_forward
+    weights = (attn.wqkv.weight, attn.wo.weight, ff.w13, ff.w2.weight)
+    if ff.w13 is None or any(w.dtype != torch.bfloat16 for w in weights) or attn.head_dim % CONFIG["qkv"][1]:
+        return False
+    D, F = attn.wo.weight.shape[0], ff.w2.weight.shape[1]
+    for r in rows:
+        if used(r, torch.bfloat16, device, layer, ALL) != ALL:
+            return False
+        entries = [(KINDS["qkv"], D, *CONFIG["qkv"], r, PDL), (KINDS["linear"], D, *CONFIG["wo"], r, PDL),
+                   (KINDS["gate_up"], D, *CONFIG["gate_up"], r, PDL), (KINDS["linear"], F, *CONFIG["w2"], r, PDL),
+                   (KINDS["linear_add"], F, *CONFIG["w2"], r, PDL)]  # w2 with the control rows, before blocks L, 2L
+        if any(_kernel(torch.device(device), e) is None for e in entries):
+            return False
+    return True
 
 
 def _ptr(t):
     return None if t is None else t.data_ptr()
 
 
-def linear(x, weight, scales, residual, name, pdl, then=None, progress=None):
+def linear(x, weight, scales, residual, name, pdl, then=None, progress=None, kernels=None):
     """residual + x @ weight.T (+ then), as decode_block.linear; None where these kernels do not serve it (_serves,
     or no residual) or it could not be built."""
     R, K = x.shape
     N = weight.shape[0]
-    if residual is None or not _serves(name, x, N, weight, scales=scales):
+    if residual is None or not _serves(name, x, N, weight, scales=scales, kernels=kernels):
         return None
     out = torch.empty(R, N, device=x.device, dtype=x.dtype)
     args = Args(w=_ptr(weight), x=_ptr(x), res=_ptr(residual), add=_ptr(then), out=_ptr(out), progress=_ptr(progress),
@@ -265,12 +292,12 @@ def linear(x, weight, scales, residual, name, pdl, then=None, progress=None):
     return out if _launch((kind, K, *CONFIG[name], R, PDL if pdl else 0), N, args, x.device) else None
 
 
-def gate_up(x, norm, w13, scales, pdl, progress=None):
+def gate_up(x, norm, w13, scales, pdl, progress=None, kernels=None):
     """SiLU(g) * u for [g | u] = RMSNorm(x) @ w13.T, as decode_block.gate_up; None where these kernels do not serve
     it or it could not be built."""
     R, K = x.shape
     F = w13.shape[0] // 2
-    if not _serves("gate_up", x, F, w13, norm.weight, scales=scales):
+    if not _serves("gate_up", x, F, w13, norm.weight, scales=scales, kernels=kernels):
         return None
     out = torch.empty(R, F, device=x.device, dtype=x.dtype)
     args = Args(w=_ptr(w13), x=_ptr(x), norm=_ptr(norm.weight), out=_ptr(out), progress=_ptr(progress), n=F,
@@ -278,14 +305,14 @@ def gate_up(x, norm, w13, scales, pdl, progress=None):
     return out if _launch((KINDS["gate_up"], K, *CONFIG["gate_up"], R, PDL if pdl else 0), F, args, x.device) else None
 
 
-def qkv_rope(x, norm, weight, scales, freqs, input_pos, k_cache, v_cache, n_head, pdl, progress=None):
+def qkv_rope(x, norm, weight, scales, freqs, input_pos, k_cache, v_cache, n_head, pdl, progress=None, kernels=None):
     """q (R, H, 1, hd), k and v written into the caches at input_pos, as decode_block.qkv_rope; None where these
     kernels do not serve it (or the RoPE row is not float32) or it could not be built."""
     R, D = x.shape
     hd = D // n_head
     nw, rpw = CONFIG["qkv"]
-    if (not _serves("qkv", x, 3 * D, weight, norm.weight, scales=scales) or hd % rpw or freqs.dtype != torch.float32
-            or input_pos.dtype != torch.int64):
+    if (not _serves("qkv", x, 3 * D, weight, norm.weight, scales=scales, kernels=kernels) or hd % rpw
+            or freqs.dtype != torch.float32 or input_pos.dtype != torch.int64):
         return None
     q = torch.empty(R, n_head, 1, hd, device=x.device, dtype=x.dtype)
     args = Args(w=_ptr(weight), x=_ptr(x), norm=_ptr(norm.weight), out=_ptr(q), freqs=_ptr(freqs),

@@ -47,7 +47,8 @@ decode_block.plan = recording
 tile = lambda n: dict(qkv=(n, 4), wo=(n, 4), gate_up=(n, 2), w2=(n, 4))
 dot = lambda n, bk, s=1: dict(qkv=(16, bk, 4, 2, s), wo=(n, bk, 4, 2, s), gate_up=(n, bk, 4, 3, s), w2=(16, bk, 4, 2, s),
                              output=(n, bk, 4, 2, s))
-# (batch, cfg, model widths, GEMV tiling, dot tiling, PDL data paths, int8 weights); > 4 rows take the dot path, whose K
+# (batch, cfg, model widths, GEMV tiling, dot tiling, PDL data paths, int8 weights, the model's SDPA as the attention
+# instead of the decode attention kernel: the cudagraph backend's block); > 4 rows take the dot path, whose K
 # chunks (bk) here are smaller than K so its loops run several times, or wider than K (128: masked);
 # split-K (s): more splits than chunks (capped), or 3 uneven runs of chunks, some empty. `wide`: widths
 # that are no powers of two (dim 160, hidden 448), so the GEMV rows are padded, and gate/up's K runs in five pieces
@@ -56,15 +57,19 @@ narrow, wide = dict(n_head=2, n_layer=2), dict(dim=160, n_head=5, multiple_of=32
 STEPS = 3
 # At <= 4 rows the head's float weights take the dot path too (DOT_ALWAYS): the GEMV cases give it a dot tiling
 head = dot(32, 32)
-cases = [(1, 4.0, narrow, tile(4), head, True, False), (1, 1.0, dict(n_head=4, n_layer=2), tile(2), head, False, False),
-         (2, 4.0, narrow, tile(16), head, True, True), (1, 4.0, wide, tile(4), head, True, False),
-         (3, 4.0, narrow, None, dot(16, 32), True, False), (5, 1.0, narrow, None, dot(32, 128, 4), False, True),
-         (8, 4.0, narrow, None, dot(16, 16, 3), True, False), (3, 4.0, wide, None, dot(16, 64), False, False)]
-for B, cfg, widths, config, dot_config, pdl, int8 in cases:
+cases = [(1, 4.0, narrow, tile(4), head, True, False, False),
+         (1, 1.0, dict(n_head=4, n_layer=2), tile(2), head, False, False, False),
+         (2, 4.0, narrow, tile(16), head, True, True, False), (1, 4.0, wide, tile(4), head, True, False, False),
+         (2, 4.0, narrow, tile(4), head, True, False, True),
+         (3, 4.0, narrow, None, dot(16, 32), True, False, False),
+         (5, 1.0, narrow, None, dot(32, 128, 4), False, True, False),
+         (8, 4.0, narrow, None, dot(16, 16, 3), True, False, False),
+         (3, 4.0, wide, None, dot(16, 64), False, False, False)]
+for B, cfg, widths, config, dot_config, pdl, int8, sdpa in cases:
     decode_block.CONFIG, decode_block.DOT_CONFIG = config, dot_config
     decode_block.DOT_CONFIG_INT8 = dot_config  # int8 weights too (their GEMV tiling stays CONFIG_INT8's)
     decode_block.use_pdl = lambda device: pdl
-    attention = functools.partial(decode_attention, pdl=pdl)
+    attention = None if sdpa else functools.partial(decode_attention, pdl=pdl)
     ref = tiny_model(cls=8, seed=4, vocab_size=512, **widths)  # the interpreter runs every program
     ref.fuse_projections()
     if int8:  # then the model's int8 projections are the reference
@@ -116,8 +121,9 @@ print(worst, cache_worst)
 def test_fused_block_matches_model_in_interpreter():
     """Three teacher-forced decode steps through two layers after a prefill: logits within 1e-4 and identical cache rows
     (up to float32 rounding) for 1, 2 and 4 rows (GEMV path) and 5, 6 and 16 rows (dot path, also
-    split-K), with and without CFG, several tilings, power-of-two widths and others (gate/up's GEMV rows in
-    five pieces), each projection counted once for a prefetcher, in prefetch.segments' order, the first of two
+    split-K), with and without CFG, with the decode attention kernel and with the model's SDPA taking the QKV
+    kernel's rotated q and cache rows (the cudagraph backend's block), several tilings, power-of-two widths and others
+    (gate/up's GEMV rows in five pieces), each projection counted once for a prefetcher, in prefetch.segments' order, the first of two
     blocks adding the second's control rows in its down projection (adds_control); and the head (final norm
     fused into the output projection), whose race noise draws the same tokens as the draw's own."""
     out = early.result(SCRIPT, ENV)

@@ -102,3 +102,62 @@ def test_projections_match_the_triton_kernels(rows):
     _close(caches[2][:, :, 37], caches[0][:, :, 37])  # the step's key and value
     _close(caches[3][:, :, 37], caches[1][:, :, 37])
     assert not caches[2][:, :, :37].any() and not caches[2][:, :, 38:].any()
+
+
+def test_the_cudagraph_block_is_all_four_kernels_or_none(monkeypatch):
+    """builds_block, asked before the cudagraph backend captures a step: GPT-XL's bf16 block at 2 rows (CFG) and 1
+    (after cfg_interval) builds its five kernels per row count (w2 with and without the control rows) then; one that
+    NVRTC refuses, float32 weights, more rows than the GEMV path's or no fused gate/up leave the eager block."""
+    monkeypatch.setattr(smem_gemv, "_available", {0: True})
+    built = []
+    monkeypatch.setattr(smem_gemv, "_kernel", lambda device, entry: built.append(entry) or object())
+    with torch.device("meta"):
+        layer = TransformerBlock(ModelArgs(dim=1280, n_head=20)).to(torch.bfloat16)
+        unfused = TransformerBlock(ModelArgs(dim=1280, n_head=20)).to(torch.bfloat16)
+        fp32 = TransformerBlock(ModelArgs(dim=1280, n_head=20))
+    for block in (layer, fp32):
+        block.feed_forward.fuse()
+    assert smem_gemv.builds_block(layer, {2, 1}, "cuda:0")
+    kinds = {(kind, k, rows, pdl) for kind, k, _, _, rows, pdl in built}
+    want = {(smem_gemv.KINDS[kind], k, rows, smem_gemv.PDL) for rows in (1, 2) for kind, k in
+            (("qkv", 1280), ("linear", 1280), ("gate_up", 1280), ("linear", 3584), ("linear_add", 3584))}
+    assert len(built) == 10 and kinds == want, built
+    assert not smem_gemv.builds_block(layer, {8}, "cuda:0")
+    assert not smem_gemv.builds_block(fp32, {2}, "cuda:0") and not smem_gemv.builds_block(unfused, {2}, "cuda:0")
+    refused = smem_gemv.KINDS["linear_add"]
+    monkeypatch.setattr(smem_gemv, "_kernel", lambda device, entry: None if entry[0] == refused else object())
+    assert not smem_gemv.builds_block(layer, {2}, "cuda:0")
+
+
+@pytest.mark.skipif(not GPU, reason="needs a GPU of compute capability 9.0+ with NVRTC")
+def test_the_cudagraph_backend_runs_its_blocks_here(monkeypatch):
+    """The cudagraph backend at GPT-XL's widths (2 layers, bf16, one image under CFG and, after cfg_interval, without):
+    every projection of every step as these kernels, none of decode_block's Triton kernels (unreachable here), and
+    teacher-forced logits as with the eager block, within a few bf16 roundings of the largest."""
+    from fast_inference import fused_ops
+    from fast_inference.engine import Engine
+    from test_reference import tiny_inputs, tiny_model
+
+    monkeypatch.setattr(fused_ops, "ENABLED", False)  # the cudagraph backend's setting (fast_engine, bench.py)
+    model = tiny_model(dim=1280, n_head=20, n_layer=2, seed=3).to("cuda", torch.bfloat16)
+    cond, mask, condition = (t.cuda() for t in tiny_inputs(model, B=1))
+    forced = torch.randint(0, model.args.vocab_size, (1, 12), generator=torch.Generator().manual_seed(3)).cuda()
+    kw = dict(emb_masks=mask, condition=condition, cfg_scale=4.0, cfg_interval=6, forced=forced)
+
+    def logits(here):
+        monkeypatch.setattr(smem_gemv, "ENABLED", here)
+        if here:
+            monkeypatch.setattr(decode_block, "triton", None)  # a Triton kernel's launch would fail
+        engine = Engine(model, backend="cudagraph")
+        _, out = engine.generate(cond, 12, **kw)
+        fn = engine.sampler.block_fn
+        assert (fn is not None and fn.keywords == dict(kernels=smem_gemv.ALL)) == here, fn
+        return torch.cat([l[:1].float() for l in out])  # the conditional row
+
+    want = logits(False)
+    monkeypatch.setattr(smem_gemv, "_kernels", {})  # built here, not by an earlier test
+    got = logits(True)
+    kinds = {entry[0] for _, entry in smem_gemv._kernels}
+    assert kinds == set(smem_gemv.KINDS.values()), kinds
+    rel = (got - want).abs().max().item() / want.abs().max().item()
+    assert rel < 3e-2, rel
