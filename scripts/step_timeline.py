@@ -3,12 +3,14 @@ cfg 4, top-k 2000): start, duration and the gap after the kernel before, for the
 and the first and last few, so the small kernels around the blocks show.
 
     python scripts/step_timeline.py --batch-sizes 1,8 [--position 700] [--replays 6] [--by-name] [--setting CODE]
+                                    [--backend cudagraph]
 
 torch.profiler over `--replays` replays of the step graph at one position (the third is printed); the
 profiler adds a little to each step. Memsets and copies the graph holds are listed with the kernels. --by-name:
 that step's kernels counted and their time summed by name instead, largest first (where the time goes per kind
 of kernel). --setting: Python run first with the fast_inference modules in scope, as engine_ab.py's settings
-(e.g. "prefetch.available = lambda device: False": the step without the L2 prefetcher). One CUDA GPU.
+(e.g. "prefetch.available = lambda device: False": the step without the L2 prefetcher). --backend cudagraph: that
+backend's step (no Triton), the graph of the cache window that holds the position. One CUDA GPU.
 """
 import argparse
 import collections
@@ -23,6 +25,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from engine_ab import MODULES, compile_settings
+from fast_inference import fused_ops
 from fast_inference.bench import inputs, random_gpt_xl
 from fast_inference.engine import Engine
 
@@ -58,6 +61,7 @@ def main():
     ap.add_argument("--position", type=int, default=700)
     ap.add_argument("--replays", type=int, default=6)
     ap.add_argument("--by-name", action="store_true", help="kernel count and time by name instead of the timeline")
+    ap.add_argument("--backend", choices=("inductor", "cudagraph"), default="inductor")
     ap.add_argument("--setting", default="", help='Python run first with the fast_inference modules in scope, '
                     'e.g. "prefetch.available = lambda device: False"')
     args = ap.parse_args()
@@ -67,16 +71,18 @@ def main():
         ap.error(str(e))
     if not torch.cuda.is_available():
         sys.exit("step_timeline.py needs a CUDA GPU")
+    fused_ops.ENABLED = args.backend != "cudagraph"  # no Triton there, as bench.py and the CLI set it
     exec(setting, dict(MODULES))
     model = random_gpt_xl()
     with torch.no_grad():
         for B in map(int, args.batch_sizes.split(",")):
             model.clear_caches()
-            engine = Engine(model)
+            engine = Engine(model, backend=args.backend)
             cond, mask, condition = inputs(model, B, 512, "cuda")
             engine.generate(cond, 1024, emb_masks=mask, condition=condition, cfg_scale=4.0, top_k=2000)
             engine.sampler.input_pos.fill_(args.position)  # each replay advances it by one
-            graph = engine.graphs[True, 0]
+            s = engine.sampler
+            graph = engine.graphs[True, s.window(args.position - s.prefix_len)]
             for _ in range(3):
                 graph.replay()
             events = kernels(graph, args.replays)
