@@ -173,6 +173,12 @@ def _kernel(device, entry):
         return _kernels[key]
 
 
+def _entry(kind, name, k, rows, pdl):
+    """The kernel of projection `name` (CONFIG's tiling) as `kind` (KINDS) over K = k at `rows` rows, launched with
+    PDL's attribute if pdl: the key _kernel builds and caches it by."""
+    return (KINDS[kind], k, *CONFIG[name], rows, PDL if pdl else 0)
+
+
 def _smem(entry):
     kind, k, nw, rpw, xr, _ = entry
     return 128 + nw * rpw * (2 if kind == KINDS["gate_up"] else 1) * k * 2 + xr * k * 2
@@ -227,7 +233,7 @@ def _tiles(name, rows, k, columns):
     number of programs, and the weights and x within a program's shared memory (GPT-1B's gate/up, K = 2,048, would
     ask for 264 KB, which the driver refuses)."""
     nw, rpw = CONFIG[name]
-    entry = (KINDS["gate_up" if name == "gate_up" else "linear"], k, nw, rpw, rows, 0)
+    entry = _entry("gate_up" if name == "gate_up" else "linear", name, k, rows, False)
     return k % 256 == 0 and columns % (nw * rpw) == 0 and _smem(entry) <= MAX_SMEM
 
 
@@ -266,9 +272,9 @@ def builds_block(layer, rows, device):
     for r in rows:
         if used(r, torch.bfloat16, device, layer, ALL) != ALL:
             return False
-        entries = [(KINDS["qkv"], D, *CONFIG["qkv"], r, PDL), (KINDS["linear"], D, *CONFIG["wo"], r, PDL),
-                   (KINDS["gate_up"], D, *CONFIG["gate_up"], r, PDL), (KINDS["linear"], F, *CONFIG["w2"], r, PDL),
-                   (KINDS["linear_add"], F, *CONFIG["w2"], r, PDL)]  # w2 with the control rows, before blocks L, 2L
+        entries = [_entry("qkv", "qkv", D, r, True), _entry("linear", "wo", D, r, True),
+                   _entry("gate_up", "gate_up", D, r, True), _entry("linear", "w2", F, r, True),
+                   _entry("linear_add", "w2", F, r, True)]  # w2 with the control rows, before blocks L, 2L
         if any(_kernel(torch.device(device), e) is None for e in entries):
             return False
     return True
@@ -288,8 +294,8 @@ def linear(x, weight, scales, residual, name, pdl, then=None, progress=None, ker
     out = torch.empty(R, N, device=x.device, dtype=x.dtype)
     args = Args(w=_ptr(weight), x=_ptr(x), res=_ptr(residual), add=_ptr(then), out=_ptr(out), progress=_ptr(progress),
                 n=N)
-    kind = KINDS["linear" if then is None else "linear_add"]
-    return out if _launch((kind, K, *CONFIG[name], R, PDL if pdl else 0), N, args, x.device) else None
+    entry = _entry("linear" if then is None else "linear_add", name, K, R, pdl)
+    return out if _launch(entry, N, args, x.device) else None
 
 
 def gate_up(x, norm, w13, scales, pdl, progress=None, kernels=None):
@@ -302,7 +308,7 @@ def gate_up(x, norm, w13, scales, pdl, progress=None, kernels=None):
     out = torch.empty(R, F, device=x.device, dtype=x.dtype)
     args = Args(w=_ptr(w13), x=_ptr(x), norm=_ptr(norm.weight), out=_ptr(out), progress=_ptr(progress), n=F,
                 eps=norm.eps)
-    return out if _launch((KINDS["gate_up"], K, *CONFIG["gate_up"], R, PDL if pdl else 0), F, args, x.device) else None
+    return out if _launch(_entry("gate_up", "gate_up", K, R, pdl), F, args, x.device) else None
 
 
 def qkv_rope(x, norm, weight, scales, freqs, input_pos, k_cache, v_cache, n_head, pdl, progress=None, kernels=None):
@@ -310,7 +316,7 @@ def qkv_rope(x, norm, weight, scales, freqs, input_pos, k_cache, v_cache, n_head
     kernels do not serve it (or the RoPE row is not float32) or it could not be built."""
     R, D = x.shape
     hd = D // n_head
-    nw, rpw = CONFIG["qkv"]
+    rpw = CONFIG["qkv"][1]
     if (not _serves("qkv", x, 3 * D, weight, norm.weight, scales=scales, kernels=kernels) or hd % rpw
             or freqs.dtype != torch.float32 or input_pos.dtype != torch.int64):
         return None
@@ -318,4 +324,4 @@ def qkv_rope(x, norm, weight, scales, freqs, input_pos, k_cache, v_cache, n_head
     args = Args(w=_ptr(weight), x=_ptr(x), norm=_ptr(norm.weight), out=_ptr(q), freqs=_ptr(freqs),
                 pos=_ptr(input_pos), kc=_ptr(k_cache), vc=_ptr(v_cache), progress=_ptr(progress),
                 sr=k_cache.stride(0), sh=k_cache.stride(1), sn=k_cache.stride(2), n=3 * D, hd=hd, eps=norm.eps)
-    return q if _launch((KINDS["qkv"], D, nw, rpw, R, PDL if pdl else 0), 3 * D, args, x.device) else None
+    return q if _launch(_entry("qkv", "qkv", D, R, pdl), 3 * D, args, x.device) else None
