@@ -632,7 +632,7 @@ def decode_block(layer, x, freqs, attend, input_pos, prefetcher=None, control=No
     prefetcher (prefetch.Prefetcher): its count is bumped by each of the 4 projections as it starts.
     kernels: the projections that run as smem_gemv's CUDA kernels where they can (smem_gemv.KERNELS if None); with
     smem_gemv.ALL, where smem_gemv.builds_block says so, no Triton kernel runs (the cudagraph backend, whose attend is
-    SDPA's)."""
+    smem_attention's or SDPA's)."""
     attn, ff = layer.attention, layer.feed_forward
     R, _, D = x.shape
     x = x.view(R, D)

@@ -23,6 +23,7 @@ can be captured once and replayed N-1 times:
                        its SDPA reads a static window of the cache per group of steps (one graph
                        per window, CACHE_WINDOWS), not the whole cache; up to 4 rows in bf16 on
                        Hopper+ the blocks' projections run as smem_gemv's CUDA C++ kernels (NVRTC)
+                       and the attention as smem_attention's (filled keys only: no windows)
   backend "eager":     the same steps run op by op (CPU, debugging)
 Where the steps are captured by hand the eager prefill is captured too from a shape's second image on
 (replayed per image, its prefix copied in; the first token's draw runs after it, outside its graph), and so is
@@ -39,7 +40,8 @@ import time
 import torch
 import torch.nn as nn
 
-from fast_inference import decode_attention, decode_block, decode_inputs, decode_sampling, prefetch, smem_gemv
+from fast_inference import (decode_attention, decode_block, decode_inputs, decode_sampling, prefetch, smem_attention,
+                            smem_gemv)
 from fast_inference.generate import prepare
 from fast_inference.pdl import use_pdl
 from fast_inference.quantize import is_int8
@@ -113,7 +115,8 @@ class Sampler(nn.Module):
         self.cache = model.layers[0].attention.kv_cache  # graphs are bound to these cache tensors
         # RoPE's zero rows make the text's keys zero (SPEC 2.5): the decode attention kernel takes them as one
         # partial, their values' sum and count, made after each prefill (decode_attention.text_sums)
-        text_len = prefix_len if decode_attention is not None and not model.freqs_cis[:prefix_len].any() else 0
+        text_len = prefix_len if (decode_attention is not None and getattr(decode_attention, "text", True)
+                                  and not model.freqs_cis[:prefix_len].any()) else 0
         for layer in model.layers:
             layer.attention.kv_cache.text_len = text_len
         # The cache length SDPA reads in each window of steps (None: the whole cache, or the kernel's own;
@@ -310,10 +313,14 @@ class Engine:
                 block_fn = functools.partial(block_fn, progress=prefetcher.progress)
         elif self.backend == "cudagraph" and smem_gemv.builds_block(self.model.layers[0], {rows, batch}, self.device):
             # no Triton: the four projections with their norms, RoPE, cache writes and residuals as smem_gemv's CUDA
-            # kernels, SDPA between them (README's cudagraph rows)
+            # kernels (README's cudagraph rows)
             block_fn = functools.partial(decode_block.decode_block, kernels=smem_gemv.ALL)
-            log.info("decode block for %d rows: smem_gemv's CUDA C++ kernels (%s) and SDPA", rows,
-                     ", ".join(smem_gemv.ALL))
+            # and between them the decode attention in CUDA C++ too where it builds, else SDPA
+            if smem_attention.builds(self.model.layers[0].attention, prefix_len + num_tokens, {rows, batch},
+                                     self.device):
+                attention = smem_attention.decode_attention
+            log.info("decode block for %d rows: smem_gemv's CUDA C++ kernels (%s) and %s", rows,
+                     ", ".join(smem_gemv.ALL), "smem_attention's" if attention else "SDPA")
         if self.block_scope:
             dtype, layer = self.model.tok_embeddings.weight.dtype, self.model.layers[0]
             cuda = smem_gemv.used(rows, dtype, self.device, layer) if fused and not self.int8 else ()
@@ -321,9 +328,10 @@ class Engine:
                      "eager (int8)" if self.int8 else "compiled (inductor)",
                      f" ({', '.join(cuda)} in CUDA C++: smem_gemv)" if cuda else "")
         # The draw in one kernel where the attention is Triton's (the cudagraph backend promises no Triton).
-        fused_draw = attention is not None and decode_sampling.supported(self.device, top_p)
-        # Cache windows where the steps are captured or run eagerly: a compiler would compile each.
-        windows = CACHE_WINDOWS if self.backend in ("cudagraph", "eager") else 1
+        fused_draw = self.decode_attention is not None and decode_sampling.supported(self.device, top_p)
+        # Cache windows where the steps are captured or run eagerly, for SDPA: a compiler would compile each, and a
+        # decode attention kernel reads only the filled keys.
+        windows = CACHE_WINDOWS if self.backend in ("cudagraph", "eager") and attention is None else 1
         # The step's inputs in one kernel where the ops around the blocks run eagerly (block scope)
         fused_inputs = self.block_scope and attention is not None and decode_inputs.supported(self.device)
         s = Sampler(self.model, batch, num_tokens, prefix_len, num_controls, cfg, top_k, top_p, sample_logits,

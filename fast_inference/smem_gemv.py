@@ -7,7 +7,8 @@ The kernels are compiled at run time by NVRTC, which PyTorch's CUDA builds ship,
 cuLaunchKernelEx with PDL's attribute, so that a CUDA graph captures them as it does Triton's. `_serves` says where
 they run; elsewhere (no NVRTC, an older GPU, float32, int8 weights, FAST_SMEM_GEMV=0) decode_block's Triton kernels
 do, which compute the same roundings. They need no Triton: on the cudagraph backend all four of a block's projections
-run here (ALL, where builds_block says so), with the model's SDPA between them, and the eager block elsewhere.
+run here (ALL, where builds_block says so), with smem_attention's kernel (or the model's SDPA) between them, and the
+eager block elsewhere.
 """
 import ctypes
 import functools
@@ -105,11 +106,11 @@ def source(names):
         f"{{ project<{kind}, {k}, {nw}, {rpw}, {xr}, {pdl}>(a); }}\n" for name, (kind, k, nw, rpw, xr, pdl) in names)
 
 
-def _cubin(src, arch):
-    """A cubin of the CUDA C++ `src` for sm_<arch>, by NVRTC."""
+def _cubin(src, arch, name="smem_gemv.cu"):
+    """A cubin of the CUDA C++ `src` for sm_<arch>, by NVRTC (name: the file its errors name)."""
     nvrtc = _nvrtc()
     prog = ctypes.c_void_p()
-    _check(nvrtc.nvrtcCreateProgram(ctypes.byref(prog), src.encode(), b"smem_gemv.cu", 0, None, None),
+    _check(nvrtc.nvrtcCreateProgram(ctypes.byref(prog), src.encode(), name.encode(), 0, None, None),
            "nvrtcCreateProgram")
     opts = [f"--gpu-architecture=sm_{arch}".encode(), b"-std=c++17"]
     r = nvrtc.nvrtcCompileProgram(prog, len(opts), (ctypes.c_char_p * len(opts))(*opts))
@@ -118,7 +119,7 @@ def _cubin(src, arch):
         nvrtc.nvrtcGetProgramLogSize(prog, ctypes.byref(size))
         log = ctypes.create_string_buffer(size.value)
         nvrtc.nvrtcGetProgramLog(prog, log)
-        raise RuntimeError(f"smem_gemv: NVRTC failed: {log.value.decode(errors='replace')}")
+        raise RuntimeError(f"{name}: NVRTC failed: {log.value.decode(errors='replace')}")
     size = ctypes.c_size_t()
     _check(nvrtc.nvrtcGetCUBINSize(prog, ctypes.byref(size)), "nvrtcGetCUBINSize")
     cubin = ctypes.create_string_buffer(size.value)
@@ -127,12 +128,13 @@ def _cubin(src, arch):
     return cubin.raw
 
 
-def functions(src, arch, names, smem):
-    """{name: CUfunction} for the entry points `names` of the CUDA C++ `src`, compiled for sm_<arch> and loaded into
-    the current CUDA context, each allowed `smem` bytes of dynamic shared memory (also the probes' loader)."""
+def functions(src, arch, names, smem, file="smem_gemv.cu"):
+    """{name: CUfunction} for the entry points `names` of the CUDA C++ `src` (from `file`), compiled for sm_<arch> and
+    loaded into the current CUDA context, each allowed `smem` bytes of dynamic shared memory (also the probes'
+    loader)."""
     cuda = _driver()
     module = ctypes.c_void_p()
-    _check(cuda.cuModuleLoadData(ctypes.byref(module), _cubin(src, arch)), "cuModuleLoadData")
+    _check(cuda.cuModuleLoadData(ctypes.byref(module), _cubin(src, arch, file)), "cuModuleLoadData")
     out = {}
     for name in names:
         f = ctypes.c_void_p()
@@ -142,7 +144,7 @@ def functions(src, arch, names, smem):
     return out
 
 
-_kernels = {}  # (device index, entry) -> CUfunction
+_kernels = {}  # (device index, kernel name) -> CUfunction
 _lock = threading.Lock()
 
 
@@ -151,26 +153,34 @@ def _driver():
     return ctypes.CDLL("nvcuda.dll" if sys.platform == "win32" else "libcuda.so.1")
 
 
-def _kernel(device, entry):
-    """The CUfunction of `entry` = (kind, K, warps, columns per warp, rows, pdl) on device, compiled on first use; None
-    if NVRTC or the driver refuses it (a GPU newer than this NVRTC knows, say): then the device is marked unavailable,
-    and decode_block's Triton kernels run from then on."""
-    key = (device.index, entry)
+def compiled(device, name, make_source, smem, file):
+    """The CUfunction `name` of the CUDA C++ make_source() (from `file`) on device, allowed `smem` bytes of dynamic
+    shared memory, compiled on first use and cached by device and name; None (logged) if NVRTC or the driver refuses
+    it (a GPU newer than this NVRTC knows, say). Also smem_attention's."""
+    key = (device.index, name)
     with _lock:
         if key not in _kernels:
             try:
                 _driver()  # first: without a driver (a CPU machine) OSError, before torch.cuda is asked anything
                 major, minor = torch.cuda.get_device_capability(device)
-                name = "smem_gemv_" + "_".join(map(str, entry))
                 torch.cuda.synchronize(device)  # its primary context made, and current on this thread below
                 with torch.cuda.device(device):
-                    f = functions(source([(name, entry)]), f"{major}{minor}", [name], _smem(entry))[name]
+                    _kernels[key] = functions(make_source(), f"{major}{minor}", [name], smem, file)[name]
             except (OSError, RuntimeError) as e:
-                log.warning("%s; decode_block's Triton kernels run instead", e)
-                _available[device.index] = False
+                log.warning("%s", e)
                 return None
-            _kernels[key] = f
         return _kernels[key]
+
+
+def _kernel(device, entry):
+    """The CUfunction of `entry` = (kind, K, warps, columns per warp, rows, pdl) on device (compiled); None if it
+    cannot be built: then the device is marked unavailable, and decode_block's Triton kernels run from then on."""
+    name = "smem_gemv_" + "_".join(map(str, entry))
+    f = compiled(device, name, lambda: source([(name, entry)]), _smem(entry), "smem_gemv.cu")
+    if f is None:
+        log.warning("decode_block's Triton kernels run instead of smem_gemv's")
+        _available[device.index] = False
+    return f
 
 
 def _entry(kind, name, k, rows, pdl):
@@ -184,20 +194,26 @@ def _smem(entry):
     return 128 + nw * rpw * (2 if kind == KINDS["gate_up"] else 1) * k * 2 + xr * k * 2
 
 
-def _launch(entry, columns, args, device):
-    """Launch `entry` over `columns` output columns on the current stream, with PDL's attribute if it uses PDL; False
-    where it could not be built."""
-    f = _kernel(device, entry)
-    if f is None:
-        return False
-    _, _, nw, rpw, _, pdl = entry
+def launch(f, grid, threads, smem, args, pdl, device):
+    """Launch CUfunction f over `grid` programs of `threads` threads with its one argument, the ctypes struct args,
+    on the current stream, with PDL's attribute if pdl (a CUDA graph captures it as any kernel)."""
     attr = _Attr(id=PROGRAMMATIC_STREAM_SERIALIZATION)
     attr.value.flag = 1
-    config = _Config((columns // (nw * rpw), 1, 1), (nw * 32, 1, 1), _smem(entry),
+    config = _Config((*grid, *(1,) * (3 - len(grid))), (threads, 1, 1), smem,
                      torch.cuda.current_stream(device).cuda_stream, ctypes.pointer(attr) if pdl else None,
                      1 if pdl else 0)
     params = (ctypes.c_void_p * 1)(ctypes.cast(ctypes.pointer(args), ctypes.c_void_p))
     _check(_driver().cuLaunchKernelEx(ctypes.byref(config), f, params, None), "cuLaunchKernelEx")
+
+
+def _launch(entry, columns, args, device):
+    """Launch `entry` over `columns` output columns, with PDL's attribute if it uses PDL; False where it could not be
+    built."""
+    f = _kernel(device, entry)
+    if f is None:
+        return False
+    _, _, nw, rpw, _, pdl = entry
+    launch(f, (columns // (nw * rpw),), nw * 32, _smem(entry), args, pdl, device)
     return True
 
 

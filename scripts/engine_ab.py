@@ -1,13 +1,13 @@
 """Settings of the fast engine against each other in the model: one process, the settings alternating
 twice, decode ms/step of the second of two 1,024-token images each time (GPT-XL bf16, random weights,
-default engine, cfg 4, top-k 2000, the same seed), and whether the tokens equal the first setting's.
+default engine or --backend's, cfg 4, top-k 2000, the same seed), and whether the tokens equal the first setting's.
 
     python scripts/engine_ab.py --batch-sizes 8 "" "decode_block.attention_pdl = decode_block.pdl_for"
 
 A setting is Python run with the fast_inference modules in scope (decode_attention, decode_block,
-decode_inputs, decode_sampling, engine, pdl, prefetch), after every attribute of those modules is put
-back as it was (config tables copied, so a setting may change them in place); "" is the code as it
-stands.
+decode_inputs, decode_sampling, engine, pdl, prefetch, smem_attention, smem_gemv), after every attribute
+of those modules is put back as it was (config tables copied, so a setting may change them in place); ""
+is the code as it stands.
 docs/PERF_NOTES.md gives the settings of its A/Bs. Settings in one process share its CUDA-graph
 history (PERF_NOTES, "Inductor's PDL and a second capture": the process's first capture may run
 faster), so bench.py gives the figures to quote. With --process-per-setting each setting runs in a
@@ -25,11 +25,13 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch
 
-from fast_inference import decode_attention, decode_block, decode_inputs, decode_sampling, engine, pdl, prefetch
+from fast_inference import (decode_attention, decode_block, decode_inputs, decode_sampling, engine, fused_ops, pdl,
+                            prefetch, smem_attention, smem_gemv)
 from fast_inference.bench import inputs, random_gpt_xl
 
 MODULES = dict(decode_attention=decode_attention, decode_block=decode_block, decode_inputs=decode_inputs,
-               decode_sampling=decode_sampling, engine=engine, pdl=pdl, prefetch=prefetch)
+               decode_sampling=decode_sampling, engine=engine, pdl=pdl, prefetch=prefetch,
+               smem_attention=smem_attention, smem_gemv=smem_gemv)
 
 
 def snapshot():
@@ -77,6 +79,7 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("settings", nargs="+", help='Python per setting, e.g. "" (as it stands) and "decode_block.X = 1"')
     ap.add_argument("--batch-sizes", default="8")
+    ap.add_argument("--backend", default="inductor", choices=engine.BACKENDS)
     ap.add_argument("--process-per-setting", action="store_true",
                     help="each setting in a process of its own, alternating twice (no shared CUDA-graph history)")
     ap.add_argument("--once", action="store_true", help=argparse.SUPPRESS)  # a child's one round
@@ -89,10 +92,12 @@ def main(argv=None):
         sys.exit("engine_ab.py needs a CUDA GPU (the engine's fast paths are Triton kernels and CUDA graphs)")
     if args.process_per_setting:
         for text in args.settings * 2:
-            child = [sys.executable, os.path.abspath(__file__), "--batch-sizes", args.batch_sizes, "--once", "--", text]
+            child = [sys.executable, os.path.abspath(__file__), "--batch-sizes", args.batch_sizes, "--backend",
+                     args.backend, "--once", "--", text]
             if subprocess.run(child).returncode:
                 sys.exit(f"engine_ab.py: the process for setting {text!r} failed")
         return
+    fused_ops.ENABLED = args.backend != "cudagraph"  # as bench.py: no Triton there
     saved = snapshot()
     torch.manual_seed(0)  # the same random weights in every process
     model = random_gpt_xl()
@@ -104,7 +109,7 @@ def main(argv=None):
                 apply(saved, code)
                 torch._dynamo.reset()  # a compiled block reads the settings when it is traced
                 model.clear_caches()
-                fast = engine.Engine(model)
+                fast = engine.Engine(model, backend=args.backend)
                 for _ in range(2):
                     torch.manual_seed(0)
                     tokens = fast.generate(cond, 1024, emb_masks=mask, condition=condition, cfg_scale=4.0, top_k=2000)

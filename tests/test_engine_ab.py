@@ -39,13 +39,14 @@ def test_a_setting_that_is_not_python_is_a_usage_error():
 
 def test_process_per_setting_runs_each_setting_alone_twice(monkeypatch):
     """--process-per-setting: one child per setting, the settings alternating twice, each child one round of its
-    own setting (a setting that starts with "-" stays a setting); a child that fails ends the run with a message."""
+    own setting on the parent's backend (a setting that starts with "-" stays a setting); a child that fails ends the run with a message."""
     runs = []
     monkeypatch.setattr(engine_ab.torch.cuda, "is_available", lambda: True)  # the parent runs nothing on it
     monkeypatch.setattr(engine_ab.subprocess, "run", lambda cmd: runs.append(cmd) or subprocess.CompletedProcess(cmd, 0))
-    engine_ab.main(["--batch-sizes", "1,32", "--process-per-setting", "", "-1 or decode_block.X"])
+    engine_ab.main(["--batch-sizes", "1,32", "--backend", "cudagraph", "--process-per-setting", "",
+                    "-1 or decode_block.X"])
     assert [cmd[-1] for cmd in runs] == ["", "-1 or decode_block.X"] * 2
-    assert all(cmd[2:-1] == ["--batch-sizes", "1,32", "--once", "--"] for cmd in runs)
+    assert all(cmd[2:-1] == ["--batch-sizes", "1,32", "--backend", "cudagraph", "--once", "--"] for cmd in runs)
     monkeypatch.setattr(engine_ab.subprocess, "run", lambda cmd: subprocess.CompletedProcess(cmd, 1))
     try:
         engine_ab.main(["--process-per-setting", ""])

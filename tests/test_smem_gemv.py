@@ -9,7 +9,7 @@ import torch
 
 import sm90
 
-from fast_inference import decode_block, smem_gemv
+from fast_inference import decode_block, smem_attention, smem_gemv
 from fast_inference.model import ModelArgs, TransformerBlock
 
 GPU = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 9 and smem_gemv.available("cuda")
@@ -38,7 +38,7 @@ def test_a_kernel_that_cannot_be_built_leaves_the_triton_kernels(monkeypatch):
     monkeypatch.setattr(smem_gemv, "_kernels", {})
     monkeypatch.setattr(smem_gemv, "_available", {0: True})
 
-    def refuse(src, arch):
+    def refuse(src, arch, file):
         raise RuntimeError("smem_gemv: NVRTC failed: refused by the test")
 
     monkeypatch.setattr(smem_gemv, "_cubin", refuse)
@@ -57,6 +57,11 @@ def test_the_log_names_only_projections_whose_weights_fit(monkeypatch, dim, kern
         layer = TransformerBlock(ModelArgs(dim=dim, n_head=dim // 64))
         layer.feed_forward.fuse()
     assert smem_gemv.used(2, torch.bfloat16, "cuda:0", layer) == kernels
+
+
+def _built():
+    """The entries of the projection kernels built so far (smem_gemv._kernels holds them by name)."""
+    return [tuple(map(int, name.split("_")[2:])) for _, name in smem_gemv._kernels if name.startswith("smem_gemv_")]
 
 
 def _close(got, want):
@@ -95,7 +100,7 @@ def test_projections_match_the_triton_kernels(rows):
             smem_gemv.ENABLED, smem_gemv.KERNELS = saved
 
     want, got = run(False), run(True)
-    kinds = {entry[0] for _, entry in smem_gemv._kernels if entry[4] == rows}
+    kinds = {entry[0] for entry in _built() if entry[4] == rows}
     assert kinds == set(smem_gemv.KINDS.values()), kinds  # each ran here, not Triton's in its place
     for g, w in zip(got, want):
         _close(g, w)
@@ -132,7 +137,8 @@ def test_the_cudagraph_block_is_all_four_kernels_or_none(monkeypatch):
 @pytest.mark.skipif(not GPU, reason="needs a GPU of compute capability 9.0+ with NVRTC")
 def test_the_cudagraph_backend_runs_its_blocks_here(monkeypatch):
     """The cudagraph backend at GPT-XL's widths (2 layers, bf16, one image under CFG and, after cfg_interval, without):
-    every projection of every step as these kernels, none of decode_block's Triton kernels (unreachable here), and
+    every projection of every step as these kernels and the attention as smem_attention's, none of decode_block's
+    Triton kernels (unreachable here), and
     teacher-forced logits as with the eager block, within a few bf16 roundings of the largest."""
     from fast_inference import fused_ops
     from fast_inference.engine import Engine
@@ -152,12 +158,16 @@ def test_the_cudagraph_backend_runs_its_blocks_here(monkeypatch):
         _, out = engine.generate(cond, 12, **kw)
         fn = engine.sampler.block_fn
         assert (fn is not None and fn.keywords == dict(kernels=smem_gemv.ALL)) == here, fn
+        # and smem_attention's decode attention between them, no cache windows (SDPA's) and no text partial
+        attention = engine.sampler.decode_attention
+        assert (attention is smem_attention.decode_attention) == here, attention
+        assert (len(engine.sampler.kv_lens) == 1) == here and engine.sampler.cache.text_len == 0
         return torch.cat([l[:1].float() for l in out])  # the conditional row
 
     want = logits(False)
     monkeypatch.setattr(smem_gemv, "_kernels", {})  # built here, not by an earlier test
     got = logits(True)
-    kinds = {entry[0] for _, entry in smem_gemv._kernels}
+    kinds = {entry[0] for entry in _built()}
     assert kinds == set(smem_gemv.KINDS.values()), kinds
     rel = (got - want).abs().max().item() / want.abs().max().item()
     assert rel < 3e-2, rel

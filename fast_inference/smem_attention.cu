@@ -1,0 +1,192 @@
+// The cudagraph backend's decode attention (one query per row and head, bf16 caches) under PDL: each program takes
+// one slice of a (row, head)'s filled keys, bulk-copies the slice's keys and values of earlier steps into shared
+// memory before the PDL wait (no kernel of this step writes them), and after it reads the query and, in the slice that
+// holds it, the step's key and value (the QKV kernel just before wrote them). Its partial (max, sum, weighted
+// values) goes to global memory; the slice's last program to finish merges them all. Compiled at run time (NVRTC) by
+// smem_attention.py, which names the instantiations; no headers, so that NVRTC needs none. float32 arithmetic and
+// one rounding, of the output, as decode_attention.py's Triton kernels.
+typedef unsigned short bf16_t;
+
+struct Args {
+  const bf16_t* q;             // (R, H, HD): the step's queries, rotated
+  const bf16_t* kc;            // the key cache, (rows, heads, positions, HD) by the strides below, rows HD apart
+  const bf16_t* vc;            // the value cache, same strides
+  const unsigned char* valid;  // key_valid (R, L) bool: which earlier keys a query may see
+  const long long* pos;        // the position; its key and value are in the caches
+  bf16_t* out;                 // (R, H, HD)
+  float* part;                 // (R * H, splits, HD + 2): each program's (max, sum, weighted values)
+  int* count;                  // (R * H,) programs done, zero between calls (the merging program re-zeroes it)
+  long long sr, sh;            // cache strides in elements
+  long long sv;                // key_valid's row stride
+  int heads;
+  int span;                    // keys a program's shared memory holds
+  float scale;                 // softmax scale
+  int pad;
+};
+
+static_assert(sizeof(Args) == 104, "smem_attention.py's ctypes Args mirrors this layout");
+
+#define NEG_INF __int_as_float(0xff800000u)  // no math.h under NVRTC
+
+__device__ __forceinline__ unsigned saddr(const void* p) { return (unsigned)__cvta_generic_to_shared(p); }
+__device__ __forceinline__ float lo(unsigned u) { return __uint_as_float(u << 16); }
+__device__ __forceinline__ float hi(unsigned u) { return __uint_as_float(u & 0xffff0000u); }
+__device__ __forceinline__ bf16_t to_bf16(float f) {  // round to nearest even (finite values)
+  unsigned u = __float_as_uint(f);
+  return (bf16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+
+// a bulk copy of `bytes` from global src into shared dst, completing on the mbarrier bar
+__device__ __forceinline__ void bulk(void* dst, const void* src, int bytes, unsigned bar) {
+  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
+               ::"r"(saddr(dst)), "l"(src), "r"(bytes), "r"(bar) : "memory");
+}
+
+// v reduced over the block's NW warps by op (0: max, 1: sum), through red (NW floats); every thread gets it
+template <int NW, int OP>
+__device__ __forceinline__ float block_reduce(float v, float* red) {
+#pragma unroll
+  for (int o = 16; o; o >>= 1) {
+    const float w = __shfl_xor_sync(0xffffffffu, v, o);
+    v = OP ? v + w : fmaxf(v, w);
+  }
+  if ((threadIdx.x & 31) == 0) red[threadIdx.x >> 5] = v;
+  __syncthreads();
+  v = red[0];
+#pragma unroll
+  for (int w = 1; w < NW; ++w) v = OP ? v + red[w] : fmaxf(v, red[w]);
+  __syncthreads();  // red free again
+  return v;
+}
+
+template <int HD, int NW, int PDL>
+__device__ __forceinline__ void attend(const Args& a) {
+  constexpr int T = NW * 32;
+  constexpr int LANES = HD / 8;      // lanes per key in the scores, 8 dims (16 bytes) each
+  constexpr int KEYS = T / LANES;    // keys scored at once
+  static_assert(HD % 64 == 0 && LANES <= 32, "whole 16-byte pieces, groups within a warp");
+  extern __shared__ __align__(128) unsigned char smem[];
+  unsigned long long* bar = (unsigned long long*)smem;
+  int* last = (int*)(smem + 8);
+  bf16_t* ks = (bf16_t*)(smem + 128);
+  bf16_t* vs = ks + a.span * HD;
+  float* sc = (float*)(vs + a.span * HD);  // the slice's scores, then its weights
+  float* red = sc + a.span;                // NW * HD floats
+  const int rh = blockIdx.y, split = blockIdx.x, splits = gridDim.x;
+  const int r = rh / a.heads, h = rh % a.heads, tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+  const long long pos = __ldcg(a.pos);  // the previous step wrote it
+  const int n = (int)pos + 1, per = (n + splits - 1) / splits;
+  const int s0 = min(split * per, n), len = min(s0 + per, n) - s0;  // this program's keys: s0 .. s0 + len - 1
+  const bf16_t* krow = a.kc + r * a.sr + h * a.sh;
+  const bf16_t* vrow = a.vc + r * a.sr + h * a.sh;
+  const bool holds = len > 0 && s0 + len == n;  // the slice ends at the position
+  const int early = holds ? len - 1 : len;      // keys of earlier steps, staged before the wait
+  const unsigned b = saddr(bar);
+  if (tid == 0 && early > 0) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(b) : "memory");
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(b), "r"(2 * early * HD * 2)
+                 : "memory");
+    bulk(ks, krow + (long long)s0 * HD, early * HD * 2, b);
+    bulk(vs, vrow + (long long)s0 * HD, early * HD * 2, b);
+  }
+  if (PDL) asm volatile("griddepcontrol.wait;" ::: "memory");
+  if (PDL) asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+
+  if (holds && tid < 2 * LANES) {  // this slice holds the position: its key and value, from L2
+    const int i = tid % LANES;
+    const bf16_t* src = (tid < LANES ? krow : vrow) + pos * HD;
+    ((uint4*)((tid < LANES ? ks : vs) + early * HD))[i] = __ldcg((const uint4*)src + i);
+  }
+  const int g = tid / LANES, piece = tid % LANES;  // this thread's key in each pass, and its 8 dims of it
+  float qf[8];
+  const uint4 qv = __ldcg((const uint4*)(a.q + (long long)rh * HD) + piece);
+  qf[0] = lo(qv.x), qf[1] = hi(qv.x), qf[2] = lo(qv.y), qf[3] = hi(qv.y);
+  qf[4] = lo(qv.z), qf[5] = hi(qv.z), qf[6] = lo(qv.w), qf[7] = hi(qv.w);
+#pragma unroll
+  for (int e = 0; e < 8; ++e) qf[e] *= a.scale;
+  __syncthreads();  // the barrier's init and the position's row, seen by every thread
+  if (early > 0) {
+    unsigned done = 0;
+    while (!done)
+      asm volatile("{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [%1], 0; selp.u32 %0, 1, 0, p; }"
+                   : "=r"(done) : "r"(b) : "memory");
+  }
+
+  const unsigned char* valid = a.valid + r * a.sv;
+  for (int j0 = 0; j0 < len; j0 += KEYS) {  // every group of LANES threads a key: q . k, masked
+    const int j = j0 + g;
+    float s = 0.f;
+    if (j < len) {
+      const uint4 kv = ((const uint4*)(ks + j * HD))[piece];
+      s = fmaf(qf[0], lo(kv.x), s), s = fmaf(qf[1], hi(kv.x), s), s = fmaf(qf[2], lo(kv.y), s);
+      s = fmaf(qf[3], hi(kv.y), s), s = fmaf(qf[4], lo(kv.z), s), s = fmaf(qf[5], hi(kv.z), s);
+      s = fmaf(qf[6], lo(kv.w), s), s = fmaf(qf[7], hi(kv.w), s);
+    }
+#pragma unroll
+    for (int o = LANES / 2; o; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
+    if (j < len && piece == 0) sc[j] = s0 + j == pos || valid[s0 + j] ? s : NEG_INF;
+  }
+  __syncthreads();
+  float m = NEG_INF;
+  for (int j = tid; j < len; j += T) m = fmaxf(m, sc[j]);
+  m = block_reduce<NW, 0>(m, red);  // -inf for a slice of padding only, or none
+  const float top = m == NEG_INF ? 0.f : m;
+  float l = 0.f;
+  for (int j = tid; j < len; j += T) {
+    const float p = expf(sc[j] - top);
+    sc[j] = p;
+    l += p;
+  }
+  l = block_reduce<NW, 1>(l, red);  // its barriers also show the weights to every thread
+
+  float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+  for (int j = g; j < len; j += KEYS) {  // as the scores: each group of LANES threads a key, 8 dims each
+    const float p = sc[j];
+    const uint4 vv = ((const uint4*)(vs + j * HD))[piece];
+    acc[0] = fmaf(p, lo(vv.x), acc[0]), acc[1] = fmaf(p, hi(vv.x), acc[1]), acc[2] = fmaf(p, lo(vv.y), acc[2]);
+    acc[3] = fmaf(p, hi(vv.y), acc[3]), acc[4] = fmaf(p, lo(vv.z), acc[4]), acc[5] = fmaf(p, hi(vv.z), acc[5]);
+    acc[6] = fmaf(p, lo(vv.w), acc[6]), acc[7] = fmaf(p, hi(vv.w), acc[7]);
+  }
+#pragma unroll
+  for (int e = 0; e < 8; ++e) {  // the warp's groups summed, then the warps' through shared memory
+#pragma unroll
+    for (int o = LANES; o < 32; o <<= 1) acc[e] += __shfl_xor_sync(0xffffffffu, acc[e], o);
+    if (lane < LANES) red[warp * HD + piece * 8 + e] = acc[e];
+  }
+  __syncthreads();
+  float sum = 0.f;
+  if (tid < HD)
+#pragma unroll
+    for (int w = 0; w < NW; ++w) sum += red[w * HD + tid];
+
+  if (splits == 1) {
+    if (tid < HD) a.out[(long long)rh * HD + tid] = to_bf16(sum / l);
+    return;
+  }
+  float* mine = a.part + ((long long)rh * splits + split) * (HD + 2);
+  if (tid < HD) mine[2 + tid] = sum;
+  if (tid == 0) mine[0] = m, mine[1] = l;
+  __threadfence();  // the partial visible before the count says so
+  __syncthreads();
+  if (tid == 0) {
+    *last = atomicAdd(a.count + rh, 1) == splits - 1;
+    if (*last) a.count[rh] = 0;  // for the next call
+  }
+  __syncthreads();
+  if (!*last || tid >= HD) return;
+  __threadfence();
+  const float* parts = a.part + (long long)rh * splits * (HD + 2);
+  float mx = NEG_INF;  // finite: the slice holding the position sees its own key
+  for (int s = 0; s < splits; ++s) mx = fmaxf(mx, __ldcg(parts + s * (HD + 2)));
+  float num = 0.f, den = 0.f;
+  for (int s = 0; s < splits; ++s) {
+    const float w = expf(__ldcg(parts + s * (HD + 2)) - mx);
+    num = fmaf(w, __ldcg(parts + s * (HD + 2) + 2 + tid), num);
+    den = fmaf(w, __ldcg(parts + s * (HD + 2) + 1), den);
+  }
+  a.out[(long long)rh * HD + tid] = to_bf16(num / den);
+}
+
+// smem_attention.py appends a line per instantiation:
+// extern "C" __global__ void __launch_bounds__(NW * 32) NAME(const Args a) { attend<HD, NW, PDL>(a); }

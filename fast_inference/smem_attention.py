@@ -1,0 +1,114 @@
+"""The cudagraph backend's decode attention as a CUDA C++ kernel under PDL (smem_attention.cu), no Triton.
+
+At one token per step SDPA reads the cache window and launches without PDL, so the output projection after it cannot
+stage its weights while it runs (cuDNN's SDPA and its reduction: 9.2 us per layer at n = 1 on the H200, PERF_NOTES
+#68). Here SPLITS programs per (row, head) each take a slice of the filled keys only, stage the keys and values of
+earlier steps in shared memory before the PDL wait, and merge their partials in the last program to finish; the next
+kernel launches right after the wait. The same function as decode_attention.py's Triton kernels (the mask rule of
+model.attention_mask: query p sees key q iff q == p or q <= p and key_valid[q]), without their text partial: the
+text's keys are read as any other.
+
+Built by NVRTC and launched through the driver as smem_gemv's kernels (its `compiled` and `launch`), for the
+cudagraph backend where smem_gemv runs the block's projections (q rotated, the step's key and value already in the
+caches): the engine asks `builds` before it captures a step, else SDPA runs.
+"""
+import ctypes
+import os
+
+import torch
+
+from fast_inference import smem_gemv
+
+SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "smem_attention.cu")
+WARPS = 4
+# Keys per program at most: the cache's length over SLICE programs per (row, head) (GPT-XL 512 px: 8). H200,
+# `python scripts/engine_ab.py --backend cudagraph --batch-sizes 1,2` (PERF_NOTES #69), ms/step at n = 1 / 2: SLICE
+# 144 1.343-1.355 / 1.862-1.871, 96 1.367 / 1.874-1.889, 192 1.366 / 1.886-1.899, 288 1.370 / 1.874, 576 1.447 /
+# 2.165 (SDPA: 1.46 / 1.96).
+SLICE = 144
+ENABLED = os.environ.get("FAST_SMEM_ATTENTION", "1") != "0"
+MAX_HEADS = 4096  # rows x heads: the counts' length
+
+
+class Args(ctypes.Structure):  # smem_attention.cu's Args
+    _fields_ = [(name, ctypes.c_void_p) for name in ("q", "kc", "vc", "valid", "pos", "out", "part", "count")] + \
+               [("sr", ctypes.c_longlong), ("sh", ctypes.c_longlong), ("sv", ctypes.c_longlong),
+                ("heads", ctypes.c_int), ("span", ctypes.c_int), ("scale", ctypes.c_float), ("pad", ctypes.c_int)]
+
+
+def source(names):
+    """smem_attention.cu with an entry point per (name, (head dim, warps, pdl)) in `names`."""
+    with open(SOURCE) as f:
+        text = f.read()
+    return text + "".join(f'extern "C" __global__ void __launch_bounds__({nw * 32}) {name}(const Args a) '
+                          f"{{ attend<{hd}, {nw}, {pdl}>(a); }}\n" for name, (hd, nw, pdl) in names)
+
+
+def _kernel(device, head_dim):
+    entry = (head_dim, WARPS, smem_gemv.PDL)
+    name = "smem_attention_" + "_".join(map(str, entry))
+    return smem_gemv.compiled(device, name, lambda: source([(name, entry)]), smem_gemv.MAX_SMEM, "smem_attention.cu")
+
+
+def splits(length):
+    """Programs per (row, head) over a cache of `length` positions."""
+    return max(1, -(-length // SLICE))
+
+
+def _span(length, n):
+    """Keys a program holds at most: the cache's length over n slices, a multiple of 4 (the scores after them)."""
+    return -(-(-(-length // n)) // 4) * 4
+
+
+def _smem(span, head_dim):
+    return 128 + 2 * span * head_dim * 2 + span * 4 + WARPS * head_dim * 4
+
+
+_counts = {}  # per device: each (row, head)'s programs done, zero between calls
+
+
+def _counts_for(device):
+    if device not in _counts:
+        _counts[device] = torch.zeros(MAX_HEADS, dtype=torch.int32, device=device)
+    return _counts[device]
+
+
+def builds(attention, max_seq, rows, device):
+    """Whether the decode attention of `attention` (a model Attention) at the row counts in `rows` runs here, over
+    caches of max_seq positions: enabled, smem_gemv available (sm_90+, NVRTC), a head dim of 64, 128 or 256, the
+    slices within a program's shared memory, and the kernel built now, before any step is captured."""
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    hd, heads = attention.head_dim, attention.n_head
+    if not (ENABLED and smem_gemv.available(device) and hd in (64, 128, 256)):
+        return False
+    if max(rows) * heads > MAX_HEADS or _smem(_span(max_seq, splits(max_seq)), hd) > smem_gemv.MAX_SMEM:
+        return False
+    _counts_for(device)  # made before any capture, so that it persists
+    return _kernel(device, hd) is not None
+
+
+def decode_attention(q, k_cache, v_cache, key_valid, input_pos, fresh=None, text=None):
+    """q (R, H, 1, hd) rotated; caches (>= R, H, L, hd) bf16 with the step's key and value at input_pos (1,) already
+    written; key_valid (R, L) bool -> (R, H, 1, hd). model.forward's decode_attention, as decode_attention.py's
+    (fresh and text, which that one takes, are not: `builds` is asked first)."""
+    if fresh is not None or text is not None:
+        raise ValueError("smem_attention takes q rotated and the step's key and value in the caches, no text partial")
+    R, H, _, hd = q.shape
+    L = k_cache.shape[2]
+    assert k_cache.stride()[2:] == (hd, 1) and v_cache.stride() == k_cache.stride() and key_valid.dtype == torch.bool
+    assert key_valid.stride(1) == 1 and q.dtype == k_cache.dtype == torch.bfloat16 and input_pos.dtype == torch.int64
+    n = splits(L)
+    span = _span(L, n)
+    out = torch.empty(R, H, 1, hd, device=q.device, dtype=q.dtype)
+    part = torch.empty(R * H, n, hd + 2, device=q.device, dtype=torch.float32)
+    ptr = lambda t: t.data_ptr()
+    args = Args(q=ptr(q.contiguous()), kc=ptr(k_cache), vc=ptr(v_cache), valid=ptr(key_valid), pos=ptr(input_pos),
+                out=ptr(out), part=ptr(part), count=ptr(_counts_for(q.device)), sr=k_cache.stride(0),
+                sh=k_cache.stride(1), sv=key_valid.stride(0), heads=H, span=span, scale=hd ** -0.5)
+    smem_gemv.launch(_kernel(q.device, hd), (n, R * H), WARPS * 32, _smem(span, hd), args, True, q.device)
+    return out
+
+
+decode_attention.text = False  # it takes no text partial: the engine's Sampler makes none for it

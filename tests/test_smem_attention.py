@@ -1,0 +1,101 @@
+"""smem_attention's CUDA kernel: built for sm_90 with nvcc where it is installed (no GPU needed), and on a GPU of
+compute capability 9.0 or later against the attention in float32 with model.attention_mask's rule (skipped without
+one: run there as `python -m pytest tests/test_smem_attention.py`)."""
+import ctypes
+import shutil
+
+import pytest
+import torch
+
+import sm90
+
+from fast_inference import smem_attention, smem_gemv
+from fast_inference.model import ModelArgs, TransformerBlock, attention_mask
+
+GPU = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 9 and smem_gemv.available("cuda")
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="no nvcc")
+def test_kernel_builds_for_sm90_without_spills():
+    entries = [(hd, smem_attention.WARPS, pdl) for hd in (64, 128, 256) for pdl in (0, smem_gemv.PDL)]
+    frames = sm90.nvcc_stack_frames(smem_attention.source([(f"k{i}", e) for i, e in enumerate(entries)]))
+    assert len(frames) == len(entries) and not any(frames), frames
+
+
+def test_args_match_the_kernels_struct():
+    """smem_attention.cu's Args is 104 bytes (its static_assert); the launcher's ctypes mirror must be too."""
+    assert ctypes.sizeof(smem_attention.Args) == 104
+
+
+def test_not_built_where_it_cannot_run(monkeypatch):
+    """Off a GPU with smem_gemv's kernels, or with FAST_SMEM_ATTENTION=0, or at an unsupported head dim, the engine
+    keeps SDPA."""
+    with torch.device("meta"):
+        attn = TransformerBlock(ModelArgs(dim=1280, n_head=20)).attention
+        odd = TransformerBlock(ModelArgs(dim=96, n_head=3)).attention  # head dim 32
+    assert not smem_attention.builds(attn, 1144, {2}, "cpu")
+    monkeypatch.setattr(smem_gemv, "_available", {0: True})
+    built = []
+    monkeypatch.setattr(smem_gemv, "compiled", lambda device, name, src, smem, file: built.append(src()) or object())
+    monkeypatch.setattr(smem_attention, "_counts_for", lambda device: None)
+    assert not smem_attention.builds(odd, 1144, {2}, "cuda:0") and not built
+    monkeypatch.setattr(smem_attention, "ENABLED", False)
+    assert not smem_attention.builds(attn, 1144, {2}, "cuda:0") and not built
+    monkeypatch.setattr(smem_attention, "ENABLED", True)
+    assert smem_attention.builds(attn, 1144, {2, 1}, "cuda:0") and "attend<64, 4, 1>" in built[0]
+    monkeypatch.setattr(smem_gemv, "compiled", lambda device, name, src, smem, file: None)  # NVRTC refused it
+    assert not smem_attention.builds(attn, 1144, {2}, "cuda:0")
+
+
+def test_slices_cover_the_cache():
+    """A program's shared memory holds the longest slice: the cache's length over the splits, rounded up."""
+    for length in (1, 7, 120, 1144, 4096):
+        for n in (1, 3, 7, 8, 13):
+            span = smem_attention._span(length, n)
+            assert span % 4 == 0 and span * n >= length and (span - 4) * n < length
+
+
+def reference(q, k, v, key_valid, pos):
+    """float32 attention of q (R, H, 1, hd) over keys 0..pos with model.attention_mask's rule."""
+    n = pos + 1
+    mask = attention_mask(key_valid[:, :n], torch.tensor([pos], device=q.device))  # (R, 1, 1, n)
+    scores = (q.float() * q.shape[-1] ** -0.5) @ k[:, :, :n].float().transpose(-1, -2)
+    scores = scores.masked_fill(~mask, float("-inf"))
+    return torch.softmax(scores, -1) @ v[:, :, :n].float()
+
+
+@pytest.mark.skipif(not GPU, reason="needs a GPU of compute capability 9.0+ with NVRTC")
+@pytest.mark.parametrize("rows", [1, 2, 3, 4])
+def test_matches_the_attention_in_float32(rows):
+    """Positions in the text, at its end and past it, and at the cache's last; one row's caption left-padded, one's
+    text all padding; repeated calls (the merge's counts re-zeroed) and a CUDA graph replayed at new positions."""
+    torch.manual_seed(rows)
+    H, hd, L, T = 20, 64, 1144, 120
+    dev, bf = "cuda", torch.bfloat16
+    k = torch.randn(rows + 1, H, L, hd, device=dev, dtype=bf)  # a cache row past R, untouched
+    v = torch.randn(rows + 1, H, L, hd, device=dev, dtype=bf)
+    key_valid = torch.ones(rows, L, dtype=torch.bool, device=dev)
+    key_valid[0, :37] = False
+    if rows > 1:
+        key_valid[1, :T] = False
+    attn = TransformerBlock(ModelArgs(dim=H * hd, n_head=H)).attention
+    assert smem_attention.builds(attn, L, {rows}, dev)
+    pos = torch.zeros(1, dtype=torch.long, device=dev)
+    for p in (0, 5, 36, 119, 120, 121, 700, L - 1, 700):
+        pos.fill_(p)
+        q = torch.randn(rows, H, 1, hd, device=dev, dtype=bf)
+        got = smem_attention.decode_attention(q, k, v, key_valid, pos)
+        want = reference(q, k[:rows], v[:rows], key_valid, p)
+        diff = (got.float() - want).abs().max().item()
+        assert diff <= 2 ** -8 * want.abs().max().item() + 1e-6, (p, diff)
+
+    q = torch.randn(rows, H, 1, hd, device=dev, dtype=bf)
+    pos.fill_(3)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = smem_attention.decode_attention(q, k, v, key_valid, pos)
+    for p in (200, 1000, 9):
+        pos.fill_(p)
+        graph.replay()
+        want = reference(q, k[:rows], v[:rows], key_valid, p)
+        assert (out.float() - want).abs().max().item() <= 2 ** -8 * want.abs().max().item() + 1e-6, p
