@@ -20,7 +20,7 @@ import threading
 
 import torch
 
-from fast_inference.pdl import EARLY, use_pdl
+from fast_inference.pdl import EARLY, FIRST, use_pdl
 
 log = logging.getLogger("fast_inference")
 
@@ -41,6 +41,11 @@ KERNELS = ("gate_up",)
 # Where there is no Triton (the cudagraph backend) all four run here, against cuBLAS's GEMVs and the eager ops between
 # them (engine: `decode_block.decode_block(..., kernels=ALL)` where `builds_block` says so).
 ALL = ("qkv", "wo", "gate_up", "w2")
+# There, between smem_attention's kernels (which let the next launch after their wait), at up to ALL_FIRST_ROWS rows
+# the next kernel launches before this one's wait (FIRST): two kernels ahead stage their weights. H200, `python
+# scripts/engine_ab.py --backend cudagraph --batch-sizes 1,2 "" "smem_gemv.PDL = pdl.FIRST"` (PERF_NOTES #70), ms/step:
+# n = 1 (2 rows) 1.358 / 1.361 -> 1.294 / 1.305, n = 2 (4 rows) 1.879 / 1.874 -> 1.930 / 1.929, the same tokens.
+ALL_FIRST_ROWS = 2
 KINDS = dict(linear=0, linear_add=1, gate_up=2, qkv=3)  # smem_gemv.cu's EPI
 
 
@@ -183,10 +188,12 @@ def _kernel(device, entry):
     return f
 
 
-def _entry(kind, name, k, rows, pdl):
+def _entry(kind, name, k, rows, pdl, kernels=None):
     """The kernel of projection `name` (CONFIG's tiling) as `kind` (KINDS) over K = k at `rows` rows, launched with
-    PDL's attribute if pdl: the key _kernel builds and caches it by."""
-    return (KINDS[kind], k, *CONFIG[name], rows, PDL if pdl else 0)
+    PDL's attribute if pdl, in PDL's mode for the projections `kernels` run here: the key _kernel builds and caches
+    it by."""
+    mode = FIRST if kernels == ALL and rows <= ALL_FIRST_ROWS else PDL
+    return (KINDS[kind], k, *CONFIG[name], rows, mode if pdl else 0)
 
 
 def _smem(entry):
@@ -288,9 +295,9 @@ def builds_block(layer, rows, device):
     for r in rows:
         if used(r, torch.bfloat16, device, layer, ALL) != ALL:
             return False
-        entries = [_entry("qkv", "qkv", D, r, True), _entry("linear", "wo", D, r, True),
-                   _entry("gate_up", "gate_up", D, r, True), _entry("linear", "w2", F, r, True),
-                   _entry("linear_add", "w2", F, r, True)]  # w2 with the control rows, before blocks L, 2L
+        entries = [_entry("qkv", "qkv", D, r, True, ALL), _entry("linear", "wo", D, r, True, ALL),
+                   _entry("gate_up", "gate_up", D, r, True, ALL), _entry("linear", "w2", F, r, True, ALL),
+                   _entry("linear_add", "w2", F, r, True, ALL)]  # w2 with the control rows, before blocks L, 2L
         if any(_kernel(torch.device(device), e) is None for e in entries):
             return False
     return True
@@ -310,7 +317,7 @@ def linear(x, weight, scales, residual, name, pdl, then=None, progress=None, ker
     out = torch.empty(R, N, device=x.device, dtype=x.dtype)
     args = Args(w=_ptr(weight), x=_ptr(x), res=_ptr(residual), add=_ptr(then), out=_ptr(out), progress=_ptr(progress),
                 n=N)
-    entry = _entry("linear" if then is None else "linear_add", name, K, R, pdl)
+    entry = _entry("linear" if then is None else "linear_add", name, K, R, pdl, kernels)
     return out if _launch(entry, N, args, x.device) else None
 
 
@@ -324,7 +331,7 @@ def gate_up(x, norm, w13, scales, pdl, progress=None, kernels=None):
     out = torch.empty(R, F, device=x.device, dtype=x.dtype)
     args = Args(w=_ptr(w13), x=_ptr(x), norm=_ptr(norm.weight), out=_ptr(out), progress=_ptr(progress), n=F,
                 eps=norm.eps)
-    return out if _launch(_entry("gate_up", "gate_up", K, R, pdl), F, args, x.device) else None
+    return out if _launch(_entry("gate_up", "gate_up", K, R, pdl, kernels), F, args, x.device) else None
 
 
 def qkv_rope(x, norm, weight, scales, freqs, input_pos, k_cache, v_cache, n_head, pdl, progress=None, kernels=None):
@@ -340,4 +347,4 @@ def qkv_rope(x, norm, weight, scales, freqs, input_pos, k_cache, v_cache, n_head
     args = Args(w=_ptr(weight), x=_ptr(x), norm=_ptr(norm.weight), out=_ptr(q), freqs=_ptr(freqs),
                 pos=_ptr(input_pos), kc=_ptr(k_cache), vc=_ptr(v_cache), progress=_ptr(progress),
                 sr=k_cache.stride(0), sh=k_cache.stride(1), sn=k_cache.stride(2), n=3 * D, hd=hd, eps=norm.eps)
-    return q if _launch(_entry("qkv", "qkv", D, R, pdl), 3 * D, args, x.device) else None
+    return q if _launch(_entry("qkv", "qkv", D, R, pdl, kernels), 3 * D, args, x.device) else None

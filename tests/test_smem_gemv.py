@@ -9,7 +9,7 @@ import torch
 
 import sm90
 
-from fast_inference import decode_block, smem_attention, smem_gemv
+from fast_inference import decode_block, pdl, smem_attention, smem_gemv
 from fast_inference.model import ModelArgs, TransformerBlock
 
 GPU = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 9 and smem_gemv.available("cuda")
@@ -22,7 +22,7 @@ def test_kernels_build_for_sm90_without_spills():
     entries = [(smem_gemv.KINDS[kind], k, *smem_gemv.CONFIG[name], rows, pdl)
                for kind, k, name in (("qkv", 1280, "qkv"), ("linear", 1280, "wo"), ("gate_up", 1280, "gate_up"),
                                      ("linear", 3584, "w2"), ("linear_add", 3584, "w2"))
-               for rows in (1, 2, 3, 4) for pdl in (0, smem_gemv.PDL)]
+               for rows in (1, 2, 3, 4) for pdl in (0, smem_gemv.PDL, smem_gemv.FIRST)]
     frames = sm90.nvcc_stack_frames(smem_gemv.source([(f"k{i}", e) for i, e in enumerate(entries)]))
     assert len(frames) == len(entries) and not any(frames), frames
 
@@ -111,8 +111,9 @@ def test_projections_match_the_triton_kernels(rows):
 
 def test_the_cudagraph_block_is_all_four_kernels_or_none(monkeypatch):
     """builds_block, asked before the cudagraph backend captures a step: GPT-XL's bf16 block at 2 rows (CFG) and 1
-    (after cfg_interval) builds its five kernels per row count (w2 with and without the control rows) then; one that
-    NVRTC refuses, float32 weights, more rows than the GEMV path's or no fused gate/up leave the eager block."""
+    (after cfg_interval), and 4 (n = 2), builds its five kernels per row count (w2 with and without the control rows)
+    then; one that NVRTC refuses, float32 weights, more rows than the GEMV path's or no fused gate/up leave the eager
+    block."""
     monkeypatch.setattr(smem_gemv, "_available", {0: True})
     built = []
     monkeypatch.setattr(smem_gemv, "_kernel", lambda device, entry: built.append(entry) or object())
@@ -122,11 +123,14 @@ def test_the_cudagraph_block_is_all_four_kernels_or_none(monkeypatch):
         fp32 = TransformerBlock(ModelArgs(dim=1280, n_head=20))
     for block in (layer, fp32):
         block.feed_forward.fuse()
-    assert smem_gemv.builds_block(layer, {2, 1}, "cuda:0")
+    assert smem_gemv.builds_block(layer, {2, 1, 4}, "cuda:0")
     kinds = {(kind, k, rows, pdl) for kind, k, _, _, rows, pdl in built}
-    want = {(smem_gemv.KINDS[kind], k, rows, smem_gemv.PDL) for rows in (1, 2) for kind, k in
+    # PDL's FIRST launch up to ALL_FIRST_ROWS rows (n = 1 under CFG), EARLY past them
+    mode = lambda rows: pdl.FIRST if rows <= smem_gemv.ALL_FIRST_ROWS else smem_gemv.PDL
+    want = {(smem_gemv.KINDS[kind], k, rows, mode(rows)) for rows in (1, 2, 4) for kind, k in
             (("qkv", 1280), ("linear", 1280), ("gate_up", 1280), ("linear", 3584), ("linear_add", 3584))}
-    assert len(built) == 10 and kinds == want, built
+    assert len(built) == 15 and kinds == want, built
+    assert smem_gemv.ALL_FIRST_ROWS == 2 and smem_gemv.PDL == pdl.EARLY
     assert not smem_gemv.builds_block(layer, {8}, "cuda:0")
     assert not smem_gemv.builds_block(fp32, {2}, "cuda:0") and not smem_gemv.builds_block(unfused, {2}, "cuda:0")
     refused = smem_gemv.KINDS["linear_add"]
