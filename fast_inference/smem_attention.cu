@@ -3,9 +3,8 @@
 // memory before the PDL wait (no kernel of this step writes them), and after it reads the query and, in the slice that
 // holds it, the step's key and value (the QKV kernel just before wrote them). Its partial (max, sum, weighted
 // values) goes to global memory; the slice's last program to finish merges them all. Compiled at run time (NVRTC) by
-// smem_attention.py, which names the instantiations; no headers, so that NVRTC needs none. float32 arithmetic and
-// one rounding, of the output, as decode_attention.py's Triton kernels.
-typedef unsigned short bf16_t;
+// smem_attention.py, which names the instantiations, after bf16.cuh; no headers, so that NVRTC needs none. float32
+// arithmetic and one rounding, of the output, as decode_attention.py's Triton kernels.
 
 struct Args {
   const bf16_t* q;             // (R, H, HD): the step's queries, rotated
@@ -27,14 +26,6 @@ struct Args {
 static_assert(sizeof(Args) == 104, "smem_attention.py's ctypes Args mirrors this layout");
 
 #define NEG_INF __int_as_float(0xff800000u)  // no math.h under NVRTC
-
-__device__ __forceinline__ unsigned saddr(const void* p) { return (unsigned)__cvta_generic_to_shared(p); }
-__device__ __forceinline__ float lo(unsigned u) { return __uint_as_float(u << 16); }
-__device__ __forceinline__ float hi(unsigned u) { return __uint_as_float(u & 0xffff0000u); }
-__device__ __forceinline__ bf16_t to_bf16(float f) {  // round to nearest even (finite values)
-  unsigned u = __float_as_uint(f);
-  return (bf16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
-}
 
 // a bulk copy of `bytes` from global src into shared dst, completing on the mbarrier bar
 __device__ __forceinline__ void bulk(void* dst, const void* src, int bytes, unsigned bar) {
@@ -100,9 +91,7 @@ __device__ __forceinline__ void attend(const Args& a) {
   }
   const int g = tid / LANES, piece = tid % LANES;  // this thread's key in each pass, and its 8 dims of it
   float qf[8];
-  const uint4 qv = __ldcg((const uint4*)(a.q + (long long)rh * HD) + piece);
-  qf[0] = lo(qv.x), qf[1] = hi(qv.x), qf[2] = lo(qv.y), qf[3] = hi(qv.y);
-  qf[4] = lo(qv.z), qf[5] = hi(qv.z), qf[6] = lo(qv.w), qf[7] = hi(qv.w);
+  unpack(__ldcg((const uint4*)(a.q + (long long)rh * HD) + piece), qf);
 #pragma unroll
   for (int e = 0; e < 8; ++e) qf[e] *= a.scale;
   __syncthreads();  // the barrier's init and the position's row, seen by every thread
@@ -118,10 +107,10 @@ __device__ __forceinline__ void attend(const Args& a) {
     const int j = j0 + g;
     float s = 0.f;
     if (j < len) {
-      const uint4 kv = ((const uint4*)(ks + j * HD))[piece];
-      s = fmaf(qf[0], lo(kv.x), s), s = fmaf(qf[1], hi(kv.x), s), s = fmaf(qf[2], lo(kv.y), s);
-      s = fmaf(qf[3], hi(kv.y), s), s = fmaf(qf[4], lo(kv.z), s), s = fmaf(qf[5], hi(kv.z), s);
-      s = fmaf(qf[6], lo(kv.w), s), s = fmaf(qf[7], hi(kv.w), s);
+      float kf[8];
+      unpack(((const uint4*)(ks + j * HD))[piece], kf);
+#pragma unroll
+      for (int e = 0; e < 8; ++e) s = fmaf(qf[e], kf[e], s);
     }
 #pragma unroll
     for (int o = LANES / 2; o; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
@@ -143,10 +132,10 @@ __device__ __forceinline__ void attend(const Args& a) {
   float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
   for (int j = g; j < len; j += KEYS) {  // as the scores: each group of LANES threads a key, 8 dims each
     const float p = sc[j];
-    const uint4 vv = ((const uint4*)(vs + j * HD))[piece];
-    acc[0] = fmaf(p, lo(vv.x), acc[0]), acc[1] = fmaf(p, hi(vv.x), acc[1]), acc[2] = fmaf(p, lo(vv.y), acc[2]);
-    acc[3] = fmaf(p, hi(vv.y), acc[3]), acc[4] = fmaf(p, lo(vv.z), acc[4]), acc[5] = fmaf(p, hi(vv.z), acc[5]);
-    acc[6] = fmaf(p, lo(vv.w), acc[6]), acc[7] = fmaf(p, hi(vv.w), acc[7]);
+    float vf[8];
+    unpack(((const uint4*)(vs + j * HD))[piece], vf);
+#pragma unroll
+    for (int e = 0; e < 8; ++e) acc[e] = fmaf(p, vf[e], acc[e]);
   }
 #pragma unroll
   for (int e = 0; e < 8; ++e) {  // the warp's groups summed, then the warps' through shared memory

@@ -38,16 +38,16 @@ class Args(ctypes.Structure):  # smem_attention.cu's Args
 
 def source(names):
     """smem_attention.cu with an entry point per (name, (head dim, warps, pdl)) in `names`."""
-    with open(SOURCE) as f:
-        text = f.read()
-    return text + "".join(f'extern "C" __global__ void __launch_bounds__({nw * 32}) {name}(const Args a) '
-                          f"{{ attend<{hd}, {nw}, {pdl}>(a); }}\n" for name, (hd, nw, pdl) in names)
+    return smem_gemv.cuda_source(SOURCE) + "".join(
+        f'extern "C" __global__ void __launch_bounds__({nw * 32}) {name}(const Args a) '
+        f"{{ attend<{hd}, {nw}, {pdl}>(a); }}\n" for name, (hd, nw, pdl) in names)
 
 
 def _kernel(device, head_dim):
     entry = (head_dim, WARPS, smem_gemv.PDL)
     name = "smem_attention_" + "_".join(map(str, entry))
-    return smem_gemv.compiled(device, name, lambda: source([(name, entry)]), smem_gemv.MAX_SMEM, "smem_attention.cu")
+    return smem_gemv.compiled(device, name, lambda: source([(name, entry)]), smem_gemv.MAX_SMEM,
+                              "smem_attention.cu")
 
 
 def splits(length):

@@ -2,9 +2,8 @@
 // wait: each warp owns a few weight rows, which bulk copies (one per lane) bring into shared memory while the kernel
 // before still runs; after the wait the rows of x go to shared memory and each lane multiplies 8 weights per
 // 256-wide chunk of K, the sums reduced across the warp by shuffles. Compiled at run time (NVRTC) by smem_gemv.py,
-// which names the instantiations; no headers, so that NVRTC needs none.
+// which names the instantiations, after bf16.cuh; no headers, so that NVRTC needs none.
 // bf16 in and out, float32 sums; every rounding where the model rounds (decode_block's Triton kernels do the same).
-typedef unsigned short bf16_t;
 
 struct Args {
   const bf16_t* w;       // weights (N, K); gate/up: [w1; w3] (2F, K)
@@ -28,21 +27,6 @@ static_assert(sizeof(Args) == 128, "smem_gemv.py's ctypes Args mirrors this layo
 
 enum { LINEAR = 0, LINEAR_ADD = 1, GATE_UP = 2, QKV = 3 };
 enum { NO_PDL = 0, EARLY = 1, FIRST = 3 };  // as pdl.py: the next kernel launches after this one's wait, or before
-
-__device__ __forceinline__ unsigned saddr(const void* p) { return (unsigned)__cvta_generic_to_shared(p); }
-__device__ __forceinline__ float lo(unsigned u) { return __uint_as_float(u << 16); }
-__device__ __forceinline__ float hi(unsigned u) { return __uint_as_float(u & 0xffff0000u); }
-__device__ __forceinline__ bf16_t to_bf16(float f) {  // round to nearest even (finite values)
-  unsigned u = __float_as_uint(f);
-  return (bf16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
-}
-__device__ __forceinline__ float round_bf16(float f) { return __uint_as_float((unsigned)to_bf16(f) << 16); }
-__device__ __forceinline__ float from_bf16(bf16_t b) { return __uint_as_float((unsigned)b << 16); }
-
-__device__ __forceinline__ void unpack(const uint4& t, float* f) {
-  f[0] = lo(t.x); f[1] = hi(t.x); f[2] = lo(t.y); f[3] = hi(t.y);
-  f[4] = lo(t.z); f[5] = hi(t.z); f[6] = lo(t.w); f[7] = hi(t.w);
-}
 
 // REGIONS runs of `bytes` bytes (src + i * gap elements) into dst back to back, a bulk copy per lane, all completing
 // on the warp's mbarrier (initialised here by lane 0, its byte count set before any lane copies).

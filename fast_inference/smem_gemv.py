@@ -102,11 +102,15 @@ def _check(r, what):
         raise RuntimeError(f"smem_gemv: {what} failed with error {r}")
 
 
+def cuda_source(path):
+    """The CUDA C++ of `path` after bf16.cuh's helpers (NVRTC gets no include paths)."""
+    with open(os.path.join(os.path.dirname(SOURCE), "bf16.cuh")) as f, open(path) as g:
+        return f.read() + g.read()
+
+
 def source(names):
     """smem_gemv.cu with an entry point per (name, (kind, K, warps, columns per warp, rows, pdl)) in `names`."""
-    with open(SOURCE) as f:
-        text = f.read()
-    return text + "".join(
+    return cuda_source(SOURCE) + "".join(
         f'extern "C" __global__ void __launch_bounds__({nw * 32}) {name}(const Args a) '
         f"{{ project<{kind}, {k}, {nw}, {rpw}, {xr}, {pdl}>(a); }}\n" for name, (kind, k, nw, rpw, xr, pdl) in names)
 
