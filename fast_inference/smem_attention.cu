@@ -2,7 +2,7 @@
 // one slice of a (row, head)'s filled keys, bulk-copies the slice's keys and values of earlier steps into shared
 // memory before the PDL wait (no kernel of this step writes them), and after it reads the query and, in the slice that
 // holds it, the step's key and value (the QKV kernel just before wrote them). Its partial (max, sum, weighted
-// values) goes to global memory; the slice's last program to finish merges them all. Compiled at run time (NVRTC) by
+// values) goes to global memory; the (row, head)'s last program to finish merges them all. Compiled at run time (NVRTC) by
 // smem_attention.py, which names the instantiations, after bf16.cuh; no headers, so that NVRTC needs none. float32
 // arithmetic and one rounding, of the output, as decode_attention.py's Triton kernels.
 
