@@ -270,7 +270,7 @@ def measure(args, sizes):
     N = grid * grid
     kw = dict(cfg_scale=args.cfg_scale, top_k=args.top_k, temperature=1.0, top_p=1.0)
     fast_model = quantize_int8(copy.deepcopy(model)) if args.quantize == "int8" else model
-    fused_ops.ENABLED = args.backend != "cudagraph"  # no Triton there: the eager model's and VQ decoder's kernels
+    fused_ops.for_backend(args.backend)
     engine = Engine(fast_model, backend=args.backend, compile_mode=args.compile_mode,
                     compile_prefill=args.compile_prefill, compile_scope=args.compile_scope,
                     fused_block=not args.no_fused_block)

@@ -395,7 +395,7 @@ def make_engine(args, model, backend):
     """The fast engine the flags ask for, or None for --engine reference."""
     if args.engine == "reference":
         return None
-    fused_ops.ENABLED = backend != "cudagraph"  # no Triton there: the eager model's and VQ decoder's kernels
+    fused_ops.for_backend(backend)
     return Engine(model, backend=backend, compile_mode=args.compile_mode, compile_prefill=args.compile_prefill,
                   compile_scope=args.compile_scope)
 

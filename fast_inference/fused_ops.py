@@ -21,10 +21,17 @@ except ImportError:
     triton = None
 
 # False: torch's ops for these and for the VQ decoder's norms (group_norm.py), as the cudagraph backend promises no
-# Triton (fast_engine.make_engine and bench.py set it)
+# Triton (for_backend, called by the CLIs and the scripts that build an engine)
 ENABLED = True
 # Triton's interpreter has no libdevice: there the kernels take tl.exp (numpy's), which the CPU tests compare
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def for_backend(backend):
+    """These kernels (and the VQ decoder's Triton norms) on for the engine's `backend`, except "cudagraph": it promises
+    no Triton, so the eager model's and VQ decoder's ops are torch's there."""
+    global ENABLED
+    ENABLED = backend != "cudagraph"
 
 
 def supported(x):

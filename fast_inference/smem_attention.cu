@@ -3,7 +3,7 @@
 // memory before the PDL wait (no kernel of this step writes them), and after it reads the query and, in the slice that
 // holds it, the step's key and value (the QKV kernel just before wrote them). Its partial (max, sum, weighted
 // values) goes to global memory; the (row, head)'s last program to finish merges them all. Compiled at run time (NVRTC) by
-// smem_attention.py, which names the instantiations, after bf16.cuh; no headers, so that NVRTC needs none. float32
+// smem_attention.py, which names the instantiations, after common.cuh; no headers, so that NVRTC needs none. float32
 // arithmetic and one rounding, of the output, as decode_attention.py's Triton kernels.
 
 struct Args {
@@ -26,12 +26,6 @@ struct Args {
 static_assert(sizeof(Args) == 104, "smem_attention.py's ctypes Args mirrors this layout");
 
 #define NEG_INF __int_as_float(0xff800000u)  // no math.h under NVRTC
-
-// a bulk copy of `bytes` from global src into shared dst, completing on the mbarrier bar
-__device__ __forceinline__ void bulk(void* dst, const void* src, int bytes, unsigned bar) {
-  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
-               ::"r"(saddr(dst)), "l"(src), "r"(bytes), "r"(bar) : "memory");
-}
 
 // v reduced over the block's NW warps by op (0: max, 1: sum), through red (NW floats); every thread gets it
 template <int NW, int OP>
@@ -74,10 +68,7 @@ __device__ __forceinline__ void attend(const Args& a) {
   const int early = holds ? len - 1 : len;      // keys of earlier steps, staged before the wait
   const unsigned b = saddr(bar);
   if (tid == 0 && early > 0) {
-    asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(b) : "memory");
-    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(b), "r"(2 * early * HD * 2)
-                 : "memory");
+    expect_bytes(b, 2 * early * HD * 2);
     bulk(ks, krow + (long long)s0 * HD, early * HD * 2, b);
     bulk(vs, vrow + (long long)s0 * HD, early * HD * 2, b);
   }
@@ -95,12 +86,7 @@ __device__ __forceinline__ void attend(const Args& a) {
 #pragma unroll
   for (int e = 0; e < 8; ++e) qf[e] *= a.scale;
   __syncthreads();  // the barrier's init and the position's row, seen by every thread
-  if (early > 0) {
-    unsigned done = 0;
-    while (!done)
-      asm volatile("{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [%1], 0; selp.u32 %0, 1, 0, p; }"
-                   : "=r"(done) : "r"(b) : "memory");
-  }
+  if (early > 0) wait_phase0(b);
 
   const unsigned char* valid = a.valid + r * a.sv;
   for (int j0 = 0; j0 < len; j0 += KEYS) {  // every group of LANES threads a key: q . k, masked

@@ -103,7 +103,7 @@ def decode_attention(q, k_cache, v_cache, key_valid, input_pos, fresh=None, text
     span = _span(L, n)
     out = torch.empty(R, H, 1, hd, device=q.device, dtype=q.dtype)
     part = torch.empty(R * H, n, hd + 2, device=q.device, dtype=torch.float32)
-    ptr = lambda t: t.data_ptr()
+    ptr = smem_gemv._ptr
     args = Args(q=ptr(q.contiguous()), kc=ptr(k_cache), vc=ptr(v_cache), valid=ptr(key_valid), pos=ptr(input_pos),
                 out=ptr(out), part=ptr(part), count=ptr(_counts_for(q.device)), sr=k_cache.stride(0),
                 sh=k_cache.stride(1), sv=key_valid.stride(0), heads=H, span=span, scale=hd ** -0.5)

@@ -2,7 +2,7 @@
 // wait: each warp owns a few weight rows, which bulk copies (one per lane) bring into shared memory while the kernel
 // before still runs; after the wait the rows of x go to shared memory and each lane multiplies 8 weights per
 // 256-wide chunk of K, the sums reduced across the warp by shuffles. Compiled at run time (NVRTC) by smem_gemv.py,
-// which names the instantiations, after bf16.cuh; no headers, so that NVRTC needs none.
+// which names the instantiations, after common.cuh; no headers, so that NVRTC needs none.
 // bf16 in and out, float32 sums; every rounding where the model rounds (decode_block's Triton kernels do the same).
 
 struct Args {
@@ -33,26 +33,12 @@ enum { NO_PDL = 0, EARLY = 1, FIRST = 3 };  // as pdl.py: the next kernel launch
 template <int REGIONS>
 __device__ __forceinline__ void stage(unsigned char* dst, const bf16_t* src, long long gap, int bytes, unsigned bar,
                                       int lane) {
-  if (lane == 0) {
-    asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(bar) : "memory");
-    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(bytes * REGIONS)
-                 : "memory");
-  }
+  if (lane == 0) expect_bytes(bar, bytes * REGIONS);
   __syncwarp();
   constexpr int LANES = 32 / REGIONS;
   const int region = lane / LANES, piece = bytes / LANES;
-  const char* from = (const char*)(src + region * gap) + (lane % LANES) * piece;
-  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
-               ::"r"(saddr(dst + region * bytes + (lane % LANES) * piece)), "l"(from), "r"(piece), "r"(bar)
-               : "memory");
-}
-
-__device__ __forceinline__ void wait_phase0(unsigned bar) {
-  unsigned done = 0;
-  while (!done)
-    asm volatile("{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [%1], 0; selp.u32 %0, 1, 0, p; }"
-                 : "=r"(done) : "r"(bar) : "memory");
+  bulk(dst + region * bytes + (lane % LANES) * piece, (const char*)(src + region * gap) + (lane % LANES) * piece,
+       piece, bar);
 }
 
 // One program: NW warps, each with RPW output columns (gate/up: RPW of w1 and the same RPW of w3), XR rows of x.

@@ -103,8 +103,8 @@ def _check(r, what):
 
 
 def cuda_source(path):
-    """The CUDA C++ of `path` after bf16.cuh's helpers (NVRTC gets no include paths)."""
-    with open(os.path.join(os.path.dirname(SOURCE), "bf16.cuh")) as f, open(path) as g:
+    """The CUDA C++ of `path` after common.cuh's helpers (NVRTC gets no include paths)."""
+    with open(os.path.join(os.path.dirname(SOURCE), "common.cuh")) as f, open(path) as g:
         return f.read() + g.read()
 
 

@@ -97,7 +97,7 @@ def main(argv=None):
             if subprocess.run(child).returncode:
                 sys.exit(f"engine_ab.py: the process for setting {text!r} failed")
         return
-    fused_ops.ENABLED = args.backend != "cudagraph"  # as bench.py: no Triton there
+    fused_ops.for_backend(args.backend)
     saved = snapshot()
     torch.manual_seed(0)  # the same random weights in every process
     model = random_gpt_xl()

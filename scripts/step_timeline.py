@@ -71,7 +71,7 @@ def main():
         ap.error(str(e))
     if not torch.cuda.is_available():
         sys.exit("step_timeline.py needs a CUDA GPU")
-    fused_ops.ENABLED = args.backend != "cudagraph"  # no Triton there, as bench.py and the CLI set it
+    fused_ops.for_backend(args.backend)
     exec(setting, dict(MODULES))
     model = random_gpt_xl()
     with torch.no_grad():

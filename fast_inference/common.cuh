@@ -1,0 +1,39 @@
+// Helpers shared by smem_gemv.cu and smem_attention.cu (bf16 values, bulk copies on an mbarrier): smem_gemv.cuda_source
+// puts this file before each (NVRTC gets no include paths, and needs no headers).
+typedef unsigned short bf16_t;
+
+__device__ __forceinline__ unsigned saddr(const void* p) { return (unsigned)__cvta_generic_to_shared(p); }
+__device__ __forceinline__ float lo(unsigned u) { return __uint_as_float(u << 16); }
+__device__ __forceinline__ float hi(unsigned u) { return __uint_as_float(u & 0xffff0000u); }
+__device__ __forceinline__ bf16_t to_bf16(float f) {  // round to nearest even (finite values)
+  unsigned u = __float_as_uint(f);
+  return (bf16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+__device__ __forceinline__ float round_bf16(float f) { return __uint_as_float((unsigned)to_bf16(f) << 16); }
+__device__ __forceinline__ float from_bf16(bf16_t b) { return __uint_as_float((unsigned)b << 16); }
+
+__device__ __forceinline__ void unpack(const uint4& t, float* f) {
+  f[0] = lo(t.x); f[1] = hi(t.x); f[2] = lo(t.y); f[3] = hi(t.y);
+  f[4] = lo(t.z); f[5] = hi(t.z); f[6] = lo(t.w); f[7] = hi(t.w);
+}
+
+// the mbarrier at shared address bar, for one arrival (this thread's) that expects `bytes` of bulk copies
+__device__ __forceinline__ void expect_bytes(unsigned bar, int bytes) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(bar) : "memory");
+  asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(bytes) : "memory");
+}
+
+// a bulk copy of `bytes` from global src into shared dst, completing on the mbarrier bar
+__device__ __forceinline__ void bulk(void* dst, const void* src, int bytes, unsigned bar) {
+  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
+               ::"r"(saddr(dst)), "l"(src), "r"(bytes), "r"(bar) : "memory");
+}
+
+// until the mbarrier bar's first phase has completed (all its bytes landed)
+__device__ __forceinline__ void wait_phase0(unsigned bar) {
+  unsigned done = 0;
+  while (!done)
+    asm volatile("{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [%1], 0; selp.u32 %0, 1, 0, p; }"
+                 : "=r"(done) : "r"(bar) : "memory");
+}
