@@ -23,7 +23,8 @@ can be captured once and replayed N-1 times:
                        its SDPA reads a static window of the cache per group of steps (one graph
                        per window, CACHE_WINDOWS), not the whole cache; up to 4 rows in bf16 on
                        Hopper+ the blocks' projections run as smem_gemv's CUDA C++ kernels (NVRTC)
-                       and the attention as smem_attention's (filled keys only: no windows)
+                       and the attention as smem_attention's (filled keys only: no windows); on
+                       Hopper+ the draw as cuda_draw's one CUDA C++ kernel (top-p < 1: sampling.py's ops)
   backend "eager":     the same steps run op by op (CPU, debugging)
 Where the steps are captured by hand the eager prefill is captured too from a shape's second image on
 (replayed per image, its prefix copied in; the first token's draw runs after it, outside its graph), and so is
@@ -40,8 +41,8 @@ import time
 import torch
 import torch.nn as nn
 
-from fast_inference import (decode_attention, decode_block, decode_inputs, decode_sampling, prefetch, smem_attention,
-                            smem_gemv)
+from fast_inference import (cuda_draw, decode_attention, decode_block, decode_inputs, decode_sampling, prefetch,
+                            smem_attention, smem_gemv)
 from fast_inference.generate import prepare
 from fast_inference.pdl import use_pdl
 from fast_inference.quantize import is_int8
@@ -99,11 +100,11 @@ class Sampler(nn.Module):
     """Static buffers and the step functions for one (batch, tokens, control grid, settings) shape."""
 
     def __init__(self, model, batch, num_tokens, prefix_len, num_controls, cfg, top_k, top_p, sample_logits,
-                 decode_attention=None, block_fn=None, fused_draw=False, windows=1, fused_inputs=False,
+                 decode_attention=None, block_fn=None, draw_fn=None, windows=1, fused_inputs=False,
                  keep_logits=True):
         super().__init__()
         self.model = model
-        self.decode_attention, self.block_fn, self.fused_draw = decode_attention, block_fn, fused_draw
+        self.decode_attention, self.block_fn, self.draw_fn = decode_attention, block_fn, draw_fn
         self.fused_inputs = fused_inputs
         self.batch, self.num_tokens, self.prefix_len, self.cfg = batch, num_tokens, prefix_len, cfg
         self.top_k, self.top_p, self.sample_logits = top_k, top_p, sample_logits
@@ -220,8 +221,8 @@ class Sampler(nn.Module):
         fused draw's race noise is made for this step (decode_block.logits), else the draw makes it."""
         if self.keep_logits:
             self.logits[: logits.shape[0]].copy_(logits)
-        if self.fused_draw:  # the position advanced by the draw too
-            decode_sampling.draw(logits, self.token, self.out, self.input_pos, self.seed, self.cfg_scale,
+        if self.draw_fn is not None:  # one kernel's draw (or two), the position advanced by it too
+            self.draw_fn(logits, self.token, self.out, self.input_pos, self.seed, self.cfg_scale,
                                  self.temperature, self.prefix_len, self.top_k, guided, self.sample_logits, self.noise,
                                  noise_ready, self.draws)
             return
@@ -327,17 +328,23 @@ class Engine:
             log.info("decode block for %d rows: %s%s", rows, "fused Triton kernels" if fused else
                      "eager (int8)" if self.int8 else "compiled (inductor)",
                      f" ({', '.join(cuda)} in CUDA C++: smem_gemv)" if cuda else "")
-        # The draw in one kernel where the attention is Triton's (the cudagraph backend promises no Triton).
-        fused_draw = self.decode_attention is not None and decode_sampling.supported(self.device, top_p)
+        # The draw in Triton's kernels where the attention is Triton's; the cudagraph backend promises no Triton, so
+        # there in CUDA C++ where it builds. Else sampling.py's ops.
+        draw_fn = None
+        if self.decode_attention is not None and decode_sampling.supported(self.device, top_p):
+            draw_fn = decode_sampling.draw
+        elif self.backend == "cudagraph" and cuda_draw.builds(self.model.args.vocab_size, self.model.output.weight.dtype,
+                                                              self.device, top_p):
+            draw_fn = cuda_draw.draw
         # Cache windows where the steps are captured or run eagerly, for SDPA: a compiler would compile each, and a
         # decode attention kernel reads only the filled keys.
         windows = CACHE_WINDOWS if self.backend in ("cudagraph", "eager") and attention is None else 1
         # The step's inputs in one kernel where the ops around the blocks run eagerly (block scope)
         fused_inputs = self.block_scope and attention is not None and decode_inputs.supported(self.device)
         s = Sampler(self.model, batch, num_tokens, prefix_len, num_controls, cfg, top_k, top_p, sample_logits,
-                    attention, block_fn, fused_draw, windows, fused_inputs, keep_logits)
+                    attention, block_fn, draw_fn, windows, fused_inputs, keep_logits)
         if fused:  # the fused head, which also makes the fused draw's noise
-            s.head_noise = fused_draw and sample_logits
+            s.head_noise = draw_fn is decode_sampling.draw and sample_logits
             noise = (s.noise, s.input_pos, s.seed) if s.head_noise else None
             s.logits_fn = functools.partial(decode_block.logits, self.model, noise=noise)
         s.prefetcher = prefetcher
@@ -383,7 +390,7 @@ class Engine:
         if compiled:
             # The head too (final norm and output projection; without the fused draw also CFG merge,
             # top-k and draw: ~40 small kernels eager); fallback_random keeps the eager random stream.
-            if s.fused_draw:
+            if s.draw_fn is not None:
                 s.logits_fn = torch.compile(self.model.logits, fullgraph=True, dynamic=False)
             else:
                 s.finish_fn = torch.compile(s.finish, fullgraph=True, dynamic=False, options={"fallback_random": True})
@@ -498,7 +505,7 @@ class Engine:
         s.controls.copy_(p.controls)
         s.cfg_scale.fill_(float(cfg_scale))
         s.temperature.fill_(max(float(temperature), 1e-5))
-        if s.fused_draw:  # from torch's generator: torch.manual_seed fixes the images
+        if s.draw_fn is not None:  # from torch's generator: torch.manual_seed fixes the images
             s.seed.copy_(torch.randint(0, 2**62, (), device=self.device))
 
         marks.mark(None)  # the new shape's set-up above is compile time

@@ -1,0 +1,191 @@
+// The cudagraph backend's draw in one kernel: CFG merge, temperature, top-k and the exponential race, the token to
+// `token` and `out` and the position advanced. One program per image of T threads, PER logits per thread in
+// registers (thread t holds t, t + T, ...). Compiled at run time (NVRTC) by cuda_draw.py, after common.cuh.
+//
+// The race: the token is argmax over the kept logits of x - log E, E = -log U, U uniform in (0, 1) from Philox4x32-10
+// keyed by the call's seed at a counter unique to (image, position, thread, group of 4 logits): the same distribution
+// as torch.multinomial over softmax of the kept logits (sampling.py). Top-k keeps x >= the k-th largest. As
+// decode_sampling.py's Triton draw, the winner over all logits is checked first: it is top-k's if fewer than k logits
+// exceed it; else the next winner, TRIES in all, then the k-th largest by bisection over the floats' order keys.
+
+struct Args {
+  const void* logits;      // (rows, V) bf16 or float32, rows `stride` apart: [cond; uncond] if guided
+  long long* token;        // (batch,)
+  long long* out;          // (batch, tokens), rows `stride_out` apart
+  long long* pos;          // the position whose next token is drawn; advanced by the last image's program
+  const long long* seed;   // the call's Philox key
+  const float* cfg_scale;  // 0-dim
+  const float* temperature;
+  unsigned long long* count;  // images done, zero between calls (the last program re-zeroes it)
+  long long stride, stride_out, prefix_len;
+  int V, batch, top_k;     // top_k 0: no filter
+  int guided, sample;      // sample 0: greedy (argmax)
+  int pad;
+};
+
+static_assert(sizeof(Args) == 112, "cuda_draw.py's ctypes Args mirrors this layout");
+
+#define NEG_INF __int_as_float(0xff800000u)  // no math.h under NVRTC
+constexpr int TRIES = 4;  // race winners checked against top-k before the k-th largest is searched
+
+__device__ __forceinline__ void philox(unsigned c[4], unsigned k0, unsigned k1) {
+#pragma unroll
+  for (int r = 0; r < 10; ++r) {
+    const unsigned h0 = __umulhi(0xD2511F53u, c[0]), l0 = 0xD2511F53u * c[0];
+    const unsigned h1 = __umulhi(0xCD9E8D57u, c[2]), l1 = 0xCD9E8D57u * c[2];
+    c[0] = h1 ^ c[1] ^ k0; c[1] = l1; c[2] = h0 ^ c[3] ^ k1; c[3] = l0;
+    k0 += 0x9E3779B9u; k1 += 0xBB67AE85u;
+  }
+}
+
+// log E for a Philox output r: U = (2 (r >> 9) + 1) / 2^24, exact in float32 and never 0 or 1
+__device__ __forceinline__ float log_e(unsigned r) {
+  const float u = (float)(2u * (r >> 9) + 1u) * 5.9604644775390625e-8f;
+  return logf(-logf(u));
+}
+
+// (score, index) as one word whose unsigned order is (score ascending, index descending): the max is argmax's
+__device__ __forceinline__ unsigned long long ranked(float s, int j) {
+  const unsigned b = __float_as_uint(s + 0.0f);  // + 0.0: -0.0 ties with 0.0, as in torch
+  const unsigned key = (b & 0x80000000u) ? ~b : b | 0x80000000u;
+  return ((unsigned long long)key << 32) | (unsigned)~j;
+}
+
+__device__ __forceinline__ int ranked_index(unsigned long long r) { return (int)~(unsigned)r; }
+
+// signed order keys of float32 x (an involution), as decode_sampling's _order_key
+__device__ __forceinline__ int order_key(float x) {
+  const int b = __float_as_int(x + 0.0f);
+  return b ^ ((b >> 31) & 0x7fffffff);
+}
+
+// v reduced over the block by OP (0: max, 1: sum, 2: min) through red (32 words); every thread gets it
+template <int T, int OP, typename V>
+__device__ __forceinline__ V block_reduce(V v, V* red) {
+#pragma unroll
+  for (int o = 16; o; o >>= 1) {
+    const V w = __shfl_xor_sync(0xffffffffu, v, o);
+    v = OP == 0 ? (w > v ? w : v) : OP == 1 ? v + w : (w < v ? w : v);
+  }
+  if ((threadIdx.x & 31) == 0) red[threadIdx.x >> 5] = v;
+  __syncthreads();
+  v = red[0];
+#pragma unroll
+  for (int w = 1; w < T / 32; ++w) v = OP == 0 ? (red[w] > v ? red[w] : v) : OP == 1 ? v + red[w] : (red[w] < v ? red[w] : v);
+  __syncthreads();  // red free again
+  return v;
+}
+
+// image b's logit j, CFG-merged and divided by the temperature in sampling.py's float32 roundings (no fused multiply-add)
+template <int F32>
+__device__ __forceinline__ float tempered(const Args& a, int b, int j, float scale, float temperature) {
+  float x;
+  if (F32) {
+    const float* l = (const float*)a.logits;
+    x = l[b * a.stride + j];
+    if (a.guided) {
+      const float u = l[(a.batch + b) * a.stride + j];
+      x = __fadd_rn(u, __fmul_rn(__fsub_rn(x, u), scale));
+    }
+  } else {
+    const bf16_t* l = (const bf16_t*)a.logits;
+    x = from_bf16(l[b * a.stride + j]);
+    if (a.guided) {
+      const float u = from_bf16(l[(a.batch + b) * a.stride + j]);
+      x = __fadd_rn(u, __fmul_rn(__fsub_rn(x, u), scale));
+    }
+  }
+  return __fdiv_rn(x, temperature);
+}
+
+// the race's scores of image b's tempered logits x (thread t's) to s[i * T + t]: x - log E, or x where greedy; -inf
+// past V
+template <int T, int PER>
+__device__ __forceinline__ void scores(const float* x, float* s, const Args& a, int b, long long pos,
+                                       unsigned long long seed) {
+#pragma unroll
+  for (int i = 0; i < PER; i += 4) {
+    unsigned c[4] = {(unsigned)(i / 4), threadIdx.x, (unsigned)pos, (unsigned)b};  // unique per logit and step
+    if (a.sample) philox(c, (unsigned)seed, (unsigned)(seed >> 32));
+#pragma unroll
+    for (int q = 0; q < 4 && i + q < PER; ++q)
+      s[(i + q) * T + threadIdx.x] = (i + q) * T + threadIdx.x >= a.V ? NEG_INF
+                                     : a.sample ? x[i + q] - log_e(c[q]) : x[i + q];
+  }
+}
+
+template <int T, int PER, int F32>
+__device__ __forceinline__ void draw(const Args& a) {
+  __shared__ unsigned long long red[32];
+  extern __shared__ float s[];  // the scores, T * PER: in registers beside x they spilled at sm_90
+  const int b = blockIdx.x, t = threadIdx.x;
+  const float scale = *a.cfg_scale, temperature = fmaxf(*a.temperature, 1e-5f);
+  const unsigned long long seed = (unsigned long long)*a.seed;
+  asm volatile("griddepcontrol.wait;" ::: "memory");  // the logits, and the position (the prefill sets it just before)
+  const long long pos = *a.pos;
+  float x[PER];
+#pragma unroll
+  for (int i = 0; i < PER; ++i) {
+    const int j = i * T + t;
+    x[i] = j < a.V ? tempered<F32>(a, b, j, scale, temperature) : NEG_INF;
+  }
+  scores<T, PER>(x, s, a, b, pos, seed);
+  // the race's winner over all logits
+  unsigned long long best = 0;
+#pragma unroll
+  for (int i = 0; i < PER; ++i) {
+    const unsigned long long r = ranked(s[i * T + t], i * T + t);
+    best = r > best ? r : best;
+  }
+  best = block_reduce<T, 0>(best, red);
+  if (a.top_k > 0) {
+    // kept if fewer than k logits exceed its own; else the next winner in rank, TRIES in all
+    bool kept = false;
+    for (int tr = 0; tr < TRIES && !kept; ++tr) {
+      if (tr > 0) {
+        unsigned long long next = 0;
+#pragma unroll
+        for (int i = 0; i < PER; ++i) {
+          const unsigned long long r = ranked(s[i * T + t], i * T + t);
+          next = r < best && r > next ? r : next;
+        }
+        best = block_reduce<T, 0>(next, red);
+      }
+      const float xw = tempered<F32>(a, b, ranked_index(best), scale, temperature);
+      int above = 0;
+#pragma unroll
+      for (int i = 0; i < PER; ++i) above += x[i] > xw;
+      kept = block_reduce<T, 1>((unsigned long long)above, red) < (unsigned long long)a.top_k;
+    }
+    if (!kept) {
+      // the k-th largest: the largest key lo with at least k keys >= lo, by bisection (one block-wide count a pass)
+      long long lo = -2147483648LL, hi = 2147483647LL;
+      while (lo < hi) {
+        const long long mid = (lo + hi + 1) >> 1;
+        int n = 0;
+#pragma unroll
+        for (int i = 0; i < PER; ++i) n += i * T + t < a.V && order_key(x[i]) >= mid;
+        const long long count = (long long)block_reduce<T, 1>((unsigned long long)n, red);
+        lo = count >= a.top_k ? mid : lo;
+        hi = count > a.top_k ? hi : count == a.top_k ? mid : mid - 1;
+      }
+      unsigned long long next = 0;
+#pragma unroll
+      for (int i = 0; i < PER; ++i) {
+        const unsigned long long r = ranked(s[i * T + t], i * T + t);
+        next = i * T + t < a.V && order_key(x[i]) >= lo && r > next ? r : next;
+      }
+      best = block_reduce<T, 0>(next, red);
+    }
+  }
+  if (t == 0) {
+    const long long w = ranked_index(best);
+    a.token[b] = w;
+    a.out[b * a.stride_out + pos - a.prefix_len + 1] = w;
+    __threadfence();
+    if (atomicAdd(a.count, 1ull) == (unsigned long long)(a.batch - 1)) {  // every program has read the position
+      *a.pos = pos + 1;
+      *a.count = 0;
+    }
+  }
+}

@@ -1,0 +1,79 @@
+"""The cudagraph backend's draw as one CUDA C++ kernel (cuda_draw.cu), no Triton.
+
+Without it that backend draws with sampling.py's ops: ~20 small kernels per step around PyTorch's top-k (its radix
+select alone ~30 us at n = 1 on the H200, PERF_NOTES #69's profile). Here one program per image does the CFG merge,
+the temperature, top-k and the exponential race in sampling.py's float32 roundings, and writes the token where the
+step needs it and advances the position: decode_sampling.draw's contract, with the race's noise from its own Philox
+(the same distribution, another random stream). Built by NVRTC and launched through the driver as smem_gemv's kernels
+(its `compiled` and `launch`); the engine asks `builds` before it captures a step, else sampling.py's ops run.
+"""
+import ctypes
+import os
+
+import torch
+
+from fast_inference import smem_gemv
+
+SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cuda_draw.cu")
+THREADS = 1024
+MAX_PER = 16  # logits per thread at most: vocabularies up to 16,384 (at 32, 1,024 threads spilled at sm_90)
+ENABLED = os.environ.get("FAST_CUDA_DRAW", "1") != "0"
+
+
+class Args(ctypes.Structure):  # cuda_draw.cu's Args
+    _fields_ = [(name, ctypes.c_void_p) for name in
+                ("logits", "token", "out", "pos", "seed", "cfg_scale", "temperature", "count")] + \
+               [(name, ctypes.c_longlong) for name in ("stride", "stride_out", "prefix_len")] + \
+               [(name, ctypes.c_int) for name in ("V", "batch", "top_k", "guided", "sample", "pad")]
+
+
+def source(names):
+    """cuda_draw.cu with an entry point per (name, (threads, logits per thread, float32)) in `names`."""
+    return smem_gemv.cuda_source(SOURCE) + "".join(
+        f'extern "C" __global__ void __launch_bounds__({t}) {name}(const Args a) {{ draw<{t}, {per}, {f32}>(a); }}\n'
+        for name, (t, per, f32) in names)
+
+
+def _per(V):
+    return -(-V // THREADS)
+
+
+def _kernel(device, V, dtype):
+    entry = (THREADS, _per(V), int(dtype == torch.float32))
+    name = "cuda_draw_" + "_".join(map(str, entry))
+    return smem_gemv.compiled(device, name, lambda: source([(name, entry)]), _smem(V), "cuda_draw.cu")
+
+
+def _smem(V):
+    return THREADS * _per(V) * 4  # the race's scores
+
+
+def builds(V, dtype, device, top_p):
+    """Whether the draw of V logits of `dtype` runs here: enabled, smem_gemv's NVRTC and driver (sm_90+), bf16 or
+    float32, at most MAX_PER logits per thread, no top-p (its sorted sums stay on sampling.py's path), and the kernel
+    built now, before any step is captured."""
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    if not (ENABLED and top_p >= 1.0 and dtype in (torch.bfloat16, torch.float32) and _per(V) <= MAX_PER):
+        return False
+    return smem_gemv.available(device) and _kernel(device, V, dtype) is not None
+
+
+def draw(logits, token, out, input_pos, seed, cfg_scale, temperature, prefix_len, top_k, guided, sample_logits,
+         noise=None, noise_ready=False, count=None):
+    """decode_sampling.draw's contract: sampling.sample(cfg_merge(logits) if guided else logits, temperature, top_k,
+    race=True) for logits (rows, V) at input_pos, the tokens (batch, 1) to `token` and out[:, input_pos - prefix_len
+    + 1], input_pos advanced. count: int64 zeros (>= 1,), left at zero (a buffer of its own if None). The race's noise
+    is made here (noise and noise_ready are not used). Tensors stay on the device: no sync."""
+    batch, V = token.shape[0], logits.shape[-1]
+    assert not noise_ready and logits.shape[0] == (2 * batch if guided else batch) and logits.stride(-1) == 1
+    assert token.dtype == out.dtype == input_pos.dtype == seed.dtype == torch.int64 and out.stride(1) == 1
+    count = torch.zeros(1, dtype=torch.long, device=logits.device) if count is None else count
+    k = min(top_k, V) if top_k > 0 else 0
+    ptr = smem_gemv._ptr
+    args = Args(logits=ptr(logits), token=ptr(token), out=ptr(out), pos=ptr(input_pos), seed=ptr(seed),
+                cfg_scale=ptr(cfg_scale), temperature=ptr(temperature), count=ptr(count), stride=logits.stride(0),
+                stride_out=out.stride(0), prefix_len=prefix_len, V=V, batch=batch, top_k=0 if k == V else k,
+                guided=int(guided), sample=int(sample_logits))
+    smem_gemv.launch(_kernel(logits.device, V, logits.dtype), (batch,), THREADS, _smem(V), args, True, logits.device)
