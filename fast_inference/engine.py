@@ -24,7 +24,8 @@ can be captured once and replayed N-1 times:
                        per window, CACHE_WINDOWS), not the whole cache; up to 4 rows in bf16 on
                        Hopper+ the blocks' projections run as smem_gemv's CUDA C++ kernels (NVRTC)
                        and the attention as smem_attention's (filled keys only: no windows); on
-                       Hopper+ the draw as cuda_draw's one CUDA C++ kernel (top-p < 1: sampling.py's ops)
+                       Hopper+ the draw and the step's inputs as one CUDA C++ kernel each (cuda_draw,
+                       cuda_inputs; top-p < 1: sampling.py's ops)
   backend "eager":     the same steps run op by op (CPU, debugging)
 Where the steps are captured by hand the eager prefill is captured too from a shape's second image on
 (replayed per image, its prefix copied in; the first token's draw runs after it, outside its graph), and so is
@@ -41,8 +42,8 @@ import time
 import torch
 import torch.nn as nn
 
-from fast_inference import (cuda_draw, decode_attention, decode_block, decode_inputs, decode_sampling, prefetch,
-                            smem_attention, smem_gemv)
+from fast_inference import (cuda_draw, cuda_inputs, decode_attention, decode_block, decode_inputs, decode_sampling,
+                            prefetch, smem_attention, smem_gemv)
 from fast_inference.generate import prepare
 from fast_inference.pdl import use_pdl
 from fast_inference.quantize import is_int8
@@ -100,12 +101,12 @@ class Sampler(nn.Module):
     """Static buffers and the step functions for one (batch, tokens, control grid, settings) shape."""
 
     def __init__(self, model, batch, num_tokens, prefix_len, num_controls, cfg, top_k, top_p, sample_logits,
-                 decode_attention=None, block_fn=None, draw_fn=None, windows=1, fused_inputs=False,
+                 decode_attention=None, block_fn=None, draw_fn=None, windows=1, inputs_fn=None,
                  keep_logits=True):
         super().__init__()
         self.model = model
         self.decode_attention, self.block_fn, self.draw_fn = decode_attention, block_fn, draw_fn
-        self.fused_inputs = fused_inputs
+        self.inputs_fn = inputs_fn  # the step's inputs in one kernel (decode_inputs' or cuda_inputs'), else the model's ops
         self.batch, self.num_tokens, self.prefix_len, self.cfg = batch, num_tokens, prefix_len, cfg
         self.top_k, self.top_p, self.sample_logits = top_k, top_p, sample_logits
         self.keep_logits = keep_logits  # each step's logits into `logits` (teacher forcing reads them)
@@ -199,8 +200,8 @@ class Sampler(nn.Module):
     def _advance(self, key_valid, controls, guided, kv_len):
         # Weights and keys into L2 ahead of the kernels that read them, beside the step: inside its graph only (prefetch.py)
         fetching = self.prefetcher is not None and self.prefetcher.start(key_valid.shape[0])
-        if self.fused_inputs:  # embeddings, RoPE row and control rows in one kernel
-            x, inputs = decode_inputs.step_inputs(self.model, self.token, self.input_pos, controls, guided)
+        if self.inputs_fn is not None:  # embeddings, RoPE row and control rows in one kernel
+            x, inputs = self.inputs_fn(self.model, self.token, self.input_pos, controls, guided)
         else:
             x, inputs = self.model.tok_embeddings(torch.cat([self.token, self.token]) if guided else self.token), None
         h = self.model(x, self.input_pos, key_valid, controls, last_only=True, decode_attention=self.decode_attention,
@@ -339,10 +340,15 @@ class Engine:
         # Cache windows where the steps are captured or run eagerly, for SDPA: a compiler would compile each, and a
         # decode attention kernel reads only the filled keys.
         windows = CACHE_WINDOWS if self.backend in ("cudagraph", "eager") and attention is None else 1
-        # The step's inputs in one kernel where the ops around the blocks run eagerly (block scope)
-        fused_inputs = self.block_scope and attention is not None and decode_inputs.supported(self.device)
+        # The step's inputs in one kernel where the ops around the blocks run eagerly (block scope), on the cudagraph
+        # backend in CUDA C++
+        inputs_fn = None
+        if self.block_scope and attention is not None and decode_inputs.supported(self.device):
+            inputs_fn = decode_inputs.step_inputs
+        elif self.backend == "cudagraph" and cuda_inputs.builds(self.model, self.device):  # no Triton there
+            inputs_fn = cuda_inputs.step_inputs
         s = Sampler(self.model, batch, num_tokens, prefix_len, num_controls, cfg, top_k, top_p, sample_logits,
-                    attention, block_fn, draw_fn, windows, fused_inputs, keep_logits)
+                    attention, block_fn, draw_fn, windows, inputs_fn, keep_logits)
         if fused:  # the fused head, which also makes the fused draw's noise
             s.head_noise = draw_fn is decode_sampling.draw and sample_logits
             noise = (s.noise, s.input_pos, s.seed) if s.head_noise else None

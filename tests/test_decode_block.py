@@ -181,7 +181,7 @@ assert engine.sampler.block_fn.func is decode_block.decode_block and engine.bloc
 counted = engine.sampler.prefetcher.counted  # every projection of every step counted, for the prefetcher
 assert counted and set(counted) == {4 * len(model.layers)}, counted
 assert sorted(engine.sampler.prefetcher.plans) == [(2, False), (4, False)]  # with CFG and without (cfg_interval)
-assert engine.sampler.draw_fn is decode_sampling.draw and engine.sampler.fused_inputs and engine.sampler.head_noise
+assert engine.sampler.draw_fn is decode_sampling.draw and engine.sampler.inputs_fn is decode_inputs.step_inputs and engine.sampler.head_noise
 worst = max((w if w.shape == g.shape else w.chunk(2)[0]).sub(g).abs().max().item() for w, g in zip(want, got))
 greedy = engine.generate(cond, 4, emb_masks=mask, condition=condition, cfg_scale=4.0, top_k=1)
 same = torch.equal(greedy, generate(model, cond, 4, emb_masks=mask, condition=condition, cfg_scale=4.0, top_k=1))

@@ -9,7 +9,7 @@ import torch
 
 import sm90
 
-from fast_inference import cuda_draw, decode_block, pdl, smem_attention, smem_gemv
+from fast_inference import cuda_draw, cuda_inputs, decode_block, pdl, smem_attention, smem_gemv
 from fast_inference.model import ModelArgs, TransformerBlock
 
 GPU = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 9 and smem_gemv.available("cuda")
@@ -141,8 +141,8 @@ def test_the_cudagraph_block_is_all_four_kernels_or_none(monkeypatch):
 @pytest.mark.skipif(not GPU, reason="needs a GPU of compute capability 9.0+ with NVRTC")
 def test_the_cudagraph_backend_runs_its_blocks_here(monkeypatch):
     """The cudagraph backend at GPT-XL's widths (2 layers, bf16, one image under CFG and, after cfg_interval, without):
-    every projection of every step as these kernels, the attention as smem_attention's and the draw as cuda_draw's,
-    none of decode_block's Triton kernels (unreachable here), and
+    every projection of every step as these kernels, the attention as smem_attention's, the draw and the inputs as
+    cuda_draw's and cuda_inputs', none of decode_block's Triton kernels (unreachable here), and
     teacher-forced logits as with the eager block, within a few bf16 roundings of the largest."""
     from fast_inference import fused_ops
     from fast_inference.engine import Engine
@@ -166,7 +166,8 @@ def test_the_cudagraph_backend_runs_its_blocks_here(monkeypatch):
         attention = engine.sampler.decode_attention
         assert (attention is smem_attention.decode_attention) == here, attention
         assert (len(engine.sampler.kv_lens) == 1) == here and engine.sampler.cache.text_len == 0
-        assert engine.sampler.draw_fn is cuda_draw.draw  # the draw in CUDA C++ too, in either arm
+        # the draw and the step's inputs in CUDA C++ too, in either arm
+        assert engine.sampler.draw_fn is cuda_draw.draw and engine.sampler.inputs_fn is cuda_inputs.step_inputs
         return torch.cat([l[:1].float() for l in out])  # the conditional row
 
     want = logits(False)

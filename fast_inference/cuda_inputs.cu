@@ -1,0 +1,51 @@
+// The cudagraph backend's step inputs in one kernel, as decode_inputs.py's Triton kernel: row r's embedding plus its
+// first control row to x, its later control rows to picked, and (program 0) the position's RoPE row to freqs. A
+// control row is the control list's row at idx = pos - cls_token_num + 1 times whether that is a control token (the
+// model's multiply by 0 or 1, kept for its rounding and signed zeros). Compiled at run time (NVRTC) by cuda_inputs.py,
+// after common.cuh.
+
+struct Args {
+  const long long* token;  // (batch,): row r takes token r % batch
+  const long long* pos;    // the step's position
+  const void* emb;         // (vocab, D)
+  const void* controls;    // (lists, >= R, Nc, D), strides below (elements)
+  const float* table;      // the RoPE table, (positions, F) float32
+  void* x;                 // (R, D)
+  float* freqs;            // (F,)
+  void* picked;            // (lists - 1, R, D)
+  long long sl, sr, sn;    // controls' strides
+  int batch, n_controls, cls_token_num, D, F, lists;
+};
+
+static_assert(sizeof(Args) == 112, "cuda_inputs.py's ctypes Args mirrors this layout");
+
+template <int F32>
+__device__ __forceinline__ float load(const void* p, long long i) {
+  return F32 ? ((const float*)p)[i] : from_bf16(((const bf16_t*)p)[i]);
+}
+
+template <int F32>
+__device__ __forceinline__ void store(void* p, long long i, float v) {  // v rounded to the buffer's dtype
+  if (F32) ((float*)p)[i] = v;
+  else ((bf16_t*)p)[i] = to_bf16(v);
+}
+
+template <int F32>
+__device__ __forceinline__ void inputs(const Args& a) {
+  asm volatile("griddepcontrol.wait;" ::: "memory");  // the previous step's draw wrote the token and the position
+  const int r = blockIdx.x, R = gridDim.x;
+  const long long pos = *a.pos;
+  long long idx = pos - a.cls_token_num + 1;
+  const float present = idx >= 0 && idx < a.n_controls ? 1.0f : 0.0f;
+  idx = idx < 0 ? 0 : idx >= a.n_controls ? a.n_controls - 1 : idx;
+  const long long row = r * a.sr + idx * a.sn, token = a.token[r % a.batch];
+  for (int d = threadIdx.x; d < a.D; d += blockDim.x) {
+    // control * present (exact: by 0 or 1, signed zeros kept), added in float32 and rounded: the model's ops
+    const float c = load<F32>(a.controls, row + d) * present;
+    store<F32>(a.x, (long long)r * a.D + d, __fadd_rn(load<F32>(a.emb, token * a.D + d), c));
+    for (int k = 1; k < a.lists; ++k)
+      store<F32>(a.picked, ((long long)(k - 1) * R + r) * a.D + d, load<F32>(a.controls, row + k * a.sl + d) * present);
+  }
+  if (r == 0)
+    for (int f = threadIdx.x; f < a.F; f += blockDim.x) a.freqs[f] = a.table[pos * a.F + f];
+}
