@@ -1,6 +1,9 @@
 // The cudagraph backend's draw in one kernel: CFG merge, temperature, top-k and the exponential race, the token to
-// `token` and `out` and the position advanced. One program per image of T threads, PER logits per thread in
-// registers (thread t holds t, t + T, ...). Compiled at run time (NVRTC) by cuda_draw.py, after common.cuh.
+// `token` and `out` and the position advanced. S programs per image of T threads; logit j = i * T + t is thread t's
+// i-th, and program s holds i = s * PER ... s * PER + PER - 1. Each program makes its logits' race scores (the noise,
+// Philox and two logf per logit, is most of the kernel's work: spread over S programs), stores them and its best; the
+// image's last program to finish decides, its logits (ALL = S * PER per thread) in registers. Compiled at run time
+// (NVRTC) by cuda_draw.py, after common.cuh.
 //
 // The race: the token is argmax over the kept logits of x - log E, E = -log U, U uniform in (0, 1) from Philox4x32-10
 // keyed by the call's seed at a counter unique to (image, position, thread, group of 4 logits): the same distribution
@@ -16,14 +19,16 @@ struct Args {
   const long long* seed;   // the call's Philox key
   const float* cfg_scale;  // 0-dim
   const float* temperature;
-  unsigned long long* count;  // images done, zero between calls (the last program re-zeroes it)
+  unsigned long long* count;  // (1 + batch,): [0] images decided, [1 + b] image b's programs done; zero between calls
+  unsigned long long* cand;   // (batch, S): each program's best (score, index), as `ranked`
+  float* scores;              // (batch, S * PER * T): the race's scores
   long long stride, stride_out, prefix_len;
   int V, batch, top_k;     // top_k 0: no filter
   int guided, sample;      // sample 0: greedy (argmax)
   int pad;
 };
 
-static_assert(sizeof(Args) == 112, "cuda_draw.py's ctypes Args mirrors this layout");
+static_assert(sizeof(Args) == 128, "cuda_draw.py's ctypes Args mirrors this layout");
 
 #define NEG_INF __int_as_float(0xff800000u)  // no math.h under NVRTC
 constexpr int TRIES = 4;  // race winners checked against top-k before the k-th largest is searched
@@ -98,55 +103,80 @@ __device__ __forceinline__ float tempered(const Args& a, int b, int j, float sca
   return __fdiv_rn(x, temperature);
 }
 
-// the race's scores of image b's tempered logits x (thread t's) to s[i * T + t]: x - log E, or x where greedy; -inf
-// past V
+// the race's scores of thread t's tempered logits x of image b, its i0-th to (i0 + PER - 1)-th (i0 a multiple of 4):
+// x - log E, or x where greedy; -inf past V
 template <int T, int PER>
-__device__ __forceinline__ void scores(const float* x, float* s, const Args& a, int b, long long pos,
+__device__ __forceinline__ void scores(const float* x, float* s, const Args& a, int b, int i0, long long pos,
                                        unsigned long long seed) {
 #pragma unroll
   for (int i = 0; i < PER; i += 4) {
-    unsigned c[4] = {(unsigned)(i / 4), threadIdx.x, (unsigned)pos, (unsigned)b};  // unique per logit and step
+    unsigned c[4] = {(unsigned)((i0 + i) / 4), threadIdx.x, (unsigned)pos, (unsigned)b};  // unique per logit and step
     if (a.sample) philox(c, (unsigned)seed, (unsigned)(seed >> 32));
 #pragma unroll
     for (int q = 0; q < 4 && i + q < PER; ++q)
-      s[(i + q) * T + threadIdx.x] = (i + q) * T + threadIdx.x >= a.V ? NEG_INF
-                                     : a.sample ? x[i + q] - log_e(c[q]) : x[i + q];
+      s[i + q] = (i0 + i + q) * T + threadIdx.x >= a.V ? NEG_INF : a.sample ? x[i + q] - log_e(c[q]) : x[i + q];
   }
 }
 
-template <int T, int PER, int F32>
+template <int T, int PER, int S, int F32>
 __device__ __forceinline__ void draw(const Args& a) {
+  constexpr int ALL = S * PER;  // logits per thread over the image
   __shared__ unsigned long long red[32];
-  extern __shared__ float s[];  // the scores, T * PER: in registers beside x they spilled at sm_90
-  const int b = blockIdx.x, t = threadIdx.x;
+  __shared__ int deciding;
+  const int p = blockIdx.x, b = blockIdx.y, t = threadIdx.x;
   const float scale = *a.cfg_scale, temperature = fmaxf(*a.temperature, 1e-5f);
   const unsigned long long seed = (unsigned long long)*a.seed;
+  float* const sc = a.scores + (long long)b * ALL * T;
   asm volatile("griddepcontrol.wait;" ::: "memory");  // the logits, and the position (the prefill sets it just before)
   const long long pos = *a.pos;
-  float x[PER];
-#pragma unroll
-  for (int i = 0; i < PER; ++i) {
-    const int j = i * T + t;
-    x[i] = j < a.V ? tempered<F32>(a, b, j, scale, temperature) : NEG_INF;
-  }
-  scores<T, PER>(x, s, a, b, pos, seed);
-  // the race's winner over all logits
+  // this program's logits: their scores stored, their best to cand
   unsigned long long best = 0;
+  {
+    float x[PER], s[PER];
 #pragma unroll
-  for (int i = 0; i < PER; ++i) {
-    const unsigned long long r = ranked(s[i * T + t], i * T + t);
-    best = r > best ? r : best;
+    for (int i = 0; i < PER; ++i) {
+      const int j = (p * PER + i) * T + t;
+      x[i] = j < a.V ? tempered<F32>(a, b, j, scale, temperature) : NEG_INF;
+    }
+    scores<T, PER>(x, s, a, b, p * PER, pos, seed);
+#pragma unroll
+    for (int i = 0; i < PER; ++i) {
+      const int j = (p * PER + i) * T + t;
+      sc[j] = s[i];
+      const unsigned long long r = ranked(s[i], j);
+      best = r > best ? r : best;
+    }
   }
   best = block_reduce<T, 0>(best, red);
+  if (t == 0) {
+    a.cand[b * S + p] = best;
+    __threadfence();
+    deciding = atomicAdd(a.count + 1 + b, 1ull) == S - 1;
+  }
+  __syncthreads();
+  if (!deciding) return;
+  // the image's last program decides: the others' scores and bests are visible (each fenced before its count)
+  __threadfence();
+#pragma unroll
+  for (int q = 0; q < S; ++q) {
+    const unsigned long long r = __ldcg(a.cand + b * S + q);
+    best = r > best ? r : best;
+  }
   if (a.top_k > 0) {
+    float x[ALL];
+#pragma unroll
+    for (int i = 0; i < ALL; ++i) {
+      const int j = i * T + t;
+      x[i] = j < a.V ? tempered<F32>(a, b, j, scale, temperature) : NEG_INF;
+    }
     // kept if fewer than k logits exceed its own; else the next winner in rank, TRIES in all
     bool kept = false;
     for (int tr = 0; tr < TRIES && !kept; ++tr) {
       if (tr > 0) {
         unsigned long long next = 0;
 #pragma unroll
-        for (int i = 0; i < PER; ++i) {
-          const unsigned long long r = ranked(s[i * T + t], i * T + t);
+        for (int i = 0; i < ALL; ++i) {
+          const unsigned long long r = ranked(__ldcg(sc + i * T + t), i * T + t);
           next = r < best && r > next ? r : next;
         }
         best = block_reduce<T, 0>(next, red);
@@ -154,7 +184,7 @@ __device__ __forceinline__ void draw(const Args& a) {
       const float xw = tempered<F32>(a, b, ranked_index(best), scale, temperature);
       int above = 0;
 #pragma unroll
-      for (int i = 0; i < PER; ++i) above += x[i] > xw;
+      for (int i = 0; i < ALL; ++i) above += x[i] > xw;
       kept = block_reduce<T, 1>((unsigned long long)above, red) < (unsigned long long)a.top_k;
     }
     if (!kept) {
@@ -164,15 +194,15 @@ __device__ __forceinline__ void draw(const Args& a) {
         const long long mid = (lo + hi + 1) >> 1;
         int n = 0;
 #pragma unroll
-        for (int i = 0; i < PER; ++i) n += i * T + t < a.V && order_key(x[i]) >= mid;
+        for (int i = 0; i < ALL; ++i) n += i * T + t < a.V && order_key(x[i]) >= mid;
         const long long count = (long long)block_reduce<T, 1>((unsigned long long)n, red);
         lo = count >= a.top_k ? mid : lo;
         hi = count > a.top_k ? hi : count == a.top_k ? mid : mid - 1;
       }
       unsigned long long next = 0;
 #pragma unroll
-      for (int i = 0; i < PER; ++i) {
-        const unsigned long long r = ranked(s[i * T + t], i * T + t);
+      for (int i = 0; i < ALL; ++i) {
+        const unsigned long long r = ranked(__ldcg(sc + i * T + t), i * T + t);
         next = i * T + t < a.V && order_key(x[i]) >= lo && r > next ? r : next;
       }
       best = block_reduce<T, 0>(next, red);
@@ -182,6 +212,7 @@ __device__ __forceinline__ void draw(const Args& a) {
     const long long w = ranked_index(best);
     a.token[b] = w;
     a.out[b * a.stride_out + pos - a.prefix_len + 1] = w;
+    a.count[1 + b] = 0;
     __threadfence();
     if (atomicAdd(a.count, 1ull) == (unsigned long long)(a.batch - 1)) {  // every program has read the position
       *a.pos = pos + 1;

@@ -1,9 +1,9 @@
 """The cudagraph backend's draw as one CUDA C++ kernel (cuda_draw.cu), no Triton.
 
 Without it that backend draws with sampling.py's ops: ~20 small kernels per step around PyTorch's top-k (its radix
-select alone ~30 us at n = 1 on the H200, PERF_NOTES #69's profile). Here one program per image does the CFG merge,
-the temperature, top-k and the exponential race in sampling.py's float32 roundings, and writes the token where the
-step needs it and advances the position: decode_sampling.draw's contract, with the race's noise from its own Philox
+select alone ~30 us at n = 1 on the H200, PERF_NOTES #69's profile). Here one kernel does the CFG merge, the
+temperature, top-k and the exponential race in sampling.py's float32 roundings (a few programs per image make the race's
+scores, the last of them decides), and writes the token where the step needs it and advances the position: decode_sampling.draw's contract, with the race's noise from its own Philox
 (the same distribution, another random stream). Built by NVRTC and launched through the driver as smem_gemv's kernels
 (its `compiled` and `launch`); the engine asks `builds` before it captures a step, else sampling.py's ops run.
 """
@@ -15,37 +15,38 @@ import torch
 from fast_inference import smem_gemv
 
 SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cuda_draw.cu")
-THREADS = 1024
-MAX_PER = 16  # logits per thread at most: vocabularies up to 16,384 (at 32, 1,024 threads spilled at sm_90)
+THREADS = 512
+MAX_PER = 32  # logits per thread at most, held by the deciding program: vocabularies up to 16,384 (past it, spills)
+PER = 4  # logits per thread of each program's scores (one Philox call): GPT-XL's 16,384 over 8 programs an image
 ENABLED = os.environ.get("FAST_CUDA_DRAW", "1") != "0"
 
 
 class Args(ctypes.Structure):  # cuda_draw.cu's Args
     _fields_ = [(name, ctypes.c_void_p) for name in
-                ("logits", "token", "out", "pos", "seed", "cfg_scale", "temperature", "count")] + \
+                ("logits", "token", "out", "pos", "seed", "cfg_scale", "temperature", "count", "cand", "scores")] + \
                [(name, ctypes.c_longlong) for name in ("stride", "stride_out", "prefix_len")] + \
                [(name, ctypes.c_int) for name in ("V", "batch", "top_k", "guided", "sample", "pad")]
 
 
 def source(names):
-    """cuda_draw.cu with an entry point per (name, (threads, logits per thread, float32)) in `names`."""
+    """cuda_draw.cu with an entry point per (name, (threads, logits per thread a program, programs an image, float32))
+    in `names`."""
     return smem_gemv.cuda_source(SOURCE) + "".join(
-        f'extern "C" __global__ void __launch_bounds__({t}) {name}(const Args a) {{ draw<{t}, {per}, {f32}>(a); }}\n'
-        for name, (t, per, f32) in names)
+        f'extern "C" __global__ void __launch_bounds__({t}) {name}(const Args a) {{ draw<{t}, {per}, {s}, {f32}>(a); }}\n'
+        for name, (t, per, s, f32) in names)
 
 
-def _per(V):
-    return -(-V // THREADS)
+def layout(V):
+    """(logits per thread a program, programs an image) for V logits: PER each where it divides a thread's share."""
+    share = -(-V // THREADS)
+    per = PER if share % PER == 0 else share
+    return per, share // per
 
 
 def _kernel(device, V, dtype):
-    entry = (THREADS, _per(V), int(dtype == torch.float32))
+    entry = (THREADS, *layout(V), int(dtype == torch.float32))
     name = "cuda_draw_" + "_".join(map(str, entry))
-    return smem_gemv.compiled(device, name, lambda: source([(name, entry)]), _smem(V), "cuda_draw.cu")
-
-
-def _smem(V):
-    return THREADS * _per(V) * 4  # the race's scores
+    return smem_gemv.compiled(device, name, lambda: source([(name, entry)]), 0, "cuda_draw.cu")
 
 
 def builds(V, dtype, device, top_p):
@@ -55,7 +56,7 @@ def builds(V, dtype, device, top_p):
     device = torch.device(device)
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
-    if not (ENABLED and top_p >= 1.0 and dtype in (torch.bfloat16, torch.float32) and _per(V) <= MAX_PER):
+    if not (ENABLED and top_p >= 1.0 and dtype in (torch.bfloat16, torch.float32) and -(-V // THREADS) <= MAX_PER):
         return False
     return smem_gemv.available(device) and _kernel(device, V, dtype) is not None
 
@@ -64,16 +65,21 @@ def draw(logits, token, out, input_pos, seed, cfg_scale, temperature, prefix_len
          noise=None, noise_ready=False, count=None):
     """decode_sampling.draw's contract: sampling.sample(cfg_merge(logits) if guided else logits, temperature, top_k,
     race=True) for logits (rows, V) at input_pos, the tokens (batch, 1) to `token` and out[:, input_pos - prefix_len
-    + 1], input_pos advanced. count: int64 zeros (>= 1,), left at zero (a buffer of its own if None). The race's noise
-    is made here (noise and noise_ready are not used). Tensors stay on the device: no sync."""
+    + 1], input_pos advanced. count: int64 zeros (>= 1 + batch,), left at zero (a buffer of its own if None). The
+    race's noise is made here (noise and noise_ready are not used). Tensors stay on the device: no sync."""
     batch, V = token.shape[0], logits.shape[-1]
     assert not noise_ready and logits.shape[0] == (2 * batch if guided else batch) and logits.stride(-1) == 1
     assert token.dtype == out.dtype == input_pos.dtype == seed.dtype == torch.int64 and out.stride(1) == 1
-    count = torch.zeros(1, dtype=torch.long, device=logits.device) if count is None else count
+    count = torch.zeros(1 + batch, dtype=torch.long, device=logits.device) if count is None else count
+    assert count.dtype == torch.long and count.numel() >= 1 + batch
+    per, n = layout(V)
+    cand = torch.empty(batch, n, dtype=torch.long, device=logits.device)
+    scores = torch.empty(batch, n * per * THREADS, device=logits.device)
     k = min(top_k, V) if top_k > 0 else 0
     ptr = smem_gemv._ptr
     args = Args(logits=ptr(logits), token=ptr(token), out=ptr(out), pos=ptr(input_pos), seed=ptr(seed),
-                cfg_scale=ptr(cfg_scale), temperature=ptr(temperature), count=ptr(count), stride=logits.stride(0),
+                cfg_scale=ptr(cfg_scale), temperature=ptr(temperature), count=ptr(count), cand=ptr(cand),
+                scores=ptr(scores), stride=logits.stride(0),
                 stride_out=out.stride(0), prefix_len=prefix_len, V=V, batch=batch, top_k=0 if k == V else k,
                 guided=int(guided), sample=int(sample_logits))
-    smem_gemv.launch(_kernel(logits.device, V, logits.dtype), (batch,), THREADS, _smem(V), args, True, logits.device)
+    smem_gemv.launch(_kernel(logits.device, V, logits.dtype), (n, batch), THREADS, 0, args, True, logits.device)

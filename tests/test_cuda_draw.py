@@ -19,14 +19,14 @@ GPU = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 9 a
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="no nvcc")
 def test_kernel_builds_for_sm90_without_spills():
-    entries = [(cuda_draw.THREADS, per, f32) for per in (1, 3, cuda_draw.MAX_PER) for f32 in (0, 1)]
+    entries = [(cuda_draw.THREADS, *cuda_draw.layout(V), f32) for V in (64, 3000, 5000, 12288, 16384) for f32 in (0, 1)]
     frames = sm90.nvcc_stack_frames(cuda_draw.source([(f"k{i}", e) for i, e in enumerate(entries)]))
     assert len(frames) == len(entries) and not any(frames), frames
 
 
 def test_args_match_the_kernels_struct():
-    """cuda_draw.cu's Args is 112 bytes (its static_assert); the launcher's ctypes mirror must be too."""
-    assert ctypes.sizeof(cuda_draw.Args) == 112
+    """cuda_draw.cu's Args is 128 bytes (its static_assert); the launcher's ctypes mirror must be too."""
+    assert ctypes.sizeof(cuda_draw.Args) == 128
 
 
 def test_not_built_where_it_cannot_run(monkeypatch):
@@ -43,9 +43,17 @@ def test_not_built_where_it_cannot_run(monkeypatch):
     assert not cuda_draw.builds(16384, torch.bfloat16, "cuda:0", 1.0) and not built
     monkeypatch.setattr(cuda_draw, "ENABLED", True)
     assert cuda_draw.builds(16384, torch.float32, "cuda:0", 1.0)
-    assert "draw<1024, 16, 1>" in built[0][0] and built[0][1] == 16384 * 4
+    assert "draw<512, 4, 8, 1>" in built[0][0]  # 8 programs an image, 4 logits a thread each
     monkeypatch.setattr(smem_gemv, "compiled", lambda device, name, src, smem, file: None)  # NVRTC refused it
     assert not cuda_draw.builds(16384, torch.bfloat16, "cuda:0", 1.0)
+
+
+def test_layout_covers_the_vocabulary():
+    """Each thread's share of the logits split over the programs of an image: PER each where it divides the share."""
+    for V in (1, 64, 1000, 1025, 4096, 5000, 12288, 16383, 16384):
+        per, n = cuda_draw.layout(V)
+        share = -(-V // cuda_draw.THREADS)
+        assert per * n == share and (per == cuda_draw.PER or n == 1)
 
 
 def philox(counter, key):
