@@ -2,9 +2,10 @@
 
 Without it that backend draws with sampling.py's ops: ~20 small kernels per step around PyTorch's top-k (its radix
 select alone ~30 us at n = 1 on the H200, PERF_NOTES #69's profile). Here one kernel does the CFG merge, the
-temperature, top-k and the exponential race in sampling.py's float32 roundings (a few programs per image make the race's
-scores, the last of them decides), and writes the token where the step needs it and advances the position: decode_sampling.draw's contract, with the race's noise from its own Philox
-(the same distribution, another random stream). Built by NVRTC and launched through the driver as smem_gemv's kernels
+temperature, top-k and the exponential race in sampling.py's float32 roundings (a few programs per image make the
+race's scores, the last of them decides), writes the token where the step needs it and advances the position:
+decode_sampling.draw's contract, with the race's noise from its own Philox (the same distribution, another random
+stream). Built by NVRTC and launched through the driver as smem_gemv's kernels
 (its `compiled` and `launch`); the engine asks `builds` before it captures a step, else sampling.py's ops run.
 """
 import ctypes
@@ -32,8 +33,8 @@ def source(names):
     """cuda_draw.cu with an entry point per (name, (threads, logits per thread a program, programs an image, float32))
     in `names`."""
     return smem_gemv.cuda_source(SOURCE) + "".join(
-        f'extern "C" __global__ void __launch_bounds__({t}) {name}(const Args a) {{ draw<{t}, {per}, {s}, {f32}>(a); }}\n'
-        for name, (t, per, s, f32) in names)
+        f'extern "C" __global__ void __launch_bounds__({t}) {name}(const Args a) '
+        f"{{ draw<{t}, {per}, {s}, {f32}>(a); }}\n" for name, (t, per, s, f32) in names)
 
 
 def layout(V):

@@ -106,7 +106,7 @@ class Sampler(nn.Module):
         super().__init__()
         self.model = model
         self.decode_attention, self.block_fn, self.draw_fn = decode_attention, block_fn, draw_fn
-        self.inputs_fn = inputs_fn  # the step's inputs in one kernel (decode_inputs' or cuda_inputs'), else the model's ops
+        self.inputs_fn = inputs_fn  # the step's inputs in one kernel (decode_inputs', cuda_inputs'); None: the model's
         self.batch, self.num_tokens, self.prefix_len, self.cfg = batch, num_tokens, prefix_len, cfg
         self.top_k, self.top_p, self.sample_logits = top_k, top_p, sample_logits
         self.keep_logits = keep_logits  # each step's logits into `logits` (teacher forcing reads them)
@@ -223,9 +223,8 @@ class Sampler(nn.Module):
         if self.keep_logits:
             self.logits[: logits.shape[0]].copy_(logits)
         if self.draw_fn is not None:  # one kernel's draw (or two), the position advanced by it too
-            self.draw_fn(logits, self.token, self.out, self.input_pos, self.seed, self.cfg_scale,
-                                 self.temperature, self.prefix_len, self.top_k, guided, self.sample_logits, self.noise,
-                                 noise_ready, self.draws)
+            self.draw_fn(logits, self.token, self.out, self.input_pos, self.seed, self.cfg_scale, self.temperature,
+                         self.prefix_len, self.top_k, guided, self.sample_logits, self.noise, noise_ready, self.draws)
             return
         logits = logits.float()
         token = self._sample(cfg_merge(logits, self.cfg_scale) if guided else logits)
@@ -334,8 +333,8 @@ class Engine:
         draw_fn = None
         if self.decode_attention is not None and decode_sampling.supported(self.device, top_p):
             draw_fn = decode_sampling.draw
-        elif self.backend == "cudagraph" and cuda_draw.builds(self.model.args.vocab_size, self.model.output.weight.dtype,
-                                                              self.device, top_p):
+        elif self.backend == "cudagraph" and cuda_draw.builds(self.model.args.vocab_size,
+                                                              self.model.output.weight.dtype, self.device, top_p):
             draw_fn = cuda_draw.draw
         # Cache windows where the steps are captured or run eagerly, for SDPA: a compiler would compile each, and a
         # decode attention kernel reads only the filled keys.

@@ -25,13 +25,13 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch
 
-from fast_inference import (cuda_draw, cuda_inputs, decode_attention, decode_block, decode_inputs, decode_sampling, engine, fused_ops,
-                            pdl, prefetch, smem_attention, smem_gemv)
+from fast_inference import (cuda_draw, cuda_inputs, decode_attention, decode_block, decode_inputs, decode_sampling,
+                            engine, fused_ops, pdl, prefetch, smem_attention, smem_gemv)
 from fast_inference.bench import inputs, random_gpt_xl
 
 MODULES = dict(cuda_draw=cuda_draw, cuda_inputs=cuda_inputs, decode_attention=decode_attention,
-               decode_block=decode_block, decode_inputs=decode_inputs, decode_sampling=decode_sampling, engine=engine, pdl=pdl, prefetch=prefetch,
-               smem_attention=smem_attention, smem_gemv=smem_gemv)
+               decode_block=decode_block, decode_inputs=decode_inputs, decode_sampling=decode_sampling, engine=engine,
+               pdl=pdl, prefetch=prefetch, smem_attention=smem_attention, smem_gemv=smem_gemv)
 
 
 def snapshot():
