@@ -23,6 +23,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch
 
 import fast_inference.generate as ref
+from fast_inference import fused_ops
 from fast_inference.engine import Engine
 from fast_inference.model import ModelArgs, Transformer
 from fast_inference.quantize import MODES as QUANTIZE_MODES, quantize_int8
@@ -87,6 +88,7 @@ def check(model, dtype, backends, N, B):
                                  return_logits=True, **kw)
     for spec in backends:
         backend, scope, flag = (spec.split(":") + ["step", ""])[:3]
+        fused_ops.for_backend(backend)  # as fast_engine and bench.py: no Triton on the cudagraph backend
         make = lambda: Engine(model, backend=backend, compile_scope=scope, fused_block=flag != "nofuse")
         engine = make()
         greedy = engine.generate(cond, N, emb_masks=mask, condition=condition, top_k=1, **kw)
@@ -104,6 +106,7 @@ def check(model, dtype, backends, N, B):
         print(f"{str(dtype):15s} {spec:22s} n={B} greedy identical: {bool(same.all())} (first divergence: {first}) | "
               f"teacher-forced max|dlogp| {d[0]:.2e} / {d[1]:.2e} | same seed twice identical: {torch.equal(*runs)}", flush=True)
         model.clear_caches()
+    fused_ops.for_backend("inductor")  # the reference's setting again
 
 
 def main():
