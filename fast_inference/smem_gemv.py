@@ -29,11 +29,12 @@ SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "smem_gemv.cu"
 # (FIRST, before it, lost: n = 1 1.137 -> 1.184 ms/step with all four here). H200, `python scripts/engine_ab.py
 # --batch-sizes 1 --process-per-setting` (docs/PERF_NOTES.md #67), gate/up alone: (4, 4) 0.921, (8, 4) 0.916, (4, 2)
 # 0.939, (4, 7) 1.045 ms/step, against 0.940 with the Triton kernel. The others from a chain of the four alone
-# (GPT-XL, 2 rows, 8 blocks' weights back to back): 17.7 us per block against 21.0 for the Triton GEMVs; wo then
-# re-tiled in the cudagraph backend's step (the only one that runs it here; PERF_NOTES #74, `python scripts/engine_ab.py
-# --backend cudagraph --batch-sizes 1,2`), ms/step at n = 1 / 2: (2, 4) 1.204, 1.196 / 1.781, 1.761; (2, 2) 1.196,
-# 1.195 / 1.719, 1.725; (4, 2) 1.196, 1.196 / 1.721, 1.725.
-CONFIG = dict(qkv=(8, 2), wo=(2, 2), gate_up=(8, 4), w2=(4, 1))
+# (GPT-XL, 2 rows, 8 blocks' weights back to back): 17.7 us per block against 21.0 for the Triton GEMVs; wo and qkv
+# then re-tiled in the cudagraph backend's step (the only one that runs them here; PERF_NOTES #74, #75, `python
+# scripts/engine_ab.py --backend cudagraph --batch-sizes 1,2`), ms/step at n = 1 / 2: wo (2, 4) 1.204, 1.196 / 1.781,
+# 1.761; (2, 2) 1.196, 1.195 / 1.719, 1.725; (4, 2) 1.196, 1.196 / 1.721, 1.725; then qkv (8, 2) 1.213, 1.205 / 1.731,
+# 1.739; (4, 4) 1.142, 1.142 / 1.636, 1.633; (8, 4) 1.143, 1.142 / 1.640, 1.656; (2, 8) 1.131, 1.130 / 1.643, 1.639.
+CONFIG = dict(qkv=(4, 4), wo=(2, 2), gate_up=(8, 4), w2=(4, 1))
 PDL = EARLY
 ENABLED = os.environ.get("FAST_SMEM_GEMV", "1") != "0"
 # The projections that run here. In the model each of the others lost, alone (n = 1, ms/step against 0.940): qkv
