@@ -104,6 +104,16 @@ __device__ __forceinline__ float tempered(const Args& a, int b, int j, float sca
   return __fdiv_rn(x, temperature);
 }
 
+// thread t's tempered logits of image b, its i0-th to (i0 + N - 1)-th (logit j = i * T + t), to x; -inf past V
+template <int T, int N, int F32>
+__device__ __forceinline__ void tempered_row(float* x, const Args& a, int b, int i0, float scale, float temperature) {
+#pragma unroll
+  for (int i = 0; i < N; ++i) {
+    const int j = (i0 + i) * T + threadIdx.x;
+    x[i] = j < a.V ? tempered<F32>(a, b, j, scale, temperature) : NEG_INF;
+  }
+}
+
 // the race's scores of thread t's tempered logits x of image b, its i0-th to (i0 + PER - 1)-th (i0 a multiple of 4):
 // x - log E, or x where greedy; -inf past V
 template <int T, int PER>
@@ -134,11 +144,7 @@ __device__ __forceinline__ void draw(const Args& a) {
   unsigned long long best = 0;
   {
     float x[PER], s[PER];
-#pragma unroll
-    for (int i = 0; i < PER; ++i) {
-      const int j = (p * PER + i) * T + t;
-      x[i] = j < a.V ? tempered<F32>(a, b, j, scale, temperature) : NEG_INF;
-    }
+    tempered_row<T, PER, F32>(x, a, b, p * PER, scale, temperature);
     scores<T, PER>(x, s, a, b, p * PER, pos, seed);
 #pragma unroll
     for (int i = 0; i < PER; ++i) {
@@ -165,11 +171,7 @@ __device__ __forceinline__ void draw(const Args& a) {
   }
   if (a.top_k > 0) {
     float x[ALL];
-#pragma unroll
-    for (int i = 0; i < ALL; ++i) {
-      const int j = i * T + t;
-      x[i] = j < a.V ? tempered<F32>(a, b, j, scale, temperature) : NEG_INF;
-    }
+    tempered_row<T, ALL, F32>(x, a, b, 0, scale, temperature);
     // kept if fewer than k logits exceed its own; else the next winner in rank, TRIES in all
     bool kept = false;
     for (int tr = 0; tr < TRIES && !kept; ++tr) {

@@ -54,10 +54,9 @@ def builds(V, dtype, device, top_p):
     """Whether the draw of V logits of `dtype` runs here: enabled, smem_gemv's NVRTC and driver (sm_90+), bf16 or
     float32, at most MAX_PER logits per thread, no top-p (its sorted sums stay on sampling.py's path), and the kernel
     built now, before any step is captured."""
-    device = torch.device(device)
-    if device.type == "cuda" and device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())
-    if not (ENABLED and top_p >= 1.0 and dtype in (torch.bfloat16, torch.float32) and -(-V // THREADS) <= MAX_PER):
+    device = smem_gemv.cuda_device(device)
+    per, n = layout(V)
+    if not (ENABLED and top_p >= 1.0 and dtype in (torch.bfloat16, torch.float32) and per * n <= MAX_PER):
         return False
     return smem_gemv.available(device) and _kernel(device, V, dtype) is not None
 

@@ -40,9 +40,7 @@ def builds(model, device):
     """Whether the step inputs of `model` run here: enabled, smem_gemv's NVRTC and driver (sm_90+), bf16 or float32
     embeddings, and the kernel built now, before any step is captured (the RoPE table is float32 once the model's
     caches are set up)."""
-    device = torch.device(device)
-    if device.type == "cuda" and device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())
+    device = smem_gemv.cuda_device(device)
     dtype = model.tok_embeddings.weight.dtype
     if not (ENABLED and dtype in (torch.bfloat16, torch.float32)):
         return False

@@ -77,9 +77,7 @@ def builds(attention, max_seq, rows, device):
     """Whether the decode attention of `attention` (a model Attention) at the row counts in `rows` runs here, over
     caches of max_seq positions: enabled, smem_gemv available (sm_90+, NVRTC), a head dim of 64, 128 or 256, the
     slices within a program's shared memory, and the kernel built now, before any step is captured."""
-    device = torch.device(device)
-    if device.type == "cuda" and device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())
+    device = smem_gemv.cuda_device(device)
     hd, heads = attention.head_dim, attention.n_head
     if not (ENABLED and smem_gemv.available(device) and hd in (64, 128, 256)):
         return False

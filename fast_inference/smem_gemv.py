@@ -235,13 +235,22 @@ def _launch(entry, columns, args, device):
 _available = {}
 
 
+def cuda_device(device):
+    """torch.device(device), a CUDA one with its index ("cuda" alone: the current one), as kernels are built and cached
+    per device index (also smem_attention's, cuda_draw's and cuda_inputs' `builds`)."""
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
 def available(device):
     """NVRTC and the driver's cuLaunchKernelEx here, and a GPU of compute capability 9.0 or later (bulk copies,
     PDL). Checked once per CUDA device, by its index ("cuda" alone: the current one); no other device has them."""
-    device = torch.device(device)
+    device = cuda_device(device)
     if device.type != "cuda":
         return False
-    index = torch.cuda.current_device() if device.index is None else device.index
+    index = device.index
     if index not in _available:
         ok = use_pdl(device)
         if ok:
@@ -306,7 +315,7 @@ def builds_block(layer, rows, device):
         entries = [_entry("qkv", "qkv", D, r, True, ALL), _entry("linear", "wo", D, r, True, ALL),
                    _entry("gate_up", "gate_up", D, r, True, ALL), _entry("linear", "w2", F, r, True, ALL),
                    _entry("linear_add", "w2", F, r, True, ALL)]  # w2 with the control rows, before blocks L, 2L
-        if any(_kernel(torch.device(device), e) is None for e in entries):
+        if any(_kernel(cuda_device(device), e) is None for e in entries):
             return False
     return True
 
