@@ -42,8 +42,8 @@ import time
 import torch
 import torch.nn as nn
 
-from fast_inference import (cuda_draw, cuda_inputs, decode_attention, decode_block, decode_inputs, decode_sampling,
-                            prefetch, smem_attention, smem_gemv)
+from fast_inference import (cuda_draw, cuda_inputs, cuda_ops, decode_attention, decode_block, decode_inputs,
+                            decode_sampling, prefetch, smem_attention, smem_gemv)
 from fast_inference.generate import prepare
 from fast_inference.pdl import use_pdl
 from fast_inference.quantize import is_int8
@@ -346,6 +346,8 @@ class Engine:
             inputs_fn = decode_inputs.step_inputs
         elif self.backend == "cudagraph" and cuda_inputs.builds(self.model, self.device):  # no Triton there
             inputs_fn = cuda_inputs.step_inputs
+        if self.backend == "cudagraph":  # fused_ops' kernels in CUDA C++ there (cuda_ops), built before any capture
+            cuda_ops.builds(self.device, self.model.tok_embeddings.weight.dtype)
         s = Sampler(self.model, batch, num_tokens, prefix_len, num_controls, cfg, top_k, top_p, sample_logits,
                     attention, block_fn, draw_fn, windows, inputs_fn, keep_logits)
         if fused:  # the fused head, which also makes the fused draw's noise

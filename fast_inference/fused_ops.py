@@ -6,12 +6,15 @@ captures the eager prefill in a CUDA graph (engine.captures_prefill), where GPT-
 kernels that each cost more to start than to run. Here those seven are two, computing the same roundings: each
 rotated element is fl(fl(x0 c) + fl(x1 (-s))) in float32 with fused multiply-adds off, as the eager rotation rounds;
 SiLU is x / (1 + exp(-x)) with CUDA's expf (libdevice) and an IEEE division, as PyTorch's kernel, rounded to the
-model's dtype before the product. Not where a compiler traces the model (inductor fuses these itself), nor on the
-cudagraph backend (ENABLED: it promises no Triton). tests/test_fused_ops.py checks them against the eager ops.
+model's dtype before the product. Not where a compiler traces the model (inductor fuses these itself). The cudagraph
+backend promises no Triton (ENABLED): there, and wherever Triton is missing, cuda_ops.py's CUDA C++ kernels do the
+same (`fuses`). tests/test_fused_ops.py and tests/test_cuda_ops.py check them against the eager ops.
 """
 import os
 
 import torch
+
+from fast_inference import cuda_ops
 
 try:
     import triton
@@ -35,7 +38,13 @@ def for_backend(backend):
 
 
 def supported(x):
+    """Whether Triton's kernels may run for x (also the VQ decoder's norms)."""
     return ENABLED and triton is not None and x.is_cuda and not torch.compiler.is_compiling()
+
+
+def fuses(x):
+    """Whether rope_and_cache and silu_mul run as one kernel each for x: Triton's, else cuda_ops'."""
+    return supported(x) or (x.is_cuda and not torch.compiler.is_compiling() and cuda_ops.builds(x.device, x.dtype))
 
 
 if triton is not None:
@@ -83,6 +92,8 @@ def rope_and_cache(q, k, v, freqs, cache, input_pos):
     """model.rope_and_cache in one kernel: q, k, v (B,S,H,hd) with each token's heads contiguous (the QKV
     projection's split), freqs (S, hd/2, 2) float32 -> q rotated (B,H,S,hd) and the cache's first B rows of keys and
     values, k rotated and v written at input_pos."""
+    if q.is_cuda and not supported(q):  # (on the CPU: Triton's interpreter, the tests)
+        return cuda_ops.rope_and_cache(q, k, v, freqs, cache, input_pos)
     B, S, H, hd = q.shape
     assert all(t.stride()[2:] == (hd, 1) for t in (q, k, v)) and freqs.is_contiguous() and hd % 2 == 0
     k_cache, v_cache = cache.k_cache[:B], cache.v_cache[:B]
@@ -97,6 +108,8 @@ def rope_and_cache(q, k, v, freqs, cache, input_pos):
 
 def silu_mul(x):
     """F.silu(gate) * up of x (..., 2F) = [gate | up], contiguous, in one kernel."""
+    if x.is_cuda and not supported(x):
+        return cuda_ops.silu_mul(x)
     assert x.is_contiguous()
     F2 = x.shape[-1]
     out = torch.empty(*x.shape[:-1], F2 // 2, dtype=x.dtype, device=x.device)

@@ -235,7 +235,7 @@ class FeedForward(nn.Module):
         if self.w13 is None:
             return F.silu(self.w1(x)) * self.w3(x)
         w13 = F.linear(x, self.w13) if self.w13_scales is None else int8_linear(x, self.w13, self.w13_scales)
-        if fused_ops.supported(w13):
+        if fused_ops.fuses(w13):
             return fused_ops.silu_mul(w13)
         gate, up = w13.chunk(2, dim=-1)
         return F.silu(gate) * up
@@ -437,7 +437,7 @@ class Transformer(nn.Module):
             n = key_valid.shape[1] if kv_len is None else kv_len
             mask = attention_mask(key_valid[:, :n], input_pos)
             bias = torch.zeros(mask.shape, dtype=x.dtype, device=x.device).masked_fill_(~mask, float("-inf"))
-            fused = fused_ops.supported(x)  # RoPE and the cache write in one kernel, the same bits
+            fused = fused_ops.fuses(x)  # RoPE and the cache write in one kernel, the same bits
             rot = None if fused else rotations(freqs)
 
             def attend(q, k, v, freqs, cache):

@@ -4,7 +4,7 @@ default engine or --backend's, cfg 4, top-k 2000, the same seed), and whether th
 
     python scripts/engine_ab.py --batch-sizes 8 "" "decode_block.attention_pdl = decode_block.pdl_for"
 
-A setting is Python run with the fast_inference modules in scope (cuda_draw, cuda_inputs, decode_attention,
+A setting is Python run with the fast_inference modules in scope (cuda_draw, cuda_inputs, cuda_ops, decode_attention,
 decode_block, decode_inputs, decode_sampling, engine, pdl, prefetch, smem_attention, smem_gemv), after every attribute
 of those modules is put back as it was (config tables copied, so a setting may change them in place); ""
 is the code as it stands.
@@ -25,11 +25,11 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch
 
-from fast_inference import (cuda_draw, cuda_inputs, decode_attention, decode_block, decode_inputs, decode_sampling,
-                            engine, fused_ops, pdl, prefetch, smem_attention, smem_gemv)
+from fast_inference import (cuda_draw, cuda_inputs, cuda_ops, decode_attention, decode_block, decode_inputs,
+                            decode_sampling, engine, fused_ops, pdl, prefetch, smem_attention, smem_gemv)
 from fast_inference.bench import inputs, random_gpt_xl
 
-MODULES = dict(cuda_draw=cuda_draw, cuda_inputs=cuda_inputs, decode_attention=decode_attention,
+MODULES = dict(cuda_draw=cuda_draw, cuda_inputs=cuda_inputs, cuda_ops=cuda_ops, decode_attention=decode_attention,
                decode_block=decode_block, decode_inputs=decode_inputs, decode_sampling=decode_sampling, engine=engine,
                pdl=pdl, prefetch=prefetch, smem_attention=smem_attention, smem_gemv=smem_gemv)
 

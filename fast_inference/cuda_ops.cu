@@ -1,0 +1,70 @@
+// fused_ops.py's two kernels without Triton, for the cudagraph backend's eager blocks and prefill: RoPE on q and k
+// with the cache write, and SiLU x up. The same roundings as the eager ops: each rotated element is
+// fl(fl(x0 c) + fl(x1 (-s))) in float32 (no FMA: the intrinsics below), SiLU is x / (1 + expf(-x)) with an IEEE
+// division, rounded to the dtype before the product. Compiled at run time (NVRTC) by cuda_ops.py, after common.cuh.
+
+struct RopeArgs {
+  const void* q;          // (B, S, H, HD) by the strides below, each token's heads contiguous
+  const void* k;
+  const void* v;
+  const float* freqs;     // (S, HD / 2, 2): the token's (cos, sin) pairs
+  const long long* pos;   // (S,): the tokens' cache positions
+  void* q_out;            // (B, S, H, HD) contiguous
+  void* kc;               // the caches, (rows, H, positions, HD) by the strides below
+  void* vc;
+  long long sq_b, sq_s, sk_b, sk_s, sv_b, sv_s, sc_b, sc_h, sc_s;
+  int S, H, HD;
+};
+
+struct SiluArgs {
+  const void* x;  // (M, 2F): [gate | up] per row
+  void* out;      // (M, F)
+  int F;
+};
+
+static_assert(sizeof(RopeArgs) == 152 && sizeof(SiluArgs) == 24, "cuda_ops.py's ctypes Args mirror these layouts");
+
+template <int F32>
+__device__ __forceinline__ float load(const void* p, long long i) {
+  return F32 ? ((const float*)p)[i] : from_bf16(((const bf16_t*)p)[i]);
+}
+
+template <int F32>
+__device__ __forceinline__ void store(void* p, long long i, float v) {  // v rounded to the buffer's dtype
+  if (F32) ((float*)p)[i] = v;
+  else ((bf16_t*)p)[i] = to_bf16(v);
+}
+
+// program (s, b): token s of row b, every head; a thread per (head, pair) in turn
+template <int F32>
+__device__ __forceinline__ void rope_cache(const RopeArgs& a) {
+  const int s = blockIdx.x, b = blockIdx.y, half = a.HD / 2;
+  const long long pos = a.pos[s];
+  for (int i = threadIdx.x; i < a.H * half; i += blockDim.x) {
+    const int h = i / half, j = i % half, d = h * a.HD + 2 * j;
+    const float c = a.freqs[((long long)s * half + j) * 2], sn = a.freqs[((long long)s * half + j) * 2 + 1];
+    const long long q = b * a.sq_b + s * a.sq_s + d, k = b * a.sk_b + s * a.sk_s + d;
+    const long long out = ((long long)b * a.S + s) * a.H * a.HD + d;
+    const long long cache = b * a.sc_b + h * a.sc_h + pos * a.sc_s + 2 * j, v = b * a.sv_b + s * a.sv_s + d;
+    float x0 = load<F32>(a.q, q), x1 = load<F32>(a.q, q + 1);
+    store<F32>(a.q_out, out, __fadd_rn(__fmul_rn(x0, c), __fmul_rn(x1, -sn)));
+    store<F32>(a.q_out, out + 1, __fadd_rn(__fmul_rn(x0, sn), __fmul_rn(x1, c)));
+    x0 = load<F32>(a.k, k), x1 = load<F32>(a.k, k + 1);
+    store<F32>(a.kc, cache, __fadd_rn(__fmul_rn(x0, c), __fmul_rn(x1, -sn)));
+    store<F32>(a.kc, cache + 1, __fadd_rn(__fmul_rn(x0, sn), __fmul_rn(x1, c)));
+    store<F32>(a.vc, cache, load<F32>(a.v, v));
+    store<F32>(a.vc, cache + 1, load<F32>(a.v, v + 1));
+  }
+}
+
+// program (m, f block): row m's outputs from f = blockIdx.y * blockDim.x on (rows in x: past 65,535 at a prefill)
+template <int F32>
+__device__ __forceinline__ void silu_mul(const SiluArgs& a) {
+  const int f = blockIdx.y * blockDim.x + threadIdx.x;
+  if (f >= a.F) return;
+  const long long row = (long long)blockIdx.x * 2 * a.F;
+  const float g = load<F32>(a.x, row + f), up = load<F32>(a.x, row + a.F + f);
+  float silu = __fdiv_rn(g, __fadd_rn(1.0f, expf(-g)));
+  if (!F32) silu = round_bf16(silu);
+  store<F32>(a.out, (long long)blockIdx.x * a.F + f, __fmul_rn(silu, up));
+}

@@ -1,0 +1,90 @@
+"""fused_ops.py's two kernels in CUDA C++ (cuda_ops.cu), no Triton: RoPE with the cache write, and SiLU x up.
+
+The cudagraph backend promises no Triton, so its eager blocks (past smem_gemv's rows) and its captured eager prefill
+ran torch's ops for these: seven small kernels per block (the rotation's broadcast products, their sum and cast, two
+index_copy_, SiLU and the product), each costing more to start than to run. Here they are two, with the eager ops'
+roundings (bit for bit). Built by NVRTC and launched through the driver as smem_gemv's kernels; fused_ops runs them
+where its Triton kernels may not run (`builds`: bf16 or float32, sm_90+ with NVRTC).
+"""
+import ctypes
+import os
+
+import torch
+
+from fast_inference import smem_gemv
+
+SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cuda_ops.cu")
+THREADS = 256
+ENABLED = os.environ.get("FAST_CUDA_OPS", "1") != "0"
+DTYPES = {torch.bfloat16: 0, torch.float32: 1}
+
+
+class RopeArgs(ctypes.Structure):  # cuda_ops.cu's RopeArgs
+    _fields_ = [(name, ctypes.c_void_p) for name in ("q", "k", "v", "freqs", "pos", "q_out", "kc", "vc")] + \
+               [(name, ctypes.c_longlong) for name in
+                ("sq_b", "sq_s", "sk_b", "sk_s", "sv_b", "sv_s", "sc_b", "sc_h", "sc_s")] + \
+               [(name, ctypes.c_int) for name in ("S", "H", "HD")]
+
+
+class SiluArgs(ctypes.Structure):  # cuda_ops.cu's SiluArgs
+    _fields_ = [("x", ctypes.c_void_p), ("out", ctypes.c_void_p), ("F", ctypes.c_int)]
+
+
+KERNELS = dict(rope=("rope_cache", RopeArgs), silu=("silu_mul", SiluArgs))
+
+
+def source(names):
+    """cuda_ops.cu with an entry point per (name, (kernel, float32)) in `names` (kernel: KERNELS' key)."""
+    return smem_gemv.cuda_source(SOURCE) + "".join(
+        f'extern "C" __global__ void __launch_bounds__({THREADS}) {name}(const {KERNELS[op][1].__name__} a) '
+        f"{{ {KERNELS[op][0]}<{f32}>(a); }}\n" for name, (op, f32) in names)
+
+
+def _kernel(device, op, dtype):
+    entry = (op, DTYPES[dtype])
+    name = "cuda_ops_{}_{}".format(*entry)
+    return smem_gemv.compiled(device, name, lambda: source([(name, entry)]), 0, "cuda_ops.cu")
+
+
+_builds = {}  # (device index, dtype) -> whether both kernels run there
+
+
+def builds(device, dtype):
+    """Whether these kernels run for tensors of dtype on device: enabled, bf16 or float32, smem_gemv's NVRTC and
+    driver (sm_90+), and both kernels built (at the first ask: an eager prefill, before any capture)."""
+    if not (ENABLED and dtype in DTYPES) or torch.device(device).type != "cuda":
+        return False
+    device = smem_gemv.cuda_device(device)
+    key = (device.index, dtype)
+    if key not in _builds:
+        _builds[key] = smem_gemv.available(device) and all(_kernel(device, op, dtype) is not None for op in KERNELS)
+    return _builds[key]
+
+
+def rope_and_cache(q, k, v, freqs, cache, input_pos):
+    """fused_ops.rope_and_cache: q, k, v (B,S,H,hd) with each token's heads contiguous, freqs (S, hd/2, 2) float32 ->
+    q rotated (B,H,S,hd) and the cache's first B rows of keys and values, k rotated and v written at input_pos."""
+    B, S, H, hd = q.shape
+    assert all(t.stride()[2:] == (hd, 1) for t in (q, k, v)) and freqs.is_contiguous() and hd % 2 == 0
+    assert freqs.dtype == torch.float32 and input_pos.dtype == torch.int64 and input_pos.is_contiguous()
+    k_cache, v_cache = cache.k_cache[:B], cache.v_cache[:B]
+    assert k_cache.stride() == v_cache.stride() and k_cache.stride(3) == 1 and k_cache.dtype == q.dtype
+    q_out = torch.empty(B, S, H, hd, dtype=q.dtype, device=q.device)
+    ptr = smem_gemv._ptr
+    args = RopeArgs(q=ptr(q), k=ptr(k), v=ptr(v), freqs=ptr(freqs), pos=ptr(input_pos), q_out=ptr(q_out),
+                    kc=ptr(k_cache), vc=ptr(v_cache), sq_b=q.stride(0), sq_s=q.stride(1), sk_b=k.stride(0),
+                    sk_s=k.stride(1), sv_b=v.stride(0), sv_s=v.stride(1), sc_b=k_cache.stride(0),
+                    sc_h=k_cache.stride(1), sc_s=k_cache.stride(2), S=S, H=H, HD=hd)
+    smem_gemv.launch(_kernel(q.device, "rope", q.dtype), (S, B), THREADS, 0, args, False, q.device)
+    return q_out.transpose(1, 2), k_cache, v_cache
+
+
+def silu_mul(x):
+    """F.silu(gate) * up of x (..., 2F) = [gate | up], contiguous, in one kernel."""
+    assert x.is_contiguous()
+    F = x.shape[-1] // 2
+    out = torch.empty(*x.shape[:-1], F, dtype=x.dtype, device=x.device)
+    args = SiluArgs(x=smem_gemv._ptr(x), out=smem_gemv._ptr(out), F=F)
+    smem_gemv.launch(_kernel(x.device, "silu", x.dtype), (x.numel() // (2 * F), -(-F // THREADS)), THREADS, 0, args,
+                     False, x.device)
+    return out
