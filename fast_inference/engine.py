@@ -25,7 +25,8 @@ can be captured once and replayed N-1 times:
                        Hopper+ the blocks' projections run as smem_gemv's CUDA C++ kernels (NVRTC)
                        and the attention as smem_attention's (filled keys only: no windows); on
                        Hopper+ the draw and the step's inputs as one CUDA C++ kernel each (cuda_draw,
-                       cuda_inputs; top-p < 1: sampling.py's ops)
+                       cuda_inputs; top-p < 1: sampling.py's ops), and in the eager blocks and prefill
+                       RoPE with the cache write and SiLU x up (fused_ops through cuda_ops)
   backend "eager":     the same steps run op by op (CPU, debugging)
 Where the steps are captured by hand the eager prefill is captured too from a shape's second image on
 (replayed per image, its prefix copied in; the first token's draw runs after it, outside its graph), and so is
