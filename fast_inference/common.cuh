@@ -1,5 +1,5 @@
-// Helpers shared by smem_gemv.cu and smem_attention.cu (bf16 values, bulk copies on an mbarrier): smem_gemv.cuda_source
-// puts this file before each (NVRTC gets no include paths, and needs no headers).
+// Helpers shared by the CUDA C++ sources (bf16 values, bulk copies on an mbarrier): smem_gemv.cuda_source puts this
+// file before each (NVRTC gets no include paths, and needs no headers).
 typedef unsigned short bf16_t;
 
 __device__ __forceinline__ unsigned saddr(const void* p) { return (unsigned)__cvta_generic_to_shared(p); }
@@ -11,6 +11,18 @@ __device__ __forceinline__ bf16_t to_bf16(float f) {  // round to nearest even (
 }
 __device__ __forceinline__ float round_bf16(float f) { return __uint_as_float((unsigned)to_bf16(f) << 16); }
 __device__ __forceinline__ float from_bf16(bf16_t b) { return __uint_as_float((unsigned)b << 16); }
+
+// element i of a float32 (F32) or bf16 buffer, as float; v stored rounded to the buffer's dtype
+template <int F32>
+__device__ __forceinline__ float load(const void* p, long long i) {
+  return F32 ? ((const float*)p)[i] : from_bf16(((const bf16_t*)p)[i]);
+}
+
+template <int F32>
+__device__ __forceinline__ void store(void* p, long long i, float v) {
+  if (F32) ((float*)p)[i] = v;
+  else ((bf16_t*)p)[i] = to_bf16(v);
+}
 
 __device__ __forceinline__ void unpack(const uint4& t, float* f) {
   f[0] = lo(t.x); f[1] = hi(t.x); f[2] = lo(t.y); f[3] = hi(t.y);

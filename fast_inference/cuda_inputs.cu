@@ -20,17 +20,6 @@ struct Args {
 static_assert(sizeof(Args) == 112, "cuda_inputs.py's ctypes Args mirrors this layout");
 
 template <int F32>
-__device__ __forceinline__ float load(const void* p, long long i) {
-  return F32 ? ((const float*)p)[i] : from_bf16(((const bf16_t*)p)[i]);
-}
-
-template <int F32>
-__device__ __forceinline__ void store(void* p, long long i, float v) {  // v rounded to the buffer's dtype
-  if (F32) ((float*)p)[i] = v;
-  else ((bf16_t*)p)[i] = to_bf16(v);
-}
-
-template <int F32>
 __device__ __forceinline__ void inputs(const Args& a) {
   asm volatile("griddepcontrol.wait;" ::: "memory");  // the previous step's draw wrote the token and the position
   const int r = blockIdx.x, R = gridDim.x;

@@ -24,15 +24,11 @@ struct SiluArgs {
 
 static_assert(sizeof(RopeArgs) == 152 && sizeof(SiluArgs) == 24, "cuda_ops.py's ctypes Args mirror these layouts");
 
+// the pair (x0, x1) rotated by (c, s) into p[i], p[i + 1]: the eager rotation's float32 products and sums, no FMA
 template <int F32>
-__device__ __forceinline__ float load(const void* p, long long i) {
-  return F32 ? ((const float*)p)[i] : from_bf16(((const bf16_t*)p)[i]);
-}
-
-template <int F32>
-__device__ __forceinline__ void store(void* p, long long i, float v) {  // v rounded to the buffer's dtype
-  if (F32) ((float*)p)[i] = v;
-  else ((bf16_t*)p)[i] = to_bf16(v);
+__device__ __forceinline__ void store_rotated(void* p, long long i, float x0, float x1, float c, float s) {
+  store<F32>(p, i, __fadd_rn(__fmul_rn(x0, c), __fmul_rn(x1, -s)));
+  store<F32>(p, i + 1, __fadd_rn(__fmul_rn(x0, s), __fmul_rn(x1, c)));
 }
 
 // program (s, b): token s of row b, every head; a thread per (head, pair) in turn
@@ -46,12 +42,8 @@ __device__ __forceinline__ void rope_cache(const RopeArgs& a) {
     const long long q = b * a.sq_b + s * a.sq_s + d, k = b * a.sk_b + s * a.sk_s + d;
     const long long out = ((long long)b * a.S + s) * a.H * a.HD + d;
     const long long cache = b * a.sc_b + h * a.sc_h + pos * a.sc_s + 2 * j, v = b * a.sv_b + s * a.sv_s + d;
-    float x0 = load<F32>(a.q, q), x1 = load<F32>(a.q, q + 1);
-    store<F32>(a.q_out, out, __fadd_rn(__fmul_rn(x0, c), __fmul_rn(x1, -sn)));
-    store<F32>(a.q_out, out + 1, __fadd_rn(__fmul_rn(x0, sn), __fmul_rn(x1, c)));
-    x0 = load<F32>(a.k, k), x1 = load<F32>(a.k, k + 1);
-    store<F32>(a.kc, cache, __fadd_rn(__fmul_rn(x0, c), __fmul_rn(x1, -sn)));
-    store<F32>(a.kc, cache + 1, __fadd_rn(__fmul_rn(x0, sn), __fmul_rn(x1, c)));
+    store_rotated<F32>(a.q_out, out, load<F32>(a.q, q), load<F32>(a.q, q + 1), c, sn);
+    store_rotated<F32>(a.kc, cache, load<F32>(a.k, k), load<F32>(a.k, k + 1), c, sn);
     store<F32>(a.vc, cache, load<F32>(a.v, v));
     store<F32>(a.vc, cache + 1, load<F32>(a.v, v + 1));
   }
