@@ -26,7 +26,8 @@ can be captured once and replayed N-1 times:
                        and the attention as smem_attention's (filled keys only: no windows); on
                        Hopper+ the draw and the step's inputs as one CUDA C++ kernel each (cuda_draw,
                        cuda_inputs; top-p < 1: sampling.py's ops), and in the eager blocks and prefill
-                       RoPE with the cache write and SiLU x up (fused_ops through cuda_ops)
+                       RoPE with the cache write and SiLU x up (fused_ops through cuda_ops); from 32
+                       rows (n = 16 under CFG) the eager blocks' attention is smem_attention's too
   backend "eager":     the same steps run op by op (CPU, debugging)
 Where the steps are captured by hand the eager prefill is captured too from a shape's second image on
 (replayed per image, its prefix copied in; the first token's draw runs after it, outside its graph), and so is
@@ -323,6 +324,11 @@ class Engine:
                 attention = smem_attention.decode_attention
             log.info("decode block for %d rows: smem_gemv's CUDA C++ kernels (%s) and %s", rows,
                      ", ".join(smem_gemv.ALL), "smem_attention's" if attention else "SDPA")
+        elif self.backend == "cudagraph" and rows >= smem_attention.EAGER_ROWS and smem_attention.builds(
+                self.model.layers[0].attention, prefix_len + num_tokens, {rows, batch}, self.device):
+            # from n = 16 under CFG the eager block's attention is smem_attention's looping kernel (no cache windows)
+            attention = smem_attention.decode_attention
+            log.info("decode block for %d rows: eager, with smem_attention's decode attention", rows)
         if self.block_scope:
             dtype, layer = self.model.tok_embeddings.weight.dtype, self.model.layers[0]
             cuda = smem_gemv.used(rows, dtype, self.device, layer) if fused and not self.int8 else ()

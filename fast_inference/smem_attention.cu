@@ -4,7 +4,8 @@
 // holds it, the step's key and value (the QKV kernel just before wrote them). Its partial (max, sum, weighted
 // values) goes to global memory; the (row, head)'s last program to finish merges them all. Compiled at run time (NVRTC) by
 // smem_attention.py, which names the instantiations, after common.cuh; no headers, so that NVRTC needs none. float32
-// arithmetic and one rounding, of the output, as decode_attention.py's Triton kernels.
+// arithmetic and one rounding, of the output, as decode_attention.py's Triton kernels. attend_loop, further down, is
+// the form for many rows.
 
 struct Args {
   const bf16_t* q;             // (R, H, HD): the step's queries, rotated
@@ -42,6 +43,40 @@ __device__ __forceinline__ float block_reduce(float v, float* red) {
   for (int w = 1; w < NW; ++w) v = OP ? v + red[w] : fmaxf(v, red[w]);
   __syncthreads();  // red free again
   return v;
+}
+
+// The program's partial (max m, sum l and, in thread d < HD, the weighted values' sum for dim d) to the output when
+// the (row, head) has one program, else to `part`; the (row, head)'s last program to finish merges them all
+template <int HD>
+__device__ __forceinline__ void finish(const Args& a, int rh, int split, int splits, float m, float l, float sum,
+                                       int* last) {
+  const int tid = threadIdx.x;
+  if (splits == 1) {
+    if (tid < HD) a.out[(long long)rh * HD + tid] = to_bf16(sum / l);
+    return;
+  }
+  float* mine = a.part + ((long long)rh * splits + split) * (HD + 2);
+  if (tid < HD) mine[2 + tid] = sum;
+  if (tid == 0) mine[0] = m, mine[1] = l;
+  __threadfence();  // the partial visible before the count says so
+  __syncthreads();
+  if (tid == 0) {
+    *last = atomicAdd(a.count + rh, 1) == splits - 1;
+    if (*last) a.count[rh] = 0;  // for the next call
+  }
+  __syncthreads();
+  if (!*last || tid >= HD) return;
+  __threadfence();
+  const float* parts = a.part + (long long)rh * splits * (HD + 2);
+  float mx = NEG_INF;  // finite: the slice holding the position sees its own key
+  for (int s = 0; s < splits; ++s) mx = fmaxf(mx, __ldcg(parts + s * (HD + 2)));
+  float num = 0.f, den = 0.f;
+  for (int s = 0; s < splits; ++s) {
+    const float w = expf(__ldcg(parts + s * (HD + 2)) - mx);
+    num = fmaf(w, __ldcg(parts + s * (HD + 2) + 2 + tid), num);
+    den = fmaf(w, __ldcg(parts + s * (HD + 2) + 1), den);
+  }
+  a.out[(long long)rh * HD + tid] = to_bf16(num / den);
 }
 
 template <int HD, int NW, int PDL>
@@ -135,33 +170,91 @@ __device__ __forceinline__ void attend(const Args& a) {
 #pragma unroll
     for (int w = 0; w < NW; ++w) sum += red[w * HD + tid];
 
-  if (splits == 1) {
-    if (tid < HD) a.out[(long long)rh * HD + tid] = to_bf16(sum / l);
-    return;
+  finish<HD>(a, rh, split, splits, m, l, sum, last);
+}
+
+// Past a few rows (the eager blocks past smem_gemv's rows) the whole-slice staging above runs its programs in waves,
+// each paying its copy's latency before its math. Here each program loops over its slice: LANES lanes per key, each
+// group of them U keys a trip (loads in flight in registers, no staging, no barriers), with its own running max, sum
+// and weighted values (online softmax); the program's groups merged through shared memory at the end, then finish.
+// Trips are whole warps' (keys past the slice masked), so that every lane of a warp takes part in each shuffle.
+template <int HD, int NW, int U>
+__device__ __forceinline__ void attend_loop(const Args& a) {
+  constexpr int LANES = HD / 8, PER_WARP = 32 / LANES, GROUPS = NW * PER_WARP;
+  static_assert(HD % 64 == 0 && LANES <= 32, "whole 16-byte pieces, groups within a warp");
+  extern __shared__ __align__(128) unsigned char smem[];
+  int* last = (int*)smem;
+  float* st = (float*)(smem + 128);  // GROUPS x (HD + 2): each group's (max, sum, weighted values)
+  const int rh = blockIdx.y, split = blockIdx.x, splits = gridDim.x;
+  const int r = rh / a.heads, h = rh % a.heads, tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+  const int grp = lane / LANES, piece = lane % LANES;
+  const long long pos = __ldcg(a.pos);  // the previous step wrote it
+  const int n = (int)pos + 1, per = (n + splits - 1) / splits;
+  const int s0 = min(split * per, n), len = min(s0 + per, n) - s0;  // this program's keys: s0 .. s0 + len - 1
+  const bf16_t* krow = a.kc + r * a.sr + h * a.sh + (long long)s0 * HD;
+  const bf16_t* vrow = a.vc + r * a.sr + h * a.sh + (long long)s0 * HD;
+  const unsigned char* valid = a.valid + r * a.sv + s0;
+  float qf[8];
+  unpack(__ldcg((const uint4*)(a.q + (long long)rh * HD) + piece), qf);
+#pragma unroll
+  for (int e = 0; e < 8; ++e) qf[e] *= a.scale;
+
+  float m = NEG_INF, l = 0.f, acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+  for (int base = warp * PER_WARP * U; base < len; base += GROUPS * U) {
+    const int j0 = base + grp * U;  // this group's keys j0 .. j0 + U - 1
+    uint4 kt[U], vt[U];
+#pragma unroll
+    for (int u = 0; u < U; ++u) {  // all loads first, in bounds (a key past the slice masked below)
+      const long long j = min(j0 + u, len - 1);
+      kt[u] = __ldcg((const uint4*)(krow + j * HD) + piece);
+      vt[u] = __ldcg((const uint4*)(vrow + j * HD) + piece);
+    }
+    float s[U], mx = m;
+#pragma unroll
+    for (int u = 0; u < U; ++u) {  // q . k over the group's lanes, masked as model.attention_mask
+      float kf[8], d = 0.f;
+      unpack(kt[u], kf);
+#pragma unroll
+      for (int e = 0; e < 8; ++e) d = fmaf(qf[e], kf[e], d);
+#pragma unroll
+      for (int o = LANES / 2; o; o >>= 1) d += __shfl_xor_sync(0xffffffffu, d, o);
+      const int j = j0 + u;
+      s[u] = j < len && (s0 + j == pos || valid[j]) ? d : NEG_INF;
+      mx = fmaxf(mx, s[u]);
+    }
+    if (mx != NEG_INF) {  // else nothing this group may see yet
+      const float c = expf(m - mx);  // 0 while m is -inf
+      l *= c;
+#pragma unroll
+      for (int e = 0; e < 8; ++e) acc[e] *= c;
+#pragma unroll
+      for (int u = 0; u < U; ++u) {
+        const float p = expf(s[u] - mx);
+        float vf[8];
+        unpack(vt[u], vf);
+        l += p;
+#pragma unroll
+        for (int e = 0; e < 8; ++e) acc[e] = fmaf(p, vf[e], acc[e]);
+      }
+      m = mx;
+    }
   }
-  float* mine = a.part + ((long long)rh * splits + split) * (HD + 2);
-  if (tid < HD) mine[2 + tid] = sum;
-  if (tid == 0) mine[0] = m, mine[1] = l;
-  __threadfence();  // the partial visible before the count says so
+  float* mine = st + (warp * PER_WARP + grp) * (HD + 2);
+  if (piece == 0) mine[0] = m, mine[1] = l;
+#pragma unroll
+  for (int e = 0; e < 8; ++e) mine[2 + piece * 8 + e] = acc[e];
   __syncthreads();
-  if (tid == 0) {
-    *last = atomicAdd(a.count + rh, 1) == splits - 1;
-    if (*last) a.count[rh] = 0;  // for the next call
-  }
-  __syncthreads();
-  if (!*last || tid >= HD) return;
-  __threadfence();
-  const float* parts = a.part + (long long)rh * splits * (HD + 2);
-  float mx = NEG_INF;  // finite: the slice holding the position sees its own key
-  for (int s = 0; s < splits; ++s) mx = fmaxf(mx, __ldcg(parts + s * (HD + 2)));
-  float num = 0.f, den = 0.f;
-  for (int s = 0; s < splits; ++s) {
-    const float w = expf(__ldcg(parts + s * (HD + 2)) - mx);
-    num = fmaf(w, __ldcg(parts + s * (HD + 2) + 2 + tid), num);
-    den = fmaf(w, __ldcg(parts + s * (HD + 2) + 1), den);
-  }
-  a.out[(long long)rh * HD + tid] = to_bf16(num / den);
+  float top = NEG_INF, sum = 0.f, den = 0.f;
+  for (int g = 0; g < GROUPS; ++g) top = fmaxf(top, st[g * (HD + 2)]);
+  if (tid < HD && top != NEG_INF)  // -inf: a slice of padding only (or none); its partial weighs nothing
+    for (int g = 0; g < GROUPS; ++g) {
+      const float w = expf(st[g * (HD + 2)] - top);
+      sum = fmaf(w, st[g * (HD + 2) + 2 + tid], sum);
+      den = fmaf(w, st[g * (HD + 2) + 1], den);
+    }
+  finish<HD>(a, rh, split, splits, top, den, sum, last);
 }
 
 // smem_attention.py appends a line per instantiation:
 // extern "C" __global__ void __launch_bounds__(NW * 32) NAME(const Args a) { attend<HD, NW, PDL>(a); }
+// or { attend_loop<HD, NW, U>(a); }

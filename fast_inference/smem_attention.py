@@ -10,7 +10,9 @@ text's keys are read as any other.
 
 Built by NVRTC and launched through the driver as smem_gemv's kernels (its `compiled` and `launch`), for the
 cudagraph backend where smem_gemv runs the block's projections (q rotated, the step's key and value already in the
-caches): the engine asks `builds` before it captures a step, else SDPA runs.
+caches): the engine asks `builds` before it captures a step, else SDPA runs. From EAGER_ROWS rows on the same
+backend's eager blocks take it too (the model rotates q and k and writes the cache first: `fresh` False), past
+LOOP_ROWS as attend_loop, whose programs loop over their slices with loads in flight instead of staging them whole.
 """
 import ctypes
 import os
@@ -26,6 +28,17 @@ WARPS = 4
 # 144 1.343-1.355 / 1.862-1.871, 96 1.367 / 1.874-1.889, 192 1.366 / 1.886-1.899, 288 1.370 / 1.874, 576 1.447 /
 # 2.165 (SDPA: 1.46 / 1.96).
 SLICE = 144
+# Past LOOP_ROWS rows (the cudagraph backend's eager blocks) attend_loop instead: the programs loop over their slices,
+# U keys a trip per group of lanes, LOOP_WARPS warps a program, about PER_SM programs per SM (the splits per (row,
+# head) from that, at most MAX_SPLITS). Whole slices staged lost to cuDNN's SDPA there (PERF_NOTES, the row before #76).
+LOOP_ROWS = 4
+LOOP_WARPS, U, PER_SM, MAX_SPLITS = 4, 4, 4, 16
+# The engine's eager blocks (the cudagraph backend past smem_gemv's rows) take it from EAGER_ROWS rows on, SDPA over
+# the cache windows below. H200, `python fast_inference/bench.py --random-weights --backend cudagraph --batch-sizes 16`
+# with FAST_SMEM_ATTENTION=0 / 1: n = 16 (32 rows) 2.91 -> 2.65 ms/step; `python scripts/engine_ab.py --backend
+# cudagraph --batch-sizes 4,8 "smem_attention.ENABLED = False" ""`: n = 8 2.432 / 2.432 -> 2.424 / 2.425, n = 4
+# 1.997 / 1.998 -> 2.177 / 2.178 (PERF_NOTES #77).
+EAGER_ROWS = 32
 ENABLED = os.environ.get("FAST_SMEM_ATTENTION", "1") != "0"
 MAX_HEADS = 4096  # rows x heads: the counts' length
 
@@ -37,14 +50,16 @@ class Args(ctypes.Structure):  # smem_attention.cu's Args
 
 
 def source(names):
-    """smem_attention.cu with an entry point per (name, (head dim, warps, pdl)) in `names`."""
+    """smem_attention.cu with an entry point per (name, (form, head dim, warps, x)) in `names`: form "attend" (x: pdl)
+    or "loop" (x: U)."""
+    body = dict(attend="attend<{}, {}, {}>", loop="attend_loop<{}, {}, {}>")
     return smem_gemv.cuda_source(SOURCE) + "".join(
         f'extern "C" __global__ void __launch_bounds__({nw * 32}) {name}(const Args a) '
-        f"{{ attend<{hd}, {nw}, {pdl}>(a); }}\n" for name, (hd, nw, pdl) in names)
+        f"{{ {body[form].format(hd, nw, x)}(a); }}\n" for name, (form, hd, nw, x) in names)
 
 
-def _kernel(device, head_dim):
-    entry = (head_dim, WARPS, smem_gemv.PDL)
+def _kernel(device, head_dim, loop=False):
+    entry = ("loop", head_dim, LOOP_WARPS, U) if loop else ("attend", head_dim, WARPS, smem_gemv.PDL)
     name = "smem_attention_" + "_".join(map(str, entry))
     return smem_gemv.compiled(device, name, lambda: source([(name, entry)]), smem_gemv.MAX_SMEM,
                               "smem_attention.cu")
@@ -64,6 +79,16 @@ def _smem(span, head_dim):
     return 128 + 2 * span * head_dim * 2 + span * 4 + WARPS * head_dim * 4
 
 
+def _loop_smem(head_dim):
+    return 128 + LOOP_WARPS * 32 // (head_dim // 8) * (head_dim + 2) * 4
+
+
+def loop_splits(heads, device):
+    """attend_loop's programs per (row, head) for `heads` (rows x heads): about PER_SM programs per SM in all."""
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    return max(1, min(MAX_SPLITS, round(PER_SM * sms / heads)))
+
+
 _counts = {}  # per device: each (row, head)'s programs done, zero between calls
 
 
@@ -75,16 +100,18 @@ def _counts_for(device):
 
 def builds(attention, max_seq, rows, device):
     """Whether the decode attention of `attention` (a model Attention) at the row counts in `rows` runs here, over
-    caches of max_seq positions: enabled, smem_gemv available (sm_90+, NVRTC), a head dim of 64, 128 or 256, the
-    slices within a program's shared memory, and the kernel built now, before any step is captured."""
+    caches of max_seq positions: enabled, bf16 weights (so caches), smem_gemv available (sm_90+, NVRTC), a head dim of
+    64, 128 or 256, the slices within a program's shared memory, and the kernels for those rows (attend up to
+    LOOP_ROWS, attend_loop past them) built now, before any step is captured."""
     device = smem_gemv.cuda_device(device)
     hd, heads = attention.head_dim, attention.n_head
-    if not (ENABLED and smem_gemv.available(device) and hd in (64, 128, 256)):
+    bf16 = attention.wqkv.weight.dtype == torch.bfloat16
+    if not (ENABLED and bf16 and smem_gemv.available(device) and hd in (64, 128, 256)):
         return False
     if max(rows) * heads > MAX_HEADS or _smem(_span(max_seq, splits(max_seq)), hd) > smem_gemv.MAX_SMEM:
         return False
     _counts_for(device)  # made before any capture, so that it persists
-    return _kernel(device, hd) is not None
+    return all(_kernel(device, hd, loop) is not None for loop in {r > LOOP_ROWS for r in rows})
 
 
 def decode_attention(q, k_cache, v_cache, key_valid, input_pos, fresh=None, text=None):
@@ -97,7 +124,8 @@ def decode_attention(q, k_cache, v_cache, key_valid, input_pos, fresh=None, text
     L = k_cache.shape[2]
     assert k_cache.stride()[2:] == (hd, 1) and v_cache.stride() == k_cache.stride() and key_valid.dtype == torch.bool
     assert key_valid.stride(1) == 1 and q.dtype == k_cache.dtype == torch.bfloat16 and input_pos.dtype == torch.int64
-    n = splits(L)
+    loop = R > LOOP_ROWS
+    n = loop_splits(R * H, q.device) if loop else splits(L)
     span = _span(L, n)
     out = torch.empty(R, H, 1, hd, device=q.device, dtype=q.dtype)
     part = torch.empty(R * H, n, hd + 2, device=q.device, dtype=torch.float32)
@@ -105,8 +133,13 @@ def decode_attention(q, k_cache, v_cache, key_valid, input_pos, fresh=None, text
     args = Args(q=ptr(q.contiguous()), kc=ptr(k_cache), vc=ptr(v_cache), valid=ptr(key_valid), pos=ptr(input_pos),
                 out=ptr(out), part=ptr(part), count=ptr(_counts_for(q.device)), sr=k_cache.stride(0),
                 sh=k_cache.stride(1), sv=key_valid.stride(0), heads=H, span=span, scale=hd ** -0.5)
-    smem_gemv.launch(_kernel(q.device, hd), (n, R * H), WARPS * 32, _smem(span, hd), args, True, q.device)
+    if loop:  # after the eager block's RoPE kernel, which has no PDL: launched plainly
+        smem_gemv.launch(_kernel(q.device, hd, True), (n, R * H), LOOP_WARPS * 32, _loop_smem(hd), args, False,
+                         q.device)
+    else:
+        smem_gemv.launch(_kernel(q.device, hd), (n, R * H), WARPS * 32, _smem(span, hd), args, True, q.device)
     return out
 
 
 decode_attention.text = False  # it takes no text partial: the engine's Sampler makes none for it
+decode_attention.fresh = False  # nor the step's key and value: the model writes them first (rope_and_cache)

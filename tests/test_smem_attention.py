@@ -17,7 +17,8 @@ GPU = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 9 a
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="no nvcc")
 def test_kernel_builds_for_sm90_without_spills():
-    entries = [(hd, smem_attention.WARPS, pdl) for hd in (64, 128, 256) for pdl in (0, smem_gemv.PDL)]
+    entries = [("attend", hd, smem_attention.WARPS, pdl) for hd in (64, 128, 256) for pdl in (0, smem_gemv.PDL)]
+    entries += [("loop", hd, smem_attention.LOOP_WARPS, smem_attention.U) for hd in (64, 128, 256)]
     frames = sm90.nvcc_stack_frames(smem_attention.source([(f"k{i}", e) for i, e in enumerate(entries)]))
     assert len(frames) == len(entries) and not any(frames), frames
 
@@ -31,18 +32,23 @@ def test_not_built_where_it_cannot_run(monkeypatch):
     """Off a GPU with smem_gemv's kernels, or with FAST_SMEM_ATTENTION=0, or at an unsupported head dim, the engine
     keeps SDPA."""
     with torch.device("meta"):
-        attn = TransformerBlock(ModelArgs(dim=1280, n_head=20)).attention
-        odd = TransformerBlock(ModelArgs(dim=96, n_head=3)).attention  # head dim 32
+        attn = TransformerBlock(ModelArgs(dim=1280, n_head=20)).attention.to(torch.bfloat16)
+        odd = TransformerBlock(ModelArgs(dim=96, n_head=3)).attention.to(torch.bfloat16)  # head dim 32
+        fp32 = TransformerBlock(ModelArgs(dim=1280, n_head=20)).attention
     assert not smem_attention.builds(attn, 1144, {2}, "cpu")
     monkeypatch.setattr(smem_gemv, "_available", {0: True})
     built = []
     monkeypatch.setattr(smem_gemv, "compiled", lambda device, name, src, smem, file: built.append(src()) or object())
     monkeypatch.setattr(smem_attention, "_counts_for", lambda device: None)
     assert not smem_attention.builds(odd, 1144, {2}, "cuda:0") and not built
+    assert not smem_attention.builds(fp32, 1144, {2}, "cuda:0") and not built  # its caches would be float32
     monkeypatch.setattr(smem_attention, "ENABLED", False)
     assert not smem_attention.builds(attn, 1144, {2}, "cuda:0") and not built
     monkeypatch.setattr(smem_attention, "ENABLED", True)
-    assert smem_attention.builds(attn, 1144, {2, 1}, "cuda:0") and "attend<64, 4, 1>" in built[0]
+    assert smem_attention.builds(attn, 1144, {2, 1}, "cuda:0") and len(built) == 1 and "attend<64, 4, 1>" in built[0]
+    # past LOOP_ROWS rows (the cudagraph backend's eager blocks, n = 8 under CFG and 8 after cfg_interval) the loop
+    assert smem_attention.builds(attn, 1144, {16, 8}, "cuda:0") and len(built) == 2
+    assert "attend_loop<64, 4, 4>" in built[1]
     monkeypatch.setattr(smem_gemv, "compiled", lambda device, name, src, smem, file: None)  # NVRTC refused it
     assert not smem_attention.builds(attn, 1144, {2}, "cuda:0")
 
@@ -65,10 +71,11 @@ def reference(q, k, v, key_valid, pos):
 
 
 @pytest.mark.skipif(not GPU, reason="needs a GPU of compute capability 9.0+ with NVRTC")
-@pytest.mark.parametrize("rows", [1, 2, 3, 4])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 16, 33])
 def test_matches_the_attention_in_float32(rows):
     """Positions in the text, at its end and past it, and at the cache's last; one row's caption left-padded, one's
-    text all padding; repeated calls (the merge's counts re-zeroed) and a CUDA graph replayed at new positions."""
+    text all padding; repeated calls (the merge's counts re-zeroed) and a CUDA graph replayed at new positions. Past
+    LOOP_ROWS rows attend_loop (1-16 programs per (row, head): 16 at 5 rows, 2 at 16, 1 at 33 on an H200's 132 SMs)."""
     torch.manual_seed(rows)
     H, hd, L, T = 20, 64, 1144, 120
     dev, bf = "cuda", torch.bfloat16
@@ -78,7 +85,7 @@ def test_matches_the_attention_in_float32(rows):
     key_valid[0, :37] = False
     if rows > 1:
         key_valid[1, :T] = False
-    attn = TransformerBlock(ModelArgs(dim=H * hd, n_head=H)).attention
+    attn = TransformerBlock(ModelArgs(dim=H * hd, n_head=H)).attention.to(bf)
     assert smem_attention.builds(attn, L, {rows}, dev)
     pos = torch.zeros(1, dtype=torch.long, device=dev)
     for p in (0, 5, 36, 119, 120, 121, 700, L - 1, 700):
@@ -99,3 +106,36 @@ def test_matches_the_attention_in_float32(rows):
         graph.replay()
         want = reference(q, k[:rows], v[:rows], key_valid, p)
         assert (out.float() - want).abs().max().item() <= 2 ** -8 * want.abs().max().item() + 1e-6, p
+
+
+@pytest.mark.skipif(not GPU, reason="needs a GPU of compute capability 9.0+ with NVRTC")
+def test_the_cudagraph_backends_eager_blocks_attend_here(monkeypatch):
+    """The cudagraph backend at 3 images under CFG (6 rows, past smem_gemv's 4) with EAGER_ROWS lowered to 6: the
+    eager block, its decode attention this module's (attend_loop; attend at 3 rows after cfg_interval) over the
+    filled keys, no cache windows, the model rotating and writing the step's key first; teacher-forced logits as with
+    SDPA's windows (EAGER_ROWS as it stands), within a few bf16 roundings of the largest."""
+    from fast_inference import fused_ops
+    from fast_inference.engine import Engine
+    from test_reference import tiny_inputs, tiny_model
+
+    monkeypatch.setattr(fused_ops, "ENABLED", False)  # the cudagraph backend's setting
+    model = tiny_model(dim=1280, n_head=20, n_layer=2, seed=4).to("cuda", torch.bfloat16)
+    cond, mask, condition = (t.cuda() for t in tiny_inputs(model, B=3))
+    forced = torch.randint(0, model.args.vocab_size, (3, 12), generator=torch.Generator().manual_seed(4)).cuda()
+    kw = dict(emb_masks=mask, condition=condition, cfg_scale=4.0, cfg_interval=6, forced=forced)
+
+    assert smem_attention.EAGER_ROWS > 6
+
+    def logits(here):
+        if here:
+            monkeypatch.setattr(smem_attention, "EAGER_ROWS", 6)
+        engine = Engine(model, backend="cudagraph")
+        _, out = engine.generate(cond, 12, **kw)
+        assert engine.sampler.block_fn is None  # the eager block
+        assert (engine.sampler.decode_attention is smem_attention.decode_attention) == here
+        assert (len(engine.sampler.kv_lens) == 1) == here and engine.sampler.cache.text_len == 0
+        return torch.cat([l[:3].float() for l in out])  # the conditional rows
+
+    want, got = logits(False), logits(True)
+    rel = (got - want).abs().max().item() / want.abs().max().item()
+    assert rel < 3e-2, rel
