@@ -428,7 +428,7 @@ class Transformer(nn.Module):
             # A kernel with fresh = False takes q rotated and the step's key and value in the cache (smem_attention):
             # for the eager block this rotates and writes them first
             takes_fresh = getattr(decode_attention, "fresh", True)
-            fused = fused_ops.fuses(x)
+            fused = not takes_fresh and fused_ops.fuses(x)
             rot = None if takes_fresh or fused else rotations(freqs)
 
             def attend(q, k, v, freqs, cache):
