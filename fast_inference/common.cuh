@@ -1,6 +1,7 @@
 // Helpers shared by the CUDA C++ sources (bf16 values, bulk copies on an mbarrier): smem_gemv.cuda_source puts this
 // file before each (NVRTC gets no include paths, and needs no headers).
 typedef unsigned short bf16_t;
+#define NEG_INF __int_as_float(0xff800000u)  // no math.h under NVRTC
 
 __device__ __forceinline__ unsigned saddr(const void* p) { return (unsigned)__cvta_generic_to_shared(p); }
 __device__ __forceinline__ float lo(unsigned u) { return __uint_as_float(u << 16); }

@@ -30,7 +30,6 @@ struct Args {
 
 static_assert(sizeof(Args) == 128, "cuda_draw.py's ctypes Args mirrors this layout");
 
-#define NEG_INF __int_as_float(0xff800000u)  // no math.h under NVRTC
 constexpr int TRIES = 4;  // race winners checked against top-k before the k-th largest is searched
 
 __device__ __forceinline__ void philox(unsigned c[4], unsigned k0, unsigned k1) {

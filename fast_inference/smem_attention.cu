@@ -26,8 +26,6 @@ struct Args {
 
 static_assert(sizeof(Args) == 104, "smem_attention.py's ctypes Args mirrors this layout");
 
-#define NEG_INF __int_as_float(0xff800000u)  // no math.h under NVRTC
-
 // v reduced over the block's NW warps by op (0: max, 1: sum), through red (NW floats); every thread gets it
 template <int NW, int OP>
 __device__ __forceinline__ float block_reduce(float v, float* red) {
