@@ -324,9 +324,9 @@ class Engine:
                 attention = smem_attention.decode_attention
             log.info("decode block for %d rows: smem_gemv's CUDA C++ kernels (%s) and %s", rows,
                      ", ".join(smem_gemv.ALL), "smem_attention's" if attention else "SDPA")
-        elif self.backend == "cudagraph" and rows >= smem_attention.EAGER_ROWS and smem_attention.builds(
-                self.model.layers[0].attention, prefix_len + num_tokens, {rows, batch}, self.device):
-            # from n = 16 under CFG the eager block's attention is smem_attention's looping kernel (no cache windows)
+        elif self.backend == "cudagraph" and smem_attention.builds(self.model.layers[0].attention,
+                                                                   prefix_len + num_tokens, {rows, batch}, self.device):
+            # past smem_gemv's rows the eager block's attention is smem_attention's looping kernel (no cache windows)
             attention = smem_attention.decode_attention
             log.info("decode block for %d rows: eager, with smem_attention's decode attention", rows)
         if self.block_scope:

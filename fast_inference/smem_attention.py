@@ -10,9 +10,9 @@ text's keys are read as any other.
 
 Built by NVRTC and launched through the driver as smem_gemv's kernels (its `compiled` and `launch`), for the
 cudagraph backend where smem_gemv runs the block's projections (q rotated, the step's key and value already in the
-caches): the engine asks `builds` before it captures a step, else SDPA runs. From EAGER_ROWS rows on the same
-backend's eager blocks take it too (the model rotates q and k and writes the cache first: `fresh` False), past
-LOOP_ROWS as attend_loop, whose programs loop over their slices with loads in flight instead of staging them whole.
+caches): the engine asks `builds` before it captures a step, else SDPA runs. The same backend's eager blocks (past
+smem_gemv's rows) take it too (the model rotates q and k and writes the cache first: `fresh` False), past LOOP_ROWS
+as attend_loop, whose programs loop over their slices with loads in flight instead of staging them whole.
 """
 import ctypes
 import os
@@ -33,12 +33,13 @@ SLICE = 144
 # head) from that, at most MAX_SPLITS). Whole slices staged lost to cuDNN's SDPA there (PERF_NOTES, the row before #76).
 LOOP_ROWS = 4
 LOOP_WARPS, U, PER_SM, MAX_SPLITS = 4, 4, 4, 16
-# The engine's eager blocks (the cudagraph backend past smem_gemv's rows) take it from EAGER_ROWS rows on, SDPA over
-# the cache windows below. H200, `python fast_inference/bench.py --random-weights --backend cudagraph --batch-sizes 16`
-# with FAST_SMEM_ATTENTION=0 / 1: n = 16 (32 rows) 2.91 -> 2.65 ms/step; `python scripts/engine_ab.py --backend
-# cudagraph --batch-sizes 4,8 "smem_attention.ENABLED = False" ""`: n = 8 2.432 / 2.432 -> 2.424 / 2.425, n = 4
-# 1.997 / 1.998 -> 2.177 / 2.178 (PERF_NOTES #77).
-EAGER_ROWS = 32
+# The engine's eager blocks (the cudagraph backend past smem_gemv's rows) take it at every row count, where SDPA ran
+# over the cache windows before: H200, `python fast_inference/bench.py --random-weights --backend cudagraph
+# --batch-sizes 16` with FAST_SMEM_ATTENTION=0 / 1: n = 16 (32 rows) 2.91 -> 2.65 ms/step (PERF_NOTES #77);
+# `python scripts/engine_ab.py --process-per-setting --backend cudagraph --batch-sizes 4,8` with SDPA below 32 rows
+# against this (PERF_NOTES #78): n = 4 1.984 / 1.985 -> 1.975 / 1.976, n = 8 2.442 / 2.442 -> 2.425 / 2.425, and the
+# same seed the same tokens from process to process, which cuDNN's SDPA plans do not give. (#77's loss at n = 4 was
+# the one-process A/B's: its first setting's captures ran faster.)
 ENABLED = os.environ.get("FAST_SMEM_ATTENTION", "1") != "0"
 MAX_HEADS = 4096  # rows x heads: the counts' length
 

@@ -110,10 +110,10 @@ def test_matches_the_attention_in_float32(rows):
 
 @pytest.mark.skipif(not GPU, reason="needs a GPU of compute capability 9.0+ with NVRTC")
 def test_the_cudagraph_backends_eager_blocks_attend_here(monkeypatch):
-    """The cudagraph backend at 3 images under CFG (6 rows, past smem_gemv's 4) with EAGER_ROWS lowered to 6: the
-    eager block, its decode attention this module's (attend_loop; attend at 3 rows after cfg_interval) over the
-    filled keys, no cache windows, the model rotating and writing the step's key first; teacher-forced logits as with
-    SDPA's windows (EAGER_ROWS as it stands), within a few bf16 roundings of the largest."""
+    """The cudagraph backend at 3 images under CFG (6 rows, past smem_gemv's 4): the eager block, its decode attention
+    this module's (attend_loop; attend at 3 rows after cfg_interval) over the filled keys, no cache windows, the model
+    rotating and writing the step's key first; teacher-forced logits as with SDPA's windows (ENABLED False), within a
+    few bf16 roundings of the largest."""
     from fast_inference import fused_ops
     from fast_inference.engine import Engine
     from test_reference import tiny_inputs, tiny_model
@@ -124,11 +124,8 @@ def test_the_cudagraph_backends_eager_blocks_attend_here(monkeypatch):
     forced = torch.randint(0, model.args.vocab_size, (3, 12), generator=torch.Generator().manual_seed(4)).cuda()
     kw = dict(emb_masks=mask, condition=condition, cfg_scale=4.0, cfg_interval=6, forced=forced)
 
-    assert smem_attention.EAGER_ROWS > 6
-
     def logits(here):
-        if here:
-            monkeypatch.setattr(smem_attention, "EAGER_ROWS", 6)
+        monkeypatch.setattr(smem_attention, "ENABLED", here)
         engine = Engine(model, backend="cudagraph")
         _, out = engine.generate(cond, 12, **kw)
         assert engine.sampler.block_fn is None  # the eager block
@@ -139,3 +136,25 @@ def test_the_cudagraph_backends_eager_blocks_attend_here(monkeypatch):
     want, got = logits(False), logits(True)
     rel = (got - want).abs().max().item() / want.abs().max().item()
     assert rel < 3e-2, rel
+
+
+@pytest.mark.skipif(not GPU, reason="needs a GPU of compute capability 9.0+ with NVRTC")
+def test_the_cudagraph_backend_draws_a_seeds_tokens_again_past_four_rows(monkeypatch):
+    """At 3 images under CFG (the eager block, this module's attention) two engines, each capturing its own graphs,
+    draw the same tokens for the same seed: what cuDNN's SDPA plans, chosen per capture, did not promise."""
+    from fast_inference import fused_ops
+    from fast_inference.engine import Engine
+    from test_reference import tiny_inputs, tiny_model
+
+    monkeypatch.setattr(fused_ops, "ENABLED", False)  # the cudagraph backend's setting
+    model = tiny_model(dim=1280, n_head=20, n_layer=2, seed=4).to("cuda", torch.bfloat16)
+    cond, mask, condition = (t.cuda() for t in tiny_inputs(model, B=3))
+
+    def tokens():
+        engine = Engine(model, backend="cudagraph")
+        torch.manual_seed(11)
+        out = engine.generate(cond, 16, emb_masks=mask, condition=condition, cfg_scale=4.0, top_k=100)
+        assert engine.sampler.decode_attention is smem_attention.decode_attention
+        return out
+
+    assert tokens().equal(tokens())
