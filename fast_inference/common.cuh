@@ -25,6 +25,23 @@ __device__ __forceinline__ void store(void* p, long long i, float v) {
   else ((bf16_t*)p)[i] = to_bf16(v);
 }
 
+// v reduced over the block by OP (0: max, 1: sum) through red (T / 32 words; T threads); every thread gets it
+template <int T, int OP, typename V>
+__device__ __forceinline__ V block_reduce(V v, V* red) {
+#pragma unroll
+  for (int o = 16; o; o >>= 1) {
+    const V w = __shfl_xor_sync(0xffffffffu, v, o);
+    v = OP ? v + w : (w > v ? w : v);
+  }
+  if ((threadIdx.x & 31) == 0) red[threadIdx.x >> 5] = v;
+  __syncthreads();
+  v = red[0];
+#pragma unroll
+  for (int w = 1; w < T / 32; ++w) v = OP ? v + red[w] : (red[w] > v ? red[w] : v);
+  __syncthreads();  // red free again
+  return v;
+}
+
 __device__ __forceinline__ void unpack(const uint4& t, float* f) {
   f[0] = lo(t.x); f[1] = hi(t.x); f[2] = lo(t.y); f[3] = hi(t.y);
   f[4] = lo(t.z); f[5] = hi(t.z); f[6] = lo(t.w); f[7] = hi(t.w);

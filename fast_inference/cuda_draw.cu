@@ -63,23 +63,6 @@ __device__ __forceinline__ int order_key(float x) {
   return b ^ ((b >> 31) & 0x7fffffff);
 }
 
-// v reduced over the block by OP (0: max, 1: sum) through red (32 words); every thread gets it
-template <int T, int OP, typename V>
-__device__ __forceinline__ V block_reduce(V v, V* red) {
-#pragma unroll
-  for (int o = 16; o; o >>= 1) {
-    const V w = __shfl_xor_sync(0xffffffffu, v, o);
-    v = OP ? v + w : (w > v ? w : v);
-  }
-  if ((threadIdx.x & 31) == 0) red[threadIdx.x >> 5] = v;
-  __syncthreads();
-  v = red[0];
-#pragma unroll
-  for (int w = 1; w < T / 32; ++w) v = OP ? v + red[w] : (red[w] > v ? red[w] : v);
-  __syncthreads();  // red free again
-  return v;
-}
-
 // image b's logit j, CFG-merged and divided by the temperature in sampling.py's float32 roundings (no fused
 // multiply-add)
 template <int F32>

@@ -1,7 +1,9 @@
-// fused_ops.py's two kernels without Triton, for the cudagraph backend's eager blocks and prefill: RoPE on q and k
-// with the cache write, and SiLU x up. The same roundings as the eager ops: each rotated element is
-// fl(fl(x0 c) + fl(x1 (-s))) in float32 (no FMA: the intrinsics below), SiLU is x / (1 + expf(-x)) with an IEEE
-// division, rounded to the dtype before the product. Compiled at run time (NVRTC) by cuda_ops.py, after common.cuh.
+// fused_ops.py's kernels without Triton, for the cudagraph backend's eager blocks and prefill: RoPE on q and k with
+// the cache write, SiLU x up, and RMSNorm (after a residual add). The same roundings as the eager ops: each rotated
+// element is fl(fl(x0 c) + fl(x1 (-s))) in float32 (no FMA: the intrinsics below), SiLU is x / (1 + expf(-x)) with an
+// IEEE division, rounded to the dtype before the product; the norm rounds as model.RMSNorm (the sum, x rstd, then x
+// the weight), only its sum of squares in an order of its own. Compiled at run time (NVRTC) by cuda_ops.py, after
+// common.cuh.
 
 struct RopeArgs {
   const void* q;          // (B, S, H, HD) by the strides below, each token's heads contiguous
@@ -22,7 +24,18 @@ struct SiluArgs {
   int F;
 };
 
-static_assert(sizeof(RopeArgs) == 152 && sizeof(SiluArgs) == 24, "cuda_ops.py's ctypes Args mirror these layouts");
+struct NormArgs {
+  const void* x;      // (M, D) rows
+  const void* delta;  // (M, D) added to x first, or null
+  const void* w;      // (D,) the norm's weight
+  void* h;            // (M, D) x + delta (where delta is not null)
+  void* y;            // (M, D) the norm of x (+ delta) times w
+  int D;
+  float eps;
+};
+
+static_assert(sizeof(RopeArgs) == 152 && sizeof(SiluArgs) == 24 && sizeof(NormArgs) == 48,
+              "cuda_ops.py's ctypes Args mirror these layouts");
 
 // the pair (x0, x1) rotated by (c, s) into p[i], p[i + 1]: the eager rotation's float32 products and sums, no FMA
 template <int F32>
@@ -59,4 +72,37 @@ __device__ __forceinline__ void silu_mul(const SiluArgs& a) {
   float silu = __fdiv_rn(g, __fadd_rn(1.0f, expf(-g)));
   if (!F32) silu = round_bf16(silu);
   store<F32>(a.out, (long long)blockIdx.x * a.F + f, __fmul_rn(silu, up));
+}
+
+// program m: row m; thread t its elements t + T i (i < V), held in registers between the sum and the products.
+// y = fl(fl(h rstd) w), rstd = rsqrt(sum(h^2) / D + eps) in float32, h = fl(x + delta), as model.RMSNorm's eager ops
+template <int F32, int T, int V>
+__device__ __forceinline__ void rms_norm(const NormArgs& a) {
+  __shared__ float red[T / 32];
+  const long long row = (long long)blockIdx.x * a.D;
+  float h[V], ss = 0.f;
+#pragma unroll
+  for (int i = 0; i < V; ++i) {
+    const int d = threadIdx.x + T * i;
+    h[i] = 0.f;
+    if (d < a.D) {
+      h[i] = load<F32>(a.x, row + d);
+      if (a.delta) {
+        h[i] = __fadd_rn(h[i], load<F32>(a.delta, row + d));
+        if (!F32) h[i] = round_bf16(h[i]);
+        store<F32>(a.h, row + d, h[i]);
+      }
+    }
+    ss = __fadd_rn(ss, __fmul_rn(h[i], h[i]));
+  }
+  const float rstd = rsqrtf(__fadd_rn(__fdiv_rn(block_reduce<T, 1>(ss, red), (float)a.D), a.eps));
+#pragma unroll
+  for (int i = 0; i < V; ++i) {
+    const int d = threadIdx.x + T * i;
+    if (d < a.D) {
+      float n = __fmul_rn(h[i], rstd);
+      if (!F32) n = round_bf16(n);
+      store<F32>(a.y, row + d, __fmul_rn(n, load<F32>(a.w, d)));
+    }
+  }
 }

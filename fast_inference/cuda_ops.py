@@ -1,10 +1,13 @@
-"""fused_ops.py's two kernels in CUDA C++ (cuda_ops.cu), no Triton: RoPE with the cache write, and SiLU x up.
+"""fused_ops.py's kernels in CUDA C++ (cuda_ops.cu), no Triton: RoPE with the cache write, SiLU x up, and RMSNorm.
 
 The cudagraph backend promises no Triton, so its eager blocks (past smem_gemv's rows) and its captured eager prefill
 ran torch's ops for these: seven small kernels per block (the rotation's broadcast products, their sum and cast, two
 index_copy_, SiLU and the product), each costing more to start than to run. Here they are two, with the eager ops'
-roundings (bit for bit). Built by NVRTC and launched through the driver as smem_gemv's kernels; fused_ops runs them
-where its Triton kernels may not run (`builds`: bf16 or float32, sm_90+ with NVRTC).
+roundings (bit for bit). Likewise a block's two norms were six kernels (the residual add, F.rms_norm and the weight's
+broadcast product, twice); here `rms_norm` with the add before it is one each, in model.RMSNorm's roundings but for
+its sum of squares, added in an order of its own (within a rounding of torch's). Built by NVRTC and launched through
+the driver as smem_gemv's kernels; fused_ops runs them where its Triton kernels may not run (`builds`: bf16 or
+float32, sm_90+ with NVRTC).
 """
 import ctypes
 import os
@@ -30,14 +33,23 @@ class SiluArgs(ctypes.Structure):  # cuda_ops.cu's SiluArgs
     _fields_ = [("x", ctypes.c_void_p), ("out", ctypes.c_void_p), ("F", ctypes.c_int)]
 
 
-KERNELS = dict(rope=("rope_cache", RopeArgs), silu=("silu_mul", SiluArgs))
+class NormArgs(ctypes.Structure):  # cuda_ops.cu's NormArgs
+    _fields_ = [(name, ctypes.c_void_p) for name in ("x", "delta", "w", "h", "y")] + \
+               [("D", ctypes.c_int), ("eps", ctypes.c_float)]
+
+
+NORM_PER_THREAD = 16  # a row's elements per thread, in registers: rows of up to MAX_D
+MAX_D = THREADS * NORM_PER_THREAD
+# op -> (the kernel's template, its dtype's argument left open; its Args)
+KERNELS = dict(rope=("rope_cache<{}>", RopeArgs), silu=("silu_mul<{}>", SiluArgs),
+               norm=(f"rms_norm<{{}}, {THREADS}, {NORM_PER_THREAD}>", NormArgs))
 
 
 def source(names):
     """cuda_ops.cu with an entry point per (name, (kernel, float32)) in `names` (kernel: KERNELS' key)."""
     return smem_gemv.cuda_source(SOURCE) + "".join(
         f'extern "C" __global__ void __launch_bounds__({THREADS}) {name}(const {KERNELS[op][1].__name__} a) '
-        f"{{ {KERNELS[op][0]}<{f32}>(a); }}\n" for name, (op, f32) in names)
+        f"{{ {KERNELS[op][0].format(f32)}(a); }}\n" for name, (op, f32) in names)
 
 
 def _kernel(device, op, dtype):
@@ -46,12 +58,12 @@ def _kernel(device, op, dtype):
     return smem_gemv.compiled(device, name, lambda: source([(name, entry)]), 0, "cuda_ops.cu")
 
 
-_builds = {}  # (device index, dtype) -> whether both kernels run there
+_builds = {}  # (device index, dtype) -> whether the kernels run there
 
 
 def builds(device, dtype):
     """Whether these kernels run for tensors of dtype on device: enabled, bf16 or float32, smem_gemv's NVRTC and
-    driver (sm_90+), and both kernels built (at the first ask: an eager prefill, before any capture)."""
+    driver (sm_90+), and every kernel built (at the first ask: an eager prefill, before any capture)."""
     if not (ENABLED and dtype in DTYPES) or torch.device(device).type != "cuda":
         return False
     device = smem_gemv.cuda_device(device)
@@ -88,3 +100,19 @@ def silu_mul(x):
     smem_gemv.launch(_kernel(x.device, "silu", x.dtype), (x.numel() // (2 * F), -(-F // THREADS)), THREADS, 0, args,
                      False, x.device)
     return out
+
+
+def rms_norm(x, weight, eps, delta=None):
+    """model.RMSNorm of x (..., D) contiguous, weight (D,) of x's dtype, D <= MAX_D: its output; with delta (x's shape,
+    contiguous) the norm of x + delta instead, and (x + delta, that)."""
+    D = x.shape[-1]
+    if x.numel() == 0:
+        return torch.empty_like(x) if delta is None else (x + delta, torch.empty_like(x))
+    assert x.is_contiguous() and D <= MAX_D and weight.shape == (D,) and weight.dtype == x.dtype
+    assert delta is None or (delta.shape == x.shape and delta.is_contiguous() and delta.dtype == x.dtype)
+    y = torch.empty_like(x)
+    h = None if delta is None else torch.empty_like(x)
+    ptr = smem_gemv._ptr
+    args = NormArgs(x=ptr(x), delta=ptr(delta), w=ptr(weight.contiguous()), h=ptr(h), y=ptr(y), D=D, eps=eps)
+    smem_gemv.launch(_kernel(x.device, "norm", x.dtype), (x.numel() // D,), THREADS, 0, args, False, x.device)
+    return y if delta is None else (h, y)

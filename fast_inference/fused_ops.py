@@ -47,6 +47,14 @@ def fuses(x):
     return supported(x) or (x.is_cuda and not torch.compiler.is_compiling() and cuda_ops.builds(x.device, x.dtype))
 
 
+def norms(x, weight):
+    """Whether model.RMSNorm of x (with a residual add before it) runs as one kernel: cuda_ops.rms_norm, where Triton's
+    kernels may not run (the cudagraph backend). Elsewhere torch's ops: inductor fuses them where it compiles, and the
+    default engine's decode kernels have their own."""
+    return (x.is_cuda and not supported(x) and not torch.compiler.is_compiling() and x.is_contiguous()
+            and weight.dtype == x.dtype and x.shape[-1] <= cuda_ops.MAX_D and cuda_ops.builds(x.device, x.dtype))
+
+
 if triton is not None:
 
     @triton.jit

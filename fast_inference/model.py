@@ -15,7 +15,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from fast_inference import fused_ops
+from fast_inference import cuda_ops, fused_ops
 
 NUM_CONTROL_LISTS = 3  # condition_layers has three MLPs in every official checkpoint
 
@@ -135,11 +135,20 @@ class RMSNorm(nn.Module):
         # fused kernel does the first part (two kernels instead of eight per norm: the backends without a
         # compiler are launch-bound); inductor would call that kernel as is, so compiled code spells it out
         # for inductor to fuse with its neighbours.
+        if fused_ops.norms(x, self.weight):  # one kernel (the cudagraph backend)
+            return cuda_ops.rms_norm(x, self.weight, self.eps)
         if not torch.compiler.is_compiling():
             return F.rms_norm(x, x.shape[-1:], eps=self.eps) * self.weight
         xf = x.float()
         y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return y.type_as(x) * self.weight
+
+    def add(self, x, delta):
+        """(x + delta, this norm of it): a block's residual add and the norm after it, one kernel where `forward` is."""
+        if delta.is_contiguous() and fused_ops.norms(x, self.weight):
+            return cuda_ops.rms_norm(x, self.weight, self.eps, delta)
+        h = x + delta
+        return h, self(h)
 
 
 class Int8Linear(nn.Module):
@@ -296,10 +305,10 @@ class TransformerBlock(nn.Module):
 
     def forward(self, x, freqs, attend, down=None):
         """down(a, w2, h): h + w2(a) in one kernel (the fast engine's compiled block at one-token steps)."""
-        h = x + self.attention(self.attention_norm(x), freqs, attend)
+        h, y = self.ffn_norm.add(x, self.attention(self.attention_norm(x), freqs, attend))
         if down is None:
-            return h + self.feed_forward(self.ffn_norm(h))
-        return down(self.feed_forward.gated(self.ffn_norm(h)), self.feed_forward.w2, h)
+            return h + self.feed_forward(y)
+        return down(self.feed_forward.gated(y), self.feed_forward.w2, h)
 
 
 class Transformer(nn.Module):

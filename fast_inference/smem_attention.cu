@@ -26,23 +26,6 @@ struct Args {
 
 static_assert(sizeof(Args) == 104, "smem_attention.py's ctypes Args mirrors this layout");
 
-// v reduced over the block's NW warps by op (0: max, 1: sum), through red (NW floats); every thread gets it
-template <int NW, int OP>
-__device__ __forceinline__ float block_reduce(float v, float* red) {
-#pragma unroll
-  for (int o = 16; o; o >>= 1) {
-    const float w = __shfl_xor_sync(0xffffffffu, v, o);
-    v = OP ? v + w : fmaxf(v, w);
-  }
-  if ((threadIdx.x & 31) == 0) red[threadIdx.x >> 5] = v;
-  __syncthreads();
-  v = red[0];
-#pragma unroll
-  for (int w = 1; w < NW; ++w) v = OP ? v + red[w] : fmaxf(v, red[w]);
-  __syncthreads();  // red free again
-  return v;
-}
-
 // The program's partial (max m, sum l and, in thread d < HD, the weighted values' sum for dim d) to the output when
 // the (row, head) has one program, else to `part`; the (row, head)'s last program to finish merges them all
 template <int HD>
@@ -138,7 +121,7 @@ __device__ __forceinline__ void attend(const Args& a) {
   __syncthreads();
   float m = NEG_INF;
   for (int j = tid; j < len; j += T) m = fmaxf(m, sc[j]);
-  m = block_reduce<NW, 0>(m, red);  // -inf for a slice of padding only, or none
+  m = block_reduce<NW * 32, 0>(m, red);  // -inf for a slice of padding only, or none
   const float top = m == NEG_INF ? 0.f : m;
   float l = 0.f;
   for (int j = tid; j < len; j += T) {
@@ -146,7 +129,7 @@ __device__ __forceinline__ void attend(const Args& a) {
     sc[j] = p;
     l += p;
   }
-  l = block_reduce<NW, 1>(l, red);  // its barriers also show the weights to every thread
+  l = block_reduce<NW * 32, 1>(l, red);  // its barriers also show the weights to every thread
 
   float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
   for (int j = g; j < len; j += KEYS) {  // as the scores: each group of LANES threads a key, 8 dims each

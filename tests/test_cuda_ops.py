@@ -1,6 +1,6 @@
-"""cuda_ops' CUDA kernels (fused_ops' two without Triton): built for sm_90 with nvcc where it is installed (no GPU
-needed), and on a GPU of compute capability 9.0 or later bit for bit against the eager ops (skipped without one: run
-there as `python -m pytest tests/test_cuda_ops.py`)."""
+"""cuda_ops' CUDA kernels (fused_ops' without Triton): built for sm_90 with nvcc where it is installed (no GPU needed),
+and on a GPU of compute capability 9.0 or later against the eager ops, RoPE and SiLU bit for bit, the norm within a
+rounding (skipped without one: run there as `python -m pytest tests/test_cuda_ops.py`)."""
 import ctypes
 import shutil
 
@@ -20,12 +20,14 @@ GPU = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 9 a
 def test_kernels_build_for_sm90_without_spills():
     entries = [(f"k{i}", (op, f32)) for i, (op, f32) in enumerate((op, f) for op in cuda_ops.KERNELS for f in (0, 1))]
     frames = sm90.nvcc_stack_frames(cuda_ops.source(entries))
-    assert frames == [0] * 4, frames
+    assert frames == [0] * 6, frames
 
 
 def test_args_match_the_kernels_structs():
-    """cuda_ops.cu's RopeArgs and SiluArgs are 152 and 24 bytes (its static_assert); the ctypes mirrors must be too."""
+    """cuda_ops.cu's RopeArgs, SiluArgs and NormArgs are 152, 24 and 48 bytes (its static_assert); the ctypes mirrors
+    must be too."""
     assert ctypes.sizeof(cuda_ops.RopeArgs) == 152 and ctypes.sizeof(cuda_ops.SiluArgs) == 24
+    assert ctypes.sizeof(cuda_ops.NormArgs) == 48
 
 
 def test_not_built_where_they_cannot_run(monkeypatch):
@@ -39,8 +41,8 @@ def test_not_built_where_they_cannot_run(monkeypatch):
     monkeypatch.setattr(cuda_ops, "ENABLED", False)
     assert not cuda_ops.builds("cuda:0", torch.bfloat16) and not built
     monkeypatch.setattr(cuda_ops, "ENABLED", True)
-    assert cuda_ops.builds("cuda:0", torch.bfloat16) and len(built) == 2
-    assert "rope_cache<0>(a)" in built[0] and "silu_mul<0>(a)" in built[1]
+    assert cuda_ops.builds("cuda:0", torch.bfloat16) and len(built) == 3
+    assert "rope_cache<0>(a)" in built[0] and "silu_mul<0>(a)" in built[1] and "rms_norm<0, 256, 16>(a)" in built[2]
     monkeypatch.setattr(smem_gemv, "compiled", lambda device, name, src, smem, file: None)  # NVRTC refused them
     assert not cuda_ops.builds("cuda:0", torch.float32)
 
@@ -82,6 +84,34 @@ def test_match_the_eager_ops_bit_for_bit(dtype):
 
 
 @pytest.mark.skipif(not GPU, reason="needs a GPU of compute capability 9.0+ with NVRTC")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_norm_matches_the_eager_ops(dtype):
+    """rms_norm after a residual add, at a decode step (2 and 16 rows) and a prefill (3 x 37), widths 1,280, 72 and
+    MAX_D, against model.RMSNorm's eager ops: the sum bit for bit; the norm float32's to 1e-6 of the largest, bf16's
+    a few bf16 steps off at most (its sum of squares added in another order can move the rounding of x rstd, which the
+    weight scales), and rarely."""
+    from fast_inference.model import RMSNorm
+
+    g = torch.Generator().manual_seed(0)
+    for D in (1280, 72, cuda_ops.MAX_D):
+        norm = RMSNorm(D).to("cuda", dtype)
+        norm.weight.data = (torch.randn(D, generator=g) + 1).to("cuda", dtype)
+        for shape in ((2, 1, D), (16, 1, D), (3, 37, D)):
+            x, delta = ((torch.randn(shape, generator=g) * 3).to("cuda", dtype) for _ in range(2))
+            with torch.no_grad():
+                h, want = x + delta, F.rms_norm(x + delta, (D,), eps=norm.eps) * norm.weight
+                got_h, got = cuda_ops.rms_norm(x, norm.weight, norm.eps, delta)
+                alone = cuda_ops.rms_norm(h, norm.weight, norm.eps)
+            assert same(got_h, h) and same(alone, got), (D, shape)
+            err = (got.float() - want.float()).abs()
+            if dtype == torch.float32:
+                assert err.max().item() <= 1e-6 * want.abs().max().item(), (D, shape)
+            else:
+                step = 2.0 ** (torch.floor(torch.log2(want.float().abs().clamp_min(1e-30))) - 7)
+                assert (err <= 3 * step).all() and (err > 0).float().mean().item() < 0.02, (D, shape)
+
+
+@pytest.mark.skipif(not GPU, reason="needs a GPU of compute capability 9.0+ with NVRTC")
 def test_fused_ops_take_them_where_triton_may_not_run(monkeypatch):
     """With Triton's kernels off (the cudagraph backend), fused_ops' two functions run these, and a CUDA graph replays
     them."""
@@ -108,15 +138,15 @@ def test_fused_ops_take_them_where_triton_may_not_run(monkeypatch):
 @pytest.mark.skipif(not GPU, reason="needs a GPU of compute capability 9.0+ with NVRTC")
 def test_the_cudagraph_backends_eager_blocks_run_them(monkeypatch):
     """The cudagraph backend at 3 images under CFG (6 rows: past smem_gemv's, the eager block) with Triton off, as its
-    CLIs set it: the prefill and every step's blocks rotate, write the cache and gate with these kernels, captured,
-    and the teacher-forced logits are the reference's within a few bf16 roundings of the largest."""
+    CLIs set it: the prefill and every step's blocks rotate, write the cache, gate and norm with these kernels,
+    captured, and the teacher-forced logits are the reference's within a few bf16 roundings of the largest."""
     from fast_inference.engine import Engine
     from fast_inference.generate import generate
     from test_reference import tiny_inputs, tiny_model
 
     monkeypatch.setattr(fused_ops, "ENABLED", False)
     launched = []
-    for name in ("rope_and_cache", "silu_mul"):
+    for name in ("rope_and_cache", "silu_mul", "rms_norm"):
         fn = getattr(cuda_ops, name)
         monkeypatch.setattr(cuda_ops, name, lambda *a, fn=fn, name=name: launched.append(name) or fn(*a))
     model = tiny_model(dim=1280, n_head=20, n_layer=2, seed=4).to("cuda", torch.bfloat16)
@@ -128,6 +158,7 @@ def test_the_cudagraph_backends_eager_blocks_run_them(monkeypatch):
         launched.clear()
         _, got = engine.generate(cond, 12, **kw)
         assert engine.sampler.block_fn is None and launched.count("rope_and_cache") >= 2 * 2, launched  # captures
+        assert launched.count("rms_norm") >= 2 * (2 * 2 + 1), launched  # two a block and the head's
     monkeypatch.setattr(cuda_ops, "ENABLED", False)
     _, want = generate(model, cond, 12, return_logits=True, **kw)
     for i, (w, g) in enumerate(zip(want, got)):
