@@ -42,6 +42,13 @@ def supported(x):
     return ENABLED and triton is not None and x.is_cuda and not torch.compiler.is_compiling()
 
 
+def in_cuda_ops(x):
+    """Whether rope_and_cache and silu_mul launch cuda_ops' kernels for x: on CUDA where Triton's are off or missing.
+    Not where only compiling stops `supported`: a block traced by inductor (the default engine's compiled prefill)
+    keeps Triton's kernels, which it launches itself; dynamo cannot trace cuda_ops' ctypes launch."""
+    return x.is_cuda and not (ENABLED and triton is not None)
+
+
 def fuses(x):
     """Whether rope_and_cache and silu_mul run as one kernel each for x: Triton's, else cuda_ops'."""
     return supported(x) or (x.is_cuda and not torch.compiler.is_compiling() and cuda_ops.builds(x.device, x.dtype))
@@ -51,7 +58,7 @@ def norms(x, weight):
     """Whether model.RMSNorm of x (with a residual add before it) runs as one kernel: cuda_ops.rms_norm, where Triton's
     kernels may not run (the cudagraph backend). Elsewhere torch's ops: inductor fuses them where it compiles, and the
     default engine's decode kernels have their own."""
-    return (x.is_cuda and not supported(x) and not torch.compiler.is_compiling() and x.is_contiguous()
+    return (in_cuda_ops(x) and not torch.compiler.is_compiling() and x.is_contiguous()
             and weight.dtype == x.dtype and x.shape[-1] <= cuda_ops.MAX_D and cuda_ops.builds(x.device, x.dtype))
 
 
@@ -100,7 +107,7 @@ def rope_and_cache(q, k, v, freqs, cache, input_pos):
     """model.rope_and_cache in one kernel: q, k, v (B,S,H,hd) with each token's heads contiguous (the QKV
     projection's split), freqs (S, hd/2, 2) float32 -> q rotated (B,H,S,hd) and the cache's first B rows of keys and
     values, k rotated and v written at input_pos."""
-    if q.is_cuda and not supported(q):  # (on the CPU: Triton's interpreter, the tests)
+    if in_cuda_ops(q):  # (on the CPU: Triton's interpreter, the tests)
         return cuda_ops.rope_and_cache(q, k, v, freqs, cache, input_pos)
     B, S, H, hd = q.shape
     assert all(t.stride()[2:] == (hd, 1) for t in (q, k, v)) and freqs.is_contiguous() and hd % 2 == 0
@@ -116,7 +123,7 @@ def rope_and_cache(q, k, v, freqs, cache, input_pos):
 
 def silu_mul(x):
     """F.silu(gate) * up of x (..., 2F) = [gate | up], contiguous, in one kernel."""
-    if x.is_cuda and not supported(x):
+    if in_cuda_ops(x):
         return cuda_ops.silu_mul(x)
     assert x.is_contiguous()
     F2 = x.shape[-1]

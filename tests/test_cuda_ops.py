@@ -3,6 +3,7 @@ and on a GPU of compute capability 9.0 or later against the eager ops, RoPE and 
 rounding (skipped without one: run there as `python -m pytest tests/test_cuda_ops.py`)."""
 import ctypes
 import shutil
+import types
 
 import pytest
 import torch
@@ -45,6 +46,22 @@ def test_not_built_where_they_cannot_run(monkeypatch):
     assert "rope_cache<0>(a)" in built[0] and "silu_mul<0>(a)" in built[1] and "rms_norm<0, 256, 16>(a)" in built[2]
     monkeypatch.setattr(smem_gemv, "compiled", lambda device, name, src, smem, file: None)  # NVRTC refused them
     assert not cuda_ops.builds("cuda:0", torch.float32)
+
+
+def test_a_compiled_block_keeps_tritons_kernels(monkeypatch):
+    """Where only compiling keeps `supported` false (the default engine's prefill through its compiled block),
+    fused_ops' functions still launch Triton's kernels, which inductor traces, and the norm stays torch's; cuda_ops'
+    only where Triton's are off or missing (dynamo cannot trace their ctypes launch)."""
+    cuda = types.SimpleNamespace(is_cuda=True)
+    monkeypatch.setattr(fused_ops, "triton", object())
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    assert fused_ops.ENABLED and not fused_ops.supported(cuda)
+    assert not fused_ops.in_cuda_ops(cuda) and not fused_ops.norms(cuda, None)
+    monkeypatch.setattr(fused_ops, "ENABLED", False)
+    assert fused_ops.in_cuda_ops(cuda) and not fused_ops.norms(cuda, None)  # (nor compiled there)
+    monkeypatch.setattr(fused_ops, "ENABLED", True)
+    monkeypatch.setattr(fused_ops, "triton", None)
+    assert fused_ops.in_cuda_ops(cuda) and not fused_ops.in_cuda_ops(types.SimpleNamespace(is_cuda=False))
 
 
 def same(a, b):

@@ -296,6 +296,25 @@ def test_block_scope_prefill_runs_the_compiled_block():
     assert engine.sampler.prefill_block is engine.block_fn
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_the_prefill_through_the_compiled_block_on_cuda():
+    """Past 8 images on CUDA the steps and the prefill run the compiled block, and the prefill's RoPE and cache write
+    inside it are fused_ops' Triton kernel, which inductor launches (8b6a4aa had sent it to cuda_ops' ctypes launch
+    there, which dynamo cannot trace): float32 logits within 1e-4 of the reference's, the prefill's included."""
+    model = tiny_model(n_layer=2, n_head=2, dim=32, block_size=4).cuda()
+    cond, mask, condition = (t.cuda() for t in tiny_inputs(model, B=9))
+    condition = condition[..., :32, :32]
+    forced = torch.randint(0, model.args.vocab_size, (9, 3), generator=torch.Generator().manual_seed(2)).cuda()
+    kw = dict(emb_masks=mask, condition=condition, cfg_scale=4.0, forced=forced)
+    _, ref_logits = generate(model, cond, 3, return_logits=True, **kw)
+    torch._dynamo.reset()
+    engine = Engine(model, backend="inductor", compile_scope="block")
+    _, fast_logits = engine.generate(cond, 3, **kw)
+    assert engine.sampler.prefill_block is engine.block_fn is not None
+    for i, (r, f) in enumerate(zip(ref_logits, fast_logits)):
+        assert (r - f).abs().max().item() <= 1e-4, i
+
+
 def text_partial_attention(q, k_cache, v_cache, key_valid, input_pos, fresh=None, text=None):
     """decode_attention's math for the compiled block (q and the step's key before RoPE), in PyTorch, the text's
     keys read only through the text partial: their values' sum and count, of score 0."""
