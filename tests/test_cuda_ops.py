@@ -159,16 +159,14 @@ def test_the_cudagraph_backends_eager_blocks_run_them(monkeypatch):
     captured, and the teacher-forced logits are the reference's within a few bf16 roundings of the largest."""
     from fast_inference.engine import Engine
     from fast_inference.generate import generate
-    from test_reference import tiny_inputs, tiny_model
+    from test_reference import cuda_tiny
 
     monkeypatch.setattr(fused_ops, "ENABLED", False)
     launched = []
     for name in ("rope_and_cache", "silu_mul", "rms_norm"):
         fn = getattr(cuda_ops, name)
         monkeypatch.setattr(cuda_ops, name, lambda *a, fn=fn, name=name: launched.append(name) or fn(*a))
-    model = tiny_model(dim=1280, n_head=20, n_layer=2, seed=4).to("cuda", torch.bfloat16)
-    cond, mask, condition = (t.cuda() for t in tiny_inputs(model, B=3))
-    forced = torch.randint(0, model.args.vocab_size, (3, 12), generator=torch.Generator().manual_seed(4)).cuda()
+    model, cond, mask, condition, forced = cuda_tiny(B=3, seed=4)
     kw = dict(emb_masks=mask, condition=condition, cfg_scale=4.0, forced=forced)
     engine = Engine(model, backend="cudagraph")
     for image in range(2):  # the prefill eager, then captured

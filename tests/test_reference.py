@@ -67,6 +67,15 @@ def tiny_inputs(model, B=2, valid=(3, 8)):
     return cond, mask, condition
 
 
+def cuda_tiny(B, seed, tokens=12):
+    """The GPU tests' model and inputs: 2 blocks at GPT-XL's width (1,280, 20 heads) in bf16 on CUDA, tiny_inputs for
+    B images, and `tokens` forced tokens per image -> (model, cond, mask, condition, forced)."""
+    model = tiny_model(dim=1280, n_head=20, n_layer=2, seed=seed).to("cuda", torch.bfloat16)
+    cond, mask, condition = (t.cuda() for t in tiny_inputs(model, B=B))
+    forced = torch.randint(0, model.args.vocab_size, (B, tokens), generator=torch.Generator().manual_seed(seed))
+    return model, cond, mask, condition, forced.cuda()
+
+
 def test_seeded_sampling_is_deterministic():
     model = tiny_model()
     cond, mask, condition = tiny_inputs(model)

@@ -116,12 +116,10 @@ def test_the_cudagraph_backends_eager_blocks_attend_here(monkeypatch):
     few bf16 roundings of the largest."""
     from fast_inference import fused_ops
     from fast_inference.engine import Engine
-    from test_reference import tiny_inputs, tiny_model
+    from test_reference import cuda_tiny
 
     monkeypatch.setattr(fused_ops, "ENABLED", False)  # the cudagraph backend's setting
-    model = tiny_model(dim=1280, n_head=20, n_layer=2, seed=4).to("cuda", torch.bfloat16)
-    cond, mask, condition = (t.cuda() for t in tiny_inputs(model, B=3))
-    forced = torch.randint(0, model.args.vocab_size, (3, 12), generator=torch.Generator().manual_seed(4)).cuda()
+    model, cond, mask, condition, forced = cuda_tiny(B=3, seed=4)
     kw = dict(emb_masks=mask, condition=condition, cfg_scale=4.0, cfg_interval=6, forced=forced)
 
     def logits(here):
@@ -144,11 +142,10 @@ def test_the_cudagraph_backend_draws_a_seeds_tokens_again_past_four_rows(monkeyp
     draw the same tokens for the same seed: what cuDNN's SDPA plans, chosen per capture, did not promise."""
     from fast_inference import fused_ops
     from fast_inference.engine import Engine
-    from test_reference import tiny_inputs, tiny_model
+    from test_reference import cuda_tiny
 
     monkeypatch.setattr(fused_ops, "ENABLED", False)  # the cudagraph backend's setting
-    model = tiny_model(dim=1280, n_head=20, n_layer=2, seed=4).to("cuda", torch.bfloat16)
-    cond, mask, condition = (t.cuda() for t in tiny_inputs(model, B=3))
+    model, cond, mask, condition, _ = cuda_tiny(B=3, seed=4)
 
     def tokens():
         engine = Engine(model, backend="cudagraph")

@@ -146,12 +146,10 @@ def test_the_cudagraph_backend_runs_its_blocks_here(monkeypatch):
     teacher-forced logits as with the eager block, within a few bf16 roundings of the largest."""
     from fast_inference import fused_ops
     from fast_inference.engine import Engine
-    from test_reference import tiny_inputs, tiny_model
+    from test_reference import cuda_tiny
 
     monkeypatch.setattr(fused_ops, "ENABLED", False)  # the cudagraph backend's setting (fast_engine, bench.py)
-    model = tiny_model(dim=1280, n_head=20, n_layer=2, seed=3).to("cuda", torch.bfloat16)
-    cond, mask, condition = (t.cuda() for t in tiny_inputs(model, B=1))
-    forced = torch.randint(0, model.args.vocab_size, (1, 12), generator=torch.Generator().manual_seed(3)).cuda()
+    model, cond, mask, condition, forced = cuda_tiny(B=1, seed=3)
     kw = dict(emb_masks=mask, condition=condition, cfg_scale=4.0, cfg_interval=6, forced=forced)
 
     def logits(here):
