@@ -143,7 +143,7 @@ def test_the_cudagraph_backend_runs_its_blocks_here(monkeypatch):
     """The cudagraph backend at GPT-XL's widths (2 layers, bf16, one image under CFG and, after cfg_interval, without):
     every projection of every step as these kernels, the attention as smem_attention's, the draw and the inputs as
     cuda_draw's and cuda_inputs', none of decode_block's Triton kernels (unreachable here), and
-    teacher-forced logits as with the eager block, within a few bf16 roundings of the largest."""
+    teacher-forced logits as with the eager block and SDPA, within a few bf16 roundings of the largest."""
     from fast_inference import fused_ops
     from fast_inference.engine import Engine
     from test_reference import cuda_tiny
@@ -154,6 +154,7 @@ def test_the_cudagraph_backend_runs_its_blocks_here(monkeypatch):
 
     def logits(here):
         monkeypatch.setattr(smem_gemv, "ENABLED", here)
+        monkeypatch.setattr(smem_attention, "ENABLED", here)  # else the eager block takes it too (since #78)
         if here:
             monkeypatch.setattr(decode_block, "triton", None)  # a Triton kernel's launch would fail
         engine = Engine(model, backend="cudagraph")
