@@ -303,9 +303,14 @@ class TransformerBlock(nn.Module):
         self.attention_norm = RMSNorm(args.dim, args.norm_eps)
         self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
 
-    def forward(self, x, freqs, attend, down=None):
-        """down(a, w2, h): h + w2(a) in one kernel (the fast engine's compiled block at one-token steps)."""
-        h, y = self.ffn_norm.add(x, self.attention(self.attention_norm(x), freqs, attend))
+    def forward(self, x, freqs, attend, down=None, delta=None, defer=False):
+        """down(a, w2, h): h + w2(a) in one kernel (the fast engine's compiled block at one-token steps).
+        delta: the block before's feed-forward output, its residual add done here with the first norm (one kernel
+        where RMSNorm.add is one); defer: return (h, the feed-forward output) for the next block to add."""
+        x, n = (x, self.attention_norm(x)) if delta is None else self.attention_norm.add(x, delta)
+        h, y = self.ffn_norm.add(x, self.attention(n, freqs, attend))
+        if defer:
+            return h, self.feed_forward(y)
         if down is None:
             return h + self.feed_forward(y)
         return down(self.feed_forward.gated(y), self.feed_forward.w2, h)
@@ -478,16 +483,21 @@ class Transformer(nn.Module):
         # A block_fn with adds_control (decode_block's, also as a functools.partial) adds the next block's control
         # rows to its output itself: block_fn(..., control=rows or None)
         folds = getattr(getattr(block_fn, "func", block_fn), "adds_control", False)
+        delta = None  # the eager blocks' last residual add, left to the next block's first norm (one kernel fewer)
         for i, layer in enumerate(self.layers):
             control = control_at(i)
             if control is not None and not (folds and i > 0):
+                if delta is not None:
+                    x, delta = x + delta, None
                 x = x + control
             if block_fn is None:
-                x = layer(x, freqs, attend)
+                x, delta = layer(x, freqs, attend, delta=delta, defer=True)
             elif folds:
                 x = block_fn(layer, x, freqs, attend, input_pos, control=control_at(i + 1))
             else:
                 x = block_fn(layer, x, freqs, attend, input_pos)
+        if delta is not None:
+            x = x + delta
         if last_only:
             x = x[:, -1:]
         return x if hidden else self.logits(x)

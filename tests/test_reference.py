@@ -153,3 +153,35 @@ def test_a_block_fn_that_adds_control_is_passed_the_next_blocks_rows():
         got = model(p.prefix, torch.arange(T), key_valid, p.controls, hidden=True, block_fn=block)
     assert [c is not None for c in passed] == [False, True, False, True, False, False]
     assert passed[1].abs().sum() > 0 and torch.equal(got, want)
+
+
+def test_the_eager_blocks_leave_their_last_residual_add_to_the_next_norm(monkeypatch):
+    """Where RMSNorm runs as one kernel with the residual add before it (cuda_ops.rms_norm, stood in for by torch's ops
+    here), each eager block's last residual add is done by the next block's first norm, except before a control add
+    (blocks 0, 2 and 4 of 6); the last block's after the loop. The hidden states are those of the plain ops."""
+    import torch.nn.functional as F
+
+    from fast_inference import cuda_ops, fused_ops
+
+    model = tiny_model(n_layer=6)
+    cond, mask, condition = tiny_inputs(model)
+    p = prepare(model, cond, condition, mask, cfg_scale=4.0, control_strength=1.0)
+    rows, T = p.prefix.shape[:2]
+    model.setup_caches(rows, T, torch.float32)
+    key_valid = p.key_valid(model.max_seq)
+    with torch.no_grad():
+        want = model(p.prefix, torch.arange(T), key_valid, p.controls, hidden=True)
+    adds = []
+
+    def rms_norm(x, weight, eps, delta=None):
+        adds.append(delta is not None)
+        h = x if delta is None else x + delta
+        y = F.rms_norm(h, h.shape[-1:], eps=eps) * weight
+        return y if delta is None else (h, y)
+
+    monkeypatch.setattr(fused_ops, "norms", lambda x, weight: True)
+    monkeypatch.setattr(cuda_ops, "rms_norm", rms_norm)
+    with torch.no_grad():
+        got = model(p.prefix, torch.arange(T), key_valid, p.controls, hidden=True)
+    # (attention_norm, ffn_norm) per block: the ffn norm always adds the attention's output
+    assert adds == [False, True, True, True] * 3 and torch.equal(got, want)
