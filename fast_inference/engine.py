@@ -362,7 +362,9 @@ class Engine:
             noise = (s.noise, s.input_pos, s.seed) if s.head_noise else None
             s.logits_fn = functools.partial(decode_block.logits, self.model, noise=noise)
         s.prefetcher = prefetcher
-        if s.cache.text_len and self.device.type == "cuda":  # (a text partial: the Triton decode attention)
+        # the text partials in one Triton kernel where the Triton attention runs; torch's ops per layer elsewhere
+        # (smem_attention's: the cudagraph backend promises no Triton)
+        if s.cache.text_len and self.device.type == "cuda" and self.decode_attention is not None:
             s.text_table = decode_attention.text_table([layer.attention.kv_cache for layer in self.model.layers])
         if prefetcher is not None:  # a plan per row count the steps run at (CFG on, and off after cfg_interval)
             for r in {rows, batch}:

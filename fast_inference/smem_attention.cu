@@ -21,19 +21,39 @@ struct Args {
   int heads;
   int span;                    // keys a program's shared memory holds
   float scale;                 // softmax scale
-  int pad;
+  int tlen;                    // the text prefix's keys, one partial (tsum, tcount); the programs' keys start here
+  const float* tsum;           // (R * H, HD): the text's attendable values summed (their scores are 0: zero keys)
+  const float* tcount;         // (R,): how many there are
 };
 
-static_assert(sizeof(Args) == 104, "smem_attention.py's ctypes Args mirrors this layout");
+static_assert(sizeof(Args) == 120, "smem_attention.py's ctypes Args mirrors this layout");
+
+// The text prefix's partial for thread tid < HD of (row, head) rh: max 0 (its keys are zero), sum tcount and
+// weighted values tsum; max -inf (no weight) where none of its keys may be seen, or without one (tlen 0)
+template <int HD>
+__device__ __forceinline__ void text_partial(const Args& a, int rh, float& m, float& l, float& sum) {
+  l = a.tlen ? a.tcount[rh / a.heads] : 0.f;
+  m = l > 0.f ? 0.f : NEG_INF;
+  sum = l > 0.f ? a.tsum[(long long)rh * HD + threadIdx.x] : 0.f;
+}
 
 // The program's partial (max m, sum l and, in thread d < HD, the weighted values' sum for dim d) to the output when
-// the (row, head) has one program, else to `part`; the (row, head)'s last program to finish merges them all
+// the (row, head) has one program (with the text's partial), else to `part`; the (row, head)'s last program to
+// finish merges them all and the text's
 template <int HD>
 __device__ __forceinline__ void finish(const Args& a, int rh, int split, int splits, float m, float l, float sum,
                                        int* last) {
   const int tid = threadIdx.x;
+  float tm, tl, ts;
   if (splits == 1) {
-    if (tid < HD) a.out[(long long)rh * HD + tid] = to_bf16(sum / l);
+    if (tid >= HD) return;
+    text_partial<HD>(a, rh, tm, tl, ts);
+    if (tm == NEG_INF) {
+      a.out[(long long)rh * HD + tid] = to_bf16(sum / l);
+    } else {  // m is finite: the slice holds the position, whose key the query sees
+      const float mx = fmaxf(m, tm), w = expf(m - mx), wt = expf(tm - mx);
+      a.out[(long long)rh * HD + tid] = to_bf16(fmaf(w, sum, wt * ts) / fmaf(w, l, wt * tl));
+    }
     return;
   }
   float* mine = a.part + ((long long)rh * splits + split) * (HD + 2);
@@ -49,9 +69,11 @@ __device__ __forceinline__ void finish(const Args& a, int rh, int split, int spl
   if (!*last || tid >= HD) return;
   __threadfence();
   const float* parts = a.part + (long long)rh * splits * (HD + 2);
-  float mx = NEG_INF;  // finite: the slice holding the position sees its own key
+  text_partial<HD>(a, rh, tm, tl, ts);
+  float mx = tm;  // finite after the loop: the slice holding the position sees its own key
   for (int s = 0; s < splits; ++s) mx = fmaxf(mx, __ldcg(parts + s * (HD + 2)));
   float num = 0.f, den = 0.f;
+  if (tm != NEG_INF) num = expf(tm - mx) * ts, den = expf(tm - mx) * tl;
   for (int s = 0; s < splits; ++s) {
     const float w = expf(__ldcg(parts + s * (HD + 2)) - mx);
     num = fmaf(w, __ldcg(parts + s * (HD + 2) + 2 + tid), num);
@@ -76,11 +98,12 @@ __device__ __forceinline__ void attend(const Args& a) {
   const int rh = blockIdx.y, split = blockIdx.x, splits = gridDim.x;
   const int r = rh / a.heads, h = rh % a.heads, tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
   const long long pos = __ldcg(a.pos);  // the previous step wrote it
-  const int n = (int)pos + 1, per = (n + splits - 1) / splits;
-  const int s0 = min(split * per, n), len = min(s0 + per, n) - s0;  // this program's keys: s0 .. s0 + len - 1
+  const int n = (int)pos + 1 - a.tlen, per = (n + splits - 1) / splits;  // the keys past the text (one partial)
+  const int k0 = min(split * per, n), len = min(k0 + per, n) - k0;
+  const int s0 = a.tlen + k0;  // this program's keys: s0 .. s0 + len - 1
   const bf16_t* krow = a.kc + r * a.sr + h * a.sh;
   const bf16_t* vrow = a.vc + r * a.sr + h * a.sh;
-  const bool holds = len > 0 && s0 + len == n;  // the slice ends at the position
+  const bool holds = len > 0 && k0 + len == n;  // the slice ends at the position
   const int early = holds ? len - 1 : len;      // keys of earlier steps, staged before the wait
   const unsigned b = saddr(bar);
   if (tid == 0 && early > 0) {
@@ -170,8 +193,9 @@ __device__ __forceinline__ void attend_loop(const Args& a) {
   const int r = rh / a.heads, h = rh % a.heads, tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
   const int grp = lane / LANES, piece = lane % LANES;
   const long long pos = __ldcg(a.pos);  // the previous step wrote it
-  const int n = (int)pos + 1, per = (n + splits - 1) / splits;
-  const int s0 = min(split * per, n), len = min(s0 + per, n) - s0;  // this program's keys: s0 .. s0 + len - 1
+  const int n = (int)pos + 1 - a.tlen, per = (n + splits - 1) / splits;  // the keys past the text (one partial)
+  const int k0 = min(split * per, n), len = min(k0 + per, n) - k0;
+  const int s0 = a.tlen + k0;  // this program's keys: s0 .. s0 + len - 1
   const bf16_t* krow = a.kc + r * a.sr + h * a.sh + (long long)s0 * HD;
   const bf16_t* vrow = a.vc + r * a.sr + h * a.sh + (long long)s0 * HD;
   const unsigned char* valid = a.valid + r * a.sv + s0;

@@ -5,8 +5,8 @@ stage its weights while it runs (cuDNN's SDPA and its reduction: 9.2 us per laye
 #68). Here SPLITS programs per (row, head) each take a slice of the filled keys only, stage the keys and values of
 earlier steps in shared memory before the PDL wait, and merge their partials in the last program to finish; the next
 kernel launches right after the wait. The same function as decode_attention.py's Triton kernels (the mask rule of
-model.attention_mask: query p sees key q iff q == p or q <= p and key_valid[q]), without their text partial: the
-text's keys are read as any other.
+model.attention_mask: query p sees key q iff q == p or q <= p and key_valid[q]), and as they do the text prefix's
+keys (zero: RoPE's zero rows) as one partial, their values' sum and count made after each prefill, not read.
 
 Built by NVRTC and launched through the driver as smem_gemv's kernels (its `compiled` and `launch`), for the
 cudagraph backend where smem_gemv runs the block's projections (q rotated, the step's key and value already in the
@@ -51,7 +51,8 @@ MAX_HEADS = 4096  # rows x heads: the counts' length
 class Args(ctypes.Structure):  # smem_attention.cu's Args
     _fields_ = [(name, ctypes.c_void_p) for name in ("q", "kc", "vc", "valid", "pos", "out", "part", "count")] + \
                [("sr", ctypes.c_longlong), ("sh", ctypes.c_longlong), ("sv", ctypes.c_longlong),
-                ("heads", ctypes.c_int), ("span", ctypes.c_int), ("scale", ctypes.c_float), ("pad", ctypes.c_int)]
+                ("heads", ctypes.c_int), ("span", ctypes.c_int), ("scale", ctypes.c_float), ("tlen", ctypes.c_int),
+                ("tsum", ctypes.c_void_p), ("tcount", ctypes.c_void_p)]
 
 
 def source(names):
@@ -126,23 +127,28 @@ def builds(attention, max_seq, rows, device):
 
 def decode_attention(q, k_cache, v_cache, key_valid, input_pos, fresh=None, text=None):
     """q (R, H, 1, hd) rotated; caches (>= R, H, L, hd) bf16 with the step's key and value at input_pos (1,) already
-    written; key_valid (R, L) bool -> (R, H, 1, hd). model.forward's decode_attention, as decode_attention.py's
-    (fresh and text, which that one takes, are not: `builds` is asked first)."""
-    if fresh is not None or text is not None:
-        raise ValueError("smem_attention takes q rotated and the step's key and value in the caches, no text partial")
+    written; key_valid (R, L) bool -> (R, H, 1, hd). text: None or (sums, counts, T) from decode_attention.text_sums,
+    the first T keys (zero: RoPE's zero rows) as one partial, not read. model.forward's decode_attention, as
+    decode_attention.py's (fresh, which that one takes, is not: `builds` is asked first)."""
+    if fresh is not None:
+        raise ValueError("smem_attention takes q rotated and the step's key and value in the caches")
     R, H, _, hd = q.shape
     L = k_cache.shape[2]
     assert k_cache.stride()[2:] == (hd, 1) and v_cache.stride() == k_cache.stride() and key_valid.dtype == torch.bool
     assert key_valid.stride(1) == 1 and q.dtype == k_cache.dtype == torch.bfloat16 and input_pos.dtype == torch.int64
+    tsum, tcount, T = (None, None, 0) if text is None else text
+    assert T == 0 or (tsum.dtype == tcount.dtype == torch.float32 and tsum.is_contiguous()
+                      and tsum.shape[1:] == (H, hd))
     u = loop_u(R)
-    n = splits(L) if u is None else loop_splits(R * H, q.device)
-    span = _span(L, n)
+    n = splits(L - T) if u is None else loop_splits(R * H, q.device)
+    span = _span(L - T, n)
     out = torch.empty(R, H, 1, hd, device=q.device, dtype=q.dtype)
     part = torch.empty(R * H, n, hd + 2, device=q.device, dtype=torch.float32)
     ptr = smem_gemv._ptr
     args = Args(q=ptr(q.contiguous()), kc=ptr(k_cache), vc=ptr(v_cache), valid=ptr(key_valid), pos=ptr(input_pos),
                 out=ptr(out), part=ptr(part), count=ptr(_counts_for(q.device)), sr=k_cache.stride(0),
-                sh=k_cache.stride(1), sv=key_valid.stride(0), heads=H, span=span, scale=hd ** -0.5)
+                sh=k_cache.stride(1), sv=key_valid.stride(0), heads=H, span=span, scale=hd ** -0.5, tlen=T,
+                tsum=ptr(tsum), tcount=ptr(tcount))
     if u is not None:  # after the eager block's RoPE kernel, which has no PDL: launched plainly
         smem_gemv.launch(_kernel(q.device, hd, u), (n, R * H), LOOP_WARPS * 32, _loop_smem(hd), args, False,
                          q.device)
@@ -151,5 +157,5 @@ def decode_attention(q, k_cache, v_cache, key_valid, input_pos, fresh=None, text
     return out
 
 
-decode_attention.text = False  # it takes no text partial: the engine's Sampler makes none for it
+decode_attention.text = True  # the engine's Sampler makes the text partial for it (torch's ops, no Triton)
 decode_attention.fresh = False  # nor the step's key and value: the model writes them first (rope_and_cache)

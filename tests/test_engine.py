@@ -363,8 +363,8 @@ def test_text_partial_is_made_after_each_prefill(monkeypatch):
 
 
 def rotated_attention(q, k_cache, v_cache, key_valid, input_pos, fresh=None, text=None):
-    """smem_attention's contract in PyTorch: q rotated, the step's key and value already in the caches, no text
-    partial; float32 softmax over the filled keys under model.attention_mask."""
+    """A decode attention that takes q rotated and the step's key and value already in the caches (as smem_attention's)
+    and no text partial, in PyTorch: float32 softmax over the filled keys under model.attention_mask."""
     from fast_inference.model import attention_mask
 
     assert fresh is None and text is None

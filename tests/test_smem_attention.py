@@ -2,6 +2,7 @@
 compute capability 9.0 or later against the attention in float32 with model.attention_mask's rule (skipped without
 one: run there as `python -m pytest tests/test_smem_attention.py`)."""
 import ctypes
+import functools
 import shutil
 
 import pytest
@@ -9,7 +10,7 @@ import torch
 
 import sm90
 
-from fast_inference import smem_attention, smem_gemv
+from fast_inference import decode_attention, smem_attention, smem_gemv
 from fast_inference.model import ModelArgs, TransformerBlock, attention_mask
 
 GPU = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 9 and smem_gemv.available("cuda")
@@ -24,8 +25,8 @@ def test_kernel_builds_for_sm90_without_spills():
 
 
 def test_args_match_the_kernels_struct():
-    """smem_attention.cu's Args is 104 bytes (its static_assert); the launcher's ctypes mirror must be too."""
-    assert ctypes.sizeof(smem_attention.Args) == 104
+    """smem_attention.cu's Args is 120 bytes (its static_assert); the launcher's ctypes mirror must be too."""
+    assert ctypes.sizeof(smem_attention.Args) == 120
 
 
 def test_not_built_where_it_cannot_run(monkeypatch):
@@ -73,10 +74,13 @@ def reference(q, k, v, key_valid, pos):
 
 
 @pytest.mark.skipif(not GPU, reason="needs a GPU of compute capability 9.0+ with NVRTC")
+@pytest.mark.parametrize("text", [False, True])
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 16, 33])
-def test_matches_the_attention_in_float32(rows):
+def test_matches_the_attention_in_float32(rows, text):
     """Positions in the text, at its end and past it, and at the cache's last; one row's caption left-padded, one's
-    text all padding; repeated calls (the merge's counts re-zeroed) and a CUDA graph replayed at new positions. Past
+    text all padding; repeated calls (the merge's counts re-zeroed) and a CUDA graph replayed at new positions. With
+    the text as one partial (its keys zero, as RoPE's zero rows make them; then poisoned, as it must not read them)
+    the positions past it. Past
     LOOP_ROWS rows attend_loop (1-16 programs per (row, head): 16 at 5 rows, 2 at 16, 1 at 33 on an H200's 132 SMs;
     2 keys a trip at 5 and 16 rows, 4 at 33)."""
     torch.manual_seed(rows)
@@ -90,24 +94,34 @@ def test_matches_the_attention_in_float32(rows):
         key_valid[1, :T] = False
     attn = TransformerBlock(ModelArgs(dim=H * hd, n_head=H)).attention.to(bf)
     assert smem_attention.builds(attn, L, {rows}, dev)
+    partial, positions, replays = None, (0, 5, 36, 119, 120, 121, 700, L - 1, 700), (3, 200, 1000, 9)
+    if text:
+        k[:, :, :T] = 0
+        sums, counts = torch.zeros(rows, H, hd, device=dev), torch.zeros(rows, device=dev)
+        decode_attention.text_sums(v, key_valid, T, sums, counts)
+        partial, positions, replays = (sums, counts, T), positions[4:], (125, 200, 1000, 130)
+    want_of = functools.partial(reference, k=k[:rows].clone(), v=v[:rows].clone(), key_valid=key_valid.clone())
+    if text:
+        k[:, :, :T] = v[:, :, :T] = float("nan")
+        key_valid[:, :T] = ~key_valid[:, :T]
     pos = torch.zeros(1, dtype=torch.long, device=dev)
-    for p in (0, 5, 36, 119, 120, 121, 700, L - 1, 700):
+    for p in positions:
         pos.fill_(p)
         q = torch.randn(rows, H, 1, hd, device=dev, dtype=bf)
-        got = smem_attention.decode_attention(q, k, v, key_valid, pos)
-        want = reference(q, k[:rows], v[:rows], key_valid, p)
+        got = smem_attention.decode_attention(q, k, v, key_valid, pos, text=partial)
+        want = want_of(q, pos=p)
         diff = (got.float() - want).abs().max().item()
         assert diff <= 2 ** -8 * want.abs().max().item() + 1e-6, (p, diff)
 
     q = torch.randn(rows, H, 1, hd, device=dev, dtype=bf)
-    pos.fill_(3)
+    pos.fill_(replays[0])
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out = smem_attention.decode_attention(q, k, v, key_valid, pos)
-    for p in (200, 1000, 9):
+        out = smem_attention.decode_attention(q, k, v, key_valid, pos, text=partial)
+    for p in replays[1:]:
         pos.fill_(p)
         graph.replay()
-        want = reference(q, k[:rows], v[:rows], key_valid, p)
+        want = want_of(q, pos=p)
         assert (out.float() - want).abs().max().item() <= 2 ** -8 * want.abs().max().item() + 1e-6, p
 
 
@@ -131,7 +145,7 @@ def test_the_cudagraph_backends_eager_blocks_attend_here(monkeypatch):
         _, out = engine.generate(cond, 12, **kw)
         assert engine.sampler.block_fn is None  # the eager block
         assert (engine.sampler.decode_attention is smem_attention.decode_attention) == here
-        assert (len(engine.sampler.kv_lens) == 1) == here and engine.sampler.cache.text_len == 0
+        assert (len(engine.sampler.kv_lens) == 1) == here and (engine.sampler.cache.text_len > 0) == here
         return torch.cat([l[:3].float() for l in out])  # the conditional rows
 
     want, got = logits(False), logits(True)

@@ -161,10 +161,10 @@ def test_the_cudagraph_backend_runs_its_blocks_here(monkeypatch):
         _, out = engine.generate(cond, 12, **kw)
         fn = engine.sampler.block_fn
         assert (fn is not None and fn.keywords == dict(kernels=smem_gemv.ALL)) == here, fn
-        # and smem_attention's decode attention between them, no cache windows (SDPA's) and no text partial
+        # and smem_attention's decode attention between them, no cache windows (SDPA's), the text as one partial
         attention = engine.sampler.decode_attention
         assert (attention is smem_attention.decode_attention) == here, attention
-        assert (len(engine.sampler.kv_lens) == 1) == here and engine.sampler.cache.text_len == 0
+        assert (len(engine.sampler.kv_lens) == 1) == here and (engine.sampler.cache.text_len > 0) == here
         # the draw and the step's inputs in CUDA C++ too, in either arm
         assert engine.sampler.draw_fn is cuda_draw.draw and engine.sampler.inputs_fn is cuda_inputs.step_inputs
         return torch.cat([l[:1].float() for l in out])  # the conditional row
