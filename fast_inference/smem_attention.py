@@ -32,11 +32,9 @@ SLICE = 144
 # U keys a trip per group of lanes, LOOP_WARPS warps a program, about PER_SM programs per SM (the splits per (row,
 # head) from that, at most MAX_SPLITS). Whole slices staged lost to cuDNN's SDPA there (PERF_NOTES, the row before #76).
 LOOP_ROWS = 4
-LOOP_WARPS, PER_SM, MAX_SPLITS = 4, 4, 16
-# U: 2 keys a trip up to U2_ROWS rows, 4 past them. H200, a process per setting (PERF_NOTES #78's row, #81), ms/step
-# with U = 4 -> 2: n = 4 1.912 -> 1.899, n = 8 2.147 -> 2.125 (2.144 -> 2.124 again at #81), n = 16 2.709 -> 2.680,
-# n = 32 3.781 -> 3.950.
-U2_ROWS = 32
+LOOP_WARPS, U, PER_SM, MAX_SPLITS = 4, 4, 4, 16
+# U = 2 (before the text's partial) gained ~1% up to 32 rows and lost 4.5% at 64; with the text as one partial it ties
+# at 16 rows and loses at 32 and 64 (H200, a process per setting: PERF_NOTES #81, #83)
 # The engine's eager blocks (the cudagraph backend past smem_gemv's rows) take it at every row count, where SDPA ran
 # over the cache windows before: H200, `python fast_inference/bench.py --random-weights --backend cudagraph
 # --batch-sizes 16` with FAST_SMEM_ATTENTION=0 / 1: n = 16 (32 rows) 2.91 -> 2.65 ms/step (PERF_NOTES #77);
@@ -64,13 +62,8 @@ def source(names):
         f"{{ {body[form].format(hd, nw, x)}(a); }}\n" for name, (form, hd, nw, x) in names)
 
 
-def loop_u(rows):
-    """attend_loop's keys a trip per group of lanes at `rows` rows; None: attend (up to LOOP_ROWS)."""
-    return None if rows <= LOOP_ROWS else 2 if rows <= U2_ROWS else 4
-
-
-def _kernel(device, head_dim, u=None):
-    entry = ("attend", head_dim, WARPS, smem_gemv.PDL) if u is None else ("loop", head_dim, LOOP_WARPS, u)
+def _kernel(device, head_dim, loop=False):
+    entry = ("loop", head_dim, LOOP_WARPS, U) if loop else ("attend", head_dim, WARPS, smem_gemv.PDL)
     name = "smem_attention_" + "_".join(map(str, entry))
     return smem_gemv.compiled(device, name, lambda: source([(name, entry)]), smem_gemv.MAX_SMEM,
                               "smem_attention.cu")
@@ -122,7 +115,7 @@ def builds(attention, max_seq, rows, device):
     if max(rows) * heads > MAX_HEADS or _smem(_span(max_seq, splits(max_seq)), hd) > smem_gemv.MAX_SMEM:
         return False
     _counts_for(device)  # made before any capture, so that it persists
-    return all(_kernel(device, hd, u) is not None for u in {loop_u(r) for r in rows})
+    return all(_kernel(device, hd, loop) is not None for loop in {r > LOOP_ROWS for r in rows})
 
 
 def decode_attention(q, k_cache, v_cache, key_valid, input_pos, fresh=None, text=None):
@@ -139,8 +132,8 @@ def decode_attention(q, k_cache, v_cache, key_valid, input_pos, fresh=None, text
     tsum, tcount, T = (None, None, 0) if text is None else text
     assert T == 0 or (tsum.dtype == tcount.dtype == torch.float32 and tsum.is_contiguous()
                       and tsum.shape[1:] == (H, hd))
-    u = loop_u(R)
-    n = splits(L - T) if u is None else loop_splits(R * H, q.device)
+    loop = R > LOOP_ROWS
+    n = loop_splits(R * H, q.device) if loop else splits(L - T)
     span = _span(L - T, n)
     out = torch.empty(R, H, 1, hd, device=q.device, dtype=q.dtype)
     part = torch.empty(R * H, n, hd + 2, device=q.device, dtype=torch.float32)
@@ -149,8 +142,8 @@ def decode_attention(q, k_cache, v_cache, key_valid, input_pos, fresh=None, text
                 out=ptr(out), part=ptr(part), count=ptr(_counts_for(q.device)), sr=k_cache.stride(0),
                 sh=k_cache.stride(1), sv=key_valid.stride(0), heads=H, span=span, scale=hd ** -0.5, tlen=T,
                 tsum=ptr(tsum), tcount=ptr(tcount))
-    if u is not None:  # after the eager block's RoPE kernel, which has no PDL: launched plainly
-        smem_gemv.launch(_kernel(q.device, hd, u), (n, R * H), LOOP_WARPS * 32, _loop_smem(hd), args, False,
+    if loop:  # after the eager block's RoPE kernel, which has no PDL: launched plainly
+        smem_gemv.launch(_kernel(q.device, hd, True), (n, R * H), LOOP_WARPS * 32, _loop_smem(hd), args, False,
                          q.device)
     else:
         smem_gemv.launch(_kernel(q.device, hd), (n, R * H), WARPS * 32, _smem(span, hd), args, True, q.device)
@@ -158,4 +151,4 @@ def decode_attention(q, k_cache, v_cache, key_valid, input_pos, fresh=None, text
 
 
 decode_attention.text = True  # the engine's Sampler makes the text partial for it (torch's ops, no Triton)
-decode_attention.fresh = False  # nor the step's key and value: the model writes them first (rope_and_cache)
+decode_attention.fresh = False  # it takes no fresh key and value: the model writes them first (rope_and_cache)
