@@ -1,5 +1,6 @@
 // The cudagraph backend's decode attention (one query per row and head, bf16 caches) under PDL: each program takes
-// one slice of a (row, head)'s filled keys, bulk-copies the slice's keys and values of earlier steps into shared
+// one slice of a (row, head)'s filled keys past the text prefix (tlen keys, zero: one partial, made after the
+// prefill, that the merge adds), bulk-copies the slice's keys and values of earlier steps into shared
 // memory before the PDL wait (no kernel of this step writes them), and after it reads the query and, in the slice that
 // holds it, the step's key and value (the QKV kernel just before wrote them). Its partial (max, sum, weighted
 // values) goes to global memory; the (row, head)'s last program to finish merges them all. Compiled at run time (NVRTC) by
