@@ -47,6 +47,11 @@ __device__ __forceinline__ void unpack(const uint4& t, float* f) {
   f[4] = lo(t.z); f[5] = hi(t.z); f[6] = lo(t.w); f[7] = hi(t.w);
 }
 
+// the pair (x0, x1) rotated by (c, s) as the eager RoPE rounds it: float32 products, then their sums (no FMA)
+__device__ __forceinline__ float2 rotate(float x0, float x1, float c, float s) {
+  return make_float2(__fadd_rn(__fmul_rn(x0, c), __fmul_rn(x1, -s)), __fadd_rn(__fmul_rn(x0, s), __fmul_rn(x1, c)));
+}
+
 // the mbarrier at shared address bar, for one arrival (this thread's) that expects `bytes` of bulk copies
 __device__ __forceinline__ void expect_bytes(unsigned bar, int bytes) {
   asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(bar) : "memory");

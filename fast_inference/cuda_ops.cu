@@ -37,11 +37,12 @@ struct NormArgs {
 static_assert(sizeof(RopeArgs) == 152 && sizeof(SiluArgs) == 24 && sizeof(NormArgs) == 48,
               "cuda_ops.py's ctypes Args mirror these layouts");
 
-// the pair (x0, x1) rotated by (c, s) into p[i], p[i + 1]: the eager rotation's float32 products and sums, no FMA
+// the pair (x0, x1) rotated by (c, s) into p[i], p[i + 1]
 template <int F32>
 __device__ __forceinline__ void store_rotated(void* p, long long i, float x0, float x1, float c, float s) {
-  store<F32>(p, i, __fadd_rn(__fmul_rn(x0, c), __fmul_rn(x1, -s)));
-  store<F32>(p, i + 1, __fadd_rn(__fmul_rn(x0, s), __fmul_rn(x1, c)));
+  const float2 y = rotate(x0, x1, c, s);
+  store<F32>(p, i, y.x);
+  store<F32>(p, i + 1, y.y);
 }
 
 // program (s, b): token s of row b, every head; a thread per (head, pair) in turn

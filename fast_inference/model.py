@@ -449,15 +449,10 @@ class Transformer(nn.Module):
             return rope_and_cache(q, k, v, rot, cache, input_pos)
 
         if decode_attention is not None and x.shape[1] == 1:
-            # A kernel with fresh = False takes q rotated and the step's key and value in the cache (smem_attention):
-            # for the eager block rope_write does that first
-            takes_fresh = getattr(decode_attention, "fresh", True)
 
             def attend(q, k, v, freqs, cache):
                 # The kernel rotates q and k and writes k and v; k None: q is rotated and the step's key
                 # and value are in the cache already (decode_block's QKV kernel).
-                if k is not None and not takes_fresh:
-                    q, k = rope_write(q, k, v, cache)[0].transpose(1, 2), None
                 fresh = None if k is None else (k.transpose(1, 2), v.transpose(1, 2), freqs)
                 return decode_attention(q.transpose(1, 2), cache.k_cache, cache.v_cache, key_valid, input_pos,
                                         fresh=fresh, text=cache.text())

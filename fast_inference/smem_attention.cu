@@ -2,16 +2,18 @@
 // one slice of a (row, head)'s filled keys past the text prefix (tlen keys, zero: one partial, made after the
 // prefill, that the merge adds), bulk-copies the slice's keys and values of earlier steps into shared
 // memory before the PDL wait (no kernel of this step writes them), and after it reads the query and, in the slice that
-// holds it, the step's key and value (the QKV kernel just before wrote them). Its partial (max, sum, weighted
+// holds it, the step's key and value (the QKV kernel just before wrote them). Given them fresh (fk: the eager block's
+// projection before RoPE), every program rotates the query, and the slice holding the position rotates the key and
+// writes it and the value to the caches, as the model's rope_and_cache would in a kernel of its own. Its partial (max, sum, weighted
 // values) goes to global memory; the (row, head)'s last program to finish merges them all. Compiled at run time (NVRTC) by
 // smem_attention.py, which names the instantiations, after common.cuh; no headers, so that NVRTC needs none. float32
 // arithmetic and one rounding, of the output, as decode_attention.py's Triton kernels. attend_loop, further down, is
 // the form for many rows.
 
 struct Args {
-  const bf16_t* q;             // (R, H, HD): the step's queries, rotated
-  const bf16_t* kc;            // the key cache, (rows, heads, positions, HD) by the strides below, rows HD apart
-  const bf16_t* vc;            // the value cache, same strides
+  const bf16_t* q;             // (R, H, HD) rows sq apart: the step's queries, rotated unless fresh
+  bf16_t* kc;                  // the key cache, (rows, heads, positions, HD) by the strides below, rows HD apart
+  bf16_t* vc;                  // the value cache, same strides
   const unsigned char* valid;  // key_valid (R, L) bool: which earlier keys a query may see
   const long long* pos;        // the position; its key and value are in the caches
   bf16_t* out;                 // (R, H, HD)
@@ -25,9 +27,13 @@ struct Args {
   int tlen;                    // the text prefix's keys, one partial (tsum, tcount); the programs' keys start here
   const float* tsum;           // (R * H, HD): the text's attendable values summed (their scores are 0: zero keys)
   const float* tcount;         // (R,): how many there are
+  const bf16_t* fk;            // fresh: the step's keys before RoPE, (R, H, HD) as q; null: in the caches already
+  const bf16_t* fv;            // fresh: its values
+  const float* freqs;          // fresh: the position's RoPE row, (HD / 2, 2) (cos, sin)
+  long long sq;                // q's (and fk's, fv's) row stride in elements
 };
 
-static_assert(sizeof(Args) == 120, "smem_attention.py's ctypes Args mirrors this layout");
+static_assert(sizeof(Args) == 152, "smem_attention.py's ctypes Args mirrors this layout");
 
 // The text prefix's partial for thread tid < HD of (row, head) rh: max 0 (its keys are zero), sum tcount and
 // weighted values tsum; max -inf (no weight) where none of its keys may be seen, or without one (tlen 0)
@@ -36,6 +42,44 @@ __device__ __forceinline__ void text_partial(const Args& a, int rh, float& m, fl
   l = a.tlen ? a.tcount[rh / a.heads] : 0.f;
   m = l > 0.f ? 0.f : NEG_INF;
   sum = l > 0.f ? a.tsum[(long long)rh * HD + threadIdx.x] : 0.f;
+}
+
+// Thread `piece`'s 8 dims of (row, head) rh's query, times the scale; fresh, rotated here first and rounded to bf16,
+// as the model's RoPE rounds q
+template <int HD>
+__device__ __forceinline__ void query(const Args& a, int rh, int piece, float* qf) {
+  unpack(__ldcg((const uint4*)(a.q + rh / a.heads * a.sq + rh % a.heads * HD) + piece), qf);
+  if (a.fk)
+#pragma unroll
+    for (int e = 0; e < 8; e += 2) {
+      const float2 y = rotate(qf[e], qf[e + 1], a.freqs[piece * 8 + e], a.freqs[piece * 8 + e + 1]);
+      qf[e] = round_bf16(y.x), qf[e + 1] = round_bf16(y.y);
+    }
+#pragma unroll
+  for (int e = 0; e < 8; ++e) qf[e] *= a.scale;
+}
+
+// Piece i (8 dims) of the step's key (or value) of (row, head) rh at pos: read from the cache, or fresh, the key
+// rotated, both written to the caches
+template <int HD>
+__device__ __forceinline__ uint4 step_piece(const Args& a, int rh, long long pos, bool key, int i) {
+  const int r = rh / a.heads, h = rh % a.heads;
+  uint4* cache = (uint4*)((key ? a.kc : a.vc) + r * a.sr + h * a.sh + pos * HD) + i;
+  if (!a.fk) return __ldcg(cache);
+  uint4 t = __ldcg((const uint4*)((key ? a.fk : a.fv) + r * a.sq + h * HD) + i);
+  if (key) {
+    float f[8];
+    unpack(t, f);
+    unsigned w[4];
+#pragma unroll
+    for (int e = 0; e < 8; e += 2) {
+      const float2 y = rotate(f[e], f[e + 1], a.freqs[i * 8 + e], a.freqs[i * 8 + e + 1]);
+      w[e / 2] = (unsigned)to_bf16(y.x) | (unsigned)to_bf16(y.y) << 16;
+    }
+    t = make_uint4(w[0], w[1], w[2], w[3]);
+  }
+  *cache = t;
+  return t;
 }
 
 // The program's partial (max m, sum l and, in thread d < HD, the weighted values' sum for dim d) to the output when
@@ -115,16 +159,11 @@ __device__ __forceinline__ void attend(const Args& a) {
   if (PDL) asm volatile("griddepcontrol.wait;" ::: "memory");
   if (PDL) asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
 
-  if (holds && tid < 2 * LANES) {  // this slice holds the position: its key and value, from L2
-    const int i = tid % LANES;
-    const bf16_t* src = (tid < LANES ? krow : vrow) + pos * HD;
-    ((uint4*)((tid < LANES ? ks : vs) + early * HD))[i] = __ldcg((const uint4*)src + i);
-  }
+  if (holds && tid < 2 * LANES)  // this slice holds the position: its key and value
+    ((uint4*)((tid < LANES ? ks : vs) + early * HD))[tid % LANES] = step_piece<HD>(a, rh, pos, tid < LANES, tid % LANES);
   const int g = tid / LANES, piece = tid % LANES;  // this thread's key in each pass, and its 8 dims of it
   float qf[8];
-  unpack(__ldcg((const uint4*)(a.q + (long long)rh * HD) + piece), qf);
-#pragma unroll
-  for (int e = 0; e < 8; ++e) qf[e] *= a.scale;
+  query<HD>(a, rh, piece, qf);
   __syncthreads();  // the barrier's init and the position's row, seen by every thread
   if (early > 0) wait_phase0(b);
 
@@ -201,9 +240,11 @@ __device__ __forceinline__ void attend_loop(const Args& a) {
   const bf16_t* vrow = a.vc + r * a.sr + h * a.sh + (long long)s0 * HD;
   const unsigned char* valid = a.valid + r * a.sv + s0;
   float qf[8];
-  unpack(__ldcg((const uint4*)(a.q + (long long)rh * HD) + piece), qf);
-#pragma unroll
-  for (int e = 0; e < 8; ++e) qf[e] *= a.scale;
+  query<HD>(a, rh, piece, qf);
+  if (a.fk && len > 0 && k0 + len == n) {  // this slice holds the position: its key and value to the caches first
+    if (tid < 2 * LANES) step_piece<HD>(a, rh, pos, tid < LANES, tid % LANES);
+    __syncthreads();  // written before any thread loads them (from L2, as every key)
+  }
 
   float m = NEG_INF, l = 0.f, acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
   for (int base = warp * PER_WARP * U; base < len; base += GROUPS * U) {

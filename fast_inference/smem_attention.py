@@ -11,8 +11,8 @@ keys (zero: RoPE's zero rows) as one partial, their values' sum and count made a
 Built by NVRTC and launched through the driver as smem_gemv's kernels (its `compiled` and `launch`), for the
 cudagraph backend where smem_gemv runs the block's projections (q rotated, the step's key and value already in the
 caches): the engine asks `builds` before it captures a step, else SDPA runs. The same backend's eager blocks (past
-smem_gemv's rows) take it too (the model rotates q and k and writes the cache first: `fresh` False), past LOOP_ROWS
-as attend_loop, whose programs loop over their slices with loads in flight instead of staging them whole.
+smem_gemv's rows) take it too, with their projection's q, k and v before RoPE (`fresh`: the kernel rotates them and
+writes the cache, where a kernel of its own did before), past LOOP_ROWS as attend_loop, whose programs loop over their slices with loads in flight instead of staging them whole.
 """
 import ctypes
 import os
@@ -50,7 +50,8 @@ class Args(ctypes.Structure):  # smem_attention.cu's Args
     _fields_ = [(name, ctypes.c_void_p) for name in ("q", "kc", "vc", "valid", "pos", "out", "part", "count")] + \
                [("sr", ctypes.c_longlong), ("sh", ctypes.c_longlong), ("sv", ctypes.c_longlong),
                 ("heads", ctypes.c_int), ("span", ctypes.c_int), ("scale", ctypes.c_float), ("tlen", ctypes.c_int),
-                ("tsum", ctypes.c_void_p), ("tcount", ctypes.c_void_p)]
+                ("tsum", ctypes.c_void_p), ("tcount", ctypes.c_void_p), ("fk", ctypes.c_void_p),
+                ("fv", ctypes.c_void_p), ("freqs", ctypes.c_void_p), ("sq", ctypes.c_longlong)]
 
 
 def source(names):
@@ -119,16 +120,21 @@ def builds(attention, max_seq, rows, device):
 
 
 def decode_attention(q, k_cache, v_cache, key_valid, input_pos, fresh=None, text=None):
-    """q (R, H, 1, hd) rotated; caches (>= R, H, L, hd) bf16 with the step's key and value at input_pos (1,) already
-    written; key_valid (R, L) bool -> (R, H, 1, hd). text: None or (sums, counts, T) from decode_attention.text_sums,
-    the first T keys (zero: RoPE's zero rows) as one partial, not read. model.forward's decode_attention, as
-    decode_attention.py's (fresh, which that one takes, is not: `builds` is asked first)."""
-    if fresh is not None:
-        raise ValueError("smem_attention takes q rotated and the step's key and value in the caches")
+    """q (R, H, 1, hd); caches (>= R, H, L, hd) bf16; key_valid (R, L) bool -> (R, H, 1, hd). fresh: None (q is
+    rotated and the caches hold the step's key and value at input_pos (1,)) or (k, v, freqs): the step's key and value
+    (R, H, 1, hd) as q before RoPE, and the position's RoPE row (1, hd / 2, 2) float32; the kernel then rotates q and
+    k and writes k and v to the caches (the model's rope_and_cache, in the same roundings). text: None or (sums,
+    counts, T) from decode_attention.text_sums, the first T keys (zero: RoPE's zero rows) as one partial, not read.
+    model.forward's decode_attention, as decode_attention.py's: `builds` is asked first."""
     R, H, _, hd = q.shape
     L = k_cache.shape[2]
     assert k_cache.stride()[2:] == (hd, 1) and v_cache.stride() == k_cache.stride() and key_valid.dtype == torch.bool
     assert key_valid.stride(1) == 1 and q.dtype == k_cache.dtype == torch.bfloat16 and input_pos.dtype == torch.int64
+    k, v, freqs = (None, None, None) if fresh is None else fresh
+    if q.stride(1) != hd or q.stride(3) != 1:
+        q = q.contiguous()
+    assert fresh is None or (k.stride() == v.stride() == q.stride() and freqs.dtype == torch.float32
+                             and freqs.is_contiguous() and freqs.numel() == hd)
     tsum, tcount, T = (None, None, 0) if text is None else text
     assert T == 0 or (tsum.dtype == tcount.dtype == torch.float32 and tsum.is_contiguous()
                       and tsum.shape[1:] == (H, hd))
@@ -138,11 +144,11 @@ def decode_attention(q, k_cache, v_cache, key_valid, input_pos, fresh=None, text
     out = torch.empty(R, H, 1, hd, device=q.device, dtype=q.dtype)
     part = torch.empty(R * H, n, hd + 2, device=q.device, dtype=torch.float32)
     ptr = smem_gemv._ptr
-    args = Args(q=ptr(q.contiguous()), kc=ptr(k_cache), vc=ptr(v_cache), valid=ptr(key_valid), pos=ptr(input_pos),
+    args = Args(q=ptr(q), kc=ptr(k_cache), vc=ptr(v_cache), valid=ptr(key_valid), pos=ptr(input_pos),
                 out=ptr(out), part=ptr(part), count=ptr(_counts_for(q.device)), sr=k_cache.stride(0),
                 sh=k_cache.stride(1), sv=key_valid.stride(0), heads=H, span=span, scale=hd ** -0.5, tlen=T,
-                tsum=ptr(tsum), tcount=ptr(tcount))
-    if loop:  # after the eager block's RoPE kernel, which has no PDL: launched plainly
+                tsum=ptr(tsum), tcount=ptr(tcount), fk=ptr(k), fv=ptr(v), freqs=ptr(freqs), sq=q.stride(0))
+    if loop:  # after the eager block's cuBLAS GEMM, which has no PDL: launched plainly
         smem_gemv.launch(_kernel(q.device, hd, True), (n, R * H), LOOP_WARPS * 32, _loop_smem(hd), args, False,
                          q.device)
     else:
@@ -151,4 +157,3 @@ def decode_attention(q, k_cache, v_cache, key_valid, input_pos, fresh=None, text
 
 
 decode_attention.text = True  # the engine's Sampler makes the text partial for it (torch's ops, no Triton)
-decode_attention.fresh = False  # it takes no fresh key and value: the model writes them first (rope_and_cache)

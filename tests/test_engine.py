@@ -362,44 +362,6 @@ def test_text_partial_is_made_after_each_prefill(monkeypatch):
     assert s.cache.text_len == 0 and model.layers[0].attention.kv_cache.text() is None
 
 
-def rotated_attention(q, k_cache, v_cache, key_valid, input_pos, fresh=None, text=None):
-    """A decode attention that takes q rotated and the step's key and value already in the caches (as smem_attention's)
-    and no text partial, in PyTorch: float32 softmax over the filled keys under model.attention_mask."""
-    from fast_inference.model import attention_mask
-
-    assert fresh is None and text is None
-    R, p = q.shape[0], int(input_pos)
-    mask = attention_mask(key_valid[:, : p + 1], input_pos)  # (R, 1, 1, p + 1)
-    scores = q.float() @ k_cache[:R, :, : p + 1].float().transpose(-1, -2) * q.shape[-1] ** -0.5
-    w = torch.softmax(scores.masked_fill(~mask, float("-inf")), -1)
-    return (w @ v_cache[:R, :, : p + 1].float()).to(q.dtype)
-
-
-rotated_attention.fresh = rotated_attention.text = False
-
-
-def test_an_attention_without_the_fresh_key_gets_it_in_the_cache(monkeypatch):
-    """A decode attention that takes q rotated and the step's key and value in the caches (fresh = False, as
-    smem_attention's in the cudagraph backend's eager blocks) under the eager block: the model rotates q and k and
-    writes the cache first, and the teacher-forced logits are the reference's, with a cfg_interval."""
-    from fast_inference import decode_attention
-
-    monkeypatch.setattr(decode_attention, "available", lambda device: True)
-    monkeypatch.setattr(decode_attention, "decode_attention", rotated_attention)
-    monkeypatch.setattr(Engine, "compiled_block", lambda self: engine_module.run_block)  # eager on the CPU
-    model = tiny_model(cls=8, seed=5, n_layer=2)
-    engine = Engine(model, backend="inductor", compile_scope="block")
-    cond, mask, condition = tiny_inputs(model, valid=(3, 8))
-    forced = torch.randint(0, model.args.vocab_size, (2, 5), generator=torch.Generator().manual_seed(4))
-    kw = dict(emb_masks=mask, condition=condition, cfg_scale=4.0, cfg_interval=2, forced=forced)
-    _, want = generate(model, cond, 5, return_logits=True, **kw)
-    _, got = engine.generate(cond, 5, **kw)
-    assert engine.sampler.decode_attention is rotated_attention and engine.sampler.cache.text_len == 0
-    for i, (r, f) in enumerate(zip(want, got)):
-        r = r if r.shape == f.shape else r.chunk(2)[0]
-        assert (r - f).abs().max().item() <= 1e-4, i
-
-
 def test_inductor_pdl_switch(monkeypatch):
     """On a PDL device, compiling turns on inductor's programmatic dependent launch for the process (its
     config and, for its compile workers, the environment); TORCHINDUCTOR_ENABLE_PDL=0 keeps it off; the

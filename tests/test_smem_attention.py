@@ -11,7 +11,8 @@ import torch
 import sm90
 
 from fast_inference import decode_attention, smem_attention, smem_gemv
-from fast_inference.model import ModelArgs, TransformerBlock, attention_mask
+from fast_inference.model import (ModelArgs, TransformerBlock, apply_rotary_emb, attention_mask,
+                                  precompute_freqs_cis_2d, rotations)
 
 GPU = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 9 and smem_gemv.available("cuda")
 
@@ -25,8 +26,8 @@ def test_kernel_builds_for_sm90_without_spills():
 
 
 def test_args_match_the_kernels_struct():
-    """smem_attention.cu's Args is 120 bytes (its static_assert); the launcher's ctypes mirror must be too."""
-    assert ctypes.sizeof(smem_attention.Args) == 120
+    """smem_attention.cu's Args is 152 bytes (its static_assert); the launcher's ctypes mirror must be too."""
+    assert ctypes.sizeof(smem_attention.Args) == 152
 
 
 def test_not_built_where_it_cannot_run(monkeypatch):
@@ -71,15 +72,28 @@ def reference(q, k, v, key_valid, pos):
     return torch.softmax(scores, -1) @ v[:, :, :n].float()
 
 
+def step_inputs(rows, H, hd, p, table, dev):
+    """A step's query, key and value before RoPE as views of one projection's output (R, H, 1, hd) each, as the model
+    hands them over, and the RoPE row of position p (1, hd / 2, 2); with them rotated by the model's RoPE."""
+    qkv = torch.randn(rows, 1, 3, H, hd, device=dev, dtype=torch.bfloat16)
+    q, k, v = (qkv[:, :, i].transpose(1, 2) for i in range(3))  # (R, H, 1, hd), rows 3 H hd apart
+    freqs = table[p : p + 1].to(dev)
+    rot = rotations(freqs)
+    qr, kr = (apply_rotary_emb(t.transpose(1, 2), rot).transpose(1, 2) for t in (q, k))
+    return (q, k, v, freqs), (qr, kr)
+
+
 @pytest.mark.skipif(not GPU, reason="needs a GPU of compute capability 9.0+ with NVRTC")
+@pytest.mark.parametrize("fresh", [False, True])
 @pytest.mark.parametrize("text", [False, True])
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 16, 33])
-def test_matches_the_attention_in_float32(rows, text):
+def test_matches_the_attention_in_float32(rows, text, fresh):
     """Positions in the text, at its end and past it, and at the cache's last; one row's caption left-padded, one's
     text all padding; repeated calls (the merge's counts re-zeroed) and a CUDA graph replayed at new positions. With
     the text as one partial (its keys zero, as RoPE's zero rows make them; then poisoned, as it must not read them)
-    the positions past it. Past
-    LOOP_ROWS rows attend_loop (1-16 programs per (row, head): 16 at 5 rows, 2 at 16, 1 at 33 on an H200's 132 SMs)."""
+    the positions past it. Past LOOP_ROWS rows attend_loop (1-16 programs per (row, head): 16 at 5 rows, 2 at 16, 1 at
+    33 on an H200's 132 SMs). fresh: q, k and v before RoPE, which the kernel rotates as the model does, writing k and
+    v to the caches at the position bit for bit, and nothing else there."""
     torch.manual_seed(rows)
     H, hd, L, T = 20, 64, 1144, 120
     dev, bf = "cuda", torch.bfloat16
@@ -89,7 +103,9 @@ def test_matches_the_attention_in_float32(rows, text):
     key_valid[0, :37] = False
     if rows > 1:
         key_valid[1, :T] = False
-    attn = TransformerBlock(ModelArgs(dim=H * hd, n_head=H)).attention.to(bf)
+    args = ModelArgs(dim=H * hd, n_head=H, cls_token_num=T, block_size=L - T)
+    table = precompute_freqs_cis_2d(args)
+    attn = TransformerBlock(args).attention.to(bf)
     assert smem_attention.builds(attn, L, {rows}, dev)
     partial, positions, replays = None, (0, 5, 36, 119, 120, 121, 700, L - 1, 700), (3, 200, 1000, 9)
     if text:
@@ -97,36 +113,58 @@ def test_matches_the_attention_in_float32(rows, text):
         sums, counts = torch.zeros(rows, H, hd, device=dev), torch.zeros(rows, device=dev)
         decode_attention.text_sums(v, key_valid, T, sums, counts)
         partial, positions, replays = (sums, counts, T), positions[4:], (125, 200, 1000, 130)
-    want_of = functools.partial(reference, k=k[:rows].clone(), v=v[:rows].clone(), key_valid=key_valid.clone())
+    if fresh:  # the zero RoPE rows of the text are no step's
+        positions, replays = [p for p in positions if p >= T], [p for p in replays if p >= T]
+    k_ref, v_ref, key_valid_ref = k[:rows].clone(), v[:rows].clone(), key_valid.clone()
     if text:
         k[:, :, :T] = v[:, :, :T] = float("nan")
         key_valid[:, :T] = ~key_valid[:, :T]
     pos = torch.zeros(1, dtype=torch.long, device=dev)
+
+    def step(p):  # -> the kernel's arguments q and fresh at position p, and the reference's (rotated) query
+        inputs, (qr, kr) = step_inputs(rows, H, hd, p, table, dev)
+        if not fresh:
+            qr = torch.randn(rows, H, 1, hd, device=dev, dtype=bf)
+            return qr, None, qr
+        k_ref[:, :, p], v_ref[:, :, p] = kr[:, :, 0], inputs[2][:, :, 0]
+        return inputs[0], inputs[1:], qr
+
+    def check(out, qr, p):
+        want = reference(qr, k_ref, v_ref, key_valid_ref, p)
+        diff = (out.float() - want).abs().max().item()
+        assert diff <= 2 ** -8 * want.abs().max().item() + 1e-6, (p, diff)
+        if fresh:  # the step's key and value written, nothing else in the caches' real rows and the spare row untouched
+            assert k[:rows, :, T:].equal(k_ref[:, :, T:]) and v[:rows, :, T:].equal(v_ref[:, :, T:])
+            assert k[rows, :, T:].equal(spare[0]) and v[rows, :, T:].equal(spare[1])
+
+    spare = k[rows, :, T:].clone(), v[rows, :, T:].clone()  # past the text, poisoned (NaN) in its case
     for p in positions:
         pos.fill_(p)
-        q = torch.randn(rows, H, 1, hd, device=dev, dtype=bf)
-        got = smem_attention.decode_attention(q, k, v, key_valid, pos, text=partial)
-        want = want_of(q, pos=p)
-        diff = (got.float() - want).abs().max().item()
-        assert diff <= 2 ** -8 * want.abs().max().item() + 1e-6, (p, diff)
+        q, f, qr = step(p)
+        check(smem_attention.decode_attention(q, k, v, key_valid, pos, fresh=f, text=partial), qr, p)
 
-    q = torch.randn(rows, H, 1, hd, device=dev, dtype=bf)
-    pos.fill_(replays[0])
+    q, f, _ = step(replays[0])
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = smem_attention.decode_attention(q, k, v, key_valid, pos, text=partial)
-    for p in replays[1:]:
+    with torch.cuda.graph(graph):  # the capture runs nothing: each replay, the first too, gets its own inputs
+        out = smem_attention.decode_attention(q, k, v, key_valid, pos, fresh=f, text=partial)
+    for p in replays:
         pos.fill_(p)
+        q2, f2, qr = step(p)
+        q.copy_(q2)
+        if fresh:
+            for a, b in zip(f, f2):
+                a.copy_(b)
+        else:
+            qr = q
         graph.replay()
-        want = want_of(q, pos=p)
-        assert (out.float() - want).abs().max().item() <= 2 ** -8 * want.abs().max().item() + 1e-6, p
+        check(out, qr, p)
 
 
 @pytest.mark.skipif(not GPU, reason="needs a GPU of compute capability 9.0+ with NVRTC")
 def test_the_cudagraph_backends_eager_blocks_attend_here(monkeypatch):
     """The cudagraph backend at 3 images under CFG (6 rows, past smem_gemv's 4): the eager block, its decode attention
-    this module's (attend_loop; attend at 3 rows after cfg_interval) over the filled keys, no cache windows, the model
-    rotating and writing the step's key first; teacher-forced logits as with SDPA's windows (ENABLED False), within a
+    this module's (attend_loop; attend at 3 rows after cfg_interval) over the filled keys, no cache windows, the kernel
+    rotating and writing the step's key (fresh); teacher-forced logits as with SDPA's windows (ENABLED False), within a
     few bf16 roundings of the largest."""
     from fast_inference import fused_ops
     from fast_inference.engine import Engine
