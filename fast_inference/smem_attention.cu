@@ -44,6 +44,21 @@ __device__ __forceinline__ void text_partial(const Args& a, int rh, float& m, fl
   sum = l > 0.f ? a.tsum[(long long)rh * HD + threadIdx.x] : 0.f;
 }
 
+// A program's slice of its (row, head)'s keys past the text (one partial), split of splits: keys s0 .. s0 + len - 1
+// of the position's pos + 1; holds: the slice ends at the position (its key is the step's)
+struct Slice {
+  long long pos;
+  int s0, len;
+  bool holds;
+};
+
+__device__ __forceinline__ Slice slice_of(const Args& a, int split, int splits) {
+  const long long pos = __ldcg(a.pos);  // the previous step wrote it
+  const int n = (int)pos + 1 - a.tlen, per = (n + splits - 1) / splits;
+  const int k0 = min(split * per, n), len = min(k0 + per, n) - k0;
+  return Slice{pos, a.tlen + k0, len, len > 0 && k0 + len == n};
+}
+
 // Thread `piece`'s 8 dims of (row, head) rh's query, times the scale; fresh, rotated here first and rounded to bf16,
 // as the model's RoPE rounds q
 template <int HD>
@@ -142,14 +157,13 @@ __device__ __forceinline__ void attend(const Args& a) {
   float* red = sc + a.span;                // NW * HD floats
   const int rh = blockIdx.y, split = blockIdx.x, splits = gridDim.x;
   const int r = rh / a.heads, h = rh % a.heads, tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
-  const long long pos = __ldcg(a.pos);  // the previous step wrote it
-  const int n = (int)pos + 1 - a.tlen, per = (n + splits - 1) / splits;  // the keys past the text (one partial)
-  const int k0 = min(split * per, n), len = min(k0 + per, n) - k0;
-  const int s0 = a.tlen + k0;  // this program's keys: s0 .. s0 + len - 1
+  const Slice slice = slice_of(a, split, splits);
+  const long long pos = slice.pos;
+  const int s0 = slice.s0, len = slice.len;  // this program's keys: s0 .. s0 + len - 1
   const bf16_t* krow = a.kc + r * a.sr + h * a.sh;
   const bf16_t* vrow = a.vc + r * a.sr + h * a.sh;
-  const bool holds = len > 0 && k0 + len == n;  // the slice ends at the position
-  const int early = holds ? len - 1 : len;      // keys of earlier steps, staged before the wait
+  const bool holds = slice.holds;
+  const int early = holds ? len - 1 : len;  // keys of earlier steps, staged before the wait
   const unsigned b = saddr(bar);
   if (tid == 0 && early > 0) {
     expect_bytes(b, 2 * early * HD * 2);
@@ -232,16 +246,15 @@ __device__ __forceinline__ void attend_loop(const Args& a) {
   const int rh = blockIdx.y, split = blockIdx.x, splits = gridDim.x;
   const int r = rh / a.heads, h = rh % a.heads, tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
   const int grp = lane / LANES, piece = lane % LANES;
-  const long long pos = __ldcg(a.pos);  // the previous step wrote it
-  const int n = (int)pos + 1 - a.tlen, per = (n + splits - 1) / splits;  // the keys past the text (one partial)
-  const int k0 = min(split * per, n), len = min(k0 + per, n) - k0;
-  const int s0 = a.tlen + k0;  // this program's keys: s0 .. s0 + len - 1
+  const Slice slice = slice_of(a, split, splits);
+  const long long pos = slice.pos;
+  const int s0 = slice.s0, len = slice.len;  // this program's keys: s0 .. s0 + len - 1
   const bf16_t* krow = a.kc + r * a.sr + h * a.sh + (long long)s0 * HD;
   const bf16_t* vrow = a.vc + r * a.sr + h * a.sh + (long long)s0 * HD;
   const unsigned char* valid = a.valid + r * a.sv + s0;
   float qf[8];
   query<HD>(a, rh, piece, qf);
-  if (a.fk && len > 0 && k0 + len == n) {  // this slice holds the position: its key and value to the caches first
+  if (a.fk && slice.holds) {  // this slice holds the position: its key and value to the caches first
     if (tid < 2 * LANES) step_piece<HD>(a, rh, pos, tid < LANES, tid % LANES);
     __syncthreads();  // written before any thread loads them (from L2, as every key)
   }
