@@ -449,7 +449,6 @@ class Transformer(nn.Module):
             return rope_and_cache(q, k, v, rot, cache, input_pos)
 
         if decode_attention is not None and x.shape[1] == 1:
-
             def attend(q, k, v, freqs, cache):
                 # The kernel rotates q and k and writes k and v; k None: q is rotated and the step's key
                 # and value are in the cache already (decode_block's QKV kernel).

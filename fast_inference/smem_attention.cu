@@ -4,11 +4,11 @@
 // memory before the PDL wait (no kernel of this step writes them), and after it reads the query and, in the slice that
 // holds it, the step's key and value (the QKV kernel just before wrote them). Given them fresh (fk: the eager block's
 // projection before RoPE), every program rotates the query, and the slice holding the position rotates the key and
-// writes it and the value to the caches, as the model's rope_and_cache would in a kernel of its own. Its partial (max, sum, weighted
-// values) goes to global memory; the (row, head)'s last program to finish merges them all. Compiled at run time (NVRTC) by
-// smem_attention.py, which names the instantiations, after common.cuh; no headers, so that NVRTC needs none. float32
-// arithmetic and one rounding, of the output, as decode_attention.py's Triton kernels. attend_loop, further down, is
-// the form for many rows.
+// writes it and the value to the caches, as the model's rope_and_cache would in a kernel of its own. Its partial (max,
+// sum, weighted values) goes to global memory; the (row, head)'s last program to finish merges them all. Compiled at
+// run time (NVRTC) by smem_attention.py, which names the instantiations, after common.cuh; no headers, so that NVRTC
+// needs none. float32 arithmetic and one rounding, of the output, as decode_attention.py's Triton kernels.
+// attend_loop, further down, is the form for many rows.
 
 struct Args {
   const bf16_t* q;             // (R, H, HD) rows sq apart: the step's queries, rotated unless fresh
@@ -174,7 +174,8 @@ __device__ __forceinline__ void attend(const Args& a) {
   if (PDL) asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
 
   if (holds && tid < 2 * LANES)  // this slice holds the position: its key and value
-    ((uint4*)((tid < LANES ? ks : vs) + early * HD))[tid % LANES] = step_piece<HD>(a, rh, pos, tid < LANES, tid % LANES);
+    ((uint4*)((tid < LANES ? ks : vs) + early * HD))[tid % LANES] =
+        step_piece<HD>(a, rh, pos, tid < LANES, tid % LANES);
   const int g = tid / LANES, piece = tid % LANES;  // this thread's key in each pass, and its 8 dims of it
   float qf[8];
   query<HD>(a, rh, piece, qf);

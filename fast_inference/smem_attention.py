@@ -12,7 +12,8 @@ Built by NVRTC and launched through the driver as smem_gemv's kernels (its `comp
 cudagraph backend where smem_gemv runs the block's projections (q rotated, the step's key and value already in the
 caches): the engine asks `builds` before it captures a step, else SDPA runs. The same backend's eager blocks (past
 smem_gemv's rows) take it too, with their projection's q, k and v before RoPE (`fresh`: the kernel rotates them and
-writes the cache, where a kernel of its own did before), past LOOP_ROWS as attend_loop, whose programs loop over their slices with loads in flight instead of staging them whole.
+writes the cache, where a kernel of its own did before), past LOOP_ROWS as attend_loop, whose programs loop over
+their slices with loads in flight instead of staging them whole.
 """
 import ctypes
 import os

@@ -156,9 +156,9 @@ def test_fused_ops_take_them_where_triton_may_not_run(monkeypatch):
 def test_the_cudagraph_backends_eager_blocks_run_them(monkeypatch):
     """The cudagraph backend at 3 images under CFG (6 rows: past smem_gemv's, the eager block) with Triton off, as its
     CLIs set it: the prefill and every step's blocks rotate, write the cache, gate and norm with these kernels,
-    captured (the steps' RoPE and cache write in smem_attention's kernel: the prefill's blocks alone call rope_and_cache,
-    eagerly and in its capture), and the teacher-forced logits are the reference's within a few bf16 roundings of the
-    largest."""
+    captured (the steps' RoPE and cache write in smem_attention's kernel: only the prefill's blocks call
+    rope_and_cache, eagerly and in its capture), and the teacher-forced logits are the reference's within a few bf16
+    roundings of the largest."""
     from fast_inference.engine import Engine
     from fast_inference.generate import generate
     from test_reference import cuda_tiny
