@@ -1,6 +1,6 @@
 // fused_ops.py's kernels without Triton, for the cudagraph backend's eager blocks and prefill: RoPE on q and k with
 // the cache write, SiLU x up, and RMSNorm (after a residual add). The same roundings as the eager ops: each rotated
-// element is fl(fl(x0 c) + fl(x1 (-s))) in float32 (no FMA: the intrinsics below), SiLU is x / (1 + expf(-x)) with an
+// element is fl(fl(x0 c) + fl(x1 (-s))) in float32 (no FMA: common.cuh's rotate), SiLU is x / (1 + expf(-x)) with an
 // IEEE division, rounded to the dtype before the product; the norm rounds as model.RMSNorm (the sum, x rstd, then x
 // the weight), only its sum of squares in an order of its own. Compiled at run time (NVRTC) by cuda_ops.py, after
 // common.cuh.

@@ -26,8 +26,9 @@ can be captured once and replayed N-1 times:
                        and the attention as smem_attention's (filled keys only: no windows); on
                        Hopper+ the draw and the step's inputs as one CUDA C++ kernel each (cuda_draw,
                        cuda_inputs; top-p < 1: sampling.py's ops), and in the eager blocks and prefill
-                       RoPE with the cache write and SiLU x up (fused_ops through cuda_ops); from 32
-                       rows (n = 16 under CFG) the eager blocks' attention is smem_attention's too
+                       RoPE with the cache write and SiLU x up (fused_ops through cuda_ops); past
+                       smem_gemv's rows the eager blocks' attention is smem_attention's too, which
+                       does their steps' RoPE and cache write itself
   backend "eager":     the same steps run op by op (CPU, debugging)
 Where the steps are captured by hand the eager prefill is captured too from a shape's second image on
 (replayed per image, its prefix copied in; the first token's draw runs after it, outside its graph), and so is

@@ -438,16 +438,6 @@ class Transformer(nn.Module):
         decode_inputs.py), where a control row already added into x is None.
         """
         freqs, picked = self.step_inputs(input_pos, controls) if inputs is None else inputs
-        # RoPE on q and k and the cache write, in one kernel where fused_ops has one (the same bits), else with the
-        # rotations of the RoPE rows made once for all blocks (three kernels per apply_rotary_emb instead of nine)
-        fused = fused_ops.fuses(x)
-        rot = None if fused else rotations(freqs)
-
-        def rope_write(q, k, v, cache):  # -> q rotated (B,H,S,hd) and the cache's keys and values
-            if fused:
-                return fused_ops.rope_and_cache(q, k, v, freqs, cache, input_pos)
-            return rope_and_cache(q, k, v, rot, cache, input_pos)
-
         if decode_attention is not None and x.shape[1] == 1:
             def attend(q, k, v, freqs, cache):
                 # The kernel rotates q and k and writes k and v; k None: q is rotated and the step's key
@@ -456,16 +446,22 @@ class Transformer(nn.Module):
                 return decode_attention(q.transpose(1, 2), cache.k_cache, cache.v_cache, key_valid, input_pos,
                                         fresh=fresh, text=cache.text())
         else:
-            # Made once for all blocks: the mask as SDPA's additive form (else each block converts it)
+            # Made once for all blocks: the mask as SDPA's additive form (else each block converts it), and RoPE on q
+            # and k with the cache write in one kernel where fused_ops has one (the same bits), else the rotations of
+            # the RoPE rows (three kernels per apply_rotary_emb instead of nine)
             n = key_valid.shape[1] if kv_len is None else kv_len
             mask = attention_mask(key_valid[:, :n], input_pos)
             bias = torch.zeros(mask.shape, dtype=x.dtype, device=x.device).masked_fill_(~mask, float("-inf"))
+            fused = fused_ops.fuses(x)
+            rot = None if fused else rotations(freqs)
 
             def attend(q, k, v, freqs, cache):
                 if k is None:  # q rotated, the step's key and value in the cache (decode_block's QKV kernel)
                     q, k, v = q.transpose(1, 2), cache.k_cache[: q.shape[0]], cache.v_cache[: q.shape[0]]
+                elif fused:
+                    q, k, v = fused_ops.rope_and_cache(q, k, v, freqs, cache, input_pos)
                 else:
-                    q, k, v = rope_write(q, k, v, cache)
+                    q, k, v = rope_and_cache(q, k, v, rot, cache, input_pos)
                 return F.scaled_dot_product_attention(q, k[:, :, :n], v[:, :, :n], attn_mask=bias)
 
         def control_at(i):  # the control rows added before block i, or None
