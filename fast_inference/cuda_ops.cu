@@ -76,23 +76,29 @@ __device__ __forceinline__ void silu_mul(const SiluArgs& a) {
 }
 
 // program m: row m; thread t its elements t + T i (i < V), held in registers between the sum and the products.
-// y = fl(fl(h rstd) w), rstd = rsqrt(sum(h^2) / D + eps) in float32, h = fl(x + delta), as model.RMSNorm's eager ops
+// y = fl(fl(h rstd) w), rstd = rsqrt(sum(h^2) / D + eps) in float32, h = fl(x + delta), as model.RMSNorm's eager ops.
+// Every load is issued before the first store: h may alias x or delta for all the compiler knows, so a store between
+// them made each element's loads wait for the one before's, an L2 round trip each (~4.7 us a row at 16-64 rows).
 template <int F32, int T, int V>
 __device__ __forceinline__ void rms_norm(const NormArgs& a) {
   __shared__ float red[T / 32];
   const long long row = (long long)blockIdx.x * a.D;
-  float h[V], ss = 0.f;
+  float h[V], dh[V], w[V], ss = 0.f;
 #pragma unroll
   for (int i = 0; i < V; ++i) {
     const int d = threadIdx.x + T * i;
-    h[i] = 0.f;
-    if (d < a.D) {
-      h[i] = load<F32>(a.x, row + d);
-      if (a.delta) {
-        h[i] = __fadd_rn(h[i], load<F32>(a.delta, row + d));
-        if (!F32) h[i] = round_bf16(h[i]);
-        store<F32>(a.h, row + d, h[i]);
-      }
+    const bool ok = d < a.D;
+    h[i] = ok ? load<F32>(a.x, row + d) : 0.f;
+    dh[i] = ok && a.delta ? load<F32>(a.delta, row + d) : 0.f;
+    w[i] = ok ? load<F32>(a.w, d) : 0.f;
+  }
+#pragma unroll
+  for (int i = 0; i < V; ++i) {
+    const int d = threadIdx.x + T * i;
+    if (d < a.D && a.delta) {
+      h[i] = __fadd_rn(h[i], dh[i]);
+      if (!F32) h[i] = round_bf16(h[i]);
+      store<F32>(a.h, row + d, h[i]);
     }
     ss = __fadd_rn(ss, __fmul_rn(h[i], h[i]));
   }
@@ -103,7 +109,7 @@ __device__ __forceinline__ void rms_norm(const NormArgs& a) {
     if (d < a.D) {
       float n = __fmul_rn(h[i], rstd);
       if (!F32) n = round_bf16(n);
-      store<F32>(a.y, row + d, __fmul_rn(n, load<F32>(a.w, d)));
+      store<F32>(a.y, row + d, __fmul_rn(n, w[i]));
     }
   }
 }
