@@ -13,6 +13,7 @@ from fast_inference import smem_gemv
 
 SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cuda_inputs.cu")
 THREADS = 256
+MAX_LISTS = 4  # cuda_inputs.cu's
 ENABLED = os.environ.get("FAST_CUDA_INPUTS", "1") != "0"
 
 
@@ -54,7 +55,8 @@ def step_inputs(model, token, input_pos, controls, guided):
     batch, D = token.shape[0], emb.shape[1]
     R = 2 * batch if guided else batch
     lists, _, n_controls, _ = controls.shape
-    assert controls.shape[1] >= R and n_controls > 0 and controls.stride(3) == 1 and controls.dtype == emb.dtype
+    assert controls.shape[1] >= R and n_controls > 0 and 0 < lists <= MAX_LISTS
+    assert controls.stride(3) == 1 and controls.dtype == emb.dtype
     assert token.is_contiguous() and emb.is_contiguous() and table.is_contiguous() and table.dtype == torch.float32
     x = torch.empty(R, 1, D, device=emb.device, dtype=emb.dtype)
     freqs = torch.empty(1, *table.shape[1:], device=emb.device, dtype=table.dtype)
@@ -64,5 +66,5 @@ def step_inputs(model, token, input_pos, controls, guided):
                 x=ptr(x), freqs=ptr(freqs), picked=ptr(picked), sl=controls.stride(0), sr=controls.stride(1),
                 sn=controls.stride(2), batch=batch, n_controls=n_controls, cls_token_num=model.args.cls_token_num, D=D,
                 F=table[0].numel(), lists=lists)
-    smem_gemv.launch(_kernel(emb.device, emb.dtype), (R,), THREADS, 0, args, True, emb.device)
+    smem_gemv.launch(_kernel(emb.device, emb.dtype), (R, -(-D // THREADS)), THREADS, 0, args, True, emb.device)
     return x, (freqs, (None, *picked))
