@@ -79,7 +79,10 @@ __device__ __forceinline__ void project(const Args& a) {
     if (owner) res = from_bf16(__ldcg(a.res + (long long)mine_r * a.n + col0 + mine_a));
     if (EPI == LINEAR_ADD && owner) add = from_bf16(__ldcg(a.add + (long long)mine_r * a.n + col0 + mine_a));
   }
-  for (int i = threadIdx.x; i < XR * KV; i += NW * 32) xs[i] = __ldcg((const uint4*)a.x + i);  // from L2
+  // x from L2 into shared memory by asynchronous copies, all in flight at once: through registers, the compiler
+  // issued the loads one to four at a time, each batch's stores waiting for it before the next batch's loads
+  for (int i = threadIdx.x; i < XR * KV; i += NW * 32) copy_async16(xs + i, (const uint4*)a.x + i);
+  asm volatile("cp.async.wait_all;" ::: "memory");
   __syncthreads();
 
   float rstd[XR];
