@@ -97,6 +97,8 @@ __device__ __forceinline__ uint4 step_piece(const Args& a, int rh, long long pos
   return t;
 }
 
+#define HELD 8  // partials the merge loads at once (GPT-XL 512 px: 8 slices a (row, head) up to 4 rows)
+
 // The program's partial (max m, sum l and, in thread d < HD, the weighted values' sum for dim d) to the output when
 // the (row, head) has one program (with the text's partial), else to `part`; the (row, head)'s last program to
 // finish merges them all and the text's
@@ -130,11 +132,27 @@ __device__ __forceinline__ void finish(const Args& a, int rh, int split, int spl
   __threadfence();
   const float* parts = a.part + (long long)rh * splits * (HD + 2);
   text_partial<HD>(a, rh, tm, tl, ts);
-  float mx = tm;  // finite after the loop: the slice holding the position sees its own key
-  for (int s = 0; s < splits; ++s) mx = fmaxf(mx, __ldcg(parts + s * (HD + 2)));
+  // the first HELD partials loaded at once (unpredicated: past splits the last again, unused), the rest in turn: the
+  // loops' loads had come in three batches, each after the one before had landed
+  float pm[HELD], pl[HELD], ps[HELD];
+#pragma unroll
+  for (int s = 0; s < HELD; ++s) {
+    const float* p = parts + min(s, splits - 1) * (HD + 2);
+    pm[s] = __ldcg(p), pl[s] = __ldcg(p + 1), ps[s] = __ldcg(p + 2 + tid);
+  }
+  float mx = tm;  // finite after the loops: the slice holding the position sees its own key
+#pragma unroll
+  for (int s = 0; s < HELD; ++s) mx = s < splits ? fmaxf(mx, pm[s]) : mx;
+  for (int s = HELD; s < splits; ++s) mx = fmaxf(mx, __ldcg(parts + s * (HD + 2)));
   float num = 0.f, den = 0.f;
   if (tm != NEG_INF) num = expf(tm - mx) * ts, den = expf(tm - mx) * tl;
-  for (int s = 0; s < splits; ++s) {
+#pragma unroll
+  for (int s = 0; s < HELD; ++s)
+    if (s < splits) {
+      const float w = expf(pm[s] - mx);
+      num = fmaf(w, ps[s], num), den = fmaf(w, pl[s], den);
+    }
+  for (int s = HELD; s < splits; ++s) {
     const float w = expf(__ldcg(parts + s * (HD + 2)) - mx);
     num = fmaf(w, __ldcg(parts + s * (HD + 2) + 2 + tid), num);
     den = fmaf(w, __ldcg(parts + s * (HD + 2) + 1), den);
