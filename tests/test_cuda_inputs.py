@@ -44,11 +44,13 @@ def test_not_built_where_it_cannot_run(monkeypatch):
 
 @pytest.mark.skipif(not GPU, reason="needs a GPU of compute capability 9.0+ with NVRTC")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_matches_the_models_ops(dtype):
+@pytest.mark.parametrize("dim", [64, 320])
+def test_matches_the_models_ops(dtype, dim):
     """x, the RoPE row and the later control rows bit for bit (signed zeros too) as the model's ops make them: guided
-    and not, 1-3 images, a padded batch's larger buffer, positions before, at, through and past the control tokens."""
+    and not, 1-3 images, a padded batch's larger buffer, positions before, at, through and past the control tokens; a
+    row in one program and in two (the second partly past the row's end: 320 = 256 + 64)."""
     same = lambda a, b: a.shape == b.shape and torch.equal(a, b) and torch.equal(a.signbit(), b.signbit())
-    model = tiny_model(cls=8, seed=3, vocab_size=512, n_layer=2).to("cuda", dtype)
+    model = tiny_model(cls=8, seed=3, vocab_size=512, n_layer=2, dim=dim, n_head=dim // 32).to("cuda", dtype)
     model.setup_caches(8, 24, dtype)  # the RoPE table in float32, as the engine's Sampler leaves it
     assert cuda_inputs.builds(model, "cuda")
     D, Nc = model.args.dim, 10
