@@ -63,37 +63,39 @@ __device__ __forceinline__ int order_key(float x) {
   return b ^ ((b >> 31) & 0x7fffffff);
 }
 
-// image b's logit j, CFG-merged and divided by the temperature in sampling.py's float32 roundings (no fused
-// multiply-add)
+// logit j of row r as float32
 template <int F32>
-__device__ __forceinline__ float tempered(const Args& a, int b, int j, float scale, float temperature) {
-  float x;
-  if (F32) {
-    const float* l = (const float*)a.logits;
-    x = l[b * a.stride + j];
-    if (a.guided) {
-      const float u = l[(a.batch + b) * a.stride + j];
-      x = __fadd_rn(u, __fmul_rn(__fsub_rn(x, u), scale));
-    }
-  } else {
-    const bf16_t* l = (const bf16_t*)a.logits;
-    x = from_bf16(l[b * a.stride + j]);
-    if (a.guided) {
-      const float u = from_bf16(l[(a.batch + b) * a.stride + j]);
-      x = __fadd_rn(u, __fmul_rn(__fsub_rn(x, u), scale));
-    }
-  }
+__device__ __forceinline__ float logit(const Args& a, int r, int j) {
+  return F32 ? ((const float*)a.logits)[r * a.stride + j] : from_bf16(((const bf16_t*)a.logits)[r * a.stride + j]);
+}
+
+// image b's logit x (and its unguided row's u), CFG-merged and divided by the temperature in sampling.py's float32
+// roundings (no fused multiply-add)
+__device__ __forceinline__ float temper(const Args& a, float x, float u, float scale, float temperature) {
+  if (a.guided) x = __fadd_rn(u, __fmul_rn(__fsub_rn(x, u), scale));
   return __fdiv_rn(x, temperature);
 }
 
-// thread t's tempered logits of image b, its i0-th to (i0 + N - 1)-th (logit j = i * T + t), to x; -inf past V
+template <int F32>
+__device__ __forceinline__ float tempered(const Args& a, int b, int j, float scale, float temperature) {
+  return temper(a, logit<F32>(a, b, j), a.guided ? logit<F32>(a, a.batch + b, j) : 0.f, scale, temperature);
+}
+
+// thread t's tempered logits of image b, its i0-th to (i0 + N - 1)-th (logit j = i * T + t), to x; -inf past V. Every
+// load first (past V the last logit again, unused): the division's check and slow path branch, and had held each
+// logit's loads back until the one before had landed
 template <int T, int N, int F32>
 __device__ __forceinline__ void tempered_row(float* x, const Args& a, int b, int i0, float scale, float temperature) {
+  float u[N];
 #pragma unroll
   for (int i = 0; i < N; ++i) {
-    const int j = (i0 + i) * T + threadIdx.x;
-    x[i] = j < a.V ? tempered<F32>(a, b, j, scale, temperature) : NEG_INF;
+    const int j = min((i0 + i) * T + (int)threadIdx.x, a.V - 1);
+    x[i] = logit<F32>(a, b, j);
+    u[i] = a.guided ? logit<F32>(a, a.batch + b, j) : 0.f;
   }
+#pragma unroll
+  for (int i = 0; i < N; ++i)
+    x[i] = (i0 + i) * T + (int)threadIdx.x < a.V ? temper(a, x[i], u[i], scale, temperature) : NEG_INF;
 }
 
 // the race's scores of thread t's tempered logits x of image b, its i0-th to (i0 + PER - 1)-th (i0 a multiple of 4):
