@@ -76,14 +76,15 @@ __device__ __forceinline__ float temper(const Args& a, float x, float u, float s
   return __fdiv_rn(x, temperature);
 }
 
+// image b's logit j, tempered
 template <int F32>
 __device__ __forceinline__ float tempered(const Args& a, int b, int j, float scale, float temperature) {
   return temper(a, logit<F32>(a, b, j), a.guided ? logit<F32>(a, a.batch + b, j) : 0.f, scale, temperature);
 }
 
-// thread t's tempered logits of image b, its i0-th to (i0 + N - 1)-th (logit j = i * T + t), to x; -inf past V. Every
-// load first (past V the last logit again, unused): the division's check and slow path branch, and had held each
-// logit's loads back until the one before had landed
+// thread t's tempered logits of image b, its i0-th to (i0 + N - 1)-th (logit j = i * T + t), to x; -inf past V. All
+// loads first (past V the last logit again, unused): the division branches (its check and slow path), and loads after
+// it had waited for the logit before's to land
 template <int T, int N, int F32>
 __device__ __forceinline__ void tempered_row(float* x, const Args& a, int b, int i0, float scale, float temperature) {
   float u[N];
