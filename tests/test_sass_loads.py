@@ -1,0 +1,36 @@
+"""scripts/sass_loads.py: its folding of SASS lines on made-up ones, and with nvcc (no GPU needed) the kernels' memory
+operations in order, where #85's norm must issue every load before its first store (docs/PERF_NOTES.md)."""
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from conftest import ROOT
+
+sys.path.insert(0, os.path.join(ROOT, "scripts"))
+import sass_loads  # noqa: E402
+
+
+def test_folds_runs_of_a_kind_and_drops_the_rest():
+    lines = ["LDG.E.U16 R0, desc[UR6][R12.64] ;", "@!P2 LDG.E.U16 R2, desc[UR6][R10.64] ;", "FADD R1, R0, R2 ;",
+             "LDGSTS.E.BYPASS.128 [R9], desc[UR6][R6.64] ;", "@!P2 STG.E.U16 desc[UR6][R8.64], R3 ;",
+             "BAR.SYNC.DEFER_BLOCKING 0x0 ;", "@P0 BRA 0x1420 ;", "BRA 0x1430 ;", "EXIT ;"]
+    assert sass_loads.folded(lines) == [("LDG", 2), ("LDGSTS", 1), ("STG", 1), ("BAR", 1), ("BRA", 2), ("EXIT", 1)]
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None or not os.path.exists(sass_loads.cuobjdump()),
+                    reason="no nvcc or cuobjdump")
+def test_the_norm_loads_everything_before_its_first_store():
+    """cuda_ops' RMSNorm (#85): a store between its loads made each element wait an L2 round trip for the one before."""
+    kernels = sass_loads.sass(sass_loads.entries()["cuda_ops"])
+    runs = sass_loads.folded(kernels["cuda_ops_norm"][1])
+    first_store = next(i for i, (k, _) in enumerate(runs) if k == "STG")
+    assert not any(k == "LDG" for k, _ in runs[first_store:]), runs
+
+
+def test_an_unknown_module_is_a_one_line_error():
+    out = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "sass_loads.py"), "nope"],
+                         capture_output=True, text=True)
+    assert out.returncode != 0 and "unknown module(s) nope" in out.stderr and "cuda_ops" in out.stderr
