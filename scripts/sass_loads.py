@@ -1,14 +1,15 @@
 """The order of the global loads, stores, barriers and branches in the CUDA C++ kernels' sm_90 SASS, as the engine
 builds them (nvcc and Triton's bundled cuobjdump; no GPU needed): where a kernel's loads wait on each other.
 
-    python scripts/sass_loads.py [cuda_ops cuda_inputs cuda_draw smem_gemv smem_attention] [--all]
+    python scripts/sass_loads.py [cuda_ops cuda_inputs cuda_draw smem_gemv smem_attention decode_block] [--all]
 
 A load the compiler may not issue before a store to memory it might alias, or after a branch (an IEEE division's
 check), or whose register a store must free first, waits for the one before it to land: an L2 round trip each,
 0.3-0.5 us on the H200 (docs/PERF_NOTES.md #85-#89). Each kernel prints its registers and stack, then its memory
 operations in program order, runs of one kind folded ("LDG x8": issued back to back). Not every break in a run is a
 wait (a branch over a predicated-off element is not), so read the folded lines with the source. --all: every SASS line
-of those kinds, unfolded.
+of those kinds, unfolded. decode_block: the default engine's Triton projections at 2 rows (n = 1 under CFG) as it
+launches them (PDL; ACQBULK is the wait), built by Triton for sm_90 (its bundled ptxas).
 """
 import argparse
 import os
@@ -21,11 +22,12 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from fast_inference import cuda_draw, cuda_inputs, cuda_ops, smem_attention, smem_gemv
 
-KINDS = ("LDGSTS", "LDG", "STG", "STS", "LDS", "BAR", "BRA", "CALL", "ATOM", "RED", "MEMBAR", "EXIT", "SYNCS")
+KINDS = ("ACQBULK", "LDGSTS", "LDG", "STG", "STS", "LDS", "BAR", "BRA", "CALL", "ATOM", "RED", "MEMBAR", "EXIT", "SYNCS")
 
 
 def entries():
-    """module name -> its source(names)'s text, for the kernels the engine builds for GPT-XL in bf16."""
+    """module name -> its source(names)'s text, for the kernels the engine builds for GPT-XL in bf16 (decode_block's
+    Triton kernels: None, built by triton_cubins)."""
     V = 16_384
     gemv = [(f"smem_gemv_{name}_{rows}", smem_gemv._entry(kind, name, k, rows, True, smem_gemv.ALL))
             for name, kind, k in (("qkv", "qkv", 1280), ("wo", "linear", 1280), ("gate_up", "gate_up", 1280),
@@ -38,7 +40,43 @@ def entries():
         smem_attention=smem_attention.source([("smem_attention_attend", ("attend", 64, smem_attention.WARPS,
                                                                           smem_gemv.PDL)),
                                               ("smem_attention_loop", ("loop", 64, smem_attention.LOOP_WARPS,
-                                                                        smem_attention.U))]))
+                                                                        smem_attention.U))]),
+        decode_block=None)  # built by Triton when asked (triton_cubins)
+
+
+def triton_cubins(rows=2):
+    """{kernel: cubin} of decode_block's qkv, wo and w2 kernels for GPT-XL in bf16 at `rows` rows, as the engine
+    launches them under PDL on an H100/H200."""
+    import torch
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource, compile
+
+    from fast_inference import decode_block as db
+
+    t, D, F = "*bf16", 1280, 3584
+    pdl = db.LATE if rows > db.GEMV_ROWS else db.GEMV_PDL
+    split = {"PART": "*fp32", "COUNT": "*i32", "PROGRESS": "*i32"}
+    sig = dict(linear={"X": t, "W": t, "S": t, "RES": t, "ADD": t, "OUT": t, **split, "R": "i32", "N": "i32"},
+               qkv={"X": t, "NW": t, "W": t, "S": t, "FREQS": "*fp32", "POS": "*i64", "Q": t, "KC": t, "VC": t,
+                    **split, "R": "i32", "stride_cr": "i32", "stride_ch": "i32", "stride_cn": "i32"})
+    out = {}
+    for name, K, kernel, tiles in (("qkv", D, db._qkv_kernel, 2), ("wo", D, db._linear_kernel, 1),
+                                   ("w2", F, db._linear_kernel, 1)):
+        x, w = (torch.empty(n, K, dtype=torch.bfloat16, device="meta") for n in (rows, 1))
+        bn, kw = db.plan(name, x, w, tiles, pdl)
+        options = {o: kw.pop(o) for o in ("launch_pdl", "num_warps", "num_stages") if o in kw}
+        kw = dict(kw, QUANT=False, BUMP=False)
+        del kw["PROGRESS"]
+        if name == "qkv":
+            kw.update(EPS=1e-5, D=D, HD=64, BP=min(bn, 32))
+        else:
+            kw.update(K=K, BN=bn, THEN=False)
+        signature = dict(sig["qkv" if name == "qkv" else "linear"], **{k: "constexpr" for k in kw})
+        attrs = {(i,): [["tt.divisibility", 16]] for i, v in enumerate(signature.values()) if v.startswith("*")}
+        k = compile(ASTSource(kernel, signature, constexprs=kw, attrs=attrs), target=GPUTarget("cuda", 90, 32),
+                    options=options)
+        out[f"decode_block_{name}_{rows}"] = k.asm["cubin"]
+    return out
 
 
 def cuobjdump():
@@ -48,21 +86,31 @@ def cuobjdump():
 
 
 def sass(src):
-    """{kernel: (resource usage line, [SASS instruction lines])} of the CUDA C++ src built for sm_90."""
+    """{kernel: (resource usage line, [SASS instruction lines])} of the CUDA C++ src built for sm_90, or of the
+    cubins {name: bytes} src."""
+    if isinstance(src, dict):
+        return {k: v for name, cubin in src.items() for k, v in _dump(cubin, name).items()}
     with tempfile.TemporaryDirectory() as d:
         path = os.path.join(d, "k.cu")
         with open(path, "w") as f:
             f.write(src)
         subprocess.run(["nvcc", "-arch=sm_90", "-cubin", "-o", path + ".cubin", path], check=True)
-        text = subprocess.run([cuobjdump(), "-sass", path + ".cubin"], capture_output=True, text=True, check=True)
-        usage = subprocess.run([cuobjdump(), "-res-usage", path + ".cubin"], capture_output=True, text=True,
-                               check=True).stdout
+        with open(path + ".cubin", "rb") as f:
+            return _dump(f.read())
+
+
+def _dump(cubin, rename=None):
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        text = subprocess.run([cuobjdump(), "-sass", f.name], capture_output=True, text=True, check=True)
+        usage = subprocess.run([cuobjdump(), "-res-usage", f.name], capture_output=True, text=True, check=True).stdout
     out = {}
     for block in re.split(r"\n\s*Function : ", text.stdout)[1:]:
         name, body = block.split("\n", 1)
         lines = [m.group(1).strip() for m in re.finditer(r"/\*[0-9a-f]{4}\*/\s+([^;]*;)", body)]
         res = re.search(rf"Function {re.escape(name.strip())}:\s*\n\s*(REG:.*)", usage)
-        out[name.strip()] = (res.group(1).split(" SHARED")[0] if res else "", lines)
+        out[rename or name.strip()] = (res.group(1).split(" SHARED")[0] if res else "", lines)
     return out
 
 
@@ -85,7 +133,7 @@ def folded(lines):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("modules", nargs="*", help="cuda_ops, cuda_inputs, cuda_draw, smem_gemv, smem_attention (all)")
+    ap.add_argument("modules", nargs="*", help="cuda_ops, cuda_inputs, cuda_draw, smem_gemv, smem_attention, decode_block (all)")
     ap.add_argument("--all", action="store_true", help="every line of those kinds, unfolded")
     args = ap.parse_args()
     sources = entries()
@@ -93,7 +141,7 @@ def main():
     if unknown:
         sys.exit(f"sass_loads.py: unknown module(s) {', '.join(sorted(unknown))}: choose from {', '.join(sources)}")
     for module in args.modules or sources:
-        for name, (usage, lines) in sass(sources[module]).items():
+        for name, (usage, lines) in sass(sources[module] or triton_cubins()).items():
             print(f"{name}: {usage}")
             if args.all:
                 print("\n".join(f"  {line}" for line in lines if kind(line)))

@@ -34,3 +34,18 @@ def test_an_unknown_module_is_a_one_line_error():
     out = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "sass_loads.py"), "nope"],
                          capture_output=True, text=True)
     assert out.returncode != 0 and "unknown module(s) nope" in out.stderr and "cuda_ops" in out.stderr
+
+
+@pytest.mark.skipif(not os.path.exists(sass_loads.cuobjdump()), reason="no cuobjdump")
+def test_the_gemv_paths_triton_kernels_load_their_weights_before_their_wait():
+    """decode_block's qkv, wo and w2 at 2 rows (in a process of their own, away from the interpreter's settings), as
+    the engine launches them under PDL: weight loads, then the wait (ACQBULK), then x's."""
+    out = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "sass_loads.py"), "decode_block"],
+                         capture_output=True, text=True, env=dict(os.environ, TRITON_INTERPRET="0"))
+    if "ptxas" in out.stderr and "not found" in out.stderr.lower():
+        pytest.skip("Triton's ptxas is not available here")
+    assert out.returncode == 0, out.stderr[-2000:]
+    kernels = dict(zip(*[iter(line.strip() for line in out.stdout.splitlines() if line.strip())] * 2))
+    assert {name.split(":")[0] for name in kernels} == {f"decode_block_{p}_2" for p in ("qkv", "wo", "w2")}
+    for name, runs in kernels.items():
+        assert runs.startswith("LDG x") and ", ACQBULK, LDG" in runs, (name, runs)
