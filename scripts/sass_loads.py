@@ -1,5 +1,6 @@
-"""The order of the global loads, stores, barriers and branches in the CUDA C++ kernels' sm_90 SASS, as the engine
-builds them (nvcc and Triton's bundled cuobjdump; no GPU needed): where a kernel's loads wait on each other.
+"""The order of the global loads, stores, barriers and branches in the engine's hand-written kernels' sm_90 SASS (the
+CUDA C++ ones, and decode_block's Triton GEMVs), built as the engine builds them (nvcc, Triton, Triton's bundled
+cuobjdump; no GPU needed): where a kernel's loads wait on each other.
 
     python scripts/sass_loads.py [cuda_ops cuda_inputs cuda_draw smem_gemv smem_attention decode_block] [--all]
 
