@@ -23,12 +23,12 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from fast_inference import cuda_draw, cuda_inputs, cuda_ops, smem_attention, smem_gemv
 
-KINDS = ("ACQBULK", "LDGSTS", "LDG", "STG", "STS", "LDS", "BAR", "BRA", "CALL", "ATOM", "RED", "MEMBAR", "EXIT", "SYNCS")
+KINDS = ("ACQBULK", "LDGSTS", "LDG", "STG", "STS", "LDS", "BAR", "BRA", "CALL", "ATOM", "RED", "MEMBAR", "EXIT",
+         "SYNCS")
 
 
-def entries():
-    """module name -> its source(names)'s text, for the kernels the engine builds for GPT-XL in bf16 (decode_block's
-    Triton kernels: None, built by triton_cubins)."""
+def cuda_sources():
+    """module name -> its source(names)'s text, for the CUDA C++ kernels the engine builds for GPT-XL in bf16."""
     V = 16_384
     gemv = [(f"smem_gemv_{name}_{rows}", smem_gemv._entry(kind, name, k, rows, True, smem_gemv.ALL))
             for name, kind, k in (("qkv", "qkv", 1280), ("wo", "linear", 1280), ("gate_up", "gate_up", 1280),
@@ -41,8 +41,7 @@ def entries():
         smem_attention=smem_attention.source([("smem_attention_attend", ("attend", 64, smem_attention.WARPS,
                                                                           smem_gemv.PDL)),
                                               ("smem_attention_loop", ("loop", 64, smem_attention.LOOP_WARPS,
-                                                                        smem_attention.U))]),
-        decode_block=None)  # built by Triton when asked (triton_cubins)
+                                                                        smem_attention.U))]))
 
 
 def triton_cubins(rows=2):
@@ -86,21 +85,21 @@ def cuobjdump():
     return os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
 
 
-def sass(src):
-    """{kernel: (resource usage line, [SASS instruction lines])} of the CUDA C++ src built for sm_90, or of the
-    cubins {name: bytes} src."""
-    if isinstance(src, dict):
-        return {k: v for name, cubin in src.items() for k, v in _dump(cubin, name).items()}
+def cubins(module):
+    """{kernel name, or None for the cubin's own names: cubin} of `module`'s kernels as the engine builds them."""
+    if module == "decode_block":
+        return triton_cubins()
     with tempfile.TemporaryDirectory() as d:
         path = os.path.join(d, "k.cu")
         with open(path, "w") as f:
-            f.write(src)
+            f.write(cuda_sources()[module])
         subprocess.run(["nvcc", "-arch=sm_90", "-cubin", "-o", path + ".cubin", path], check=True)
         with open(path + ".cubin", "rb") as f:
-            return _dump(f.read())
+            return {None: f.read()}
 
 
-def _dump(cubin, rename=None):
+def sass(cubin, rename=None):
+    """{kernel: (resource usage line, [SASS instruction lines])} of a cubin, its one kernel named `rename` if given."""
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(cubin)
         f.flush()
@@ -133,21 +132,22 @@ def folded(lines):
 
 
 def main():
+    modules = (*cuda_sources(), "decode_block")
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("modules", nargs="*", help="cuda_ops, cuda_inputs, cuda_draw, smem_gemv, smem_attention, decode_block (all)")
+    ap.add_argument("modules", nargs="*", help=f"of {', '.join(modules)} (all)")
     ap.add_argument("--all", action="store_true", help="every line of those kinds, unfolded")
     args = ap.parse_args()
-    sources = entries()
-    unknown = set(args.modules) - set(sources)
+    unknown = set(args.modules) - set(modules)
     if unknown:
-        sys.exit(f"sass_loads.py: unknown module(s) {', '.join(sorted(unknown))}: choose from {', '.join(sources)}")
-    for module in args.modules or sources:
-        for name, (usage, lines) in sass(sources[module] or triton_cubins()).items():
-            print(f"{name}: {usage}")
-            if args.all:
-                print("\n".join(f"  {line}" for line in lines if kind(line)))
-            else:
-                print("  " + ", ".join(k if n == 1 else f"{k} x{n}" for k, n in folded(lines)))
+        sys.exit(f"sass_loads.py: unknown module(s) {', '.join(sorted(unknown))}: choose from {', '.join(modules)}")
+    for module in args.modules or modules:
+        for name, cubin in cubins(module).items():
+            for kernel, (usage, lines) in sass(cubin, name).items():
+                print(f"{kernel}: {usage}")
+                if args.all:
+                    print("\n".join(f"  {line}" for line in lines if kind(line)))
+                else:
+                    print("  " + ", ".join(k if n == 1 else f"{k} x{n}" for k, n in folded(lines)))
 
 
 if __name__ == "__main__":

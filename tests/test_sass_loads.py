@@ -24,7 +24,7 @@ def test_folds_runs_of_a_kind_and_drops_the_rest():
                     reason="no nvcc or cuobjdump")
 def test_the_norm_loads_everything_before_its_first_store():
     """cuda_ops' RMSNorm (#85): a store between its loads made each element wait an L2 round trip for the one before."""
-    kernels = sass_loads.sass(sass_loads.entries()["cuda_ops"])
+    kernels = sass_loads.sass(sass_loads.cubins("cuda_ops")[None])
     runs = sass_loads.folded(kernels["cuda_ops_norm"][1])
     first_store = next(i for i, (k, _) in enumerate(runs) if k == "STG")
     assert not any(k == "LDG" for k, _ in runs[first_store:]), runs
