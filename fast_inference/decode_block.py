@@ -149,11 +149,15 @@ if triton is not None:
         return ((x.to(tl.float32) * rstd[:, None]).to(x.dtype).to(tl.float32) * nw.to(tl.float32)).to(x.dtype)
 
     @triton.jit
-    def _input(X, nw, offs_r, r_ok, EPS: tl.constexpr, K: tl.constexpr, PW: tl.constexpr, NORM: tl.constexpr):
-        """(RP, PW) float32 rows of X as the projection reads them, RMS-normalised by the weights nw if NORM."""
+    def _rows(X, offs_r, r_ok, K: tl.constexpr, PW: tl.constexpr):
+        """(RP, PW) rows offs_r of X (R, K), zero past K and where not r_ok."""
         offs_k = tl.arange(0, PW)
         k_ok = offs_k < K
-        x = tl.load(X + offs_r[:, None] * K + offs_k[None, :], mask=r_ok[:, None] & k_ok[None, :], other=0.0)
+        return tl.load(X + offs_r[:, None] * K + offs_k[None, :], mask=r_ok[:, None] & k_ok[None, :], other=0.0)
+
+    @triton.jit
+    def _normed(x, nw, EPS: tl.constexpr, K: tl.constexpr, NORM: tl.constexpr):
+        """Rows x as the projection reads them, in float32: RMS-normalised by the weights nw if NORM."""
         if NORM:
             xf = x.to(tl.float32)
             rstd = tl.rsqrt(tl.sum(xf * xf, 1) / K + EPS)
@@ -177,14 +181,21 @@ if triton is not None:
 
     @triton.jit
     def _matvec_rows(X, nw, w, R, EPS: tl.constexpr, K: tl.constexpr, PW: tl.constexpr, RP: tl.constexpr,
-                     NORM: tl.constexpr):
-        """_matvec of [RMSNorm](X), one row of X at a time (read and normalised here), against w as it was loaded."""
+                     NORM: tl.constexpr, AHEAD: tl.constexpr):
+        """_matvec of [RMSNorm](X), one row of X at a time, against w as it was loaded. AHEAD: every row loaded before
+        the first is reduced (the reductions' barriers keep a later load behind them: an L2 round trip per row)."""
+        xs = ()
+        if AHEAD:
+            for r in tl.static_range(RP):
+                xs = xs + (_rows(X, r + tl.arange(0, 1), r + tl.arange(0, 1) < R, K, PW),)
         offs_r = tl.arange(0, RP)[:, None]
         y = tl.zeros([RP, w.shape[0]], tl.float32)
         for r in tl.static_range(RP):
-            row = r + tl.arange(0, 1)
-            x = _input(X, nw, row, row < R, EPS, K, PW, NORM)  # (1, PW)
-            y = tl.where(offs_r == r, tl.sum(x * _f32(w), 1)[None, :], y)
+            if AHEAD:
+                x = xs[r]
+            else:
+                x = _rows(X, r + tl.arange(0, 1), r + tl.arange(0, 1) < R, K, PW)  # (1, PW)
+            y = tl.where(offs_r == r, tl.sum(_normed(x, nw, EPS, K, NORM) * _f32(w), 1)[None, :], y)
         return y
 
     @triton.jit
@@ -235,19 +246,14 @@ if triton is not None:
         return tl.sum(acc_a, 1), tl.sum(acc_b, 1)
 
     @triton.jit
-    def _gemv_pieces(X, NW, W, rows_a, rows_b, rows_ok, R, EPS: tl.constexpr, K: tl.constexpr, PW: tl.constexpr,
-                     RP: tl.constexpr, NORM: tl.constexpr, PAIR: tl.constexpr, PDL: tl.constexpr):
-        """_gemv with K in PW-wide pieces, PW one warp's span of 16-byte loads: no padded lanes to hold and multiply
-        (GPT-XL's K = 1,280 was padded to 2,048), a warp per weight row (Triton lays a (rows, 256) bf16 tile out so),
-        so the sum over K needs no shared memory, and no tile converted to another layout after the wait. Each warp
+    def _times_pieces(X, NW, w_a, w_b, rows_a, R, EPS: tl.constexpr, K: tl.constexpr, PW: tl.constexpr,
+                      RP: tl.constexpr, NORM: tl.constexpr, PAIR: tl.constexpr):
+        """_gemv's products with K in PW-wide pieces, PW one warp's span of 16-byte loads: no padded lanes to hold and
+        multiply (GPT-XL's K = 1,280 was padded to 2,048), a warp per weight row (Triton lays a (rows, 256) bf16 tile out
+        so), so the sum over K needs no shared memory, and no tile converted to another layout after the wait. Each warp
         reads the whole of each row of X, in the tiles' layout, which costs registers: gate/up at 2 rows 167 against
         127 padded (sm_90, Triton 3.6: 3 programs per SM instead of 4), qkv 176 against 116 (8 warps: 1 instead of
         2)."""
-        w_a = _pieces(W, rows_a, rows_ok, K, PW)
-        w_b = w_a
-        if PAIR:
-            w_b = _pieces(W, rows_b, rows_ok, K, PW)
-        pdl_wait(PDL)
         sums = ()
         for r in tl.static_range(RP):  # every row's sums before any is laid out as (RP, BN): the rows overlap
             sums = sums + (_row_times(X + r * K, NW, w_a, w_b, (0 * rows_a + r < R)[:, None], EPS, K, PW, NORM, PAIR),)
@@ -260,35 +266,43 @@ if triton is not None:
         return a, b
 
     @triton.jit
-    def _gemv(X, NW, W, rows_a, rows_b, rows_ok, R, EPS: tl.constexpr, K: tl.constexpr, PW: tl.constexpr,
-              RP: tl.constexpr, NORM: tl.constexpr, PAIR: tl.constexpr, PDL: tl.constexpr):
+    def _gemv(X, NW, W, rows_a, rows_b, rows_ok, R, E, e_at, e_ok, EPS: tl.constexpr, K: tl.constexpr,
+              PW: tl.constexpr, RP: tl.constexpr, NORM: tl.constexpr, PAIR: tl.constexpr, PDL: tl.constexpr,
+              READ_E: tl.constexpr):
         """[RMSNorm](X) @ W[rows_a].T (and @ W[rows_b].T if PAIR) on the CUDA cores, the weight rows
-        loaded whole before the wait. One tile (wo, w2, the head) multiplies a row of X at a time: the (RP, BN, PW)
-        product needs the tile in another layout, converted through shared memory after the wait. A pair (qkv, and
-        gate/up when padded) keeps the product: row by row its two tiles took 168-217 registers, fewer programs
-        resident to load ahead. H200, scripts/engine_ab.py --process-per-setting, n = 1 ms/step: all as the product
-        1.012-1.018, all row by row 1.071, one tile row by row 1.001. PW < K: K in pieces instead (_gemv_pieces); else
-        a row is one PW-wide tile, padded."""
-        if PW < K:
-            return _gemv_pieces(X, NW, W, rows_a, rows_b, rows_ok, R, EPS, K, PW, RP, NORM, PAIR, PDL)
-        w_a = _pieces(W, rows_a, rows_ok, K, PW)[0]  # one piece: the row padded to PW
+        loaded whole before the wait; and E[e_at] where e_ok (zero elsewhere), in float32: the kernel's other input
+        (the residual), read before the wait (READ_E == 1), right after it with every row of X (2: their L2 round
+        trips overlap rather than follow each other and the products) or not at all (0). One tile (wo, w2, the
+        head) multiplies a row of X at a time: the (RP, BN, PW) product needs the tile in another layout, converted
+        through shared memory after the wait. A pair (qkv, and gate/up when padded) keeps the product: row by row its
+        two tiles took 168-217 registers, fewer programs resident to load ahead. H200, scripts/engine_ab.py
+        --process-per-setting, n = 1 ms/step: all as the product 1.012-1.018, all row by row 1.071, one tile row by
+        row 1.001. PW < K: K in pieces instead (_times_pieces); else a row is one PW-wide tile, padded."""
+        w_a = _pieces(W, rows_a, rows_ok, K, PW)
         w_b = w_a
         if PAIR:
-            w_b = _pieces(W, rows_b, rows_ok, K, PW)[0]
+            w_b = _pieces(W, rows_b, rows_ok, K, PW)
         offs_k = tl.arange(0, PW)
         nw = tl.zeros([PW], NW.dtype.element_ty)
-        if NORM:  # a weight too
+        if NORM and PW >= K:  # a weight too (in pieces, read after the wait)
             nw = tl.load(NW + offs_k, mask=offs_k < K, other=0.0)
+        e = tl.zeros(e_at.shape, tl.float32)
+        if READ_E == 1:
+            e = tl.load(E + e_at, mask=e_ok, other=0.0, cache_modifier=".cg").to(tl.float32)
         pdl_wait(PDL)
-        if PAIR:
+        if READ_E == 2:
+            e = tl.load(E + e_at, mask=e_ok, other=0.0).to(tl.float32)
+        if PW < K:
+            a, b = _times_pieces(X, NW, w_a, w_b, rows_a, R, EPS, K, PW, RP, NORM, PAIR)
+        elif PAIR:
             offs_r = tl.arange(0, RP)
-            x = _input(X, nw, offs_r, offs_r < R, EPS, K, PW, NORM)
-            a = _matvec(x, w_a)
-            b = _matvec(x, w_b)
+            x = _normed(_rows(X, offs_r, offs_r < R, K, PW), nw, EPS, K, NORM)
+            a = _matvec(x, w_a[0])
+            b = _matvec(x, w_b[0])
         else:
-            a = _matvec_rows(X, nw, w_a, R, EPS, K, PW, RP, NORM)
+            a = _matvec_rows(X, nw, w_a[0], R, EPS, K, PW, RP, NORM, READ_E == 2)
             b = a
-        return a, b
+        return a, b, e
 
     @triton.jit
     def _dots(X, NW, W, rows_a, rows_b, rows_ok, R, EPS: tl.constexpr, K: tl.constexpr, RP: tl.constexpr,
@@ -353,14 +367,16 @@ if triton is not None:
         return a, b, last
 
     @triton.jit
-    def _project(X, NW, W, S, PART, COUNT, rows_a, rows_b, rows_ok, R, EPS: tl.constexpr, K: tl.constexpr,
-                 PW: tl.constexpr, RP: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, NORM: tl.constexpr,
-                 PAIR: tl.constexpr, DOT: tl.constexpr, PDL: tl.constexpr, PREC: tl.constexpr,
-                 SPLIT: tl.constexpr, QUANT: tl.constexpr, dt: tl.constexpr):
+    def _project(X, NW, W, S, PART, COUNT, rows_a, rows_b, rows_ok, R, E, e_at, e_ok, EPS: tl.constexpr,
+                 K: tl.constexpr, PW: tl.constexpr, RP: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                 NORM: tl.constexpr, PAIR: tl.constexpr, DOT: tl.constexpr, PDL: tl.constexpr, PREC: tl.constexpr,
+                 SPLIT: tl.constexpr, QUANT: tl.constexpr, READ_E: tl.constexpr, dt: tl.constexpr):
         """[RMSNorm](X) @ W[rows_a].T and, if PAIR, @ W[rows_b].T: (RP, BN) each, rounded to dt as the
-        model's linear outputs are, returned in float32; and the rows this program stores: R, or 0 where
-        another program of its tile does (split-K: the last of them). QUANT: W is int8 and the rounded
-        products are scaled by S[row] and rounded again (model.int8_linear)."""
+        model's linear outputs are, returned in float32; the rows this program stores: R, or 0 where
+        another program of its tile does (split-K: the last of them); and on the GEMV path E[e_at] where e_ok unless
+        READ_E is 0 (float32, zeros elsewhere), read where _gemv says; zeros on the dot path, whose callers read it
+        after the products. QUANT: W is int8 and the rounded products are scaled by S[row] and
+        rounded again (model.int8_linear)."""
         s_a = tl.zeros([BN], tl.float32)
         s_b = s_a
         if QUANT:  # weights too: loaded before the wait
@@ -373,13 +389,15 @@ if triton is not None:
             if SPLIT > 1:
                 a, b, last = _split_sum(PART, COUNT, a, b, RP, BN, PAIR, SPLIT)
                 live = tl.where(last, R, 0)
+            e = tl.zeros(e_at.shape, tl.float32)
         else:
-            a, b = _gemv(X, NW, W, rows_a, rows_b, rows_ok, R, EPS, K, PW, RP, NORM, PAIR, PDL)
+            a, b, e = _gemv(X, NW, W, rows_a, rows_b, rows_ok, R, E, e_at, e_ok, EPS, K, PW, RP, NORM, PAIR, PDL,
+                            READ_E)
         pdl_trigger(PDL)
         a, b = a.to(dt).to(tl.float32), b.to(dt).to(tl.float32)
         if QUANT:
             a, b = (a * s_a[None, :]).to(dt).to(tl.float32), (b * s_b[None, :]).to(dt).to(tl.float32)
-        return a, b, live
+        return a, b, live, e
 
     @triton.jit
     def _linear_kernel(X, W, S, RES, ADD, OUT, PART, COUNT, PROGRESS, R, N, K: tl.constexpr, PW: tl.constexpr,
@@ -394,20 +412,21 @@ if triton is not None:
         dt = OUT.dtype.element_ty
         offs_r = tl.arange(0, RP)
         at = offs_r[:, None] * N + rows[None, :]
-        res = tl.zeros([RP, BN], tl.float32)
-        add = res
-        if not DOT and PDL != 3:  # before the wait under EARLY: the kernel just before never writes them (linear())
-            r_ok = (offs_r < R)[:, None] & rows_ok[None, :]
-            res = tl.load(RES + at, mask=r_ok, other=0.0, cache_modifier=".cg").to(tl.float32)
-            if THEN:
-                add = tl.load(ADD + at, mask=r_ok, other=0.0, cache_modifier=".cg").to(tl.float32)
-        y, _, live = _project(X, X, W, S, PART, COUNT, rows, rows, rows_ok, R, 0.0, K, PW, RP, BN, BK, False, False,
-                              DOT, PDL, PREC, SPLIT, QUANT, dt)
+        r_ok = (offs_r < R)[:, None] & rows_ok[None, :]
+        add = tl.zeros([RP, BN], tl.float32)
+        # GEMV: the residual read by _gemv before the wait under EARLY (the kernel just before never writes it:
+        # linear()); under FIRST at 4 rows right after it, with every row of X, at 2 after the products (PERF_NOTES
+        # #90: n = 2 -1.4%, n = 1 +0.3%); the control rows before the wait under EARLY, else after the products
+        READ_E: tl.constexpr = (2 if RP > 2 else 0) if PDL == 3 else 1
+        if THEN and not DOT and PDL != 3:
+            add = tl.load(ADD + at, mask=r_ok, other=0.0, cache_modifier=".cg").to(tl.float32)
+        y, _, live, res = _project(X, X, W, S, PART, COUNT, rows, rows, rows_ok, R, RES, at, r_ok, 0.0, K, PW, RP, BN,
+                                   BK, False, False, DOT, PDL, PREC, SPLIT, QUANT, READ_E, dt)
         ok = (offs_r < live)[:, None] & rows_ok[None, :]
-        if DOT or PDL == 3:  # after it: ahead of the wait, n = 4 and 8 ran ~1.3% slower; FIRST: maybe not written yet
+        if DOT or READ_E == 0:  # after the products (the dot path: ahead of the wait, n = 4 and 8 ran ~1.3% slower)
             res = tl.load(RES + at, mask=ok, other=0.0).to(tl.float32)
-            if THEN:
-                add = tl.load(ADD + at, mask=ok, other=0.0).to(tl.float32)
+        if THEN and (DOT or PDL == 3):
+            add = tl.load(ADD + at, mask=ok, other=0.0).to(tl.float32)
         out = (y + res).to(dt)
         if THEN:
             out = (out.to(tl.float32) + add).to(dt)
@@ -430,8 +449,8 @@ if triton is not None:
         if IMAGES > 0:
             log_e = race_noise(tl.load(SEED), tl.load(POS, cache_modifier=".cg"), img, IMAGES, rows[None, :], VP,
                                CHUNK)
-        y, _, live = _project(X, NW, W, S, PART, COUNT, rows, rows, rows_ok, R, EPS, K, PW, RP, BN, BK, True, False,
-                              DOT, PDL, PREC, SPLIT, QUANT, dt)
+        y, _, live, _ = _project(X, NW, W, S, PART, COUNT, rows, rows, rows_ok, R, X, rows, rows_ok, EPS, K, PW, RP,
+                                 BN, BK, True, False, DOT, PDL, PREC, SPLIT, QUANT, 0, dt)
         offs_r = tl.arange(0, RP)
         tl.store(OUT + offs_r[:, None] * N + rows[None, :], y.to(dt), mask=(offs_r < live)[:, None] & rows_ok[None, :])
         if IMAGES > 0:  # (a tile mask: the interpreter takes no scalar one)
@@ -455,8 +474,8 @@ if triton is not None:
         d = col % HD
         if not DOT:  # GEMV: before the wait (the previous step wrote it)
             pos = tl.load(POS, cache_modifier=".cg")
-        ye, yo, live = _project(X, NW, W, S, PART, COUNT, col, col + 1, all_ok, R, EPS, D, PW, RP, BP, BK, True, True,
-                                DOT, PDL, PREC, SPLIT, QUANT, dt)
+        ye, yo, live, _ = _project(X, NW, W, S, PART, COUNT, col, col + 1, all_ok, R, X, col, all_ok, EPS, D, PW, RP,
+                                   BP, BK, True, True, DOT, PDL, PREC, SPLIT, QUANT, 0, dt)
         offs_r = tl.arange(0, RP)
         r_ok = offs_r < live
         if DOT:  # after it: ahead of the wait, n = 8 ran 0.3-0.6% slower
@@ -489,8 +508,8 @@ if triton is not None:
         rows = tl.program_id(0) * BN + tl.arange(0, BN)
         rows_ok = rows < F
         dt = OUT.dtype.element_ty
-        g, u, live = _project(X, NW, W, S, PART, COUNT, rows, rows + F, rows_ok, R, EPS, K, PW, RP, BN, BK, True, True,
-                              DOT, PDL, PREC, SPLIT, QUANT, dt)
+        g, u, live, _ = _project(X, NW, W, S, PART, COUNT, rows, rows + F, rows_ok, R, X, rows, rows_ok, EPS, K, PW, RP,
+                                 BN, BK, True, True, DOT, PDL, PREC, SPLIT, QUANT, 0, dt)
         silu = (g / (1.0 + tl.exp(-g))).to(dt).to(tl.float32)
         offs_r = tl.arange(0, RP)
         ok = (offs_r < live)[:, None] & rows_ok[None, :]

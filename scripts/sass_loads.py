@@ -9,7 +9,7 @@ check), or whose register a store must free first, waits for the one before it t
 0.3-0.5 us on the H200 (docs/PERF_NOTES.md #85-#89). Each kernel prints its registers and stack, then its memory
 operations in program order, runs of one kind folded ("LDG x8": issued back to back). Not every break in a run is a
 wait (a branch over a predicated-off element is not), so read the folded lines with the source. --all: every SASS line
-of those kinds, unfolded. decode_block: the default engine's Triton projections at 2 rows (n = 1 under CFG) as it
+of those kinds, unfolded. decode_block: the default engine's Triton projections at 2 and 4 rows (n = 1 and 2 under CFG) as it
 launches them (PDL; ACQBULK is the wait), built by Triton for sm_90 (its bundled ptxas).
 """
 import argparse
@@ -88,7 +88,7 @@ def cuobjdump():
 def cubins(module):
     """{kernel name, or None for the cubin's own names: cubin} of `module`'s kernels as the engine builds them."""
     if module == "decode_block":
-        return triton_cubins()
+        return {**triton_cubins(2), **triton_cubins(4)}
     with tempfile.TemporaryDirectory() as d:
         path = os.path.join(d, "k.cu")
         with open(path, "w") as f:

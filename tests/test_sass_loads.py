@@ -38,14 +38,19 @@ def test_an_unknown_module_is_a_one_line_error():
 
 @pytest.mark.skipif(not os.path.exists(sass_loads.cuobjdump()), reason="no cuobjdump")
 def test_the_gemv_paths_triton_kernels_load_their_weights_before_their_wait():
-    """decode_block's qkv, wo and w2 at 2 rows (in a process of their own, away from the interpreter's settings), as
-    the engine launches them under PDL: weight loads, then the wait (ACQBULK), then x's."""
+    """decode_block's qkv, wo and w2 at 2 and 4 rows (in a process of their own, away from the interpreter's settings),
+    as the engine launches them under PDL: weight loads, then the wait (ACQBULK), then x's; at 4 rows wo and w2 load
+    every row of x and the residual right after the wait, before their first barrier (#90: no load waits for a
+    reduction)."""
     out = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "sass_loads.py"), "decode_block"],
                          capture_output=True, text=True, env=dict(os.environ, TRITON_INTERPRET="0"))
     if "ptxas" in out.stderr and "not found" in out.stderr.lower():
         pytest.skip("Triton's ptxas is not available here")
     assert out.returncode == 0, out.stderr[-2000:]
     kernels = dict(zip(*[iter(line.strip() for line in out.stdout.splitlines() if line.strip())] * 2))
-    assert {name.split(":")[0] for name in kernels} == {f"decode_block_{p}_2" for p in ("qkv", "wo", "w2")}
+    assert {name.split(":")[0] for name in kernels} == {f"decode_block_{p}_{r}" for p in ("qkv", "wo", "w2")
+                                                        for r in (2, 4)}
     for name, runs in kernels.items():
         assert runs.startswith("LDG x") and ", ACQBULK, LDG" in runs, (name, runs)
+        if name.startswith(("decode_block_wo_4", "decode_block_w2_4")):
+            assert "LDG" not in runs.split(", BAR, ", 1)[1], (name, runs)
