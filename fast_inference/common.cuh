@@ -52,8 +52,8 @@ __device__ __forceinline__ float2 rotate(float x0, float x1, float c, float s) {
   return make_float2(__fadd_rn(__fmul_rn(x0, c), __fmul_rn(x1, -s)), __fadd_rn(__fmul_rn(x0, s), __fmul_rn(x1, c)));
 }
 
-// an asynchronous 16-byte copy from global src (through L2 only, as __ldcg) into shared dst; cp.async.wait_all waits
-// for this thread's
+// an asynchronous 16-byte copy from global src (through L2 only, as __ldcg) into shared dst; cp.async.wait_all then
+// waits for all of this thread's copies
 __device__ __forceinline__ void copy_async16(void* dst, const void* src) {
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(saddr(dst)), "l"(src) : "memory");
 }

@@ -59,17 +59,25 @@ __device__ __forceinline__ Slice slice_of(const Args& a, int split, int splits) 
   return Slice{pos, a.tlen + k0, len, len > 0 && k0 + len == n};
 }
 
+// Piece i's 8 dims f of a query or key rotated in place by the position's RoPE row (4 pairs), in float32
+__device__ __forceinline__ void rotate8(const Args& a, int i, float* f) {
+#pragma unroll
+  for (int e = 0; e < 8; e += 2) {
+    const float2 y = rotate(f[e], f[e + 1], a.freqs[i * 8 + e], a.freqs[i * 8 + e + 1]);
+    f[e] = y.x, f[e + 1] = y.y;
+  }
+}
+
 // Thread `piece`'s 8 dims of (row, head) rh's query, times the scale; fresh, rotated here first and rounded to bf16,
 // as the model's RoPE rounds q
 template <int HD>
 __device__ __forceinline__ void query(const Args& a, int rh, int piece, float* qf) {
   unpack(__ldcg((const uint4*)(a.q + rh / a.heads * a.sq + rh % a.heads * HD) + piece), qf);
-  if (a.fk)
+  if (a.fk) {
+    rotate8(a, piece, qf);
 #pragma unroll
-    for (int e = 0; e < 8; e += 2) {
-      const float2 y = rotate(qf[e], qf[e + 1], a.freqs[piece * 8 + e], a.freqs[piece * 8 + e + 1]);
-      qf[e] = round_bf16(y.x), qf[e + 1] = round_bf16(y.y);
-    }
+    for (int e = 0; e < 8; ++e) qf[e] = round_bf16(qf[e]);
+  }
 #pragma unroll
   for (int e = 0; e < 8; ++e) qf[e] *= a.scale;
 }
@@ -85,12 +93,10 @@ __device__ __forceinline__ uint4 step_piece(const Args& a, int rh, long long pos
   if (key) {
     float f[8];
     unpack(t, f);
+    rotate8(a, i, f);
     unsigned w[4];
 #pragma unroll
-    for (int e = 0; e < 8; e += 2) {
-      const float2 y = rotate(f[e], f[e + 1], a.freqs[i * 8 + e], a.freqs[i * 8 + e + 1]);
-      w[e / 2] = (unsigned)to_bf16(y.x) | (unsigned)to_bf16(y.y) << 16;
-    }
+    for (int e = 0; e < 8; e += 2) w[e / 2] = (unsigned)to_bf16(f[e]) | (unsigned)to_bf16(f[e + 1]) << 16;
     t = make_uint4(w[0], w[1], w[2], w[3]);
   }
   *cache = t;
