@@ -187,14 +187,16 @@ if triton is not None:
         xs = ()
         if AHEAD:
             for r in tl.static_range(RP):
-                xs = xs + (_rows(X, r + tl.arange(0, 1), r + tl.arange(0, 1) < R, K, PW),)
+                row = r + tl.arange(0, 1)
+                xs = xs + (_rows(X, row, row < R, K, PW),)  # (1, PW) each
         offs_r = tl.arange(0, RP)[:, None]
         y = tl.zeros([RP, w.shape[0]], tl.float32)
         for r in tl.static_range(RP):
             if AHEAD:
                 x = xs[r]
             else:
-                x = _rows(X, r + tl.arange(0, 1), r + tl.arange(0, 1) < R, K, PW)  # (1, PW)
+                row = r + tl.arange(0, 1)
+                x = _rows(X, row, row < R, K, PW)
             y = tl.where(offs_r == r, tl.sum(_normed(x, nw, EPS, K, NORM) * _f32(w), 1)[None, :], y)
         return y
 

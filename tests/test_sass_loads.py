@@ -1,5 +1,7 @@
 """scripts/sass_loads.py: its folding of SASS lines on made-up ones, and with nvcc (no GPU needed) the kernels' memory
-operations in order, where #85's norm must issue every load before its first store (docs/PERF_NOTES.md)."""
+operations in order, where #85's norm must issue every load before its first store, and decode_block's Triton GEMVs
+their weights' before the PDL wait and, at 4 rows, x's and the residual's before their first barrier (#90;
+docs/PERF_NOTES.md)."""
 import os
 import shutil
 import subprocess
