@@ -61,6 +61,10 @@ EVICT_FIRST = True
 # 2.132 -> 2.410. Past 64 rows, split-KV -> whole (`--process-per-setting` with WHOLE_ROWS = range(0) and range(64,
 # 10**9)): n = 40 3.747 -> 3.644, n = 48 3.996 -> 3.812; from 112 rows it lost (not taken apart): n = 56 4.275 ->
 # 4.694, n = 64 4.678 -> 5.021. 98-110 rows untried.
+# Its stages pipeline the key loop through shared memory (tl.range's num_stages; at 1 the loop asks for none, and
+# the Triton IR is as before): (64, 1, 2) takes 134 registers and 16 KB (13 programs fit an SM), (32, 1, 2) 80 and
+# 8 KB, (64, 1, 4) 141 and 48 KB (4 fit: enough for the 320 programs of 16 rows). Not yet measured on a GPU
+# (docs/PERF_NOTES.md, "Next levers").
 WHOLE_ROWS = range(64, 97)
 WHOLE = (64, 1, 1)
 
@@ -194,9 +198,10 @@ if triton is not None:
                       stride_qr, stride_qh, stride_kr, stride_kh, stride_kn, stride_vr, stride_vh, stride_vn,
                       stride_valid, stride_nr, stride_nh, n_heads, text_len, SCALE: tl.constexpr, BLOCK: tl.constexpr,
                       HEAD_DIM: tl.constexpr, LEAD: tl.constexpr, PDL: tl.constexpr, EVICT: tl.constexpr,
-                      FRESH: tl.constexpr, TEXT: tl.constexpr, BUMP: tl.constexpr):
+                      FRESH: tl.constexpr, TEXT: tl.constexpr, BUMP: tl.constexpr, STAGES: tl.constexpr):
         """One program per (row, head) over all its keys, BLOCK at a time (an online softmax), with the text's
-        partial as its start: no partials and no merge. As _partial_kernel and _merge_kernel together."""
+        partial as its start: no partials and no merge. As _partial_kernel and _merge_kernel together. STAGES > 1:
+        Triton's pipeliner copies the next STAGES - 1 tiles into shared memory (cp.async) while one is scored."""
         rh = tl.program_id(0)
         r = rh // n_heads
         h = rh % n_heads
@@ -224,7 +229,7 @@ if triton is not None:
             tl.debug_barrier()
             q = _rope(q_at, q, FREQS, offs_d, offs_d >= 0)
         q = q * SCALE
-        for first in range(start, pos + 1, BLOCK):
+        for first in tl.range(start, pos + 1, BLOCK, num_stages=STAGES if STAGES > 1 else None):
             keys = first + offs_n
             tile = keys <= pos
             k = _read_once(k_row + keys[:, None] * stride_kn + offs_d[None, :], tile[:, None], EVICT)
@@ -320,7 +325,7 @@ def decode_attention(q, k_cache, v_cache, key_valid, input_pos, config=None, pdl
         _whole_kernel[(R * H,)](
             q, k_cache, v_cache, key_valid, input_pos, out, k_new, v_new, freqs, out if progress is None else progress,
             text_sum, text_count, *strides, H, text_len, BLOCK=block, BUMP=progress is not None, num_warps=num_warps,
-            num_stages=stages, **consts)
+            num_stages=stages, STAGES=stages, **consts)
         return out
     block, num_warps, merge_warps = config or config_for(R)
     n_splits = triton.cdiv(L - text_len, block)

@@ -155,10 +155,15 @@ whole_attrs = {(list(whole_sig).index(name),): [["tt.divisibility", 16]] for nam
 block, warps, stages = da.WHOLE
 for pdl, evict, text in itertools.product((False, True), (False, True), (False, True)):
     consts = {"SCALE": 0.125, "BLOCK": block, "HEAD_DIM": 64, "LEAD": da.LEAD, "PDL": pdl, "EVICT": evict,
-              "FRESH": not pdl, "TEXT": text, "BUMP": not pdl}
+              "FRESH": not pdl, "TEXT": text, "BUMP": not pdl, "STAGES": stages}
     # (64, 1, 1): 168 registers with Triton 3.9, no stack (unaligned builds, which never run, spilled ~80 B at 255)
     build(da._whole_kernel, whole_sig, consts, {"num_warps": warps, "num_stages": stages, "launch_pdl": pdl},
           attrs=whole_attrs)
+    # with stages, Triton's pipeliner stages the tiles through shared memory (its loop has no dot, which it pipelines
+    # only where the loop asks, tl.range's num_stages)
+    piped = build(da._whole_kernel, whole_sig, dict(consts, BLOCK=64, STAGES=2),
+                  {"num_warps": 1, "num_stages": 2, "launch_pdl": pdl}, attrs=whole_attrs)
+    assert "cp.async" in piped.asm["ptx"] and piped.metadata.shared >= 2 * 64 * 64 * 2, piped.metadata.shared
 print("compiled")
 """
 
