@@ -170,7 +170,8 @@ print("compiled")
 
 def test_kernels_compile_for_sm90():
     """Ahead-of-time compile to an H100/H200 cubin with Triton's bundled ptxas (no GPU needed), so a
-    kernel that only the interpreter accepts fails here rather than on the first GPU run."""
+    kernel that only the interpreter accepts fails here rather than on the first GPU run; and the whole kernel with
+    stages must stage its tiles through shared memory (cp.async), or its loop is not pipelined."""
     sm90.run(AOT_SCRIPT, TRITON_DEFAULT_FP_FUSION="1")
 
 
