@@ -156,9 +156,12 @@ block, warps, stages = da.WHOLE
 for pdl, evict, text in itertools.product((False, True), (False, True), (False, True)):
     consts = {"SCALE": 0.125, "BLOCK": block, "HEAD_DIM": 64, "LEAD": da.LEAD, "PDL": pdl, "EVICT": evict,
               "FRESH": not pdl, "TEXT": text, "BUMP": not pdl, "STAGES": stages}
-    # (64, 1, 1): 168 registers with Triton 3.9, no stack (unaligned builds, which never run, spilled ~80 B at 255)
+    # (64, 1, 1): 168 registers with Triton 3.9, no stack (unaligned builds, which never run, spilled ~80 B at 255).
+    # Under PDL without the text, Triton 3.6's ptxas (the H200's) keeps two values on an 8 B stack at 168 registers
+    # (stored before the key loop, reloaded for the output's store); no kernel of the engine launches that form unless
+    # WHOLE_ROWS reaches decode_block's rows (an A/B)
     build(da._whole_kernel, whole_sig, consts, {"num_warps": warps, "num_stages": stages, "launch_pdl": pdl},
-          attrs=whole_attrs)
+          attrs=whole_attrs, stack=8 if pdl and not text else 0)
     # with stages, Triton's pipeliner stages the tiles through shared memory (its loop has no dot, which it pipelines
     # only where the loop asks, tl.range's num_stages)
     piped = build(da._whole_kernel, whole_sig, dict(consts, BLOCK=64, STAGES=2),
