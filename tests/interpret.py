@@ -6,7 +6,8 @@ triton.language.core), scanning every member of them, and it does so again for e
 kernel calls, although the kernel's patch still holds: a third of the fused kernels' interpreter time. Here a call
 inside a running kernel patches only the language modules that the kernel's patch has not (Triton's own functions
 see triton.language.core), and the kernel's end restores those too. Where Triton's interpreter has no such
-functions (another version), or outside the interpreter, nothing changes."""
+functions (another version), or outside the interpreter, nothing changes. A scalar's index is read as later Triton
+reads it (_patch_lang_of), so that Triton 3.6's interpreter runs the kernels' loops with runtime bounds too."""
 import inspect
 import os
 import types
@@ -40,7 +41,11 @@ def _patch_once(fn):
 
 
 def _patch_lang_of(langs):
-    return _patch_lang(types.SimpleNamespace(__globals__={str(k): v for k, v in langs.items()}))
+    scope = _patch_lang(types.SimpleNamespace(__globals__={str(k): v for k, v in langs.items()}))
+    # A scalar's handle holds a one-element array; Triton 3.6 (the H200's) indexes it by int(array), which NumPy 2.4
+    # refuses for arrays of one dimension (a loop's runtime bounds); later Triton squeezes it first, as here
+    scope.set_attr(tl.core.tensor, "__index__", lambda self: int(self.handle.data.squeeze()))
+    return scope
 
 
 if os.environ.get("TRITON_INTERPRET") == "1":

@@ -13,6 +13,7 @@ from fast_inference import group_norm
 pytest.importorskip("triton")
 
 SCRIPT = r"""
+import interpret  # first: the interpreter without its re-patching per call (tests/interpret.py)
 import torch
 import torch.nn.functional as F
 from fast_inference import group_norm

@@ -84,6 +84,7 @@ def test_kv_rows_are_each_row_and_heads_keys_after_the_text(monkeypatch):
 
 
 KERNEL_SCRIPT = r"""
+import interpret  # first: the interpreter without its re-patching per call (tests/interpret.py)
 import torch
 from fast_inference import prefetch
 
