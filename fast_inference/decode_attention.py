@@ -62,8 +62,9 @@ EVICT_FIRST = True
 # 10**9)): n = 40 3.747 -> 3.644, n = 48 3.996 -> 3.812; from 112 rows it lost (not taken apart): n = 56 4.275 ->
 # 4.694, n = 64 4.678 -> 5.021. 98-110 rows untried.
 # Its stages pipeline the key loop through shared memory (tl.range's num_stages; at 1 the loop asks for none, and
-# the Triton IR is as before): (64, 1, 2) takes 134 registers and 16 KB (13 programs fit an SM), (32, 1, 2) 80 and
-# 8 KB, (64, 1, 4) 141 and 48 KB (4 fit: enough for the 320 programs of 16 rows). Not yet measured on a GPU
+# the Triton IR is as before). Built by Triton 3.6, the H200's (3.9 takes fewer registers), without the text: (64, 1,
+# 2) 187 registers and 16 KB (10 programs fit an SM: the 1,280 of 64 rows in one wave), (32, 1, 2) 128 and 8 KB,
+# (64, 1, 4) 255 and 48 KB (4 fit: enough for the 320 programs of 16 rows). Not yet measured on a GPU
 # (docs/PERF_NOTES.md, "Next levers").
 WHOLE_ROWS = range(64, 97)
 WHOLE = (64, 1, 1)
