@@ -317,7 +317,7 @@ class Engine:
                 block_fn = functools.partial(block_fn, progress=prefetcher.progress)
         elif self.backend == "cudagraph" and smem_gemv.builds_block(self.model.layers[0], {rows, batch}, self.device):
             # no Triton: the four projections with their norms, RoPE, cache writes and residuals as smem_gemv's CUDA
-            # kernels (README's cudagraph rows)
+            # kernels (README, "Other modes")
             block_fn = functools.partial(decode_block.decode_block, kernels=smem_gemv.ALL)
             # and between them the decode attention in CUDA C++ too where it builds, else SDPA
             if smem_attention.builds(self.model.layers[0].attention, prefix_len + num_tokens, {rows, batch},
