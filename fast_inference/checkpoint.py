@@ -51,6 +51,17 @@ def read_state_dict(path, key_order=("model", "module", "state_dict")):
                           "pass the model checkpoint itself")
 
 
+def read_metadata(path):
+    """A .safetensors file's metadata (str -> str; {} when it has none or is not readable)."""
+    from safetensors import safe_open
+
+    try:
+        with safe_open(path, framework="pt") as f:
+            return dict(f.metadata() or {})
+    except Exception:  # noqa: BLE001 (read_state_dict reports a broken file in one line)
+        return {}
+
+
 def load_failure(path, e):
     """One line for a torch.load failure: a pickled class safe loading refuses, or a broken file."""
     m = re.search(r"Unsupported global: GLOBAL (\S+)", str(e))
@@ -167,7 +178,7 @@ def gpt_fix_hint(args, state_dict):
     if info.get("model_type") not in (None, args.model_type):
         fixes.append(f"--gpt-type {info['model_type']}")
     elif args.model_type == "t2i" and "adapter_width" in info:
-        size = {384: "small", 768: "base"}.get(info["adapter_width"])
+        size = {384: "small", 768: "base", 128: "tiny"}.get(info["adapter_width"])
         if size and size != args.adapter_size:
             fixes.append(f"--adapter-size {size}")
     if "caption_dim" in info and info["caption_dim"] != args.caption_dim:

@@ -8,6 +8,7 @@ import torch.nn.functional as F
 DINOV2_CONFIGS = {
     "small": dict(hidden=384, layers=12, heads=6, mlp=1536),
     "base": dict(hidden=768, layers=12, heads=12, mlp=3072),
+    "tiny": dict(hidden=128, layers=4, heads=4, mlp=512),  # not DINOv2's: the trained demo model's encoder
 }
 PATCH = 14
 GRID = 37  # image 518 / patch 14 -> 37x37 position table (+ CLS row)

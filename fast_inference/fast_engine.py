@@ -1,6 +1,7 @@
 """ControlAR sampling from the command line: a control image and a prompt in, a PNG out, fast.
 
-    python fast_inference/fast_engine.py                      # embedded demo: random tiny model
+    python fast_inference/fast_engine.py                      # embedded demo: the trained demo model
+    python fast_inference/fast_engine.py --prompt "a red circle and a blue square on a white background"
     python fast_inference/fast_engine.py --gpt-ckpt checkpoints/edge_base.safetensors --adapter-size base \
         --vq-ckpt checkpoints/vq_ds16_t2i.pt --t5-path checkpoints/t5-ckpt/flan-t5-xl \
         --condition-type hed --condition-path condition/example/hed.png --condition-is-map --prompt "a house"
@@ -34,9 +35,11 @@ log = logging.getLogger("fast_inference")
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONDITION_TYPES = ("canny", "hed", "lineart", "depth", "seg")  # = conditions.CONDITION_TYPES (lazy import)
 
-# The embedded default: small enough to sample a 256x256 image in seconds on a CPU.
-DEMO_CONFIG = dict(n_layer=6, n_head=4, dim=256, caption_dim=2048, cls_token_num=120, adapter_size="small")
-DEMO_IMAGE_SIZE = 256
+# The embedded default: the demo model trained on procedural shapes (scripts/train_demo.py), its VQ and a scene of the
+# demo set's test split (fast_inference/scenes.py) to draw the control map of.
+DEMO_DIR = os.path.join(ROOT, "checkpoints", "demo")
+DEMO_FILES = dict(gpt_model="gpt.json", gpt_ckpt="gpt.safetensors", vq_model="vq.json", vq_ckpt="vq.safetensors")
+DEMO_SCENE = 3
 EXAMPLES_DIR = os.path.join(ROOT, "condition", "example")
 DEFAULT_T5 = os.path.join(ROOT, "checkpoints", "t5-ckpt")  # the official --t5-path default
 
@@ -59,10 +62,10 @@ def add_model_args(p):
                    "(default: GPT-XL with --gpt-ckpt, the embedded demo config without)")
     p.add_argument("--gpt-ckpt", default=None, help="ControlAR checkpoint (.safetensors or .pt); none = random weights")
     p.add_argument("--gpt-type", choices=["t2i", "c2i"], default=None, help="default t2i")
-    p.add_argument("--vq-model", choices=["VQ-16"], default="VQ-16")
+    p.add_argument("--vq-model", default="VQ-16", help="VQ-16 or a .json of VQ arguments (vq.py's VQConfig)")
     p.add_argument("--vq-ckpt", default=None, help="vq_ds16_t2i.pt; none = random weights")
     p.add_argument("--codebook-size", type=int, default=None, help="default 16384")
-    p.add_argument("--codebook-embed-dim", type=int, default=8)
+    p.add_argument("--codebook-embed-dim", type=int, default=None, help="default 8 (or the --vq-model JSON's)")
     p.add_argument("--image-size", type=int, default=None,
                    help="training resolution: sets block_size = (size/16)^2 (default 512; c2i 256)")
     p.add_argument("--image-H", type=int, default=None, help="output height (default: the control image's)")
@@ -71,7 +74,8 @@ def add_model_args(p):
     p.add_argument("--cls-token-num", type=int, default=None, help="text/class prefix length (t2i 120, c2i 1)")
     p.add_argument("--num-classes", type=int, default=None, help="c2i classes (default 1000)")
     p.add_argument("--condition-token-nums", type=int, default=None, help="c2i condition tokens in the prefix (0)")
-    p.add_argument("--adapter-size", choices=["small", "base"], default=None, help="DINOv2 size (default small)")
+    p.add_argument("--adapter-size", choices=["small", "base", "tiny"], default=None,
+                   help="DINOv2 size (default small; tiny: the demo model's)")
     p.add_argument("--condition-type", default="hed", help=" | ".join(CONDITION_TYPES))
     p.add_argument("--condition-ckpt", default=None, help="annotator weights (hed/lineart .pth, DPT folder for depth)")
     p.add_argument("--condition-is-map", action="store_true", help="use the control image as a ready control map")
@@ -114,7 +118,8 @@ def parse_args(argv=None):
     p = Parser(description="ControlAR sampling (fast engine)")
     add_model_args(p)
     p.add_argument("--condition-path", default=None, help="control image (default: the demo draws one)")
-    p.add_argument("--prompt", default=None, help="text prompt (T5 from --t5-path, default checkpoints/t5-ckpt)")
+    p.add_argument("--prompt", default=None, help="text prompt (T5 from --t5-path, default checkpoints/t5-ckpt; the "
+                   "demo model's own word encoder for it)")
     p.add_argument("--prompt-file", default=None, help="one prompt per line, encoded in one pass")
     p.add_argument("--caption-emb", default=None, help="precomputed caption .npz (caption_emb, prompt)")
     p.add_argument("--t5-model-type", default="flan-t5-xl", help="the model's folder under --t5-path")
@@ -130,7 +135,7 @@ def parse_args(argv=None):
     p.add_argument("--save-samples", default=None, help="directory: each sample as {i}.png")
     p.add_argument("--save-tokens", default=None, help=".npy of the token ids [num_images, H/16*W/16]")
     p.add_argument("--compile", action="store_true", help="the official flag: same as --backend inductor")
-    return p.parse_args(argv)
+    return use_demo_model(p.parse_args(argv))
 
 
 # ---- set-up ------------------------------------------------------------------------------------
@@ -155,8 +160,33 @@ def pick_device(args):
     return device, dtype, backend
 
 
+def use_demo_model(args):
+    """No --gpt-ckpt and no --gpt-model: the demo model's files (and its VQ's, unless a VQ is given)."""
+    args.demo = args.gpt_ckpt is None and args.gpt_model is None
+    if args.demo:
+        args.gpt_model, args.gpt_ckpt = (os.path.join(DEMO_DIR, DEMO_FILES[k]) for k in ("gpt_model", "gpt_ckpt"))
+        if args.vq_ckpt is None and args.vq_model == "VQ-16":
+            args.vq_model, args.vq_ckpt = (os.path.join(DEMO_DIR, DEMO_FILES[k]) for k in ("vq_model", "vq_ckpt"))
+    return args
+
+
 def is_demo(args):
-    return args.gpt_ckpt is None and args.gpt_model is None
+    return getattr(args, "demo", False)
+
+
+def text_encoder_name(args):
+    """The text encoder the GPT checkpoint names in its metadata (the demo model's: demo_text.NAME), or None (T5)."""
+    if args.gpt_ckpt and args.gpt_ckpt.lower().endswith(".safetensors") and os.path.isfile(args.gpt_ckpt):
+        from fast_inference.checkpoint import read_metadata
+
+        return read_metadata(args.gpt_ckpt).get("text_encoder")
+    return None
+
+
+def uses_demo_text(args):
+    from fast_inference import demo_text
+
+    return text_encoder_name(args) == demo_text.NAME
 
 
 def read_json_config(path):
@@ -172,16 +202,13 @@ def model_args(args):
     """(ModelArgs, training image size) from --gpt-model (name, JSON or the demo) and the flags.
 
     Precedence: explicit flags, then the JSON's fields, then the official defaults."""
-    demo = is_demo(args)
     name = args.gpt_model or "GPT-XL"
-    given = dict(DEMO_CONFIG) if demo else read_json_config(name) if name.endswith(".json") else {}
+    given = read_json_config(name) if name.endswith(".json") else {}
     c2i = (args.gpt_type or given.get("model_type", "t2i")) == "c2i"
-    if demo and c2i:
-        given = {k: v for k, v in given.items() if k != "cls_token_num"}  # c2i: one class token
     ds = args.downsample_size
     if args.image_size is not None and (args.image_size <= 0 or args.image_size % ds):
         raise UserError(f"--image-size {args.image_size} is not a positive multiple of {ds}")
-    default_size = DEMO_IMAGE_SIZE if demo else 256 if c2i else 512
+    default_size = 256 if c2i else 512
     config = dict(model_type="c2i" if c2i else "t2i", cls_token_num=1 if c2i else 120, adapter_size="small",
                   block_size=(default_size // ds) ** 2, vocab_size=16384)
     config.update(given)
@@ -191,7 +218,7 @@ def model_args(args):
                  block_size=(args.image_size // ds) ** 2 if args.image_size else None)
     config.update({k: v for k, v in flags.items() if v is not None})
     try:
-        margs = ModelArgs(**config) if demo or name.endswith(".json") else ModelArgs.from_name(name, **config)
+        margs = ModelArgs(**config) if name.endswith(".json") else ModelArgs.from_name(name, **config)
     except (TypeError, ValueError) as e:
         msg = str(e) if str(e).startswith(name) else f"{name}: {e}"
         raise UserError(f"--gpt-model {msg}") from None
@@ -216,18 +243,34 @@ def build_gpt(args, device, dtype):
     return model, image_size
 
 
-def build_vq(args, device):
-    from fast_inference.vq import VQ_models
+def vq_constructor(args):
+    """() -> the VQ of --vq-model (an official name or a JSON of VQConfig fields), with the codebook flags."""
+    from fast_inference.vq import VQ_models, VQConfig, VQModel
 
-    kw = dict(codebook_size=args.codebook_size or 16384, codebook_embed_dim=args.codebook_embed_dim)
+    if args.vq_model.endswith(".json"):
+        try:
+            cfg = VQConfig.from_json(args.vq_model, codebook_size=args.codebook_size,
+                                     codebook_embed_dim=args.codebook_embed_dim)
+        except (FileNotFoundError, ValueError) as e:
+            raise UserError(f"--vq-model {e}") from None
+        return lambda: VQModel(cfg)
+    if args.vq_model not in VQ_models:
+        raise UserError(f"unknown --vq-model {args.vq_model!r}; use VQ-16 or a .json of VQ arguments")
+    kw = dict(codebook_size=args.codebook_size or 16384, codebook_embed_dim=args.codebook_embed_dim or 8)
+    return lambda: VQ_models[args.vq_model](**kw)
+
+
+def build_vq(args, device):
+    make = vq_constructor(args)
     if args.vq_ckpt:
         sd = read_state_dict(args.vq_ckpt, key_order=("model",))
         with no_init(), torch.device(device):
-            vq = VQ_models[args.vq_model](**kw)
-        load_weights(vq, sd, source=args.vq_ckpt, hint="Is this the VQ-16 tokenizer (vq_ds16_t2i.pt)?")
+            vq = make()
+        hint = "Is this the VQ-16 tokenizer (vq_ds16_t2i.pt)?" if args.vq_model == "VQ-16" else "Check --vq-model"
+        load_weights(vq, sd, source=args.vq_ckpt, hint=hint)
     else:
         with torch.device(device):
-            vq = VQ_models[args.vq_model](**kw)
+            vq = make()
     return vq.eval().requires_grad_(False)  # the VQ always runs in float32, as officially
 
 
@@ -235,6 +278,8 @@ def build_vq(args, device):
 
 def check_args(args):
     """Everything that can be checked cheaply, so a mistake costs no model loading."""
+    if is_demo(args):
+        check_demo(args)
     if args.quantize == "int8" and args.compile_scope == "step":
         raise UserError("--quantize int8 runs with --compile-scope block (the default); drop --compile-scope step")
     if args.condition_type not in CONDITION_TYPES:
@@ -254,7 +299,7 @@ def check_args(args):
         raise UserError("--num-images must be at least 1 and --warmup at least 0")
     if sum(x is not None for x in (args.caption_emb, args.prompt_file, args.prompt)) > 1:
         raise UserError("give one text source: --prompt, --prompt-file or --caption-emb")
-    if (args.prompt is not None or args.prompt_file) and not t5_folder(args):
+    if (args.prompt is not None or args.prompt_file) and not t5_folder(args) and not uses_demo_text(args):
         raise UserError("--prompt/--prompt-file need the text encoder: pass --t5-path checkpoints/t5-ckpt/flan-t5-xl "
                         "(or use --caption-emb FILE.npz)")
     if not is_demo(args) and args.condition_path is None:
@@ -266,6 +311,15 @@ def check_args(args):
     for path in (args.out, args.save_tokens, args.save_samples and os.path.join(args.save_samples, "0.png")):
         if path:
             check_writable(path)
+
+
+def check_demo(args):
+    if args.gpt_type == "c2i":
+        raise UserError("the demo model is t2i; for c2i pass --gpt-model and --gpt-ckpt")
+    missing = [p for p in (args.gpt_model, args.gpt_ckpt, args.vq_model, args.vq_ckpt)
+               if p and p.startswith(DEMO_DIR) and not os.path.isfile(p)]
+    if missing:
+        raise UserError(f"the demo model's {missing[0]} is missing; restore it: git checkout -- checkpoints/demo")
 
 
 def check_writable(path):
@@ -289,9 +343,10 @@ def control_image(args, image_size, model_type="t2i"):
     map, as sample_c2i.py does."""
     from fast_inference import conditions
 
-    if args.condition_path is None:  # demo (check_args enforced it)
+    if args.condition_path is None:  # demo (check_args enforced it): a test scene of the demo set
         H, W = args.image_H or image_size, args.image_W or image_size
-        rgb = conditions.draw_example(args.condition_type, H, W)
+        rgb = demo_map(args.condition_type, max(H, W))
+        rgb = rgb if (H, W) == rgb.shape[:2] else conditions.resize_to(rgb, H, W)
         return conditions.extract_control(rgb, args.condition_type, is_map=True)
     rgb = conditions.read_rgb(args.condition_path)
     H, W = rgb.shape[:2]
@@ -302,6 +357,40 @@ def control_image(args, image_size, model_type="t2i"):
         log.info("control image %dx%d resized to %dx%d (PIL bicubic)", H, W, target[0], target[1])
         rgb = conditions.resize_to(rgb, *target)
     return conditions.extract_control(rgb, args.condition_type, ckpt=args.condition_ckpt, is_map=is_map)
+
+
+def demo_scene():
+    from fast_inference import scenes
+
+    return scenes.scene(DEMO_SCENE, "test")
+
+
+def demo_map(condition_type, size):
+    """uint8 (size, size, 3): the demo scene's control map of this type."""
+    from fast_inference import scenes
+
+    return scenes.control([demo_scene()], condition_type, size)[0].permute(1, 2, 0).numpy()
+
+
+def demo_text_inputs(args, model, device):
+    """The demo model's captions: --prompt / --prompt-file through its word encoder, else the demo scene's caption."""
+    from fast_inference.demo_text import DemoTextEncoder
+
+    prompts = read_prompt_file(args.prompt_file) if args.prompt_file else [args.prompt] if args.prompt else None
+    if prompts is None:
+        if not is_demo(args):
+            raise UserError("give a prompt: --prompt TEXT (the demo model's words), --prompt-file or --caption-emb")
+        prompts = [demo_scene().caption]
+    emb, mask = DemoTextEncoder(model.args.caption_dim, model.args.cls_token_num).encode_left_padded(prompts)
+    return emb.to(device), mask.to(device), prompts
+
+
+def read_prompt_file(path):
+    with open(path, encoding="utf-8") as f:
+        prompts = [line.strip() for line in f if line.strip()]
+    if not prompts:
+        raise UserError(f"--prompt-file {path} has no prompts (one per line)")
+    return prompts
 
 
 def text_inputs(args, model, device):
@@ -319,12 +408,11 @@ def text_inputs(args, model, device):
             raise UserError(f"{args.caption_emb}: caption_emb width {emb.shape[2]} != the model's caption_dim "
                             f"{model.args.caption_dim}; use embeddings of the model's text encoder")
         return emb.to(device), mask.to(device), [prompt]
+    if uses_demo_text(args):
+        return demo_text_inputs(args, model, device)
     prompts, t5 = None, t5_folder(args)
     if args.prompt_file:
-        with open(args.prompt_file, encoding="utf-8") as f:
-            prompts = [line.strip() for line in f if line.strip()]
-        if not prompts:
-            raise UserError(f"--prompt-file {args.prompt_file} has no prompts (one per line)")
+        prompts = read_prompt_file(args.prompt_file)
     elif args.prompt is not None or t5:
         prompts = [args.prompt or "a high-quality image"]  # the official default prompt
     if prompts is not None:
@@ -342,14 +430,7 @@ def text_inputs(args, model, device):
             emb, mask = left_fit(emb, T), left_fit(mask, T)
         del encoder
         return emb, mask, prompts
-    if not is_demo(args):
-        raise UserError("give a prompt: --prompt TEXT with --t5-path, --prompt-file, or --caption-emb FILE.npz")
-    # Demo: a fixed random 'caption' of 12 valid tokens (random weights make text meaningless anyway).
-    g = torch.Generator().manual_seed(args.seed)
-    emb = torch.randn(1, T, model.args.caption_dim, generator=g) * 0.2
-    mask = torch.zeros(1, T, dtype=torch.long)
-    mask[:, T - 12:] = 1
-    return (emb * mask[..., None]).to(device), mask.to(device), ["(random caption)"]
+    raise UserError("give a prompt: --prompt TEXT with --t5-path, --prompt-file, or --caption-emb FILE.npz")
 
 
 def t5_folder(args):
@@ -442,7 +523,7 @@ def save_outputs(args, out, images, control, tokens):
 
 def describe(args, model, demo):
     if demo:
-        return "demo: RANDOM weights, tiny config"
+        return f"demo model ({os.path.relpath(DEMO_DIR, ROOT)}, trained on procedural shapes)"
     name = os.path.basename(args.gpt_model) if args.gpt_model else "GPT-XL"
     a = model.args
     adapter = f"DINOv2-{a.adapter_size}" if a.model_type == "t2i" else "ViT-small"
@@ -484,8 +565,10 @@ def run(args):
           f"{str(dtype).replace('torch.', '')}{weights} on {device} | {len(prompts)} prompt(s) x {args.num_images} "
           f"image(s) | {H}x{W} = {num_tokens} tokens")
     if demo:
-        print("  the weights are random, so the image is noise: load real ones with --gpt-ckpt, --vq-ckpt "
-              "and --t5-path (see checkpoints/README.md); example control maps: condition/example/*.png")
+        where = args.condition_path or f"scene {DEMO_SCENE} of the demo set's test split"
+        print(f"  prompt: {' | '.join(prompts)!r}; {args.condition_type} control: {where}. Try --prompt with the "
+              "words of fast_inference/scenes.py, another --condition-type or --seed; real checkpoints: see "
+              "checkpoints/README.md")
     elif not args.vq_ckpt:
         print("  no --vq-ckpt: the VQ decoder has RANDOM weights, so the PNGs are noise (tokens are real)")
     for _ in range(args.warmup):

@@ -3,6 +3,7 @@
     python fast_inference/fast_eval.py --gpt-ckpt checkpoints/edge_base.safetensors --adapter-size base \
         --vq-ckpt checkpoints/vq_ds16_t2i.pt --condition-type canny --data-path data/multigen_val \
         --sample-dir sample/multigen/canny --batch 32 --metrics
+    python fast_inference/fast_eval.py --condition-type canny --metrics   # the demo model on 64 demo-set scenes
     torchrun --nproc_per_node 8 fast_inference/fast_eval.py ...        # the same, on 8 GPUs
 
 Outputs are named as the official test_t2i.py names them, so its metric scripts work on our
@@ -38,8 +39,9 @@ from tqdm import tqdm
 
 from fast_inference import conditions, data, metrics
 from fast_inference.engine import Engine
-from fast_inference.fast_engine import (UserError, add_model_args, build_gpt, build_vq, cli_main, is_user_error,
-                                        make_engine, model_args, pick_device, sample_tokens)
+from fast_inference.fast_engine import (ROOT, UserError, add_model_args, build_gpt, build_vq, cli_main, is_demo,
+                                        is_user_error, make_engine, model_args, pick_device, sample_tokens,
+                                        use_demo_model)
 from fast_inference.images import save_image, save_png_uint8
 
 
@@ -69,7 +71,7 @@ def parse_args(argv=None):
     g.add_argument("--seg-dataset", choices=sorted(metrics.SEG_DATASETS), default="ade20k",
                    help="seg: label conventions of the mIoU (ADE20K shift/ignore 0, or COCO-Stuff ignore 255)")
     g.add_argument("--fid-ref", default=None, help="real images for FID (default <data-path>/image)")
-    args = p.parse_args(argv)
+    args = use_demo_model(p.parse_args(argv))
     args.sample_dir = args.sample_dir or os.path.join("sample", "eval", args.condition_type)
     return args
 
@@ -157,7 +159,12 @@ class RunLog:
 
 # ---- data ---------------------------------------------------------------------------------------
 
+DEMO_SPLIT = 64  # scenes of the demo set's test split the evaluation demo writes and scores
+
+
 def load_samples(args):
+    if is_demo(args) and args.data_path is None and args.manifest is None:
+        args.data_path = demo_split(args)
     if (args.data_path is None) == (args.manifest is None):
         raise UserError("give the validation data: --data-path DIR (the extracted split) or --manifest FILE.jsonl")
     if args.condition_type not in conditions.CONDITION_TYPES:
@@ -165,6 +172,17 @@ def load_samples(args):
     if args.data_path is not None:
         return data.official_samples(args.data_path, args.condition_type, args.condition_is_map)
     return data.manifest_samples(args.manifest, args.condition_type, args.condition_is_map)
+
+
+def demo_split(args):
+    """The evaluation demo's data: the first DEMO_SPLIT test scenes of the demo set at the model's size, written once
+    under sample/demo_set/ (demo_set.py; scripts/make_synthetic_set.py --scenes writes larger splits)."""
+    from fast_inference import demo_set
+
+    margs, H, W = image_shape(args)
+    root = os.path.join(ROOT, "sample", "demo_set", f"test_{DEMO_SPLIT}_{H}px")
+    print(f"demo: {DEMO_SPLIT} test scenes of the demo set in {root}")
+    return demo_set.ensure_split(root, DEMO_SPLIT, H, margs.caption_dim)
 
 
 class BatchReader(torch.utils.data.Dataset):

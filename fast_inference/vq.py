@@ -3,7 +3,9 @@
 Module and parameter names follow the official checkpoint (vq_ds16_t2i.pt, ckpt['model']) so it
 loads strictly. Always run in float32: the scripts never cast the tokenizer.
 """
-from dataclasses import dataclass
+import json
+import os
+from dataclasses import dataclass, fields
 
 import torch
 import torch.nn as nn
@@ -23,6 +25,50 @@ class VQConfig:
     num_res_blocks: int = 2  # the decoder uses one more per level
     in_channels: int = 3
     out_channels: int = 3
+    # GroupNorm's groups (not in the state dict). Official: 32, i.e. 4 channels per group at its 128-channel levels;
+    # a narrower VQ keeps that ratio (ch 32: 8 groups). At one channel per group the last norm would be an instance
+    # norm, and a flat image would decode to one colour whatever its own.
+    norm_groups: int = 32
+
+    def __post_init__(self):
+        self.ch_mult = tuple(self.ch_mult)
+        g = self.norm_groups
+        if any(self.ch * m % g for m in self.ch_mult) or self.z_channels % g:
+            raise ValueError(f"every level's channels (ch * ch_mult) and z_channels must be multiples of norm_groups "
+                             f"{g}, got ch {self.ch}, ch_mult {list(self.ch_mult)}, z_channels {self.z_channels}")
+
+    @classmethod
+    def from_json(cls, path, **overrides):
+        """A JSON of VQConfig fields (the official ModelArgs' encoder_ch_mult / decoder_ch_mult, when equal, as
+        ch_mult; its training-only fields ignored); overrides that are not None win. One-line errors."""
+        if not os.path.isfile(path):
+            raise FileNotFoundError(f"VQ config {path} not found")
+        try:
+            with open(path) as f:
+                config = json.load(f)
+        except (OSError, ValueError) as e:
+            raise ValueError(f"{path} is not valid JSON ({e})") from None
+        if not isinstance(config, dict):
+            raise ValueError(f'{path} must hold a JSON object of VQ arguments, e.g. {{"ch": 32}}')
+        enc, dec = config.pop("encoder_ch_mult", None), config.pop("decoder_ch_mult", None)
+        if enc is not None or dec is not None:
+            if enc is not None and dec is not None and list(enc) != list(dec):
+                raise ValueError(f"{path}: encoder_ch_mult {enc} != decoder_ch_mult {dec}; this VQ takes one ch_mult")
+            config.setdefault("ch_mult", enc if enc is not None else dec)
+        config = {k: v for k, v in config.items() if k not in VQ_TRAINING_ONLY}
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(config) - known)
+        if unknown:
+            raise ValueError(f"{path}: unknown VQ argument(s) {unknown}; use {', '.join(sorted(known))}")
+        config.update({k: v for k, v in overrides.items() if v is not None})
+        try:
+            return cls(**config)
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"{path}: {e}") from None
+
+
+# Fields of the official VQ ModelArgs that only training reads.
+VQ_TRAINING_ONLY = {"codebook_show_usage", "commit_loss_beta", "entropy_loss_ratio", "dropout_p"}
 
 
 class GroupNorm(nn.GroupNorm):
@@ -48,8 +94,8 @@ class GroupNorm(nn.GroupNorm):
         return F.silu(y) if silu else y
 
 
-def norm(c):
-    return GroupNorm(32, c, eps=1e-6, affine=True)
+def norm(c, groups=32):
+    return GroupNorm(groups, c, eps=1e-6, affine=True)
 
 
 def conv3(cin, cout, stride=1, padding=1):
@@ -61,10 +107,10 @@ def conv1(cin, cout):
 
 
 class ResBlock(nn.Module):
-    def __init__(self, cin, cout):
+    def __init__(self, cin, cout, groups=32):
         super().__init__()
-        self.norm1, self.conv1 = norm(cin), conv3(cin, cout)
-        self.norm2, self.conv2 = norm(cout), conv3(cout, cout)
+        self.norm1, self.conv1 = norm(cin, groups), conv3(cin, cout)
+        self.norm2, self.conv2 = norm(cout, groups), conv3(cout, cout)
         if cin != cout:
             self.nin_shortcut = conv1(cin, cout)
 
@@ -80,9 +126,9 @@ class ResBlock(nn.Module):
 class AttnBlock(nn.Module):
     """Single-head self-attention over all h*w positions, scale c^-1/2."""
 
-    def __init__(self, c):
+    def __init__(self, c, groups=32):
         super().__init__()
-        self.norm = norm(c)
+        self.norm = norm(c, groups)
         self.q, self.k, self.v, self.proj_out = conv1(c, c), conv1(c, c), conv1(c, c), conv1(c, c)
 
     def forward(self, x):
@@ -114,11 +160,11 @@ class Upsample(nn.Module):
         return self.conv(group_norm.upsample(x))  # F.interpolate's nearest 2x
 
 
-def level(cin, cout, n_res, attn, resample=None):
+def level(cin, cout, n_res, attn, resample=None, groups=32):
     """One resolution level: n_res ResBlocks (each followed by an AttnBlock if attn), then resample."""
     m = nn.Module()
-    m.res = nn.ModuleList([ResBlock(cin if i == 0 else cout, cout) for i in range(n_res)])
-    m.attn = nn.ModuleList([AttnBlock(cout) for _ in range(n_res)] if attn else [])
+    m.res = nn.ModuleList([ResBlock(cin if i == 0 else cout, cout, groups) for i in range(n_res)])
+    m.attn = nn.ModuleList([AttnBlock(cout, groups) for _ in range(n_res)] if attn else [])
     if resample == "down":
         m.downsample = Downsample(cout)
     elif resample == "up":
@@ -138,8 +184,8 @@ def run_level(m, h):
     return h
 
 
-def mid_block(c):
-    return nn.ModuleList([ResBlock(c, c), AttnBlock(c), ResBlock(c, c)])
+def mid_block(c, groups=32):
+    return nn.ModuleList([ResBlock(c, c, groups), AttnBlock(c, groups), ResBlock(c, c, groups)])
 
 
 class Encoder(nn.Module):
@@ -150,10 +196,10 @@ class Encoder(nn.Module):
         self.conv_in = conv3(cfg.in_channels, cfg.ch)
         self.conv_blocks = nn.ModuleList([
             level(cfg.ch if i == 0 else chs[i - 1], chs[i], cfg.num_res_blocks,
-                  attn=(i == n - 1), resample=None if i == n - 1 else "down")
+                  attn=(i == n - 1), resample=None if i == n - 1 else "down", groups=cfg.norm_groups)
             for i in range(n)])
-        self.mid = mid_block(chs[-1])
-        self.norm_out = norm(chs[-1])
+        self.mid = mid_block(chs[-1], cfg.norm_groups)
+        self.norm_out = norm(chs[-1], cfg.norm_groups)
         self.conv_out = conv3(chs[-1], cfg.z_channels)
 
     def forward(self, x):
@@ -171,12 +217,12 @@ class Decoder(nn.Module):
         chs = [cfg.ch * m for m in reversed(cfg.ch_mult)]  # deepest level first
         n = len(chs)
         self.conv_in = conv3(cfg.z_channels, chs[0])
-        self.mid = mid_block(chs[0])
+        self.mid = mid_block(chs[0], cfg.norm_groups)
         self.conv_blocks = nn.ModuleList([
             level(chs[0] if i == 0 else chs[i - 1], chs[i], cfg.num_res_blocks + 1,
-                  attn=(i == 0), resample=None if i == n - 1 else "up")
+                  attn=(i == 0), resample=None if i == n - 1 else "up", groups=cfg.norm_groups)
             for i in range(n)])
-        self.norm_out = norm(chs[-1])
+        self.norm_out = norm(chs[-1], cfg.norm_groups)
         self.conv_out = conv3(chs[-1], cfg.out_channels)
 
     def forward(self, z):

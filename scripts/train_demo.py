@@ -1,0 +1,445 @@
+"""Train the demo model on the procedural scenes (fast_inference/scenes.py): a reduced-width VQ-16, then a small
+t2i ControlAR of the official architecture (DINOv2-style "tiny" control encoder, the demo text encoder).
+
+    python scripts/train_demo.py --preset cpu --out checkpoints/demo                 # both phases on the CPU
+    python scripts/train_demo.py --preset gpu --phase vq --device cuda --out DIR      # one H200, then:
+    python scripts/train_demo.py --preset gpu --phase gpt --device cuda --out DIR     # reads DIR/vq.*
+
+Writes into --out: vq.json + vq.safetensors (the tokenizer, official key names), gpt.json + gpt.safetensors (the
+model; its metadata names the text encoder and the image size) and train_log.jsonl. Weights are stored in fp16,
+and the GPT learns from the tokens of the stored (fp16) VQ. The VQ learns to reconstruct scenes (MSE; l2-normalised
+codebook with a commitment loss, unused codes restarted from encoder outputs); the GPT learns the tokens of scenes
+given their caption and a control map of a random type, caption and control dropped together for CFG (10%, as
+ControlAR trains). Scene i is a function of i, so the same seed, preset, device and dtype give the same weights;
+--time-limit stops a phase early (and says so) rather than lose it.
+"""
+import argparse
+import copy
+import json
+import math
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
+
+from fast_inference import demo_text, scenes
+from fast_inference.dinov2 import to_patch14
+from fast_inference.model import ModelArgs, Transformer, apply_rotary_emb, attention_mask, rotations
+from fast_inference.vq import VQConfig, VQModel
+
+# Control types and how often the GPT sees each (canny, the measured one, most).
+CONTROL_MIX = {"canny": 0.4, "hed": 0.2, "lineart": 0.1, "depth": 0.15, "seg": 0.15}
+PRESETS = {
+    # 128 px, 8x8 tokens: trains on two CPU cores in a few hours
+    "cpu": dict(size=128,
+                vq=dict(codebook_size=1024, ch=32, ch_mult=[1, 1, 2, 2, 4], z_channels=64, num_res_blocks=1,
+                        norm_groups=8),
+                vq_steps=4000, vq_batch=8, vq_lr=1e-4, vq_crop=64,
+                gpt=dict(dim=128, n_layer=6, n_head=4, caption_dim=64, cls_token_num=24, adapter_size="tiny"),
+                gpt_steps=3000, gpt_batch=32, gpt_lr=8e-4, pool=15000, ema=0.999),
+    # 256 px, 16x16 tokens: one H200, each phase well inside a 10-minute command
+    "gpu": dict(size=256,
+                vq=dict(codebook_size=4096, ch=32, ch_mult=[1, 1, 2, 2, 2], z_channels=64, num_res_blocks=2,
+                        norm_groups=8),
+                vq_steps=10000, vq_batch=32, vq_lr=1e-4, vq_crop=128,
+                gpt=dict(dim=256, n_layer=8, n_head=8, caption_dim=64, cls_token_num=24, adapter_size="tiny"),
+                gpt_steps=6000, gpt_batch=128, gpt_lr=6e-4, pool=200000, ema=0.9995),
+    # the tests': seconds on a CPU
+    "test": dict(size=64,
+                 vq=dict(codebook_size=64, ch=32, ch_mult=[1, 1, 1, 1, 1], z_channels=32, num_res_blocks=1,
+                         norm_groups=8),
+                 vq_steps=3, vq_batch=2, vq_lr=1e-4, vq_crop=32,
+                 gpt=dict(dim=32, n_layer=2, n_head=2, caption_dim=16, cls_token_num=20, adapter_size="tiny"),
+                 gpt_steps=3, gpt_batch=4, gpt_lr=6e-4, pool=8, ema=0.9),
+}
+DROP = 0.1  # caption and control dropped together, for CFG
+COMMIT = 0.25  # LlamaGen's commitment weight
+RESTART_EVERY = 200  # VQ steps between restarts of unused codes
+CROP_UNTIL = 0.75  # the VQ trains on random crops (a quarter of the work) until then, on whole images after
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--out", required=True, help="folder for the configs, weights and log")
+    p.add_argument("--preset", choices=sorted(PRESETS), default="cpu")
+    p.add_argument("--phase", choices=["vq", "gpt", "all"], default="all")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--vq-steps", type=int, default=None, help="default: the preset's")
+    p.add_argument("--gpt-steps", type=int, default=None, help="default: the preset's")
+    p.add_argument("--time-limit", type=float, default=None, help="seconds per phase; stops early and saves")
+    p.add_argument("--log-every", type=int, default=50)
+    return p.parse_args(argv)
+
+
+# ---- set-up -------------------------------------------------------------------------------------
+
+def autocast(device):
+    """bf16 on CUDA, nothing (fp32) on the CPU."""
+    return torch.autocast("cuda", torch.bfloat16) if device.type == "cuda" else torch.autocast("cpu", enabled=False)
+
+
+def seed_everything(seed, device):
+    torch.manual_seed(seed)
+    if device.type == "cuda":
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.use_deterministic_algorithms(True, warn_only=True)
+        torch.backends.cudnn.benchmark = False
+
+
+def lr_at(step, steps, peak):
+    """Linear warm-up over 5% of the steps, then a cosine down to 10% of the peak."""
+    warm = max(1, steps // 20)
+    if step < warm:
+        return peak * (step + 1) / warm
+    t = (step - warm) / max(1, steps - warm)
+    return peak * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * t)))
+
+
+class Log:
+    def __init__(self, out):
+        self.f = open(os.path.join(out, "train_log.jsonl"), "a", buffering=1)
+
+    def __call__(self, **fields):
+        self.f.write(json.dumps(fields) + "\n")
+        print(" ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in fields.items()), flush=True)
+
+
+def save_fp16(module, path, drop=(), metadata=None):
+    """The state dict in fp16 (float tensors), without the keys in drop, written atomically."""
+    sd = {k: (v.half() if v.is_floating_point() else v).contiguous().cpu() for k, v in module.state_dict().items()
+          if k not in drop}
+    save_file(sd, path + ".tmp", metadata=metadata)
+    os.replace(path + ".tmp", path)
+
+
+def write_json(obj, path):
+    with open(path, "w") as f:
+        json.dump(obj, f, indent=1)
+
+
+def images(indices, size, device, split="train"):
+    """Rendered scenes as the VQ and the model see them: (scenes, uint8 (B, 3, S, S), float [-1, 1])."""
+    batch = scenes.scenes(indices, split)
+    rgb = scenes.render(batch, size, device)
+    return batch, rgb, scenes.to_model_range(rgb)
+
+
+# ---- the VQ ----------------------------------------------------------------------------------------
+
+def quantize(vq, z):
+    """quant_conv output (B, C, h, w) -> (z_q straight-through, codebook + commitment loss, indices (B*h*w,)).
+    Both sides l2-normalised, as the official quantizer (and Quantizer.nearest at inference)."""
+    b, c, h, w = z.shape
+    zf = F.normalize(z.permute(0, 2, 3, 1).reshape(-1, c), dim=-1)
+    codes = vq.quantize.codebook()
+    idx = (zf @ codes.t()).argmax(1)  # the nearest unit vector is the one of largest dot product
+    zq = codes[idx]
+    loss = F.mse_loss(zq, zf.detach()) + COMMIT * F.mse_loss(zf, zq.detach())
+    zq = zf + (zq - zf).detach()
+    return zq.view(b, h, w, c).permute(0, 3, 1, 2), loss, idx, zf.detach()
+
+
+def vq_loss(vq, x):
+    z = vq.quant_conv(vq.encoder(x))
+    zq, q_loss, idx, zf = quantize(vq, z)
+    rec = vq.decoder(vq.post_quant_conv(zq)).float()
+    mse = F.mse_loss(rec, x)
+    return mse + q_loss, mse, idx, zf
+
+
+def crop(x, side, gen):
+    """One random side x side window of the batch (the encoder and decoder are convolutional; their attention and
+    norms then see whole images for the last quarter of the steps)."""
+    i, j = torch.randint(0, x.shape[-1] - side + 1, (2,), generator=gen).tolist()
+    return x[..., i:i + side, j:j + side]
+
+
+def restart_unused(vq, used, zf, gen):
+    """Unused codes since the last restart take the directions of random encoder outputs of this batch."""
+    dead = (used == 0).nonzero()[:, 0]
+    if len(dead):
+        pick = torch.randint(0, zf.shape[0], (len(dead),), generator=gen, device="cpu").to(zf.device)
+        with torch.no_grad():
+            vq.quantize.embedding.weight[dead] = zf[pick].to(vq.quantize.embedding.weight.dtype)
+    return len(dead)
+
+
+def train_vq(args, preset, device, log):
+    cfg = VQConfig(**preset["vq"])
+    write_json(preset["vq"], os.path.join(args.out, "vq.json"))
+    vq = VQModel(cfg).to(device).to(memory_format=torch.contiguous_format).train()
+    # (contiguous, not channels-last: vq.py's CUDA kernels, which have no backward, take only channels-last tensors)
+    steps, B, size = args.vq_steps or preset["vq_steps"], preset["vq_batch"], preset["size"]
+    # Adam at LlamaGen's 1e-4: at 2e-4 and above this VQ stalls on the scenes' flat colours
+    opt = torch.optim.Adam(vq.parameters(), lr=preset["vq_lr"], betas=(0.9, 0.95))
+    gen = torch.Generator().manual_seed(args.seed + 1)
+    used = torch.zeros(cfg.codebook_size, device=device)
+    t0, done = time.perf_counter(), 0
+    for step in range(steps):
+        for g in opt.param_groups:
+            g["lr"] = lr_at(step, steps, preset["vq_lr"])
+        _, _, x = images(range(step * B, (step + 1) * B), size, device)
+        if step < CROP_UNTIL * steps:
+            x = crop(x, preset["vq_crop"], gen)
+        with autocast(device):
+            loss, mse, idx, zf = vq_loss(vq, x)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        used += torch.bincount(idx, minlength=cfg.codebook_size)
+        done = step + 1
+        if done % RESTART_EVERY == 0 and done < 0.8 * steps:
+            log(phase="vq", step=done, restarted_codes=restart_unused(vq, used, zf, gen))
+            used.zero_()
+        if done % args.log_every == 0 or done == steps:
+            log(phase="vq", step=done, loss=loss.item(), psnr_train=psnr(mse.item()), lr=opt.param_groups[0]["lr"],
+                seconds=round(time.perf_counter() - t0, 1))
+        if args.time_limit and time.perf_counter() - t0 > args.time_limit:
+            log(phase="vq", stopped_early_at=done, of=steps)
+            break
+    save_fp16(vq, os.path.join(args.out, "vq.safetensors"))
+    log(phase="vq", trained_steps=done, val_psnr=val_psnr(load_vq(args.out, device), preset["size"], device))
+    return done
+
+
+@torch.no_grad()
+def val_psnr(vq, size, device, n=32):
+    """PSNR (dB, 0..255 images) of the stored VQ's reconstructions of n held-out scenes, through its inference path
+    (encode to tokens, decode_code, rounded to uint8 as a saved PNG is)."""
+    _, rgb, x = images(range(n), size, device, "val")
+    rec = scenes.to_uint8((vq.decode_code(vq.encode(x)).clamp(-1, 1) + 1) * 127.5)
+    mse = (rec.float() - rgb.float()).pow(2).mean().item()
+    return round(10 * math.log10(255**2 / max(mse, 1e-12)), 2)
+
+
+def psnr(mse_in_model_range):
+    """PSNR in dB of images in [-1, 1] (peak-to-peak 2) from their MSE."""
+    return 10 * math.log10(4 / max(mse_in_model_range, 1e-12))
+
+
+def load_vq(out, device):
+    """The stored VQ (fp16 weights, run in float32 as the project runs every VQ)."""
+    with open(os.path.join(out, "vq.json")) as f:
+        vq = VQModel(VQConfig(**json.load(f)))
+    vq.load_state_dict({k: v.float() for k, v in load_file(os.path.join(out, "vq.safetensors")).items()})
+    return vq.to(device).eval().requires_grad_(False)
+
+
+# ---- the GPT ---------------------------------------------------------------------------------------
+
+def rms(norm, x):
+    """RMSNorm as model.RMSNorm computes it, in plain torch (autograd everywhere)."""
+    xf = x.float()
+    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + norm.eps)).type_as(x) * norm.weight
+
+
+def teacher_forced_logits(model, prefix, text_mask, controls, tokens):
+    """The model's forward over a whole sequence, as its prefill runs it, in plain torch: prefix (B, T, D), text
+    mask (B, T) bool, control lists (3, B, N, D), image tokens (B, N) -> logits (B, N, V) float32 predicting them.
+    Control token j is added where token j is predicted (position T - 1 + j), before blocks 0, L, 2L."""
+    B, T, D = prefix.shape
+    N = tokens.shape[1]
+    x = torch.cat([prefix, model.tok_embeddings(tokens[:, :-1])], 1)  # positions 0 .. T + N - 2
+    pos = torch.arange(T + N - 1, device=x.device)
+    rot = rotations(model.freqs_cis[pos])
+    key_valid = torch.cat([text_mask, text_mask.new_ones(B, N - 1)], 1)
+    mask = attention_mask(key_valid, pos)
+    picked = F.pad(controls, (0, 0, T - 1, 0))  # (3, B, T + N - 1, D): zeros before position T - 1
+    H, L = model.args.n_head, model.args.layer_internal
+    for i, layer in enumerate(model.layers):
+        if i % L == 0:
+            x = x + picked[min(i // L, 2)]
+        a = layer.attention
+        q, k, v = (t.view(B, -1, H, D // H) for t in a.wqkv(rms(layer.attention_norm, x)).split(D, -1))
+        q, k = apply_rotary_emb(q, rot), apply_rotary_emb(k, rot)
+        y = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask)
+        x = x + a.wo(y.transpose(1, 2).reshape(B, -1, D))
+        ff = layer.feed_forward
+        h = rms(layer.ffn_norm, x)
+        x = x + ff.w2(F.silu(ff.w1(h)) * ff.w3(h))
+    return model.output(rms(model.norm, x[:, T - 1:])).float()
+
+
+def control_features(model, maps, types):
+    """uint8 control maps (B, 3, S, S) of the given types -> adapter features (B, Nc, D): each type resized to the
+    14-px grid its own way (nearest for canny and seg, bicubic for the others, as to_patch14)."""
+    x = scenes.to_model_range(maps)
+    order, parts = [], []
+    for t in sorted(set(types)):
+        rows = [i for i, u in enumerate(types) if u == t]
+        order += rows
+        parts.append(model.adapter.model(to_patch14(x[rows], t))[:, 1:])
+    features = model.adapter_mlp(torch.cat(parts))
+    return features[torch.argsort(torch.tensor(order, device=features.device))]
+
+
+def control_maps(batch, types, rgb, size, device):
+    """Each scene's control map of its type, (B, 3, S, S) uint8."""
+    out = torch.empty_like(rgb)
+    for t in set(types):
+        rows = [i for i, u in enumerate(types) if u == t]
+        out[rows] = scenes.control([batch[i] for i in rows], t, size, device, rgb=rgb[rows])
+    return out
+
+
+def gpt_inputs(model, encoder, batch, maps, types, drop):
+    """(prefix (B, T, D), text mask (B, T) bool, control lists (3, B, N, D)); rows in drop get the null caption
+    (cut by their own mask, as at inference) and zero control features."""
+    emb, mask = encoder.encode_left_padded([s.caption for s in batch])
+    emb, mask = emb.to(maps.device), mask.to(maps.device).bool()
+    null = model.cls_embedding.uncond_embedding[: emb.shape[1]].to(emb.dtype)
+    emb = torch.where(drop[:, None, None], null, emb)
+    features = control_features(model, maps, types)
+    features = torch.where(drop[:, None, None], torch.zeros_like(features), features)
+    return model.cls_embedding(emb), mask, model.control_tokens(features)
+
+
+def init_gpt(model):
+    """The official initialisation (every Linear and Embedding from N(0, 0.02), biases zero, the output layer
+    zero); the control encoder's position table and CLS token from N(0, 0.02) as they start at zero."""
+    for m in model.modules():
+        if isinstance(m, (torch.nn.Linear, torch.nn.Embedding)):
+            torch.nn.init.normal_(m.weight, std=0.02)
+            if getattr(m, "bias", None) is not None:
+                torch.nn.init.zeros_(m.bias)
+    torch.nn.init.zeros_(model.output.weight)
+    emb = model.adapter.model.embeddings
+    torch.nn.init.normal_(emb.position_embeddings, std=0.02)
+    torch.nn.init.normal_(emb.cls_token, std=0.02)
+
+
+def gpt_args(preset, vq_cfg):
+    grid = preset["size"] // 16
+    return dict(preset["gpt"], vocab_size=vq_cfg["codebook_size"], block_size=grid * grid, condition_type="canny")
+
+
+def token_source(args, preset, vq, device):
+    """indices -> (B, N) tokens of those train scenes: from a pool encoded once (the CPU preset) or encoded now."""
+    size, pool = preset["size"], preset["pool"]
+
+    def encode(indices):
+        with torch.no_grad():
+            return vq.encode(images(indices, size, device)[2])
+
+    if not pool:
+        return encode
+    chunk = 256 if device.type == "cuda" else 64
+    table = torch.cat([encode(range(i, min(i + chunk, pool))) for i in range(0, pool, chunk)])
+    return lambda indices: table[torch.as_tensor(list(indices), device=table.device)]
+
+
+def gpt_step_batch(step, preset, rng):
+    """This step's train indices (from the pool, or fresh ones) and their control types."""
+    B = preset["gpt_batch"]
+    if preset["pool"]:
+        indices = rng.randint(0, preset["pool"], size=B).tolist()
+    else:
+        indices = list(range(step * B, (step + 1) * B))
+    types = rng.choice(list(CONTROL_MIX), size=B, p=list(CONTROL_MIX.values())).tolist()
+    return indices, types, rng.random_sample(B) < DROP
+
+
+def gpt_loss(model, encoder, vq, indices, types, drop, tokens, preset, device, split="train"):
+    size = preset["size"]
+    batch, rgb, _ = images(indices, size, device, split)
+    maps = control_maps(batch, types, rgb, size, device)
+    drop = torch.as_tensor(drop, device=device)
+    with autocast(device):
+        prefix, mask, controls = gpt_inputs(model, encoder, batch, maps, types, drop)
+        logits = teacher_forced_logits(model, prefix, mask, controls, tokens)
+    return F.cross_entropy(logits.flatten(0, 1), tokens.flatten())
+
+
+def train_gpt(args, preset, device, log):
+    with open(os.path.join(args.out, "vq.json")) as f:
+        vq_cfg = json.load(f)
+    vq = load_vq(args.out, device)
+    margs = gpt_args(preset, vq_cfg)
+    write_json(margs, os.path.join(args.out, "gpt.json"))
+    with torch.device(device):
+        model = Transformer(ModelArgs(**margs))
+    init_gpt(model)
+    model.train()
+    ema = copy.deepcopy(model).eval().requires_grad_(False)
+    encoder = demo_text.DemoTextEncoder(margs["caption_dim"], margs["cls_token_num"])
+    steps = args.gpt_steps or preset["gpt_steps"]
+    decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
+    rest = [p for n, p in model.named_parameters() if p.dim() < 2]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.05}, {"params": rest, "weight_decay": 0.0}],
+                            lr=preset["gpt_lr"], betas=(0.9, 0.95))
+    rng = np.random.RandomState(args.seed + 2)
+    t0 = time.perf_counter()
+    tokens_of = token_source(args, preset, vq, device)
+    log(phase="gpt", tokens_ready_seconds=round(time.perf_counter() - t0, 1))
+    val = val_batch(preset, vq, device)
+    done = 0
+    for step in range(steps):
+        for g in opt.param_groups:
+            g["lr"] = lr_at(step, steps, preset["gpt_lr"])
+        indices, types, drop = gpt_step_batch(step, preset, rng)
+        loss = gpt_loss(model, encoder, vq, indices, types, drop, tokens_of(indices), preset, device)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        update_ema(ema, model, preset["ema"] if step > steps // 10 else 0.0)
+        done = step + 1
+        if done % args.log_every == 0 or done == steps:
+            fields = dict(phase="gpt", step=done, loss=loss.item(), lr=opt.param_groups[0]["lr"])
+            if done % (4 * args.log_every) == 0 or done == steps:
+                with torch.no_grad():
+                    fields["val_loss_ema"] = gpt_loss(ema, encoder, vq, *val, preset, device, split="val").item()
+            log(**fields, seconds=round(time.perf_counter() - t0, 1))
+        if args.time_limit and time.perf_counter() - t0 > args.time_limit:
+            log(phase="gpt", stopped_early_at=done, of=steps)
+            break
+    meta = {"text_encoder": demo_text.NAME, "text_seed": str(demo_text.SEED), "image_size": str(preset["size"]),
+            "data": "fast_inference/scenes.py", "trained_steps": str(done), "seed": str(args.seed)}
+    save_fp16(ema, os.path.join(args.out, "gpt.safetensors"), metadata=meta,
+              drop=("condition_embeddings.weight", "condition_mlp.uncond_embedding"))  # unused at inference
+    return done
+
+
+@torch.no_grad()
+def update_ema(ema, model, decay):
+    for e, p in zip(ema.parameters(), model.parameters()):
+        e.lerp_(p.detach(), 1 - decay)
+
+
+def val_batch(preset, vq, device):
+    """A fixed held-out batch (val split), each control type in turn, nothing dropped."""
+    B = min(preset["gpt_batch"], 32)
+    types = [list(CONTROL_MIX)[i % len(CONTROL_MIX)] for i in range(B)]
+    with torch.no_grad():
+        tokens = vq.encode(images(range(B), preset["size"], device, "val")[2])
+    return list(range(B)), types, np.zeros(B, dtype=bool), tokens
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    preset = PRESETS[args.preset]
+    device = torch.device(args.device)
+    os.makedirs(args.out, exist_ok=True)
+    seed_everything(args.seed, device)
+    if device.type == "cuda":  # TF32 for the float32 VQ where it is not trained (tokenising, validation)
+        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
+    log = Log(args.out)
+    log(event="start", preset=args.preset, phase=args.phase, device=str(device), seed=args.seed,
+        torch=torch.__version__, threads=torch.get_num_threads())
+    if args.phase in ("vq", "all"):
+        train_vq(args, preset, device, log)
+    if args.phase in ("gpt", "all"):
+        torch.manual_seed(args.seed + 3)
+        train_gpt(args, preset, device, log)
+    log(event="done")
+
+
+if __name__ == "__main__":
+    main()

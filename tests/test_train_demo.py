@@ -1,0 +1,88 @@
+"""scripts/train_demo.py: its training forward is the model's, a few steps of a tiny preset run on the CPU, the same
+seed gives the same files, and what it writes loads and samples through fast_engine.py (the demo text encoder)."""
+import os
+import sys
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+from safetensors.torch import load_file
+
+from conftest import ROOT
+from fast_inference import demo_text, fast_engine, scenes
+from fast_inference.checkpoint import read_metadata
+from fast_inference.generate import prepare
+from fast_inference.model import ModelArgs, Transformer
+
+sys.path.insert(0, os.path.join(ROOT, "scripts"))
+import train_demo  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def test_teacher_forced_logits_are_the_models():
+    """The training forward (plain torch, whole sequence) gives the logits of the model's own forward, whose
+    prefill and decode steps the engines run: same control positions, text mask, RoPE rows."""
+    torch.manual_seed(0)
+    model = Transformer(ModelArgs(dim=64, n_layer=6, n_head=2, caption_dim=16, cls_token_num=20, vocab_size=64,
+                                  block_size=16, adapter_size="tiny")).eval()
+    train_demo.init_gpt(model)
+    torch.nn.init.normal_(model.output.weight, std=0.02)  # the zero init would make every logit 0
+    emb, mask = demo_text.DemoTextEncoder(16, 20).encode_left_padded(
+        ["a red circle", "an orange diamond and a blue square on a white and black background"])
+    batch = scenes.scenes(range(2))
+    control = scenes.to_model_range(scenes.control(batch, "canny", 64))
+    tokens = torch.randint(0, 64, (2, 16))
+    with torch.no_grad():
+        p = prepare(model, emb, control, mask)
+        T = p.prefix.shape[1]
+        model.setup_caches(2, T + 16, torch.float32)
+        x = torch.cat([p.prefix, model.tok_embeddings(tokens[:, :-1])], 1)
+        want = model(x, torch.arange(T + 15), p.key_valid(model.max_seq), p.controls)[:, T - 1:]
+        got = train_demo.teacher_forced_logits(model, p.prefix, p.text_mask, p.controls, tokens)
+        features = train_demo.control_features(model, scenes.control(batch, "canny", 64), ["canny", "canny"])
+    assert (got - want).abs().max() < 1e-5
+    assert torch.allclose(features, model.encode_control(control), atol=1e-6)
+
+
+def train(out, *extra):
+    train_demo.main(["--preset", "test", "--out", str(out), "--log-every", "100", *map(str, extra)])
+
+
+def same_tensors(p, q):
+    x, y = load_file(p), load_file(q)
+    return x.keys() == y.keys() and all(torch.equal(x[k], y[k]) for k in x)
+
+
+def test_training_is_seeded_and_its_files_load(tmp_path, capsys):
+    a, b, c = tmp_path / "a", tmp_path / "b", tmp_path / "c"
+    train(a)
+    train(b)
+    train(c, "--seed", 1, "--phase", "vq")
+    for name in ("gpt.json", "vq.json"):
+        assert (a / name).read_bytes() == (b / name).read_bytes(), name
+    for name in ("gpt.safetensors", "vq.safetensors"):  # (the header's metadata order is not fixed: compare tensors)
+        assert same_tensors(a / name, b / name) and read_metadata(a / name) == read_metadata(b / name), name
+    assert not same_tensors(a / "vq.safetensors", c / "vq.safetensors")
+    assert "val_psnr" in (a / "train_log.jsonl").read_text()
+
+    # The files are a model of the project: the CLI loads them strictly and samples with the word encoder.
+    control = scenes.control(scenes.scenes([0]), "canny", 64)[0].permute(1, 2, 0).numpy()
+    Image.fromarray(control).save(tmp_path / "c.png")
+    argv = ["--gpt-model", a / "gpt.json", "--gpt-ckpt", a / "gpt.safetensors", "--vq-model", a / "vq.json",
+            "--vq-ckpt", a / "vq.safetensors", "--condition-type", "canny", "--condition-path", tmp_path / "c.png",
+            "--prompt", "a red circle on a blue background", "--device", "cpu", "--top-k", "1"]
+    fast_engine.main([str(x) for x in argv + ["--save-tokens", tmp_path / "t.npy", "--out", tmp_path / "grid.png"]])
+    assert np.load(tmp_path / "t.npy").shape == (1, 16)
+    assert Image.open(tmp_path / "grid.png").size == (2 * 66 + 2, 68)
+    with pytest.raises(SystemExit) as e:
+        fast_engine.main([str(x) for x in argv] + ["--prompt", "a red dog"])
+    err = capsys.readouterr().err.strip()
+    assert e.value.code == 2 and err.startswith("error: the demo model knows no 'dog'") and "triangle" in err
