@@ -3,7 +3,7 @@ t2i ControlAR of the official architecture (DINOv2-style "tiny" control encoder,
 
     python scripts/train_demo.py --preset cpu --out checkpoints/demo                 # both phases on the CPU
     python scripts/train_demo.py --preset gpu --phase vq --device cuda --out DIR      # one H200, then:
-    python scripts/train_demo.py --preset gpu --phase gpt --device cuda --out DIR     # reads DIR/vq.*
+    python scripts/train_demo.py --preset gpu --phase gpt --device cuda --out DIR     # reads DIR/vq.* (or --vq-from)
 
 Writes into --out: vq.json + vq.safetensors (the tokenizer, official key names), gpt.json + gpt.safetensors (the
 model; its metadata names the text encoder and the image size) and train_log.jsonl. Weights are stored in fp16,
@@ -18,6 +18,7 @@ import copy
 import json
 import math
 import os
+import shutil
 import sys
 import time
 
@@ -61,7 +62,7 @@ PRESETS = {
 DROP = 0.1  # caption and control dropped together, for CFG
 COMMIT = 0.25  # LlamaGen's commitment weight
 RESTART_EVERY = 200  # VQ steps between restarts of unused codes
-CROP_UNTIL = 0.75  # the VQ trains on random crops (a quarter of the work) until then, on whole images after
+FULL_EVERY = 4  # every 4th VQ step sees whole images, the others random crops (a quarter of the work)
 
 
 def parse_args(argv=None):
@@ -73,6 +74,7 @@ def parse_args(argv=None):
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--vq-steps", type=int, default=None, help="default: the preset's")
     p.add_argument("--gpt-steps", type=int, default=None, help="default: the preset's")
+    p.add_argument("--vq-from", default=None, help="folder of a trained vq.json + vq.safetensors, copied into --out")
     p.add_argument("--time-limit", type=float, default=None, help="seconds per phase; stops early and saves")
     p.add_argument("--log-every", type=int, default=50)
     return p.parse_args(argv)
@@ -156,7 +158,7 @@ def vq_loss(vq, x):
 
 def crop(x, side, gen):
     """One random side x side window of the batch (the encoder and decoder are convolutional; their attention and
-    norms then see whole images for the last quarter of the steps)."""
+    norms see whole images every FULL_EVERY steps)."""
     i, j = torch.randint(0, x.shape[-1] - side + 1, (2,), generator=gen).tolist()
     return x[..., i:i + side, j:j + side]
 
@@ -186,7 +188,7 @@ def train_vq(args, preset, device, log):
         for g in opt.param_groups:
             g["lr"] = lr_at(step, steps, preset["vq_lr"])
         _, _, x = images(range(step * B, (step + 1) * B), size, device)
-        if step < CROP_UNTIL * steps:
+        if step % FULL_EVERY != FULL_EVERY - 1:
             x = crop(x, preset["vq_crop"], gen)
         with autocast(device):
             loss, mse, idx, zf = vq_loss(vq, x)
@@ -427,6 +429,9 @@ def main(argv=None):
     preset = PRESETS[args.preset]
     device = torch.device(args.device)
     os.makedirs(args.out, exist_ok=True)
+    if args.vq_from:
+        for name in ("vq.json", "vq.safetensors"):
+            shutil.copyfile(os.path.join(args.vq_from, name), os.path.join(args.out, name))
     seed_everything(args.seed, device)
     if device.type == "cuda":  # TF32 for the float32 VQ where it is not trained (tokenising, validation)
         torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True

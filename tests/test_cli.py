@@ -376,8 +376,12 @@ def test_error_condition_type_and_extras(files, tmp_path, capsys, monkeypatch):
                  "canny, hed, lineart, depth, seg")
     expect_error(capsys, tmp_path, replace(argv, "--condition-type", "hed"), "--condition-ckpt", "ControlNetHED.pth")
     expect_error(capsys, tmp_path, replace(argv, "--condition-type", "depth"), "--condition-ckpt")
+    # Without OpenCV canny runs in torch (scenes.canny): the same control map, hence the same tokens.
+    canny = replace(replace(argv, "--condition-type", "canny"), "--save-tokens", tmp_path.parent / "cv2.npy")
+    assert cli(capsys, *canny)[0] == 0
     monkeypatch.setitem(sys.modules, "cv2", None)  # OpenCV not installed
-    expect_error(capsys, tmp_path, replace(argv, "--condition-type", "canny"), "pip install opencv-python-headless")
+    assert cli(capsys, *replace(canny, "--save-tokens", tmp_path.parent / "torch.npy"))[0] == 0
+    assert np.array_equal(np.load(tmp_path.parent / "cv2.npy"), np.load(tmp_path.parent / "torch.npy"))
 
 
 def test_error_text_inputs(files, tmp_path, capsys, tiny_t5):  # noqa: F811
@@ -449,11 +453,31 @@ def test_oom_is_a_user_error():
 # ---- (f) the embedded demo ---------------------------------------------------------------------------
 
 def test_demo(tmp_path):
+    """The Quick start: no flags, the trained demo model draws a demo-set scene's hed map and its caption."""
     out = tmp_path / "demo.png"
     r = subprocess.run([sys.executable, os.path.join(ROOT, "fast_inference", "fast_engine.py"), "--out", str(out)],
                        capture_output=True, text=True, cwd=tmp_path, timeout=120)
     assert r.returncode == 0, r.stderr
-    assert "RANDOM weights" in r.stdout and "decode" in r.stdout and "VQ decode" in r.stdout
-    assert Image.open(out).size == (2 * 258 + 2, 260)  # control map + one 256x256 sample
+    assert "demo model" in r.stdout and "prompt: 'a " in r.stdout and "decode" in r.stdout and "VQ decode" in r.stdout
+    side = int(json.load(open(os.path.join(fast_engine.DEMO_DIR, "gpt.json")))["block_size"] ** 0.5) * 16
+    assert Image.open(out).size == (2 * (side + 2) + 2, side + 4)  # control map + one sample
     for kind in ("canny", "hed", "lineart", "depth", "seg"):
         assert Image.open(os.path.join(ROOT, "condition", "example", f"{kind}.png")).size == (512, 512)
+
+
+def test_demo_prompt_and_its_words(tmp_path, capsys):
+    """--prompt on the demo model goes through its word encoder (no T5): the caption changes the image, and a word
+    it does not know is one error line naming its words."""
+    tokens = []
+    for prompt in ("a red circle and a blue square on a white background", "a green circle on a black background"):
+        argv = ["--prompt", prompt, "--condition-type", "seg", "--top-k", "1", "--save-tokens", tmp_path / "t.npy",
+                "--out", tmp_path / "g.png"]
+        code, out, err = cli(capsys, *argv)
+        assert code == 0, err
+        assert repr(prompt) in out
+        tokens.append(np.load(tmp_path / "t.npy"))
+    assert not np.array_equal(*tokens)
+    code, _, err = cli(capsys, "--prompt", "a red dog", "--out", tmp_path / "x.png")
+    assert code == 2 and err.strip().startswith("error: the demo model knows no 'dog'; its words are: a an and")
+    code, _, err = cli(capsys, "--gpt-type", "c2i", "--out", tmp_path / "x.png")
+    assert code == 2 and "the demo model is t2i" in err

@@ -218,3 +218,18 @@ def test_shard_covers_every_index_once():
         assert sorted(got) == list(range(start, end))
         firsts = [f for r in range(world) for f, _ in fast_eval.shard(start, end, batch, r, world)]
         assert all(f % batch == 0 for f in firsts)
+
+
+def test_evaluation_demo(tmp_path, monkeypatch):
+    """No model flags and no data: the trained demo model on the first scenes of the demo set's test split (written
+    once under sample/demo_set/), canny controls extracted from the images, the canny F1 scored."""
+    monkeypatch.setattr(fast_eval, "DEMO_SPLIT", 2)
+    monkeypatch.setattr(fast_eval, "ROOT", str(tmp_path))
+    out = tmp_path / "s"
+    fast_eval.main(["--device", "cpu", "--condition-type", "canny", "--batch", "2", "--num-workers", "0",
+                    "--metrics", "--sample-dir", str(out)])
+    assert names(out / "visualization") == pngs(range(2))
+    result = json.load(open(out / "metrics.json"))
+    assert result["num_images"] == 2 and 0 <= result["f1"] <= 1
+    split = [p for p in (tmp_path / "sample" / "demo_set").iterdir()]
+    assert len(split) == 1 and sorted(os.listdir(split[0] / "caption_emb")) == ["0.npz", "1.npz"]
