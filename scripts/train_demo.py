@@ -62,7 +62,7 @@ PRESETS = {
 DROP = 0.1  # caption and control dropped together, for CFG
 COMMIT = 0.25  # LlamaGen's commitment weight
 RESTART_EVERY = 200  # VQ steps between restarts of unused codes
-FULL_EVERY = 4  # every 4th VQ step sees whole images, the others random crops (a quarter of the work)
+FULL_EVERY = 4  # every 4th VQ step sees whole images (as many pixels as the other steps' random crops)
 
 
 def parse_args(argv=None):
@@ -187,9 +187,12 @@ def train_vq(args, preset, device, log):
     for step in range(steps):
         for g in opt.param_groups:
             g["lr"] = lr_at(step, steps, preset["vq_lr"])
-        _, _, x = images(range(step * B, (step + 1) * B), size, device)
-        if step % FULL_EVERY != FULL_EVERY - 1:
-            x = crop(x, preset["vq_crop"], gen)
+        side = preset["vq_crop"]
+        if step % FULL_EVERY == FULL_EVERY - 1:
+            _, _, x = images(range(step * B, step * B + max(1, B * side * side // (size * size))), size, device)
+        else:
+            _, _, x = images(range(step * B, (step + 1) * B), size, device)
+            x = crop(x, side, gen)
         with autocast(device):
             loss, mse, idx, zf = vq_loss(vq, x)
         opt.zero_grad(set_to_none=True)
