@@ -288,6 +288,7 @@ def check_args(args):
         path = getattr(args, flag)
         if path is not None and not os.path.isfile(path):
             raise UserError(f"--{flag.replace('_', '-')} {path} not found")
+    vq_constructor(args)  # an unknown --vq-model or a bad JSON: one line now
     if args.condition_ckpt is not None and not os.path.exists(args.condition_ckpt):
         raise UserError(f"--condition-ckpt {args.condition_ckpt} not found")
     for flag in ("image_H", "image_W"):

@@ -76,6 +76,8 @@ def parse_args(argv=None):
     p.add_argument("--gpt-steps", type=int, default=None, help="default: the preset's")
     p.add_argument("--vq-from", default=None, help="folder of a trained vq.json + vq.safetensors, copied into --out")
     p.add_argument("--time-limit", type=float, default=None, help="seconds per phase; stops early and saves")
+    p.add_argument("--threads", type=int, default=None, help="CPU threads (default torch's); on cores shared with "
+                   "other work use 1: OpenMP's threads spin waiting for a descheduled peer (30x slower seen)")
     p.add_argument("--log-every", type=int, default=50)
     return p.parse_args(argv)
 
@@ -431,6 +433,8 @@ def main(argv=None):
     args = parse_args(argv)
     preset = PRESETS[args.preset]
     device = torch.device(args.device)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     os.makedirs(args.out, exist_ok=True)
     if args.vq_from:
         for name in ("vq.json", "vq.safetensors"):

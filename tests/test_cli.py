@@ -412,6 +412,9 @@ def test_error_misc(files, tmp_path, capsys):
     expect_error(capsys, tmp_path, argv + ["--device", "tpu7"], "unknown --device")
     expect_error(capsys, tmp_path, argv + ["--num-images", "0"], "--num-images")
     expect_error(capsys, tmp_path, argv + ["--nope"], "unrecognized arguments: --nope")
+    expect_error(capsys, tmp_path, argv + ["--vq-model", "VQ-99"], "unknown --vq-model 'VQ-99'", "VQ-16 or a .json")
+    (tmp_path.parent / "vq_typo.json").write_text('{"chh": 32}')
+    expect_error(capsys, tmp_path, argv + ["--vq-model", tmp_path.parent / "vq_typo.json"], "unknown VQ argument(s) ['chh']")
     i = argv.index("--condition-path")
     expect_error(capsys, tmp_path, argv[:i] + argv[i + 2:], "--condition-path is required")
     with pytest.raises(fast_engine.UserError):  # --debug: the exception itself, traceback and all

@@ -11,7 +11,7 @@ from safetensors.torch import load_file
 from conftest import DATA
 from fast_inference import images
 from fast_inference.images import make_grid, save_image, save_png_uint8, to_uint8
-from fast_inference.vq import AttnBlock, GroupNorm, VQ_models, VQModel
+from fast_inference.vq import AttnBlock, GroupNorm, VQ_models, VQConfig, VQModel
 from weights import recipe_state_dict
 
 FIXTURES = json.load(open(os.path.join(DATA, "fixtures.json")))
@@ -198,3 +198,21 @@ def test_atomic_write_failure_keeps_old_file(tmp_path, monkeypatch):
         save_image(torch.ones(3, 2, 2), path)
     assert path.read_bytes() == before
     assert [p.name for p in tmp_path.iterdir()] == ["x.png"]
+
+
+def test_vq_json_config(tmp_path):
+    """--vq-model FILE.json: VQConfig fields, or the official ModelArgs' names (ch_mult twice, training fields);
+    the default norm_groups keeps the official module; a narrow VQ keeps 4 channels per group with norm_groups."""
+    path = tmp_path / "vq.json"
+    path.write_text(json.dumps(dict(codebook_size=64, encoder_ch_mult=[1, 1, 2, 2, 4], decoder_ch_mult=[1, 1, 2, 2, 4],
+                                    commit_loss_beta=0.25, codebook_show_usage=True)))
+    cfg = VQConfig.from_json(str(path), codebook_embed_dim=None)
+    assert (cfg.codebook_size, cfg.ch_mult, cfg.ch, cfg.norm_groups) == (64, (1, 1, 2, 2, 4), 128, 32)
+    assert str(VQModel(cfg)) == str(VQ_models["VQ-16"](codebook_size=64))
+    narrow = VQModel(VQConfig(ch=32, z_channels=64, norm_groups=8))
+    assert {m.num_groups for m in narrow.modules() if isinstance(m, torch.nn.GroupNorm)} == {8}
+    path.write_text(json.dumps(dict(encoder_ch_mult=[1, 2], decoder_ch_mult=[1, 1])))
+    with pytest.raises(ValueError, match="encoder_ch_mult"):
+        VQConfig.from_json(str(path))
+    with pytest.raises(ValueError, match="multiples of norm_groups 32"):
+        VQConfig(ch=16)
