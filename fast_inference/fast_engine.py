@@ -59,8 +59,9 @@ def add_model_args(p):
 
     Model flags left unset (None) take the --gpt-model JSON's value, else the official default."""
     p.add_argument("--gpt-model", default=None, help=f"{', '.join(GPT_CONFIGS)} or a .json of model arguments "
-                   "(default: GPT-XL with --gpt-ckpt, the embedded demo config without)")
-    p.add_argument("--gpt-ckpt", default=None, help="ControlAR checkpoint (.safetensors or .pt); none = random weights")
+                   "(default: GPT-XL with --gpt-ckpt, the demo model without)")
+    p.add_argument("--gpt-ckpt", default=None, help="ControlAR checkpoint (.safetensors or .pt); none: random weights "
+                   "with --gpt-model, the demo model (checkpoints/demo) without")
     p.add_argument("--gpt-type", choices=["t2i", "c2i"], default=None, help="default t2i")
     p.add_argument("--vq-model", default="VQ-16", help="VQ-16 or a .json of VQ arguments (vq.py's VQConfig)")
     p.add_argument("--vq-ckpt", default=None, help="vq_ds16_t2i.pt; none = random weights")

@@ -484,3 +484,14 @@ def test_demo_prompt_and_its_words(tmp_path, capsys):
     assert code == 2 and err.strip().startswith("error: the demo model knows no 'dog'; its words are: a an and")
     code, _, err = cli(capsys, "--gpt-type", "c2i", "--out", tmp_path / "x.png")
     assert code == 2 and "the demo model is t2i" in err
+
+
+def test_demo_engines_agree_on_greedy_tokens(tmp_path, capsys):
+    """On the trained demo model (CFG 4, canny) the fast engine and the reference draw the same greedy tokens."""
+    tokens = []
+    for engine in ("fast", "reference"):
+        code, _, err = cli(capsys, "--condition-type", "canny", "--top-k", "1", "--num-images", "2", "--engine", engine,
+                           "--save-tokens", tmp_path / f"{engine}.npy", "--out", tmp_path / f"{engine}.png")
+        assert code == 0, err
+        tokens.append(np.load(tmp_path / f"{engine}.npy"))
+    assert np.array_equal(*tokens) and len(np.unique(tokens[0])) > 4
