@@ -31,8 +31,8 @@ if __package__ in (None, ""):
 
 import torch
 
-from fast_inference import decode_block, fused_ops
-from fast_inference.engine import BACKENDS, COMPILE_SCOPES, Engine
+from fast_inference import plan as plans
+from fast_inference.engine import BACKENDS, COMPILE_SCOPES, Engine, vq_kernels
 from fast_inference.fast_engine import official_tf32
 from fast_inference.generate import generate
 from fast_inference.model import ModelArgs, Transformer
@@ -58,6 +58,8 @@ def parse_args(argv=None):
     p.add_argument("--compile-scope", choices=list(COMPILE_SCOPES), default="block")
     p.add_argument("--no-fused-block", action="store_true",
                    help="block scope: the compiled block at every batch size (default: fused kernels at <= 16 rows, n <= 8)")
+    p.add_argument("--plan", action="append", default=[], metavar="KEY=VALUE",
+                   help="override the fast engine's decode plan (fast_engine.py --help lists the keys)")
     p.add_argument("--ref-steps", type=int, default=200, help="reference decode steps timed (0: skip)")
     p.add_argument("--fast-runs", type=int, default=2, help="timed fast images per batch size")
     p.add_argument("--e2e-runs", type=int, default=5,
@@ -265,20 +267,19 @@ def measure(args, sizes):
     from fast_inference.vq import VQ_models
 
     with torch.device(device):
-        vq = VQ_models["VQ-16"]().eval().requires_grad_(False)
+        vq = vq_kernels(VQ_models["VQ-16"]().eval().requires_grad_(False), args.backend, device, args.plan)
     bw = copy_bandwidth(device)
     N = grid * grid
     kw = dict(cfg_scale=args.cfg_scale, top_k=args.top_k, temperature=1.0, top_p=1.0)
     fast_model = quantize_int8(copy.deepcopy(model)) if args.quantize == "int8" else model
-    fused_ops.for_backend(args.backend)
     engine = Engine(fast_model, backend=args.backend, compile_mode=args.compile_mode,
                     compile_prefill=args.compile_prefill, compile_scope=args.compile_scope,
-                    fused_block=not args.no_fused_block)
+                    fused_block=not args.no_fused_block, overrides=args.plan)
     rows, e2e, e2e_runs = [], None, None  # end to end is timed with n = 1 only
     scope = ""
     if args.backend == "inductor":
         fused = "" if args.compile_scope == "step" else ", compiled block only" if args.no_fused_block else \
-            f", fused block at <= {decode_block.MAX_ROWS} rows"
+            f", fused block at <= {plans.FUSED_ROWS} rows"
         scope = f" (compile scope {args.compile_scope}{fused})"
     weights = " (fast: int8 weights)" if args.quantize == "int8" else ""
     where = "one process" if args.in_process and not args.part else "a process per batch size"

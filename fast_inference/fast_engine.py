@@ -9,8 +9,10 @@ Flags keep the names and defaults of the official sample_t2i.py / sample_t2i_MR.
 sample_c2i.py. The engine class (`Engine`) and the reference `generate` are importable from here.
 """
 import argparse
+import functools
 import logging
 import os
+import re
 import sys
 import time
 
@@ -22,10 +24,10 @@ if __package__ in (None, ""):  # run as a script: make `fast_inference` importab
 import numpy as np
 import torch
 
-from fast_inference import fused_ops
+from fast_inference import plan as plans
 from fast_inference.checkpoint import (CheckpointError, fit_null_caption, gpt_fix_hint, load_weights, no_init,
                                        read_state_dict)
-from fast_inference.engine import BACKENDS, COMPILE_SCOPES, Engine, sync  # noqa: F401  (Engine: seed-compatible)
+from fast_inference.engine import BACKENDS, COMPILE_SCOPES, Engine, sync, vq_kernels
 from fast_inference.generate import generate
 from fast_inference.model import GPT_CONFIGS, ModelArgs, Transformer
 from fast_inference.quantize import MODES as QUANTIZE_MODES, quantize_int8
@@ -107,6 +109,9 @@ def add_model_args(p):
                         "hand (block: ~7-21 s per shape for GPT-XL; at <= 16 rows, e.g. up to 8 images with CFG, "
                         "fused Triton kernels instead, nothing to compile), or the whole step with --compile-mode as "
                         "gpt-fast (step: ~50 s)")
+    p.add_argument("--plan", action="append", default=[], metavar="KEY=VALUE",
+                   help="override the decode plan's choice (repeatable; also CONTROLAR_PLAN=KEY=VALUE,...): "
+                        + "; ".join(f"{k}={'|'.join(v)}" for k, v in plans.OVERRIDES.items()))
     p.add_argument("--debug", action="store_true", help="show tracebacks")
 
 
@@ -130,6 +135,9 @@ def parse_args(argv=None):
     p.add_argument("--save-samples", default=None, help="directory: each sample as {i}.png")
     p.add_argument("--save-tokens", default=None, help=".npy of the token ids [num_images, H/16*W/16]")
     p.add_argument("--compile", action="store_true", help="the official flag: same as --backend inductor")
+    p.add_argument("--explain", nargs="?", const="here", default=None, metavar="DEVICE",
+                   help="print the decode plan of this run (which kernel runs each operation) and exit, loading no "
+                        "weights; DEVICE plans for another one instead of this machine's: cpu, sm_80, sm_90, ...")
     return p.parse_args(argv)
 
 
@@ -142,17 +150,23 @@ def pick_device(args):
         raise UserError(f"unknown --device {args.device!r}; use cpu, cuda or cuda:N") from None
     if device.type == "cuda" and not torch.cuda.is_available():
         raise UserError("--device cuda but no CUDA GPU is visible; use --device cpu")
-    precision = args.precision
-    if precision == "auto":
-        if device.type == "cuda":
-            precision = "bf16" if torch.cuda.is_bf16_supported() else "fp16"
-        else:
-            precision = "fp32"
-    dtype = {"fp32": torch.float32, "none": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[precision]
-    backend = args.backend or ("inductor" if device.type == "cuda" or getattr(args, "compile", False) else "eager")
+    cuda = device.type == "cuda"
+    dtype = precision_dtype(args.precision, cuda, cuda and torch.cuda.is_bf16_supported())
+    backend = default_backend(args, device)
     if backend == "cudagraph" and device.type != "cuda":
         raise UserError("--backend cudagraph needs a CUDA device; use --backend eager on the CPU")
     return device, dtype, backend
+
+
+def precision_dtype(precision, cuda, bf16):
+    """--precision's dtype: auto is bf16 on GPUs that support it (bf16), fp16 on other GPUs, fp32 on the CPU."""
+    if precision == "auto":
+        precision = ("bf16" if bf16 else "fp16") if cuda else "fp32"
+    return {"fp32": torch.float32, "none": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[precision]
+
+
+def default_backend(args, device):
+    return args.backend or ("inductor" if device.type == "cuda" or getattr(args, "compile", False) else "eager")
 
 
 def is_demo(args):
@@ -392,12 +406,46 @@ def left_fit(x, T):
 # ---- run ---------------------------------------------------------------------------------------
 
 def make_engine(args, model, backend):
-    """The fast engine the flags ask for, or None for --engine reference."""
+    """The fast engine the flags ask for, or None for --engine reference (the official loop, plain torch)."""
     if args.engine == "reference":
         return None
-    fused_ops.for_backend(backend)
-    return Engine(model, backend=backend, compile_mode=args.compile_mode, compile_prefill=args.compile_prefill,
-                  compile_scope=args.compile_scope)
+    try:
+        return Engine(model, backend=backend, compile_mode=args.compile_mode, compile_prefill=args.compile_prefill,
+                      compile_scope=args.compile_scope, overrides=args.plan)
+    except plans.PlanError as e:
+        raise UserError(str(e)) from None
+
+
+def explain(args):
+    """--explain: the decode plan of the run the flags describe, on this machine or on args.explain's device, from the
+    model's configuration alone (no weights)."""
+    margs, image_size = model_args(args)
+    builds = lambda kernel, *key: True  # another device: its CUDA C++ kernels taken to build
+    if args.explain == "here":
+        device, dtype, backend = pick_device(args)
+        capability = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
+        builds = functools.partial(Engine.builds_on, device)
+    else:
+        target = args.explain.lower().replace("sm_", "sm")
+        if not (target == "cpu" or re.fullmatch(r"sm\d\d+", target)):
+            raise UserError(f"--explain {args.explain}: name a device as cpu or sm_XY (sm_80 Ampere, sm_90 Hopper)")
+        capability = None if target == "cpu" else (int(target[2:-1]), int(target[-1]))
+        device = torch.device("cpu" if target == "cpu" else "cuda")
+        dtype = precision_dtype(args.precision, device.type == "cuda", capability is not None and capability >= (8, 0))
+        backend = default_backend(args, device)
+    H, W = args.image_H or image_size, args.image_W or image_size
+    prompts = 1
+    if args.prompt_file:
+        with open(args.prompt_file, encoding="utf-8") as f:
+            prompts = max(1, sum(1 for line in f if line.strip()))
+    s = plans.Situation(
+        backend=backend, compile_scope=args.compile_scope, compile_prefill=args.compile_prefill, device=device.type,
+        capability=capability, triton=plans.triton_available(), interpret=plans.interpreting(), dtype=dtype,
+        int8=args.quantize == "int8", top_p=args.top_p, cfg=args.cfg_scale > 1.0, batch=prompts * args.num_images,
+        dim=margs.dim, n_head=margs.n_head, ffn_hidden=margs.ffn_hidden, vocab_size=margs.vocab_size,
+        max_seq=margs.prefix_len + (H // 16) * (W // 16), builds=builds,
+        overrides=tuple(dict(plans.environment_overrides() + plans.parse_overrides(args.plan)).items()))
+    print(plans.explain(plans.make(s)))
 
 
 def sample_tokens(args, model, engine, cond, mask, condition, num_tokens):
@@ -453,6 +501,8 @@ def describe(args, model, demo):
 def run(args):
     t_start = time.perf_counter()
     check_args(args)
+    if args.explain:
+        return explain(args)
     torch.manual_seed(args.seed)
     device, dtype, backend = pick_device(args)
     demo = is_demo(args)
@@ -476,7 +526,7 @@ def run(args):
     cond, mask, prompts = text_inputs(args, model, device)
     t_text = time.perf_counter() - t0
     t0 = time.perf_counter()
-    vq = build_vq(args, device)
+    vq = vq_kernels(build_vq(args, device), backend, device, args.plan)
     t_models += time.perf_counter() - t0
     engine = make_engine(args, model, backend)
     weights = " (int8 weights)" if args.quantize == "int8" else ""
@@ -561,7 +611,7 @@ def is_user_error(e):
         e.args = ("CUDA out of memory; use a smaller --num-images (or fewer prompts, or a smaller --image-size)",)
         return True
     return isinstance(e, (UserError, CheckpointError, ConditionError, TextError, FileNotFoundError, PermissionError,
-                          IsADirectoryError, NotADirectoryError))
+                          IsADirectoryError, NotADirectoryError, plans.PlanError))
 
 
 if __name__ == "__main__":

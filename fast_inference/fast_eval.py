@@ -37,7 +37,8 @@ import torch
 from tqdm import tqdm
 
 from fast_inference import conditions, data, metrics
-from fast_inference.engine import Engine
+from fast_inference import plan as plans
+from fast_inference.engine import Engine, vq_kernels
 from fast_inference.fast_engine import (UserError, add_model_args, build_gpt, build_vq, cli_main, is_user_error,
                                         make_engine, model_args, pick_device, sample_tokens)
 from fast_inference.images import save_image, save_png_uint8
@@ -271,7 +272,7 @@ def image_shape(args):
 def build_run(args, device, dtype, backend, text_mode, H, W):
     torch.manual_seed(args.seed)  # random weights (no checkpoint) must be the same in every run
     model, _ = build_gpt(args, device, dtype)
-    vq = build_vq(args, device)
+    vq = vq_kernels(build_vq(args, device), backend, device, args.plan)
     engine = make_engine(args, model, backend)
     t5 = None
     if text_mode == "t5":
@@ -295,14 +296,17 @@ def generate_split(args):
     text_mode = "label" if margs.model_type == "c2i" else "t5" if args.t5_path else "emb"
     data.check_text(samples, text_mode)
     check_annotator(args, samples)
+    overrides = dict(plans.environment_overrides() + plans.parse_overrides(args.plan))  # they can change the images
+    overrides = ",".join(f"{k}={v}" for k, v in sorted(overrides.items()))
     end = len(samples) if args.end is None else min(args.end, len(samples))
     if not 0 <= args.start < end:
         raise UserError(f"--start {args.start} --end {args.end} selects nothing of the {len(samples)} samples")
     check_settings(args, dict(precision=str(dtype).replace("torch.", ""), device_type=device.type,
                               backend=backend if args.engine == "fast" else None,
                               compile_scope=args.compile_scope if (args.engine, backend) == ("fast", "inductor") else None,
-                              # only when on: settings.json files written before the flag existed still match
-                              **({"quantize": args.quantize} if args.quantize != "none" else {})))
+                              # only when on: settings.json files written before the flags existed still match
+                              **({"quantize": args.quantize} if args.quantize != "none" else {}),
+                              **({"plan": overrides} if overrides and args.engine == "fast" else {})))
     mine = shard(args.start, end, args.batch, rank, world)
     batches = [(first, [p for p in positions if not finished(args.sample_dir, samples[p].name)])
                for first, positions in mine]

@@ -5,6 +5,7 @@ the full VQ-16 with random weights, so images stay 64x64 and few.
 """
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -15,7 +16,7 @@ from PIL import Image
 from safetensors.torch import save_file
 
 from conftest import ROOT
-from fast_inference import fast_engine
+from fast_inference import fast_engine, plan
 from fast_inference.checkpoint import read_state_dict
 from fast_inference.conditions import draw_example
 from fast_inference.generate import generate
@@ -225,29 +226,45 @@ def test_quantize_int8(files, tmp_path, capsys):
                                          "drop --compile-scope step")
 
 
-@pytest.mark.parametrize("argv,block", [([], True), (["--compile-scope", "step"], False)])
+@pytest.mark.parametrize("argv,block", [([], "compiled"), (["--compile-scope", "step"], "model")])
 def test_compile_scope_flag(argv, block):
     """--compile-scope reaches the engine (block by default); nothing is compiled until a step runs."""
     args = fast_engine.parse_args(["--backend", "inductor", "--device", "cpu", *argv])
     model = Transformer(ModelArgs(n_layer=1, n_head=2, dim=32, caption_dim=32, block_size=4))
     engine = fast_engine.make_engine(args, model, "inductor")
-    assert engine.block_scope == block and engine.block_fn is None
+    assert engine.block_fn is None and plan.make(engine.situation(1, True, 1.0, True, 8)).block == block
 
 
-def test_cudagraph_backend_keeps_the_eager_model_and_vq_decoder_off_triton(monkeypatch):
-    """--backend cudagraph promises no Triton: make_engine turns fused_ops' kernels off, for the eager model and the VQ
-    decoder's norms (group_norm), and the other backends leave them on (a stand-in engine: the cudagraph backend needs
-    CUDA)."""
-    from fast_inference import fused_ops, group_norm
+def test_cudagraph_backend_keeps_the_vq_decoder_off_triton(monkeypatch):
+    """--backend cudagraph promises no Triton: the VQ decoder's norms stay torch's there (the eager model's ops are
+    the plan's: tests/test_plan.py), and the other backends take group_norm_triton's on CUDA."""
+    from fast_inference.engine import vq_kernels
+    from fast_inference.kernels import group_norm_triton
 
-    monkeypatch.setattr(fast_engine, "Engine", lambda *a, **k: "engine")
-    monkeypatch.setattr(fused_ops, "ENABLED", True)
-    args = fast_engine.parse_args(["--device", "cpu"])
-    x = torch.zeros(1, 32, 2, 2).contiguous(memory_format=torch.channels_last)
-    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda t: True))  # as if on CUDA
-    for backend, enabled in (("cudagraph", False), ("inductor", True), ("cudagraph", False), ("eager", True)):
-        assert fast_engine.make_engine(args, None, backend) == "engine" and fused_ops.ENABLED is enabled
-        assert group_norm.supported(x, 32) is enabled and fused_ops.supported(x) is enabled
+    for backend, device, want in (("cudagraph", "cuda", None), ("inductor", "cuda", group_norm_triton),
+                                  ("eager", "cuda", group_norm_triton), ("inductor", "cpu", None)):
+        taken = []
+        vq = type("VQ", (), {"use_kernels": lambda self, k: taken.append(k) or self})()  # the model needs none here
+        vq_kernels(vq, backend, device)
+        assert taken == [want if plan.triton_available() else None], (backend, device, taken)
+
+
+def test_plan_overrides_and_explain(capsys):
+    """--plan KEY=VALUE reaches the engine's plan; a bad one is one error line naming the keys; --explain prints the
+    plan of the run for this machine or another device and exits without loading weights."""
+    args = fast_engine.parse_args(["--device", "cpu", "--plan", "draw=torch"])
+    model = Transformer(ModelArgs(n_layer=1, n_head=2, dim=32, caption_dim=32, block_size=4))
+    assert fast_engine.make_engine(args, model, "eager").overrides == (("draw", "torch"),)
+    code, _, err = cli(capsys, "--device", "cpu", "--plan", "draw=fast")
+    err = err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and err[0].startswith("error:")
+    assert "draw=fast: use one of torch, triton, cuda" in err[0]
+    code, out, _ = cli(capsys, "--explain", "sm_90", "--num-images", "2")
+    assert code == 0 and "2 image(s) under CFG, bfloat16 on sm_90" in out and re.search(r"gate_up +cuda, PDL early", out)
+    code, out, _ = cli(capsys, "--explain", "cpu")
+    assert code == 0 and "float32 on CPU" in out and "SDPA" in out
+    code, _, err = cli(capsys, "--explain", "tpu")
+    assert code == 2 and "name a device as cpu or sm_XY" in err
 
 
 def test_sampling_flags_and_seed(files, tmp_path, capsys):

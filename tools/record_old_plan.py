@@ -11,7 +11,6 @@ CPU with the GPU's answers stood in (a model of stand-in tensors with GPT-XL's s
 whether NVRTC builds a kernel), and its choices are read back from what it built: no kernel runs.
 """
 import argparse
-import functools
 import itertools
 import json
 import os
@@ -49,8 +48,8 @@ def key(s):
 def record_all():
     import torch
 
-    from fast_inference import (cuda_draw, cuda_inputs, cuda_ops, decode_attention, decode_block, decode_inputs,
-                                decode_sampling, engine, fused_ops, prefetch, smem_attention, smem_gemv)
+    from fast_inference import (cuda_ops, decode_attention, decode_block, engine, fused_ops, prefetch, smem_attention,
+                                smem_gemv)
     from fast_inference.model import ModelArgs
 
     dtypes = dict(fp32=torch.float32, bf16=torch.bfloat16, fp16=torch.float16)

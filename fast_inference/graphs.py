@@ -1,0 +1,71 @@
+"""CUDA graphs captured by hand: a key -> graph cache whose graphs (a shape's steps, its prefill, the condition
+encoder's prepare) share one memory pool, and the state a capture's warm-up puts back.
+
+One pool is safe here because the graphs never run at once and each one's outputs are read before the next one runs:
+prepare's are copied into the shape's buffers, the prefill's logits drawn from before the first step, and the steps
+write only buffers allocated outside any graph.
+"""
+import torch
+
+# Re-running a step from the same token/position rewrites the same KV slot with the same values, so warm-up and
+# capture only need these small buffers (and the RNG) put back, not the caches.
+STEP_STATE = ("token", "input_pos", "out", "logits")
+
+
+def snapshot(state):
+    """state's STEP_STATE buffers and the RNG (state None: nothing)."""
+    if state is None:
+        return None
+    rng = torch.cuda.get_rng_state(state.token.device) if state.token.is_cuda else torch.get_rng_state()
+    return {name: getattr(state, name).clone() for name in STEP_STATE}, rng
+
+
+def restore(state, saved):
+    if saved is None:
+        return
+    buffers, rng = saved
+    for name in STEP_STATE:
+        getattr(state, name).copy_(buffers[name])
+    if state.token.is_cuda:
+        torch.cuda.set_rng_state(rng, state.token.device)
+    else:
+        torch.set_rng_state(rng)
+
+
+class Graphs:
+    """CUDA graphs by key, captured into one memory pool."""
+
+    def __init__(self):
+        self.graphs = {}
+        self.pool = None
+
+    def __contains__(self, key):
+        return key in self.graphs
+
+    def replay(self, key):
+        self.graphs[key].replay()
+
+    def drop(self, key):
+        self.graphs.pop(key, None)
+
+    def capture(self, key, fn, state=None):
+        """Capture fn() as graph `key`: two warm-up runs on a side stream first, then the capture, then one replay
+        (fn's work done once, as a plain call would), state's STEP_STATE put back before each (None: no state)."""
+        saved = snapshot(state)
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for _ in range(2):
+                restore(state, saved)
+                fn()
+        torch.cuda.current_stream().wait_stream(stream)
+        restore(state, saved)
+        graph = torch.cuda.CUDAGraph()
+        if self.pool is None:
+            self.pool = torch.cuda.graph_pool_handle()
+        with torch.cuda.graph(graph, pool=self.pool):
+            fn()
+        restore(state, saved)
+        graph.replay()
+        self.graphs[key] = graph
+        return graph
