@@ -298,7 +298,7 @@ class T5Encoder:
             from transformers import AutoTokenizer, T5EncoderModel
         except ImportError:
             raise TextError("running T5 needs transformers: pip install transformers sentencepiece")
-        path = _model_dir(str(t5_path))
+        path = self.path = _model_dir(str(t5_path))
         self.device, self.dtype, self.max_length = torch.device(device), dtype or torch.bfloat16, max_length
         try:
             self.tokenizer = AutoTokenizer.from_pretrained(path)
