@@ -176,6 +176,9 @@ def extract_control(rgb, condition_type, ckpt=None, device="cpu", is_map=False, 
             x = to_model_range((1 - out) * 255)
         else:
             x = 2 * (out - 0.5)  # test_t2i.py: no 0..255 round trip
+    if not torch.isfinite(x).all():  # e.g. a depth map whose maximum is 0 (x 255 / 0): tokens of all zeros
+        raise ConditionError(f"the {condition_type} annotator gave NaN or infinite values for this image; "
+                             "pass a ready control map with --condition-is-map")
     return x.expand(3, -1, -1).contiguous()
 
 
