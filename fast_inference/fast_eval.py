@@ -581,7 +581,8 @@ def generate_split(args, held):
 
 
 def wait_for_ranks(sample_dir, names, poll=10.0):
-    """Rank 0 under torchrun: the metrics need every rank's outputs (torchrun stops us if one fails)."""
+    """Rank 0 under torchrun: it holds the folder's lock, and the metrics need every rank's outputs, until the
+    other ranks are done (torchrun stops us if one fails)."""
     while True:
         missing = sum(not finished(sample_dir, n) for n in names)
         if not missing:
@@ -609,11 +610,12 @@ def run(args):
         return run_metrics(args)
     with contextlib.ExitStack() as held:
         names, rank, world = generate_split(args, held)
-        if not args.metrics or rank != 0:
+        if rank != 0:
             return
-        if world > 1:
+        if world > 1:  # the folder stays locked until every rank of the job is done
             wait_for_ranks(args.sample_dir, names)
-        run_metrics(args)
+        if args.metrics:
+            run_metrics(args)
 
 
 def main(argv=None):
