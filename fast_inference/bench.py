@@ -41,7 +41,7 @@ from fast_inference.quantize import MODES as QUANTIZE_MODES, quantize_int8
 
 
 # The numeric flags' ranges (fast_engine.RANGES' form), checked before anything runs.
-BENCH_RANGES = dict(image_size=(16, None, "a multiple of 16"), cfg_scale=RANGES["cfg_scale"], top_k=RANGES["top_k"],
+BENCH_RANGES = dict(image_size=RANGES["image_size"], cfg_scale=RANGES["cfg_scale"], top_k=RANGES["top_k"],
                     ref_steps=(0, None, "0 = skip the reference"), fast_runs=(1, None, None),
                     e2e_runs=(0, None, "0 = skip"))
 

@@ -57,6 +57,8 @@ RANGES = dict(
     temperature=(0, None, "0 = greedy (the official code divides the logits by max(temperature, 1e-5))"),
     control_strength=(0, 100, "0 = no control; it acts only with guidance on, as officially"),
     seed=(0, 2**32 - 1, None),  # fast_eval.py seeds a batch with seed * 2**32 + its first position
+    image_size=(16, None, "a multiple of 16"), image_H=(16, None, "a multiple of 16"),
+    image_W=(16, None, "a multiple of 16"),
     codebook_size=(1, None, None), codebook_embed_dim=(1, None, None), cls_token_num=(1, None, None),
     num_classes=(1, None, None), condition_token_nums=(0, None, None), num_images=(1, None, None),
     warmup=(0, None, None), t5_feature_max_len=(1, None, None), t5_feature_dim=(1, None, None),
@@ -108,8 +110,9 @@ def add_model_args(p):
     p.add_argument("--image-size", type=int, default=None,
                    help="training resolution, a positive multiple of 16: sets block_size = (size/16)^2 (default 512; "
                         "c2i 256); sizes whose model, caches and VQ decoding cannot fit the free memory are refused")
-    p.add_argument("--image-H", type=int, default=None, help="output height (default: the control image's)")
-    p.add_argument("--image-W", type=int, default=None, help="output width (default: the control image's)")
+    p.add_argument("--image-H", type=int, default=None,
+                   help="output height, a multiple of 16 (default: the control image's)")
+    p.add_argument("--image-W", type=int, default=None, help="output width, a multiple of 16 (default: the control image's)")
     p.add_argument("--downsample-size", type=int, choices=[16], default=16, help="the VQ-16 tokenizer's (only 16)")
     p.add_argument("--cls-token-num", type=int, default=None, help="text/class prefix length (t2i 120, c2i 1; >= 1)")
     p.add_argument("--num-classes", type=int, default=None, help="c2i classes (default 1000; >= 1)")

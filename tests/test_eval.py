@@ -330,6 +330,7 @@ def test_numbers_and_values_are_one_line(split, tmp_path, capsys):
                           (["--batch", "0"], "--batch 0 is out of range; use a whole number >= 1"),
                           (["--num-workers", "-1"], "--num-workers -1 is out of range"),
                           (["--start", "-1"], "--start -1 is out of range"),
+                          (["--image-H", "0"], "--image-H 0 is out of range"),
                           (["--batch", "x"], "argument --batch: invalid int value: 'x'"),
                           (["--gpt-ckpt", str(tmp_path / "nope.pt")], "--gpt-ckpt"),
                           (["--sample-dir", str(split / "tiny.json")], "is a file; give a folder")):
