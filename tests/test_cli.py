@@ -557,4 +557,4 @@ def test_readme_first_screen_says_what_the_demo_and_the_tests_do():
     prose = " ".join(quick.split("```")[2].split())
     demo_out = os.path.relpath(fast_engine.default_out(fast_engine.parse_args([]), "t2i", True), ROOT)
     assert f"`{demo_out}`" in prose and "a grid, the control map and then the sample" in prose
-    assert "takes minutes" in prose and "skips the tests that need a CUDA GPU" in prose
+    assert "takes several minutes on a 2-core machine" in prose and "skips the tests that need a CUDA GPU" in prose
