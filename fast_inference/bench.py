@@ -33,22 +33,29 @@ import torch
 
 from fast_inference import plan as plans
 from fast_inference.engine import BACKENDS, COMPILE_SCOPES, Engine, vq_kernels
-from fast_inference.fast_engine import official_tf32
+from fast_inference.fast_engine import (RANGES, Parser, UserError, check_memory, check_ranges, check_writable,
+                                        official_tf32, ranged)
 from fast_inference.generate import generate
 from fast_inference.model import ModelArgs, Transformer
 from fast_inference.quantize import MODES as QUANTIZE_MODES, quantize_int8
 
 
+# The numeric flags' ranges (fast_engine.RANGES' form), checked before anything runs.
+BENCH_RANGES = dict(image_size=RANGES["image_size"], cfg_scale=RANGES["cfg_scale"], top_k=RANGES["top_k"],
+                    ref_steps=(0, None, "0 = skip the reference"), fast_runs=(1, None, None),
+                    e2e_runs=(0, None, "0 = skip"))
+
+
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = Parser(description=__doc__.split("\n")[0])
     p.add_argument("--gpt-model", default="GPT-XL")
     p.add_argument("--gpt-ckpt", default=None)
     p.add_argument("--random-weights", action="store_true", help="no checkpoint: random weights")
     p.add_argument("--adapter-size", default="small")
-    p.add_argument("--image-size", type=int, default=512)
-    p.add_argument("--batch-sizes", default="1,8,32")
-    p.add_argument("--cfg-scale", type=float, default=4.0)
-    p.add_argument("--top-k", type=int, default=2000)
+    p.add_argument("--image-size", type=int, default=512, help=ranged("image_size", "image side", BENCH_RANGES))
+    p.add_argument("--batch-sizes", default="1,8,32", help="images per batch, comma-separated (each >= 1)")
+    p.add_argument("--cfg-scale", type=float, default=4.0, help=ranged("cfg_scale", "guidance scale", BENCH_RANGES))
+    p.add_argument("--top-k", type=int, default=2000, help=ranged("top_k", "top-k", BENCH_RANGES))
     p.add_argument("--precision", choices=["bf16", "fp16", "fp32"], default="bf16")
     p.add_argument("--quantize", choices=list(QUANTIZE_MODES), default="none",
                    help="int8: the fast engine on a weight-only int8 copy (the reference keeps the model's weights)")
@@ -60,10 +67,10 @@ def parse_args(argv=None):
                    help="block scope: the compiled block at every batch size (default: fused kernels at <= 16 rows, n <= 8)")
     p.add_argument("--plan", action="append", default=[], metavar="KEY=VALUE",
                    help="override the fast engine's decode plan (fast_engine.py --help lists the keys)")
-    p.add_argument("--ref-steps", type=int, default=200, help="reference decode steps timed (0: skip)")
-    p.add_argument("--fast-runs", type=int, default=2, help="timed fast images per batch size")
+    p.add_argument("--ref-steps", type=int, default=200, help="reference decode steps timed (0: skip; >= 0)")
+    p.add_argument("--fast-runs", type=int, default=2, help="timed fast images per batch size (>= 1)")
     p.add_argument("--e2e-runs", type=int, default=5,
-                   help="timed images end to end at n = 1 (their median is reported; 0: skip)")
+                   help="timed images end to end at n = 1 (their median is reported; 0: skip; >= 0)")
     p.add_argument("--out-dir", default="sample/bench")
     p.add_argument("--tag", default="", help="name suffix of the JSON/PNG files")
     p.add_argument("--in-process", action="store_true",
@@ -197,19 +204,52 @@ def plot(rows, path):
     img.save(path)
 
 
-def main(argv=None):
-    argv = sys.argv[1:] if argv is None else list(argv)
-    args = parse_args(argv)
-    if not torch.cuda.is_available():
-        sys.exit("error: bench.py needs a CUDA GPU")
-    if not args.random_weights and not args.gpt_ckpt:
-        sys.exit("error: pass --random-weights or --gpt-ckpt PATH")
+def fail(message, code=2):
+    """A user's mistake (code 2, as the other tools), or a failed child's code: one line, nothing written."""
+    print(f"error: {message}", file=sys.stderr)
+    sys.exit(code)
+
+
+def check_args(args):
+    """Everything checked before any process starts or GPU memory is touched -> the batch sizes."""
+    check_ranges(args, BENCH_RANGES)
+    if args.image_size % 16:
+        raise UserError(f"--image-size {args.image_size} is not a multiple of 16; use e.g. {-(-args.image_size // 16) * 16}")
     try:
         sizes = [int(b) for b in args.batch_sizes.split(",")]
     except ValueError:
-        sys.exit(f"error: --batch-sizes {args.batch_sizes!r}: give whole numbers separated by commas, e.g. 1,8,32")
-    if args.e2e_runs < 0:
-        sys.exit(f"error: --e2e-runs {args.e2e_runs}: give 0 (skip) or more images")
+        sizes = []
+    if not sizes or min(sizes) < 1:
+        raise UserError(f"--batch-sizes {args.batch_sizes!r}: give whole numbers >= 1 separated by commas, e.g. 1,8,32")
+    if not args.random_weights and not args.gpt_ckpt:
+        raise UserError("pass --random-weights or --gpt-ckpt PATH")
+    if args.gpt_ckpt and not os.path.isfile(args.gpt_ckpt):
+        raise UserError(f"--gpt-ckpt {args.gpt_ckpt} not found")
+    try:
+        bench_model_args(args)
+    except ValueError as e:
+        raise UserError(f"--gpt-model {args.gpt_model}: {e}") from None
+    if os.path.exists(args.out_dir) and not os.path.isdir(args.out_dir):
+        raise UserError(f"--out-dir {args.out_dir} is a file; give a folder")
+    check_writable(os.path.join(args.out_dir, "bench.json"))
+    return sizes
+
+
+def bench_model_args(args):
+    grid = args.image_size // 16
+    return ModelArgs.from_name(args.gpt_model, block_size=grid * grid, adapter_size=args.adapter_size,
+                               condition_type="hed")
+
+
+def main(argv=None):
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args = parse_args(argv)
+    try:
+        sizes = check_args(args)
+    except UserError as e:
+        fail(e)
+    if not torch.cuda.is_available():
+        fail("bench.py needs a CUDA GPU")
     if len(sizes) > 1 and not args.in_process:
         result = isolated(args, argv, sizes)
     else:
@@ -239,8 +279,9 @@ def isolated(args, argv, sizes):
             part = os.path.join(tmp, f"n{B}.json")
             cmd = [sys.executable, os.path.abspath(__file__), *argv, "--batch-sizes", str(B), "--in-process",
                    "--part", part] + (["--no-header"] if i else [])
-            if subprocess.run(cmd).returncode != 0:
-                sys.exit(f"error: the n = {B} process failed (its error is above); nothing written")
+            code = subprocess.run(cmd).returncode
+            if code != 0:
+                fail(f"the n = {B} process failed (its error is above); nothing written", 2 if code == 2 else 1)
             with open(part) as f:
                 parts.append(json.load(f))
     e2e = [p for p in parts if p["end_to_end_s"] is not None]
@@ -255,8 +296,12 @@ def measure(args, sizes):
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.precision]
     official_tf32()
     grid = args.image_size // 16
-    margs = ModelArgs.from_name(args.gpt_model, block_size=grid * grid, adapter_size=args.adapter_size,
-                                condition_type="hed")
+    margs = bench_model_args(args)
+    try:
+        check_memory(margs, args.image_size, args.image_size, max(sizes), args.cfg_scale, device, dtype,
+                     "use smaller --batch-sizes or --image-size")
+    except UserError as e:
+        fail(e)
     with torch.device(device):
         model = Transformer(margs)
     if args.gpt_ckpt:

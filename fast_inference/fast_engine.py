@@ -11,6 +11,7 @@ sample_c2i.py. The engine class (`Engine`) and the reference `generate` are impo
 import argparse
 import functools
 import logging
+import math
 import os
 import re
 import sys
@@ -47,6 +48,49 @@ class UserError(Exception):
     """A mistake the user can fix; printed as one line without a traceback."""
 
 
+# Accepted ranges of the numeric flags (inclusive; None: unbounded), checked before any work and quoted by --help;
+# the note says what the edge values mean. Guidance and control strength are bounded where float32 logits and
+# fp16 activations could overflow into NaN (tokens of all zeros), far above any useful value (the models use 4 and 1).
+RANGES = dict(
+    cfg_scale=(0, 1000, "guidance runs only above 1, as officially (1 = none)"),
+    cfg_interval=(-1, None, "-1 = guidance at every token"),
+    top_k=(0, None, "0 = no top-k filter"),
+    top_p=(0, 1, "1 = no top-p filter, 0 = the most likely token only"),
+    temperature=(0, None, "0 = greedy (the official code divides the logits by max(temperature, 1e-5))"),
+    control_strength=(0, 100, "0 = no control; it acts only with guidance on, as officially"),
+    seed=(0, 2**32 - 1, None),  # fast_eval.py seeds a batch with seed * 2**32 + its first position
+    image_size=(16, None, "a multiple of 16"), image_H=(16, None, "a multiple of 16"),
+    image_W=(16, None, "a multiple of 16"),
+    codebook_size=(1, None, None), codebook_embed_dim=(1, None, None), cls_token_num=(1, None, None),
+    num_classes=(1, None, None), condition_token_nums=(0, None, None), num_images=(1, None, None),
+    warmup=(0, None, None), t5_feature_max_len=(1, None, None), t5_feature_dim=(1, None, None),
+)
+
+
+def span(name, ranges=RANGES):
+    low, high, _ = ranges[name]
+    return f"{low}..{high}" if high is not None else f">= {low}"
+
+
+def ranged(name, what, ranges=RANGES):
+    """A numeric flag's --help: what it is, its accepted range, its default and what the edge values mean."""
+    note = ranges[name][2]
+    return f"{what}, {span(name, ranges)} (default %(default)s)" + (f"; {note}" if note else "")
+
+
+def check_ranges(args, ranges=RANGES):
+    """Every numeric flag args has: a finite number within its range, else one line saying which values work."""
+    for name, (low, high, note) in ranges.items():
+        value = getattr(args, name, None)
+        if value is None:
+            continue
+        finite = isinstance(value, int) or math.isfinite(value)
+        if not finite or value < low or (high is not None and value > high):
+            kind = "a whole number" if isinstance(value, int) else "a number"
+            raise UserError(f"--{name.replace('_', '-')} {value} is out of range; use {kind} {span(name, ranges)}"
+                            + (f" ({note})" if note else ""))
+
+
 class Parser(argparse.ArgumentParser):
     def error(self, message):  # one line, not argparse's usage block
         print(f"error: {message} (see --help)", file=sys.stderr)
@@ -63,16 +107,18 @@ def add_model_args(p):
     p.add_argument("--gpt-type", choices=["t2i", "c2i"], default=None, help="default t2i")
     p.add_argument("--vq-model", choices=["VQ-16"], default="VQ-16")
     p.add_argument("--vq-ckpt", default=None, help="vq_ds16_t2i.pt; none = random weights")
-    p.add_argument("--codebook-size", type=int, default=None, help="default 16384")
-    p.add_argument("--codebook-embed-dim", type=int, default=8)
+    p.add_argument("--codebook-size", type=int, default=None, help="default 16384 (>= 1)")
+    p.add_argument("--codebook-embed-dim", type=int, default=8, help=">= 1")
     p.add_argument("--image-size", type=int, default=None,
-                   help="training resolution: sets block_size = (size/16)^2 (default 512; c2i 256)")
-    p.add_argument("--image-H", type=int, default=None, help="output height (default: the control image's)")
-    p.add_argument("--image-W", type=int, default=None, help="output width (default: the control image's)")
+                   help="training resolution, a positive multiple of 16: sets block_size = (size/16)^2 (default 512; "
+                        "c2i 256); sizes whose model, caches and VQ decoding cannot fit the free memory are refused")
+    p.add_argument("--image-H", type=int, default=None,
+                   help="output height, a multiple of 16 (default: the control image's)")
+    p.add_argument("--image-W", type=int, default=None, help="output width, a multiple of 16 (default: the control image's)")
     p.add_argument("--downsample-size", type=int, choices=[16], default=16, help="the VQ-16 tokenizer's (only 16)")
-    p.add_argument("--cls-token-num", type=int, default=None, help="text/class prefix length (t2i 120, c2i 1)")
-    p.add_argument("--num-classes", type=int, default=None, help="c2i classes (default 1000)")
-    p.add_argument("--condition-token-nums", type=int, default=None, help="c2i condition tokens in the prefix (0)")
+    p.add_argument("--cls-token-num", type=int, default=None, help="text/class prefix length (t2i 120, c2i 1; >= 1)")
+    p.add_argument("--num-classes", type=int, default=None, help="c2i classes (default 1000; >= 1)")
+    p.add_argument("--condition-token-nums", type=int, default=None, help="c2i condition tokens in the prefix (0; >= 0)")
     p.add_argument("--adapter-size", choices=["small", "base"], default=None, help="DINOv2 size (default small)")
     p.add_argument("--condition-type", default="hed", help=" | ".join(CONDITION_TYPES))
     p.add_argument("--condition-ckpt", default=None, help="annotator weights (hed/lineart .pth, DPT folder for depth)")
@@ -80,13 +126,13 @@ def add_model_args(p):
     p.add_argument("--pos-interp", choices=["v444", "v445"], default="v444",
                    help="DINOv2 position-table interpolation of transformers <=4.44 (default) or >=4.45")
     p.add_argument("--t5-path", default=None, help="local flan-t5-xl folder (for --prompt)")
-    p.add_argument("--cfg-scale", type=float, default=4.0)
-    p.add_argument("--cfg-interval", type=int, default=-1)
-    p.add_argument("--top-k", type=int, default=2000)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--temperature", type=float, default=1.0)
-    p.add_argument("--control-strength", type=float, default=1.0)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--cfg-scale", type=float, default=4.0, help=ranged("cfg_scale", "classifier-free guidance scale"))
+    p.add_argument("--cfg-interval", type=int, default=-1, help=ranged("cfg_interval", "guidance ends after this step"))
+    p.add_argument("--top-k", type=int, default=2000, help=ranged("top_k", "keep the k most likely tokens"))
+    p.add_argument("--top-p", type=float, default=1.0, help=ranged("top_p", "keep the likeliest tokens up to this mass"))
+    p.add_argument("--temperature", type=float, default=1.0, help=ranged("temperature", "sampling temperature"))
+    p.add_argument("--control-strength", type=float, default=1.0, help=ranged("control_strength", "control scale"))
+    p.add_argument("--seed", type=int, default=0, help=ranged("seed", "torch.manual_seed before sampling"))
     p.add_argument("--precision", choices=["auto", "fp32", "none", "bf16", "fp16"], default="auto",
                    help="auto: bf16 on GPUs that support it, fp16 on other GPUs, fp32 on CPU ('none' = fp32)")
     p.add_argument("--quantize", choices=list(QUANTIZE_MODES), default="none",
@@ -123,15 +169,17 @@ def parse_args(argv=None):
     p.add_argument("--prompt-file", default=None, help="one prompt per line, encoded in one pass")
     p.add_argument("--caption-emb", default=None, help="precomputed caption .npz (caption_emb, prompt)")
     p.add_argument("--t5-model-type", default="flan-t5-xl", help="the model's folder under --t5-path")
-    p.add_argument("--t5-feature-max-len", type=int, default=120, help="T5 tokens per prompt")
+    p.add_argument("--t5-feature-max-len", type=int, default=120, help="T5 tokens per prompt (>= 1)")
     p.add_argument("--t5-feature-dim", type=int, default=None, help="must be the model's caption_dim (2048)")
     p.add_argument("--no-left-padding", action="store_true",
                    help="keep T5's right padding (the models were trained left padded)")
     p.add_argument("--class-label", type=int, default=None,
                    help="c2i class (default: the .npy beside --condition-path, as sample_c2i.py)")
-    p.add_argument("--num-images", type=int, default=1, help="samples per prompt, from the same control")
-    p.add_argument("--warmup", type=int, default=0, help="untimed generations first (compile, capture)")
-    p.add_argument("--out", default=None, help="PNG grid: control map, then the samples (default under sample/)")
+    p.add_argument("--num-images", type=int, default=1,
+                   help="samples per prompt, from the same control (>= 1; as many as fit the free memory)")
+    p.add_argument("--warmup", type=int, default=0, help="untimed generations first (compile, capture; >= 0)")
+    p.add_argument("--out", default=None,
+                   help="PNG file: a grid of the control map, then the samples (default under sample/)")
     p.add_argument("--save-samples", default=None, help="directory: each sample as {i}.png")
     p.add_argument("--save-tokens", default=None, help=".npy of the token ids [num_images, H/16*W/16]")
     p.add_argument("--compile", action="store_true", help="the official flag: same as --backend inductor")
@@ -249,6 +297,7 @@ def build_vq(args, device):
 
 def check_args(args):
     """Everything that can be checked cheaply, so a mistake costs no model loading."""
+    check_ranges(args)
     if args.quantize == "int8" and args.compile_scope == "step":
         raise UserError("--quantize int8 runs with --compile-scope block (the default); drop --compile-scope step")
     if args.condition_type not in CONDITION_TYPES:
@@ -264,8 +313,6 @@ def check_args(args):
         if side is not None and (side <= 0 or side % 16):
             fit = max(16, -(-side // 16) * 16)
             raise UserError(f"--{flag.replace('_', '-')} {side} is not a positive multiple of 16; use e.g. {fit}")
-    if args.num_images < 1 or args.warmup < 0:
-        raise UserError("--num-images must be at least 1 and --warmup at least 0")
     if sum(x is not None for x in (args.caption_emb, args.prompt_file, args.prompt)) > 1:
         raise UserError("give one text source: --prompt, --prompt-file or --caption-emb")
     if (args.prompt is not None or args.prompt_file) and not t5_folder(args):
@@ -273,6 +320,8 @@ def check_args(args):
                         "(or use --caption-emb FILE.npz)")
     if not is_demo(args) and args.condition_path is None:
         raise UserError("--condition-path is required outside the demo: the control image (or map)")
+    if args.out and os.path.isdir(args.out):
+        raise UserError(f"--out {args.out} is a directory; give a file name like {os.path.join(args.out, 'grid.png')}")
     if args.save_tokens and os.path.isdir(args.save_tokens):
         raise UserError(f"--save-tokens {args.save_tokens} is a directory; give a file name like tokens.npy")
     if args.save_samples and os.path.isfile(args.save_samples):
@@ -280,6 +329,60 @@ def check_args(args):
     for path in (args.out, args.save_tokens, args.save_samples and os.path.join(args.save_samples, "0.png")):
         if path:
             check_writable(path)
+
+
+def planned_shape(args, image_size, model_type):
+    """(H, W) of the control map control_image will make, from the image's header alone (no pixel decoded)."""
+    from fast_inference import conditions
+
+    if args.condition_path is None:  # the demo draws its map
+        return args.image_H or image_size, args.image_W or image_size
+    return target_shape(args, *conditions.read_size(args.condition_path), model_type)
+
+
+def target_shape(args, H, W, model_type):
+    """sample_t2i_MR.py's size: both sides rounded up to multiples of 16 (32 for depth extraction), or the flags."""
+    is_map = args.condition_is_map or model_type == "c2i"
+    step = 32 if args.condition_type == "depth" and not is_map else 16
+    return args.image_H or -(-H // step) * step, args.image_W or -(-W // step) * step
+
+
+def check_grid(margs, H, W, image_size):
+    num_tokens = (H // 16) * (W // 16)
+    if num_tokens > margs.block_size:
+        raise UserError(f"{H}x{W} needs {num_tokens} tokens but the model's grid has {margs.block_size} "
+                        f"(--image-size {image_size}); use a larger --image-size or a smaller image")
+
+
+def memory_needed(margs, H, W, images, cfg_scale, dtype):
+    """A lower bound of the bytes a run holds at once: the transformer as built (float32, then cast) with its RoPE
+    table, the KV caches, and two of the VQ decoder's full-resolution maps (128 float32 channels) per image."""
+    a, d = margs, margs.dim
+    params = a.n_layer * (4 * d * d + 3 * d * a.ffn_hidden) + 3 * a.vocab_size * d + a.block_size * d
+    rope = (a.prefix_len + a.block_size) * a.head_dim * 4
+    rows = images * (2 if cfg_scale > 1 else 1)
+    kv = a.n_layer * 2 * rows * (a.prefix_len + (H // 16) * (W // 16)) * d * torch.finfo(dtype).bits // 8
+    return 4 * params + rope + kv + 2 * images * 128 * H * W * 4
+
+
+def available_memory(device):
+    """Bytes this run may use: the GPU's free memory, or the host's MemAvailable + SwapFree (None: unknown)."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    try:
+        with open("/proc/meminfo") as f:
+            info = {line.split(":")[0]: int(line.split()[1]) * 1024 for line in f}
+        return info["MemAvailable"] + info.get("SwapFree", 0)
+    except (OSError, KeyError, ValueError, IndexError):
+        return None
+
+
+def check_memory(margs, H, W, images, cfg_scale, device, dtype, fix):
+    """Refuse before any allocation a size the device cannot hold (the allocator's traceback otherwise)."""
+    need, have = memory_needed(margs, H, W, images, cfg_scale, dtype), available_memory(device)
+    if have is not None and need > have:
+        raise UserError(f"{images} image(s) of {H}x{W} on a grid of {margs.block_size} tokens need at least "
+                        f"{need / 2**30:.1f} GiB but {device} has {have / 2**30:.1f} GiB free; {fix}")
 
 
 def check_writable(path):
@@ -310,8 +413,7 @@ def control_image(args, image_size, model_type="t2i"):
     rgb = conditions.read_rgb(args.condition_path)
     H, W = rgb.shape[:2]
     is_map = args.condition_is_map or model_type == "c2i"
-    step = 32 if args.condition_type == "depth" and not is_map else 16
-    target = (args.image_H or -(-H // step) * step, args.image_W or -(-W // step) * step)
+    target = target_shape(args, H, W, model_type)
     if target != (H, W):
         log.info("control image %dx%d resized to %dx%d (PIL bicubic)", H, W, target[0], target[1])
         rgb = conditions.resize_to(rgb, *target)
@@ -332,6 +434,8 @@ def text_inputs(args, model, device):
         if emb.shape[2] != model.args.caption_dim:
             raise UserError(f"{args.caption_emb}: caption_emb width {emb.shape[2]} != the model's caption_dim "
                             f"{model.args.caption_dim}; use embeddings of the model's text encoder")
+        dtype = model.tok_embeddings.weight.dtype
+        text.check_values(emb, f"{args.caption_emb}: 'caption_emb'", "run with --precision bf16 or fp32", dtype)
         return emb.to(device), mask.to(device), [prompt]
     prompts, t5 = None, t5_folder(args)
     if args.prompt_file:
@@ -355,6 +459,7 @@ def text_inputs(args, model, device):
             emb, mask = encoder.encode_left_padded(prompts)
             emb, mask = left_fit(emb, T), left_fit(mask, T)
         del encoder
+        text.check_t5_output(emb, t5)
         return emb, mask, prompts
     if not is_demo(args):
         raise UserError("give a prompt: --prompt TEXT with --t5-path, --prompt-file, or --caption-emb FILE.npz")
@@ -498,6 +603,19 @@ def describe(args, model, demo):
     return f"{name} {a.model_type} ({adapter}, {a.condition_type}, grid {int(a.block_size ** 0.5)}^2{weights})"
 
 
+def weights_note(args, demo):
+    """What the random weights of the run make of its output; None when every weight is loaded."""
+    if demo:
+        return ("the weights are random, so the image is noise: load real ones with --gpt-ckpt, --vq-ckpt "
+                "and --t5-path (see checkpoints/README.md); example control maps: condition/example/*.png")
+    if not args.gpt_ckpt:
+        vq = "" if args.vq_ckpt else " and the VQ decoder"
+        return f"no --gpt-ckpt: RANDOM weights in the transformer{vq}, so the tokens and the PNGs are noise"
+    if not args.vq_ckpt:
+        return "no --vq-ckpt: the VQ decoder has RANDOM weights, so the PNGs are noise (tokens are real)"
+    return None
+
+
 def run(args):
     t_start = time.perf_counter()
     check_args(args)
@@ -506,10 +624,17 @@ def run(args):
     torch.manual_seed(args.seed)
     device, dtype, backend = pick_device(args)
     demo = is_demo(args)
+    margs, image_size = model_args(args)
+    model_type = margs.model_type
+    out = args.out or default_out(args, model_type, demo)
+    check_writable(out)
+    H, W = planned_shape(args, image_size, model_type)
+    check_grid(margs, H, W, image_size)
+    check_memory(margs, H, W, args.num_images, args.cfg_scale, device, dtype,
+                 "use a smaller --image-size, --image-H/--image-W or --num-images")
     t0 = time.perf_counter()
     model, image_size = build_gpt(args, device, dtype)
     t_models = time.perf_counter() - t0
-    model_type = model.args.model_type
     if demo and not all(os.path.isfile(os.path.join(EXAMPLES_DIR, f"{t}.png")) for t in CONDITION_TYPES):
         from fast_inference.conditions import write_examples
 
@@ -519,9 +644,6 @@ def run(args):
     t_control = time.perf_counter() - t0
     H, W = control.shape[1:]
     num_tokens = (H // 16) * (W // 16)
-    if num_tokens > model.args.block_size:
-        raise UserError(f"{H}x{W} needs {num_tokens} tokens but the model's grid has {model.args.block_size} "
-                        f"(--image-size {image_size}); use a larger --image-size or a smaller image")
     t0 = time.perf_counter()
     cond, mask, prompts = text_inputs(args, model, device)
     t_text = time.perf_counter() - t0
@@ -533,11 +655,9 @@ def run(args):
     print(f"{describe(args, model, demo)} | {args.engine} engine{'' if engine is None else ' (' + backend + ')'} | "
           f"{str(dtype).replace('torch.', '')}{weights} on {device} | {len(prompts)} prompt(s) x {args.num_images} "
           f"image(s) | {H}x{W} = {num_tokens} tokens")
-    if demo:
-        print("  the weights are random, so the image is noise: load real ones with --gpt-ckpt, --vq-ckpt "
-              "and --t5-path (see checkpoints/README.md); example control maps: condition/example/*.png")
-    elif not args.vq_ckpt:
-        print("  no --vq-ckpt: the VQ decoder has RANDOM weights, so the PNGs are noise (tokens are real)")
+    note = weights_note(args, demo)
+    if note:
+        print("  " + note)
     for _ in range(args.warmup):
         sample_images(args, model, engine, cond, mask, control, num_tokens)
     torch.manual_seed(args.seed)
@@ -549,7 +669,6 @@ def run(args):
     images = vq.decode_code(tokens, (tokens.shape[0], vq.quantize.embedding.weight.shape[1], H // 16, W // 16))
     sync(device)
     t_vq = time.perf_counter() - t0
-    out = args.out or default_out(args, model_type, demo)
     save_outputs(args, out, images, control, tokens)
     times = dict(imports=t_start - PROCESS_START, models=t_models, control=t_control, text=t_text, generate=t_gen, vq=t_vq,
                  total=time.perf_counter() - PROCESS_START)

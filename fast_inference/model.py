@@ -50,6 +50,23 @@ class ModelArgs:
             raise ValueError("n_kv_head != n_head is not used by any ControlAR model")
         if self.model_type not in ("t2i", "c2i"):
             raise ValueError(f"model_type must be t2i or c2i, got {self.model_type!r}")
+        # Sizes checked here, up front: a config that fails them would fail deep inside the model.
+        for name in ("dim", "n_layer", "n_head", "multiple_of", "vocab_size", "block_size", "cls_token_num",
+                     "caption_dim", "num_classes", "condition_token_num"):
+            value, low = getattr(self, name), 0 if name == "condition_token_num" else 1
+            if not isinstance(value, int) or isinstance(value, bool) or value < low:
+                raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
+        for name in ("rope_base", "norm_eps", "ffn_dim_multiplier"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, (int, float)) or not 0 < value < math.inf):
+                raise ValueError(f"{name} must be a positive number, got {value!r}")
+        if self.dim % self.n_head or (self.dim // self.n_head) % 4:
+            raise ValueError(f"dim {self.dim} must split into n_head {self.n_head} heads of a multiple of 4 "
+                             "(2-D RoPE turns a quarter of each head per axis); e.g. 64 per head")
+        if self.adapter_size not in ("small", "base"):
+            raise ValueError(f"adapter_size must be small or base, got {self.adapter_size!r}")
+        if self.pos_interp not in ("v444", "v445"):
+            raise ValueError(f"pos_interp must be v444 or v445, got {self.pos_interp!r}")
         if math.isqrt(self.block_size) ** 2 != self.block_size:
             raise ValueError(f"block_size must be a perfect square, got {self.block_size}")
 

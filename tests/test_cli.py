@@ -474,3 +474,104 @@ def test_demo(tmp_path):
     assert Image.open(out).size == (2 * 258 + 2, 260)  # control map + one 256x256 sample
     for kind in ("canny", "hed", "lineart", "depth", "seg"):
         assert Image.open(os.path.join(ROOT, "condition", "example", f"{kind}.png")).size == (512, 512)
+
+
+# ---- (g) numbers, sizes and outputs checked before any model is built --------------------------------
+
+@pytest.mark.parametrize("flag,value", [
+    ("--cfg-scale", "nan"), ("--cfg-scale", "inf"), ("--cfg-scale", "-1"), ("--cfg-scale", "1e30"),
+    ("--temperature", "nan"), ("--temperature", "-0.5"), ("--temperature", "inf"), ("--top-k", "-5"),
+    ("--top-p", "1.5"), ("--top-p", "nan"), ("--top-p", "-0.1"), ("--cfg-interval", "-2"),
+    ("--control-strength", "nan"), ("--control-strength", "-1"), ("--seed", "-1"), ("--seed", str(2**32)),
+    ("--num-images", "0"), ("--warmup", "-1"), ("--codebook-size", "0"), ("--cls-token-num", "0"),
+    ("--t5-feature-max-len", "0"), ("--t5-feature-dim", "-3")])
+def test_sampling_numbers_out_of_range(files, tmp_path, flag, value):
+    args = fast_engine.parse_args([str(a) for a in t2i_argv(files, tmp_path, flag, value)])
+    with pytest.raises(fast_engine.UserError) as e:
+        fast_engine.check_args(args)
+    name = flag[2:].replace("-", "_")
+    assert str(e.value).startswith(f"{flag} {getattr(args, name)} is out of range; use ")
+    assert fast_engine.span(name) in str(e.value)
+
+
+def test_edge_values_are_accepted_and_the_help_states_every_range(files, tmp_path, capsys):
+    for flag, value in (("--temperature", "0"), ("--top-p", "0"), ("--top-k", "0"), ("--cfg-scale", "0"),
+                        ("--cfg-interval", "-1"), ("--control-strength", "0"), ("--seed", str(2**32 - 1))):
+        fast_engine.check_args(fast_engine.parse_args([str(a) for a in t2i_argv(files, tmp_path, flag, value)]))
+    with pytest.raises(SystemExit):
+        fast_engine.parse_args(["--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    for name in ("cfg_scale", "cfg_interval", "top_k", "top_p", "temperature", "control_strength", "seed"):
+        assert f"--{name.replace('_', '-')}" in text and fast_engine.span(name) in text, name
+    assert "0 = greedy" in text
+
+
+def test_nan_guidance_is_one_line_and_exit_2(files, tmp_path, capsys):
+    code, _, err = cli(capsys, *t2i_argv(files, tmp_path, "--cfg-scale", "nan"))
+    assert code == 2 and err.strip() == "error: --cfg-scale nan is out of range; use a number 0..1000 (" + \
+        fast_engine.RANGES["cfg_scale"][2] + ")"
+    assert not (tmp_path / "grid.png").exists()
+
+
+def test_nan_caption_embedding_is_refused(files, tmp_path, capsys):
+    emb = np.random.default_rng(0).standard_normal((1, 7, 32)).astype(np.float32)
+    emb[0, 3] = np.nan
+    np.savez(tmp_path.parent / "nan.npz", caption_emb=emb, prompt=np.array(["a red house"]))
+    msg = expect_error(capsys, tmp_path, replace(t2i_argv(files, tmp_path), "--caption-emb", tmp_path.parent / "nan.npz"),
+                       "'caption_emb' has 32 value(s) that are NaN", "re-extract")
+    assert msg.startswith("error: ")
+
+
+def test_out_that_is_a_directory_is_refused_before_any_work(files, tmp_path, capsys):
+    (tmp_path / "empty").mkdir()
+    out = str(tmp_path / "empty")
+    expect_error(capsys, tmp_path, replace(t2i_argv(files, tmp_path), "--out", out),
+                 f"--out {out} is a directory; give a file name like {os.path.join(out, 'grid.png')}")
+
+
+def test_config_that_cannot_split_into_heads_is_refused(files, tmp_path, capsys):
+    (tmp_path.parent / "heads.json").write_text(json.dumps(dict(T2I, n_head=3)))
+    expect_error(capsys, tmp_path, replace(t2i_argv(files, tmp_path), "--gpt-model", tmp_path.parent / "heads.json"),
+                 "--gpt-model", "dim 64 must split into n_head 3 heads")
+
+
+def test_huge_image_size_is_refused_before_allocation(tmp_path, capsys):
+    code, _, err = cli(capsys, "--image-size", 16 * 62500, "--out", tmp_path / "x.png")
+    assert code == 2 and err.count("\n") == 1 and "GiB free; use a smaller --image-size" in err, err
+    assert not (tmp_path / "x.png").exists()
+
+
+def test_sizes_beyond_the_free_memory_are_refused(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(fast_engine, "available_memory", lambda device: 2**20)
+    code, _, err = cli(capsys, "--num-images", 4, "--out", tmp_path / "x.png")
+    assert code == 2 and "4 image(s) of 256x256" in err and "0.0 GiB free" in err and "--num-images" in err, err
+
+
+def test_memory_estimate_is_a_lower_bound():
+    """The weights part never exceeds what a built model holds (a refusal must never be a false alarm)."""
+    margs = ModelArgs(**T2I, block_size=16, cls_token_num=8)
+    model = Transformer(margs)
+    held = sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
+    assert fast_engine.memory_needed(margs, 16, 16, 0, 1.0, torch.float32) <= held
+    more = fast_engine.memory_needed(margs, 64, 64, 2, 4.0, torch.float32)
+    assert more - fast_engine.memory_needed(margs, 64, 64, 0, 4.0, torch.float32) >= 2 * 2 * 128 * 64 * 64 * 4
+
+
+def test_random_transformer_is_not_called_real_tokens(files):
+    args = fast_engine.parse_args(["--gpt-model", files["t2i_json"], "--condition-path", files["seg"]])
+    assert "tokens are real" not in fast_engine.weights_note(args, demo=False)
+    assert "RANDOM weights in the transformer and the VQ decoder" in fast_engine.weights_note(args, demo=False)
+    args.gpt_ckpt = files["t2i_ckpt"]
+    assert "tokens are real" in fast_engine.weights_note(args, demo=False)
+    args.vq_ckpt = files["vq_ckpt"]
+    assert fast_engine.weights_note(args, demo=False) is None
+
+
+def test_readme_first_screen_says_what_the_demo_and_the_tests_do():
+    """The demo writes a grid (control map, then the sample) to default_out; the suite takes minutes, skips GPU tests."""
+    text = open(os.path.join(ROOT, "README.md"), encoding="utf-8").read()
+    quick = text[text.index("## Quick start"):text.index("## Real checkpoints")]
+    prose = " ".join(quick.split("```")[2].split())
+    demo_out = os.path.relpath(fast_engine.default_out(fast_engine.parse_args([]), "t2i", True), ROOT)
+    assert f"`{demo_out}`" in prose and "a grid, the control map and then the sample" in prose
+    assert "takes several minutes on a 2-core machine" in prose and "skips the tests that need a CUDA GPU" in prose

@@ -139,8 +139,8 @@ SWITCHES = re.compile(r"os\.environ|getenv|^[A-Z_]*ENABLED\s*=", re.M)
 
 def test_only_the_plan_reads_the_environment_or_keeps_switches():
     """No os.environ read and no module-level enable flag outside plan.py: the kernels and the engine take what the
-    plan says. (fast_eval.py reads torchrun's RANK, WORLD_SIZE and LOCAL_RANK; the engine writes inductor's
-    settings.)"""
+    plan says. (fast_eval.py reads torchrun's variables: RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT,
+    TORCHELASTIC_RUN_ID; the engine writes inductor's settings.)"""
     offenders = []
     for folder, _, files in os.walk(os.path.join(ROOT, "fast_inference")):
         for name in files:
@@ -150,7 +150,8 @@ def test_only_the_plan_reads_the_environment_or_keeps_switches():
             with open(path) as f:
                 for i, line in enumerate(f, 1):
                     reads = SWITCHES.search(line) and not re.search(r"os\.environ\[[^\]]+\]\s*=[^=]", line)
-                    if reads and not (name == "fast_eval.py" and re.search(r"RANK|WORLD_SIZE", line)):
+                    torchrun = re.search(r"RANK|WORLD_SIZE|MASTER_ADDR|MASTER_PORT|TORCHELASTIC_RUN_ID", line)
+                    if reads and not (name == "fast_eval.py" and torchrun):
                         offenders.append(f"{os.path.relpath(path, ROOT)}:{i}: {line.strip()}")
     assert not offenders, offenders
 
