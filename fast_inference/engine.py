@@ -122,7 +122,7 @@ class ShapeRunner(nn.Module):
         self.contexts, self.heads = {}, {}  # per kind of step: the model's Context, the head
         self.prefill_ctx = Context()
         self.inputs_fn = self.draw_fn = self.prefetcher = self.text_table = None
-        self.finish_fn = self.finish  # the engine may compile it
+        self.finish_fn = None  # finish_fn(self, h, guided): ShapeRunner.finish compiled, where the plan compiles it
         self.capture_prefill = plan.prefill == "eager_graph"
         self.prefix = None  # a captured prefill's input, copied in for each image
         self.prefill_logits = None  # the prefill's output: the captured tensor where it is replayed
@@ -168,7 +168,10 @@ class ShapeRunner(nn.Module):
         else:
             x = self.model.tok_embeddings(torch.cat([self.token, self.token]) if guided else self.token)
         h = self.model.blocks(x, self.input_pos, key_valid, controls, last_only=True, ctx=ctx)
-        self.finish_fn(h, guided)
+        if self.finish_fn is None:
+            self.finish(h, guided)
+        else:
+            self.finish_fn(self, h, guided)
         if fetching:
             self.prefetcher.join()
         elif self.prefetcher is not None:
@@ -241,16 +244,13 @@ class Engine:
             triton=plans.triton_available(), interpret=plans.interpreting(),
             dtype=self.model.tok_embeddings.weight.dtype, int8=self.int8, top_p=top_p, sample=sample_logits, cfg=cfg,
             batch=batch, dim=a.dim, n_head=a.n_head, ffn_hidden=a.ffn_hidden, vocab_size=a.vocab_size,
-            max_seq=max_seq, text_prefix=not self.model.freqs_cis[: a.prefix_len].any(), builds=self.builds,
-            overrides=self.overrides)
-
-    def builds(self, kernel, *key):
-        """Whether CUDA C++ kernel `kernel` (CUDA_KERNELS) builds on this device for `key`: compiled now, before any
-        capture."""
-        return self.builds_on(self.device, kernel, *key)
+            max_seq=max_seq, text_prefix=not self.model.freqs_cis[: a.prefix_len].any(),
+            builds=functools.partial(self.builds_on, self.device), overrides=self.overrides)
 
     @staticmethod
     def builds_on(device, kernel, *key):
+        """Whether CUDA C++ kernel `kernel` (CUDA_KERNELS) builds on device for `key`: compiled now, before any capture.
+        (The plan holds it with the device, not the engine: no reference cycle keeps a dropped engine's graphs.)"""
         return CUDA_KERNELS[kernel].builds(device, *key)
 
     @property
@@ -383,7 +383,8 @@ class Engine:
                 self.compiled_logits = torch.compile(self.model.logits, fullgraph=True, dynamic=False)
             r.heads = dict.fromkeys(r.heads, self.compiled_logits)
         elif p.head == "compiled_finish":  # with CFG merge, top-k and the draw; fallback_random: eager's random stream
-            r.finish_fn = torch.compile(r.finish, fullgraph=True, dynamic=False, options={"fallback_random": True})
+            r.finish_fn = torch.compile(ShapeRunner.finish, fullgraph=True, dynamic=False,
+                                        options={"fallback_random": True})
         if p.step == "compiled_step":
             self.inductor_pdl()
             compile_kw = dict(mode=self.compile_mode, fullgraph=True, dynamic=False)

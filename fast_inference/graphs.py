@@ -5,6 +5,8 @@ One pool is safe here because the graphs never run at once and each one's output
 prepare's are copied into the shape's buffers, the prefill's logits drawn from before the first step, and the steps
 write only buffers allocated outside any graph.
 """
+import gc
+
 import torch
 
 # Re-running a step from the same token/position rewrites the same KV slot with the same values, so warm-up and
@@ -60,6 +62,9 @@ class Graphs:
                 fn()
         torch.cuda.current_stream().wait_stream(stream)
         restore(state, saved)
+        # A graph freed while another is captured invalidates the capture (its reset is not permitted then): collect
+        # what is already unreachable now, not in the middle of the capture
+        gc.collect()
         graph = torch.cuda.CUDAGraph()
         if self.pool is None:
             self.pool = torch.cuda.graph_pool_handle()

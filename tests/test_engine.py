@@ -381,3 +381,23 @@ def test_inductor_pdl_switch(monkeypatch):
     assert config.triton.enable_pdl is False and "TORCHINDUCTOR_ENABLE_PDL" not in os.environ
     Engine.inductor_pdl(SimpleNamespace(device_pdl=True))
     assert config.triton.enable_pdl is True and os.environ["TORCHINDUCTOR_ENABLE_PDL"] == "1"
+
+
+def test_a_dropped_engine_is_freed_at_once():
+    """No reference cycle holds an engine (its runner, plan, graphs): dropped, it is freed at once, not by the cycle
+    collector, which could run in the middle of the next engine's capture and free its CUDA graphs there (a graph's
+    reset during another's capture invalidates that capture: seen on an H200 with two engines in one process)."""
+    import gc
+    import weakref
+
+    model = tiny_model()
+    cond, mask, condition = tiny_inputs(model)
+    engine = Engine(model, backend="inductor")
+    engine.generate(cond, 4, emb_masks=mask, condition=condition, cfg_scale=4.0, top_k=1)
+    refs = [weakref.ref(o) for o in (engine, engine.runner, engine.plan, engine.graphs)]
+    gc.disable()
+    try:
+        del engine
+        assert [r() for r in refs] == [None] * len(refs)
+    finally:
+        gc.enable()

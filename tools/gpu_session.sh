@@ -84,12 +84,17 @@ step_gputests() {
         tests/test_draw_cuda.py tests/test_inputs_cuda.py tests/test_eager_ops_cuda.py tests/test_engine.py -k "cuda")
 }
 
-ab_script() {  # a checkout's engine_ab.py (tools/ now, scripts/ before the decode plan)
-    if [[ -f $1/tools/engine_ab.py ]]; then echo "$1/tools/engine_ab.py"; else echo "$1/scripts/engine_ab.py"; fi
+# a checkout's engine_ab.py: tools/ now, scripts/ before the decode plan
+ab_script() {
+    if [[ -f $1/tools/engine_ab.py ]]; then
+        echo "$1/tools/engine_ab.py"
+    else
+        echo "$1/scripts/engine_ab.py"
+    fi
 }
 
 step_ab() {
-    : "${BASE:?set BASE to the other checkout's folder}"
+    : "${BASE:?set BASE to the folder of the other checkout}"
     local run round tree
     for run in ${AB_RUNS:-inductor:1,8,32 cudagraph:1,2}; do
         for round in 1 2; do
@@ -102,7 +107,7 @@ step_ab() {
 }
 
 step_abbench() {
-    : "${BASE:?set BASE to the other checkout's folder}"
+    : "${BASE:?set BASE to the folder of the other checkout}"
     local tree
     for tree in "$BASE" "$root"; do
         echo "== $tree"
