@@ -20,6 +20,7 @@ import argparse
 import copy
 import itertools
 import json
+import math
 import os
 import subprocess
 import sys
@@ -32,18 +33,20 @@ if __package__ in (None, ""):
 import torch
 
 from fast_inference import plan as plans
-from fast_inference.engine import BACKENDS, COMPILE_SCOPES, Engine, vq_kernels
+from fast_inference.engine import BACKENDS, COMPILE_SCOPES, SPECULATIVE, Engine, vq_kernels
 from fast_inference.fast_engine import (RANGES, Parser, UserError, check_memory, check_ranges, check_writable,
                                         official_tf32, ranged)
 from fast_inference.generate import generate
 from fast_inference.model import ModelArgs, Transformer
 from fast_inference.quantize import MODES as QUANTIZE_MODES, quantize_int8
+from fast_inference.speculative import DRAFT_INITS
 
 
 # The numeric flags' ranges (fast_engine.RANGES' form), checked before anything runs.
 BENCH_RANGES = dict(image_size=RANGES["image_size"], cfg_scale=RANGES["cfg_scale"], top_k=RANGES["top_k"],
                     ref_steps=(0, None, "0 = skip the reference"), fast_runs=(1, None, None),
-                    e2e_runs=(0, None, "0 = skip"))
+                    e2e_runs=(0, None, "0 = skip"), draft_window=RANGES["draft_window"],
+                    target_entropy=(0.01, 9.7, "nats; at most log(16384)"))
 
 
 def parse_args(argv=None):
@@ -67,6 +70,15 @@ def parse_args(argv=None):
                    help="block scope: the compiled block at every batch size (default: fused kernels at <= 16 rows, n <= 8)")
     p.add_argument("--plan", action="append", default=[], metavar="KEY=VALUE",
                    help="override the fast engine's decode plan (fast_engine.py --help lists the keys)")
+    p.add_argument("--speculative", choices=list(SPECULATIVE), default="none",
+                   help="jacobi: also time speculative Jacobi decoding (fast_engine.py --help), beside the plain engine")
+    p.add_argument("--draft-window", type=int, default=16, help=ranged("draft_window", "positions a pass verifies",
+                                                                       BENCH_RANGES))
+    p.add_argument("--draft-init", choices=list(DRAFT_INITS), default="random")
+    p.add_argument("--target-entropy", type=float, default=None,
+                   help=ranged("target_entropy", "scale the output layer so that the sampled distributions' mean "
+                               "entropy is this (random weights' are nearly flat: drafts are then rarely accepted)",
+                               BENCH_RANGES))
     p.add_argument("--ref-steps", type=int, default=200, help="reference decode steps timed (0: skip; >= 0)")
     p.add_argument("--fast-runs", type=int, default=2, help="timed fast images per batch size (>= 1)")
     p.add_argument("--e2e-runs", type=int, default=5,
@@ -164,6 +176,54 @@ def bench_fast(engine, model, B, N, args, kw, device):
                 timings=dict(engine.last_timings))
 
 
+def bench_speculative(engine, B, N, args, kw, device):
+    """The speculative engine's images (after a warm-up image): tok/s, passes and accepted tokens, a pass's time."""
+    cond, mask, condition = inputs(engine.model, B, args.image_size, device)
+    before = engine.compile_seconds
+    engine.generate(cond, N, emb_masks=mask, condition=condition, **kw)
+    compile_s = engine.compile_seconds - before
+    runs = []
+    for _ in range(args.fast_runs):
+        engine.generate(cond, N, emb_masks=mask, condition=condition, **kw)
+        runs.append((engine.last_timings["decode"], engine.last_speculation))
+    d, spec = sorted(runs, key=lambda r: r[0])[len(runs) // 2]
+    return dict(tok_s=B * N / d, decode_s=d, pass_ms=d / spec["batch_passes"] * 1e3, compile_s=compile_s,
+                passes_per_image=sum(spec["passes"]) / B, tokens_per_pass=spec["tokens_per_pass"],
+                batch_passes=spec["batch_passes"], window=args.draft_window, init=args.draft_init)
+
+
+def scale_to_entropy(model, target, args, kw, device, steps=64, rounds=3):
+    """Scale the output layer so that the mean entropy (nats) of the sampled distributions (CFG merge, top-k) over
+    the first `steps` tokens of one image (torch seed 0) is `target`. The merged logits are linear in the scale, so
+    one run gives every scale's entropy along its tokens (bisection on the scale's log); the tokens drawn then change
+    with the scale, so a few rounds refit it. -> (scale, the entropy measured at it)."""
+    from fast_inference.sampling import cfg_merge, filter_logits
+
+    cond, mask, condition = inputs(model, 1, args.image_size, device)
+    steps = min(steps, model.args.block_size - 1)
+
+    def merged_logits():
+        torch.manual_seed(0)
+        _, logits = generate(model, cond, steps + 1, emb_masks=mask, condition=condition, return_logits=True, **kw)
+        merged = torch.cat([cfg_merge(l, kw["cfg_scale"]) if kw["cfg_scale"] > 1 else l for l in logits]).float()
+        return filter_logits(merged, 1.0, kw["top_k"])
+
+    def entropy(merged, scale=1.0):
+        logp = torch.log_softmax(merged * scale, -1)
+        return -(logp.exp() * logp.nan_to_num(neginf=0.0)).sum(-1).mean().item()
+
+    total = 1.0
+    for _ in range(rounds):
+        merged, lo, hi = merged_logits(), -8.0, 8.0  # log2 of the scale: entropy falls as it grows
+        for _ in range(40):
+            mid = (lo + hi) / 2
+            lo, hi = (mid, hi) if entropy(merged, 2 ** mid) > target else (lo, mid)
+        model.output.weight.mul_(2 ** ((lo + hi) / 2))
+        total *= 2 ** ((lo + hi) / 2)
+    model.clear_caches()
+    return total, entropy(merged_logits())
+
+
 def end_to_end(engine, model, vq, args, kw, device):
     """One image: condition encoder + prefill + decode + VQ decode, warm: the median of --e2e-runs images, and
     each (one image's time moves by ~1 ms from one to the next, the decode's share of a 1.0 s target's margin)."""
@@ -221,6 +281,11 @@ def check_args(args):
         sizes = []
     if not sizes or min(sizes) < 1:
         raise UserError(f"--batch-sizes {args.batch_sizes!r}: give whole numbers >= 1 separated by commas, e.g. 1,8,32")
+    if args.speculative != "none" and (args.backend == "cudagraph" or args.compile_scope == "step"):
+        raise UserError("--speculative jacobi runs on --backend inductor with --compile-scope block, or on --backend "
+                        "eager")
+    if args.speculative != "none" and args.draft_init == "above" and args.image_size // 16 < args.draft_window:
+        raise UserError(f"--draft-init above needs --image-size >= {16 * args.draft_window} (--draft-window x 16)")
     if not args.random_weights and not args.gpt_ckpt:
         raise UserError("pass --random-weights or --gpt-ckpt PATH")
     if args.gpt_ckpt and not os.path.isfile(args.gpt_ckpt):
@@ -316,10 +381,18 @@ def measure(args, sizes):
     bw = copy_bandwidth(device)
     N = grid * grid
     kw = dict(cfg_scale=args.cfg_scale, top_k=args.top_k, temperature=1.0, top_p=1.0)
+    entropy = scale = None
+    if args.target_entropy is not None:
+        with torch.no_grad():
+            scale, entropy = scale_to_entropy(model, args.target_entropy, args, kw, device)
     fast_model = quantize_int8(copy.deepcopy(model)) if args.quantize == "int8" else model
     engine = Engine(fast_model, backend=args.backend, compile_mode=args.compile_mode,
                     compile_prefill=args.compile_prefill, compile_scope=args.compile_scope,
                     fused_block=not args.no_fused_block, overrides=args.plan)
+    jacobi = None if args.speculative == "none" else Engine(
+        fast_model, backend=args.backend, compile_mode=args.compile_mode, compile_prefill=args.compile_prefill,
+        compile_scope=args.compile_scope, fused_block=not args.no_fused_block, overrides=args.plan,
+        speculative=args.speculative, draft_window=args.draft_window, draft_init=args.draft_init)
     rows, e2e, e2e_runs = [], None, None  # end to end is timed with n = 1 only
     scope = ""
     if args.backend == "inductor":
@@ -332,6 +405,10 @@ def measure(args, sizes):
         print(f"{torch.cuda.get_device_name()} | {args.gpt_model} {args.image_size}px ({N} tokens) | cfg "
               f"{args.cfg_scale} top-k {args.top_k} | {args.precision}{weights} | backend {args.backend}{scope} | "
               f"{where} | copy bandwidth {bw / 1e12:.2f} TB/s", flush=True)
+        if entropy is not None:
+            print(f"output layer x {scale:.3g}: the sampled distributions' mean entropy {entropy:.2f} nats over the "
+                  f"first 64 tokens (random weights: {math.log(min(args.top_k or margs.vocab_size, margs.vocab_size)):.2f} "
+                  f"at most)", flush=True)
     with torch.no_grad():
         for B in sizes:
             torch.cuda.reset_peak_memory_stats()
@@ -340,8 +417,14 @@ def measure(args, sizes):
             fast = bench_fast(engine, fast_model, B, N, args, kw, device)
             rows_ = 2 * B if args.cfg_scale > 1 else B
             roof_ms = step_bytes(fast_model, rows_, margs.cls_token_num, N) / bw * 1e3
+            speculative = None
+            if jacobi is not None:  # after the plain engine: its own caches and graphs
+                speculative = bench_speculative(jacobi, B, N, args, kw, device)
+                speculative.update(pass_vs_step=speculative["pass_ms"] / fast["step_ms"],
+                                   vs_fast=speculative["tok_s"] / fast["tok_s"])
             row = dict(n=B, reference=ref, fast=fast, roofline_step_ms=roof_ms, copy_bandwidth_Bps=bw,
-                       roofline_pct=100 * roof_ms / fast["step_ms"], peak_mem_gb=torch.cuda.max_memory_allocated() / 1e9)
+                       roofline_pct=100 * roof_ms / fast["step_ms"], peak_mem_gb=torch.cuda.max_memory_allocated() / 1e9,
+                       speculative=speculative, output_scale=scale, entropy=entropy)
             rows.append(row)
             print_row(row, flush=True)
             if B == 1 and args.e2e_runs > 0:  # while the n=1 graphs are warm
@@ -357,6 +440,11 @@ def print_row(r, flush=False):
     print(f"n={r['n']:<3d} reference {ref_s} | fast {fast['tok_s']:9.1f} tok/s ({fast['step_ms']:6.2f} ms/step) | "
           f"{ratio} | roofline {r['roofline_pct']:5.1f}% ({r['roofline_step_ms']:.2f} ms) | compile "
           f"{fast['compile_s']:.1f}s | peak {r['peak_mem_gb']:.1f} GB", flush=flush)
+    s = r.get("speculative")
+    if s:
+        print(f"      jacobi L={s['window']} ({s['init']}) {s['tok_s']:9.1f} tok/s ({s['vs_fast']:.2f}x the plain engine) | "
+              f"{s['passes_per_image']:.0f} passes per image, {s['tokens_per_pass']:.2f} tokens per pass | one pass "
+              f"{s['pass_ms']:.2f} ms = {s['pass_vs_step']:.2f} plain steps | compile {s['compile_s']:.1f}s", flush=flush)
 
 
 if __name__ == "__main__":

@@ -1,15 +1,10 @@
 """The fast engine: static KV caches and ONE captured decode step per token, executing a decode plan.
 
 plan.py chooses an implementation for every operation of a step and of the prefill from the situation (backend,
-device, rows, dtype, settings); this module wires the chosen kernels up and runs them:
-  ShapeRunner  one shape's static buffers (token, position, output, mask, controls, logits) and the functions that
-               run its prefill and steps over them through the model (model.Context) and the plan's kernels. A step
-               (inputs -> blocks -> head -> CFG merge, temperature, top-k/top-p, draw -> token written, position
-               advanced) reads and writes only buffers, so it has no inputs to copy, no host sync, and can be captured
-               once and replayed N-1 times;
-  Engine       makes each new shape's plan and runner, captures its steps by hand (graphs.py: one pool for the
-               shape's graphs) or compiles them (torch.compile: the shared block, the head, or the whole step as
-               gpt-fast does), and generates.
+device, rows, dtype, settings); the Engine makes each new shape's plan and runner (runner.py: the shape's static
+buffers and the functions that run its prefill and steps through the model's Context; speculative.py: its Jacobi
+passes), wires the chosen kernels into it, captures its steps by hand (graphs.py: one pool for the shape's graphs)
+or compiles them (torch.compile: the shared block, the head, or the whole step as gpt-fast does), and generates.
 Where the steps are captured by hand, the eager prefill and the condition encoder (prepare) are captured too from a
 shape's second image on, replayed per image with their inputs copied in; the first token's draw runs after the
 prefill, outside its graph. It computes what generate.py computes; only the draw differs (the same distribution,
@@ -17,12 +12,12 @@ sampling.py).
 """
 import functools
 import logging
+import math
 import os
 import time
 from dataclasses import replace
 
 import torch
-import torch.nn as nn
 
 from fast_inference import plan as plans
 from fast_inference.generate import prepare
@@ -34,28 +29,19 @@ from fast_inference.kernels.block import fused_block
 from fast_inference.kernels.pdl import EARLY
 from fast_inference.model import TORCH_OPS, Context, EagerOps
 from fast_inference.quantize import is_int8
-from fast_inference.sampling import cfg_merge, sample
+from fast_inference.runner import ShapeRunner
+from fast_inference.speculative import DRAFT_INITS, JacobiRunner
 
 log = logging.getLogger("fast_inference")
 
 BACKENDS, COMPILE_SCOPES = plans.BACKENDS, plans.COMPILE_SCOPES
+SPECULATIVE = ("none", "jacobi")
 CUDA_KERNELS = dict(block_cuda=block_cuda, attention_cuda=attention_cuda, draw_cuda=draw_cuda,
                     inputs_cuda=inputs_cuda, eager_ops_cuda=eager_ops_cuda)
 # the eager ops' kernels by the plan's names: (op, implementation) -> (module, function)
 OPS = {("rms_norm", "cuda"): (eager_ops_cuda, "rms_norm"), ("silu_mul", "triton"): (eager_ops_triton, "silu_mul"),
        ("silu_mul", "cuda"): (eager_ops_cuda, "silu_mul"), ("rope", "triton"): (eager_ops_triton, "rope_and_cache"),
        ("rope", "cuda"): (eager_ops_cuda, "rope_and_cache")}
-
-
-def cache_windows(prefix_len, num_tokens, max_seq, groups):
-    """The decode steps in `groups` runs of equal length -> (cache lengths, the window of each step).
-    Step i writes and attends up to position prefix_len + i, so its run's length covers the run's
-    last position (rounded up to 8, at most max_seq); runs of equal length share one window."""
-    steps = max(num_tokens - 1, 1)
-    per = -(-steps // groups)
-    need = [min(max_seq, -(-(prefix_len + (i // per + 1) * per) // 8) * 8) for i in range(steps)]
-    lengths = sorted(set(need))
-    return lengths, [lengths.index(n) for n in need]
 
 
 def default_cache_dir():
@@ -78,127 +64,6 @@ def vq_kernels(vq, backend, device, overrides=()):
     return vq.use_kernels(group_norm_triton if use else None)
 
 
-class ShapeRunner(nn.Module):
-    """One shape's static buffers (batch, tokens, control grid, settings) and the functions that run its prefill and
-    steps over them, with the plan's implementations (wired by the Engine)."""
-
-    def __init__(self, model, plan, num_tokens, prefix_len, num_controls, top_k, keep_logits):
-        super().__init__()
-        s = plan.situation
-        self.model, self.plan = model, plan
-        self.batch, self.num_tokens, self.prefix_len, self.cfg = s.batch, num_tokens, prefix_len, s.cfg
-        self.top_k, self.top_p, self.sample_logits = top_k, s.top_p, s.sample
-        self.keep_logits = keep_logits  # each step's logits into `logits` (teacher forcing reads them)
-        rows = s.rows
-        dtype, D = model.tok_embeddings.weight.dtype, model.args.dim
-        model.setup_caches(rows, prefix_len + num_tokens, dtype)
-        self.cache = model.layers[0].attention.kv_cache  # graphs are bound to these cache tensors
-        device = model.output.weight.device
-        if plan.text_sums != "none":  # RoPE's zero rows make the text's keys zero: one partial (attention_triton)
-            H, hd = model.args.n_head, model.args.head_dim
-            for layer in model.layers:
-                layer.attention.kv_cache.text = (torch.zeros(rows, H, hd, device=device),
-                                                 torch.zeros(rows, device=device), prefix_len)
-        if plan.windows > 1:  # the cache length SDPA reads in each window of steps
-            self.kv_lens, self.step_window = cache_windows(prefix_len, num_tokens, model.max_seq, plan.windows)
-        else:
-            self.kv_lens, self.step_window = [None], [0]
-        buf = lambda name, t: self.register_buffer(name, t, persistent=False)
-        batch = s.batch
-        buf("token", torch.zeros(batch, 1, dtype=torch.long, device=device))
-        buf("input_pos", torch.zeros(1, dtype=torch.long, device=device))
-        buf("out", torch.zeros(batch, num_tokens, dtype=torch.long, device=device))
-        buf("logits", torch.zeros(rows, model.args.vocab_size, device=device))
-        buf("noise", torch.zeros(batch, model.args.vocab_size, device=device))  # the fused draw's race noise
-        buf("draws", torch.zeros(1 + batch, dtype=torch.long, device=device))  # the fused draw's counts, zeros between
-        buf("key_valid", torch.ones(rows, model.max_seq, dtype=torch.bool, device=device))
-        buf("controls", torch.zeros(3, rows, num_controls, D, dtype=dtype, device=device))
-        # Tensors, not constants, so a new cfg scale or temperature replays the same graph.
-        buf("cfg_scale", torch.ones((), device=device))
-        buf("temperature", torch.ones((), device=device))
-        buf("seed", torch.zeros((), dtype=torch.long, device=device))  # the fused draw's Philox key, per call
-        # The rows each kind of step runs at (guided: both CFG halves; without CFG every step is "unguided")
-        self.rows_plan = {True: plan.guided, False: plan.unguided or plan.guided}
-        self.contexts, self.heads = {}, {}  # per kind of step: the model's Context, the head
-        self.prefill_ctx = Context()
-        self.inputs_fn = self.draw_fn = self.prefetcher = self.text_table = None
-        self.finish_fn = None  # finish_fn(self, h, guided): ShapeRunner.finish compiled, where the plan compiles it
-        self.capture_prefill = plan.prefill == "eager_graph"
-        self.prefix = None  # a captured prefill's input, copied in for each image
-        self.prefill_logits = None  # the prefill's output: the captured tensor where it is replayed
-
-    def key(self):
-        return (self.batch, self.num_tokens, self.prefix_len, self.controls.shape[2], self.cfg,
-                self.top_k, self.top_p, self.sample_logits, self.controls.dtype, self.keep_logits)
-
-    def prefill(self, prefix):
-        """Prefix positions 0..T-1 -> the caches, and the logits of the last (first_token draws from them)."""
-        input_pos = torch.arange(prefix.shape[1], device=prefix.device)
-        logits = self.model(prefix, input_pos, self.key_valid, self.controls, last_only=True, ctx=self.prefill_ctx)
-        if self.plan.text_sums != "none":
-            caches = [layer.attention.kv_cache for layer in self.model.layers]
-            attention_triton.layer_text_sums(caches, self.key_valid, self.text_table)
-        return logits[:, -1]
-
-    def first_token(self, logits):
-        """The first image token, drawn from the prefill's logits into out[:, 0]. Never in the prefill's graph: the
-        fused draw's kernels launch under PDL, and in a second graph of the shape they cost every step PDL's overlap
-        (docs/PERF_NOTES.md, "The prefill's graph without its draw")."""
-        self.input_pos.fill_(self.prefix_len - 1)  # the position whose next token is drawn
-        self.emit(logits, self.cfg)
-
-    def window(self, i):
-        """The window (index into kv_lens) of decode step i."""
-        return self.step_window[min(i, len(self.step_window) - 1)]
-
-    def step_fn(self, guided, w):
-        """The step to capture or compile, reading the cache window w: over all rows (both CFG halves when cfg is on)
-        if guided, else the conditional half only (after cfg_interval, or without CFG)."""
-        ctx = replace(self.contexts[guided], kv_len=self.kv_lens[w])
-        if guided:
-            return lambda: self._advance(self.key_valid, self.controls, self.cfg, ctx)
-        return lambda: self._advance(self.key_valid[: self.batch], self.controls[:, : self.batch], False, ctx)
-
-    def _advance(self, key_valid, controls, guided, ctx):
-        # Weights and keys into L2 ahead of the kernels that read them, beside the step: inside its graph only
-        fetching = self.prefetcher is not None and self.prefetcher.start(key_valid.shape[0])
-        if self.inputs_fn is not None:  # embeddings, RoPE row and control rows in one kernel
-            x, inputs = self.inputs_fn(self.model, self.token, self.input_pos, controls, guided)
-            ctx = replace(ctx, inputs=inputs)
-        else:
-            x = self.model.tok_embeddings(torch.cat([self.token, self.token]) if guided else self.token)
-        h = self.model.blocks(x, self.input_pos, key_valid, controls, last_only=True, ctx=ctx)
-        if self.finish_fn is None:
-            self.finish(h, guided)
-        else:
-            self.finish_fn(self, h, guided)
-        if fetching:
-            self.prefetcher.join()
-        elif self.prefetcher is not None:
-            self.prefetcher.reset()
-
-    def finish(self, h, guided):
-        """Last hidden state -> logits -> CFG merge -> filtered draw -> token written, position advanced."""
-        self.emit(self.heads[guided](h)[:, -1], guided, self.plan.head_noise)
-
-    def emit(self, logits, guided, noise_ready=False):
-        """Logits (rows, V) predicting the token after input_pos -> the token drawn, to `token` and `out`
-        (and the logits, in float32, to `logits` if keep_logits); the position advanced. noise_ready: the
-        fused draw's race noise is made for this step (the fused head), else the draw makes it."""
-        if self.keep_logits:
-            self.logits[: logits.shape[0]].copy_(logits)
-        if self.draw_fn is not None:  # one kernel's draw (or two), the position advanced by it too
-            self.draw_fn(logits, self.token, self.out, self.input_pos, self.seed, self.cfg_scale, self.temperature,
-                         self.prefix_len, self.top_k, guided, self.sample_logits, self.noise, noise_ready, self.draws)
-            return
-        logits = logits.float()
-        token = sample(cfg_merge(logits, self.cfg_scale) if guided else logits, self.temperature, self.top_k,
-                       self.top_p, self.sample_logits, race=True)
-        self.token.copy_(token)
-        self.out.index_copy_(1, self.input_pos - self.prefix_len + 1, token)
-        self.input_pos.add_(1)
-
-
 def run_block(layer, x, freqs, attend, input_pos, ops=TORCH_OPS, down=False, down_pdl=0, progress=None):
     """A block as the model's Context.block: the layer itself with its element-wise ops; with down, its w2 and
     residual add as block_triton's kernel (launched in PDL mode down_pdl, counted for a prefetcher's progress). The
@@ -209,15 +74,23 @@ def run_block(layer, x, freqs, attend, input_pos, ops=TORCH_OPS, down=False, dow
 
 class Engine:
     """Generate with the fast path; `generate` takes the same arguments as generate.generate. overrides: plan
-    overrides ("key=value" strings, plan.OVERRIDES), on top of CONTROLAR_PLAN's."""
+    overrides ("key=value" strings, plan.OVERRIDES), on top of CONTROLAR_PLAN's. speculative "jacobi": lossless
+    speculative Jacobi passes of draft_window positions (speculative.py) instead of one token per step, the window's
+    initial drafts by draft_init (speculative.DRAFT_INITS)."""
 
     def __init__(self, model, backend="inductor", compile_mode="reduce-overhead", cache_dir=None,
-                 compile_prefill=False, compile_scope="block", fused_block=True, overrides=()):
+                 compile_prefill=False, compile_scope="block", fused_block=True, overrides=(), speculative="none",
+                 draft_window=16, draft_init="random"):
         self.model, self.backend, self.compile_mode = model, backend, compile_mode
         self.compile_scope, self.fused_block, self.compile_prefill = compile_scope, fused_block, compile_prefill
         self.device = model.output.weight.device
         if compile_scope not in COMPILE_SCOPES:
             raise ValueError(f"unknown compile scope {compile_scope!r}; use one of {COMPILE_SCOPES}")
+        if speculative not in SPECULATIVE or draft_init not in DRAFT_INITS:
+            raise ValueError(f"speculative {speculative!r}, draft init {draft_init!r}: use one of {SPECULATIVE} and "
+                             f"one of {DRAFT_INITS}")
+        self.draft_window = draft_window if speculative == "jacobi" else 0
+        self.draft_init = draft_init
         self.overrides = tuple(dict(plans.environment_overrides() + plans.parse_overrides(overrides)).items())
         if model.layers[0].feed_forward.w13 is None:
             model.fuse_projections()
@@ -234,6 +107,7 @@ class Engine:
         self.runner, self.plan = None, None  # the current shape's runner and plan
         self.graphs, self.conditions = Graphs(), None  # the shape's graphs; prepare()'s key (_prepare)
         self.marks = None  # the last generate()'s Marks: last_timings
+        self.passes = None  # the last speculative generate()'s passes per image: last_speculation
 
     def situation(self, batch, cfg, top_p, sample_logits, max_seq):
         a, cuda = self.model.args, self.device.type == "cuda"
@@ -245,7 +119,8 @@ class Engine:
             dtype=self.model.tok_embeddings.weight.dtype, int8=self.int8, top_p=top_p, sample=sample_logits, cfg=cfg,
             batch=batch, dim=a.dim, n_head=a.n_head, ffn_hidden=a.ffn_hidden, vocab_size=a.vocab_size,
             max_seq=max_seq, text_prefix=not self.model.freqs_cis[: a.prefix_len].any(),
-            builds=functools.partial(self.builds_on, self.device), overrides=self.overrides)
+            builds=functools.partial(self.builds_on, self.device), overrides=self.overrides,
+            draft_window=self.draft_window)
 
     @staticmethod
     def builds_on(device, kernel, *key):
@@ -258,6 +133,17 @@ class Engine:
         """Seconds of the last generate()'s condition encoder, prefill and decode (compile and capture left out);
         {} before the first. Reading it waits for the GPU: generate() itself does not."""
         return self.marks.seconds() if self.marks else {}
+
+    @property
+    def last_speculation(self):
+        """The last speculative generate()'s passes per image, image tokens per pass (the first token, drawn from the
+        prefill, left out) and the passes the batch ran (until its last image was done); {} without. Reading it waits
+        for the GPU."""
+        if self.passes is None:
+            return {}
+        passes = self.passes.tolist()
+        return dict(passes=passes, tokens_per_pass=self.passes_tokens * len(passes) / max(sum(passes), 1),
+                    batch_passes=self.batch_passes)
 
     def explain(self, batch, num_tokens, cfg=True, top_p=1.0, sample_logits=True):
         """The plan of a shape, in words (fast_engine.py --explain)."""
@@ -282,7 +168,11 @@ class Engine:
         self.plan = p
         log.info("decode plan for %d rows: block %s, attention %s, draw %s (--explain prints it all)", p.guided.rows,
                  plans.describe_rows(p, p.guided)["block"], p.guided.attention, p.draw)
-        r = ShapeRunner(self.model, p, num_tokens, prefix_len, num_controls, top_k, keep_logits)
+        if p.jacobi is None:
+            r = ShapeRunner(self.model, p, num_tokens, prefix_len, num_controls, top_k, keep_logits)
+        else:
+            r = JacobiRunner(self.model, p, num_tokens, prefix_len, num_controls, top_k, keep_logits,
+                             self.draft_init, grid_width(num_tokens))
         self._wire(r, p)
         self._compile(r, p)
         self.runner = r
@@ -318,6 +208,19 @@ class Engine:
         if r.prefetcher is not None:  # a schedule per row count the steps run at
             for rows in {rows.rows: rows for rows in r.rows_plan.values()}.values():
                 r.prefetcher.prepare(rows.rows, r.input_pos, rows.prefetch_down)
+        if p.jacobi is not None:
+            self._wire_pass(r, p.jacobi)
+
+    def _wire_pass(self, r, j):
+        """The speculative pass's blocks and head: inductor's compiled block and head, or the eager model's."""
+        ops = eager_ops(j.ops)
+        r.pass_ctx = Context(ops=ops, block=self.compiled_block() if j.block == "compiled" else None)
+        if j.head == "compiled":
+            if self.compiled_logits is None:
+                self.compiled_logits = torch.compile(self.model.logits, fullgraph=True, dynamic=False)
+            r.pass_head = self.compiled_logits
+        else:
+            r.pass_head = functools.partial(self.model.logits, ops=ops)
 
     def _attention(self, rows, r):
         """The decode attention kernel of steps at the plan's Rows, bound to its form and launch (None: SDPA)."""
@@ -471,6 +374,39 @@ class Engine:
         self.compile_seconds += elapsed(t0, self.device)
         self.warm[key] = True
 
+    def _run_pass(self, r):
+        """One speculative pass: replayed from its graph where the plan captures it; the first is timed as
+        compile/capture time (where nothing is captured it runs once on a saved state first: the compiles)."""
+        key = ("pass",)
+        if key in self.graphs:
+            self.graphs.replay(key)
+            return
+        if self.warm.get(key) or (self.plan.jacobi.block == "model" and not self.plan.jacobi.graph):
+            r.jacobi_pass()  # nothing to compile or capture
+            return
+        t0 = synced(self.device)
+        if self.plan.jacobi.graph:
+            self.graphs.capture(key, r.jacobi_pass, state=r)
+        else:
+            saved = snapshot(r)
+            r.jacobi_pass()
+            restore(r, saved)
+            r.jacobi_pass()
+        self.compile_seconds += elapsed(t0, self.device)
+        self.warm[key] = True
+
+    def _decode_jacobi(self, r, B):
+        """Passes until every image has its tokens: as many as the fewest possible (every draft accepted), then
+        again for what the slowest image still lacks; one host sync per round, none per pass."""
+        r.start()
+        todo, self.batch_passes = -(-(r.num_tokens - 1) // r.window), 0
+        while todo > 0:
+            for _ in range(todo):
+                self._run_pass(r)
+            self.batch_passes += todo
+            todo = -(-(r.num_tokens - int(r.n[:B].min())) // r.window)
+        self.passes, self.passes_tokens = r.passes[:B].clone(), r.num_tokens - 1
+
     # ---- generation ----------------------------------------------------------------------------
 
     @torch.no_grad()
@@ -480,6 +416,8 @@ class Engine:
         forcing, for tests); the logits of every step are then returned too."""
         if condition is None:
             raise ValueError("ControlAR needs a control image (condition) for every sample")
+        if self.draft_window and (cfg_interval > -1 or forced is not None):
+            raise ValueError("speculative decoding runs with guidance at every token (cfg_interval -1), not forced")
         B = cond.shape[0]
         marks = Marks(self.device)
         compile_before = self.compile_seconds
@@ -505,19 +443,28 @@ class Engine:
         marks.mark("prefill", self.compile_seconds - compile_before)
         logits = [r.logits.clone()] if forced is not None else None
         compile_before = self.compile_seconds
-        for i in range(max_new_tokens - 1):
+        self.passes = None
+        for i in range(max_new_tokens - 1 if self.draft_window == 0 else 0):
             if forced is not None:
                 r.token[:B].copy_(forced[:, i : i + 1])
             guided = cfg and not (-1 < cfg_interval < i)
             self._run_step(r, (guided, r.window(i)))
             if forced is not None:
                 logits.append(r.logits[: (2 * r.batch if guided else r.batch)].clone())
+        if self.draft_window:
+            self._decode_jacobi(r, B)
         tokens = r.out[:B].clone()
         marks.mark("decode", self.compile_seconds - compile_before)
         self.marks = marks
         if forced is not None:
             return tokens, [unpad_logits(l, B, r.batch) for l in logits]
         return tokens
+
+
+def grid_width(num_tokens):
+    """The token grid's width of a square image of num_tokens tokens (None for another shape)."""
+    w = math.isqrt(num_tokens)
+    return w if w * w == num_tokens else None
 
 
 def pad_rows(p, B, batch, cfg):

@@ -28,10 +28,11 @@ import torch
 from fast_inference import plan as plans
 from fast_inference.checkpoint import (CheckpointError, fit_null_caption, gpt_fix_hint, load_weights, no_init,
                                        read_state_dict)
-from fast_inference.engine import BACKENDS, COMPILE_SCOPES, Engine, sync, vq_kernels
+from fast_inference.engine import BACKENDS, COMPILE_SCOPES, SPECULATIVE, Engine, sync, vq_kernels
 from fast_inference.generate import generate
 from fast_inference.model import GPT_CONFIGS, ModelArgs, Transformer
 from fast_inference.quantize import MODES as QUANTIZE_MODES, quantize_int8
+from fast_inference.speculative import DRAFT_INITS
 
 log = logging.getLogger("fast_inference")
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -64,6 +65,7 @@ RANGES = dict(
     codebook_size=(1, None, None), codebook_embed_dim=(1, None, None), cls_token_num=(1, None, None),
     num_classes=(1, None, None), condition_token_nums=(0, None, None), num_images=(1, None, None),
     warmup=(0, None, None), t5_feature_max_len=(1, None, None), t5_feature_dim=(1, None, None),
+    draft_window=(2, 256, "the last accepted token and window - 1 drafts"),
 )
 
 
@@ -155,6 +157,15 @@ def add_model_args(p):
                         "hand (block: ~7-21 s per shape for GPT-XL; at <= 16 rows, e.g. up to 8 images with CFG, "
                         "fused Triton kernels instead, nothing to compile), or the whole step with --compile-mode as "
                         "gpt-fast (step: ~50 s)")
+    p.add_argument("--speculative", choices=list(SPECULATIVE), default="none",
+                   help="jacobi: lossless speculative Jacobi decoding, each pass verifying --draft-window positions per "
+                        "image at once (several tokens per pass, the same distribution as one per step); fast engine, "
+                        "inductor (block scope) or eager backend, guidance at every token")
+    p.add_argument("--draft-window", type=int, default=16, help=ranged("draft_window", "positions a pass verifies"))
+    p.add_argument("--draft-init", choices=list(DRAFT_INITS), default="random",
+                   help="the drafts of positions a pass has not reached yet: random (uniform, as SJD), left (the "
+                        "token before, repeated) or above (the token one grid row up; square images, a window no wider "
+                        "than the grid)")
     p.add_argument("--plan", action="append", default=[], metavar="KEY=VALUE",
                    help="override the decode plan's choice (repeatable; also CONTROLAR_PLAN=KEY=VALUE,...): "
                         + "; ".join(f"{k}={'|'.join(v)}" for k, v in plans.OVERRIDES.items()))
@@ -298,6 +309,7 @@ def build_vq(args, device):
 def check_args(args):
     """Everything that can be checked cheaply, so a mistake costs no model loading."""
     check_ranges(args)
+    check_speculative(args)
     if args.quantize == "int8" and args.compile_scope == "step":
         raise UserError("--quantize int8 runs with --compile-scope block (the default); drop --compile-scope step")
     if args.condition_type not in CONDITION_TYPES:
@@ -318,7 +330,7 @@ def check_args(args):
     if (args.prompt is not None or args.prompt_file) and not t5_folder(args):
         raise UserError("--prompt/--prompt-file need the text encoder: pass --t5-path checkpoints/t5-ckpt/flan-t5-xl "
                         "(or use --caption-emb FILE.npz)")
-    if not is_demo(args) and args.condition_path is None:
+    if not is_demo(args) and args.condition_path is None and not args.explain:  # --explain reads no inputs
         raise UserError("--condition-path is required outside the demo: the control image (or map)")
     if args.out and os.path.isdir(args.out):
         raise UserError(f"--out {args.out} is a directory; give a file name like {os.path.join(args.out, 'grid.png')}")
@@ -345,6 +357,26 @@ def target_shape(args, H, W, model_type):
     is_map = args.condition_is_map or model_type == "c2i"
     step = 32 if args.condition_type == "depth" and not is_map else 16
     return args.image_H or -(-H // step) * step, args.image_W or -(-W // step) * step
+
+
+def check_speculative(args):
+    """--speculative's companions, before any model loads (the plan refuses the rest when the engine is made)."""
+    if args.speculative == "none":
+        return
+    if args.engine == "reference":
+        raise UserError("--speculative jacobi runs on the fast engine; drop --engine reference")
+    if args.cfg_interval > -1:
+        raise UserError("--speculative jacobi guides every token; use --cfg-interval -1")
+    if args.backend == "cudagraph" or (args.backend == "inductor" and args.compile_scope == "step"):
+        raise UserError("--speculative jacobi runs on --backend inductor with --compile-scope block, or on --backend "
+                        "eager")
+
+
+def check_draft_grid(args, H, W):
+    """--draft-init above reads the token one grid row up: a square grid at least as wide as the window."""
+    if args.speculative != "none" and args.draft_init == "above" and (H != W or W // 16 < args.draft_window):
+        raise UserError(f"--draft-init above needs a square image at least {args.draft_window * 16} pixels wide "
+                        f"(--draft-window x 16), not {H}x{W}; use --draft-init random or left")
 
 
 def check_grid(margs, H, W, image_size):
@@ -516,7 +548,8 @@ def make_engine(args, model, backend):
         return None
     try:
         return Engine(model, backend=backend, compile_mode=args.compile_mode, compile_prefill=args.compile_prefill,
-                      compile_scope=args.compile_scope, overrides=args.plan)
+                      compile_scope=args.compile_scope, overrides=args.plan, speculative=args.speculative,
+                      draft_window=args.draft_window, draft_init=args.draft_init)
     except plans.PlanError as e:
         raise UserError(str(e)) from None
 
@@ -549,7 +582,8 @@ def explain(args):
         int8=args.quantize == "int8", top_p=args.top_p, cfg=args.cfg_scale > 1.0, batch=prompts * args.num_images,
         dim=margs.dim, n_head=margs.n_head, ffn_hidden=margs.ffn_hidden, vocab_size=margs.vocab_size,
         max_seq=margs.prefix_len + (H // 16) * (W // 16), builds=builds,
-        overrides=tuple(dict(plans.environment_overrides() + plans.parse_overrides(args.plan)).items()))
+        overrides=tuple(dict(plans.environment_overrides() + plans.parse_overrides(args.plan)).items()),
+        draft_window=args.draft_window if args.speculative == "jacobi" else 0)
     print(plans.explain(plans.make(s)))
 
 
@@ -643,6 +677,7 @@ def run(args):
     control = control_image(args, image_size, model_type)
     t_control = time.perf_counter() - t0
     H, W = control.shape[1:]
+    check_draft_grid(args, H, W)
     num_tokens = (H // 16) * (W // 16)
     t0 = time.perf_counter()
     cond, mask, prompts = text_inputs(args, model, device)
@@ -684,6 +719,11 @@ def report(engine, times, tokens):
         decode = tm["decode"]
         parts += [f"condition encoder {tm['condition']:.3f}s", f"prefill {tm['prefill']:.3f}s",
                   f"decode {decode:.2f}s ({n / max(decode, 1e-9):.0f} tok/s)"]
+        spec = engine.last_speculation
+        if spec:  # passes per image, tokens per pass, and a pass's time
+            passes = sum(spec["passes"]) / len(spec["passes"])
+            parts.append(f"{passes:.0f} passes per image, {spec['tokens_per_pass']:.2f} tokens per pass, "
+                         f"{1e3 * decode / max(spec['batch_passes'], 1):.2f} ms per pass")
         if engine.backend != "eager":
             parts.append(f"compile/capture {engine.compile_seconds:.1f}s")
     else:

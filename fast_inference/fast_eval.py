@@ -43,9 +43,9 @@ from tqdm import tqdm
 from fast_inference import conditions, data, metrics
 from fast_inference import plan as plans
 from fast_inference.engine import Engine, vq_kernels
-from fast_inference.fast_engine import (Parser, UserError, add_model_args, build_gpt, build_vq, check_memory,
-                                        check_ranges, check_writable, cli_main, is_user_error, make_engine,
-                                        model_args, pick_device, sample_tokens)
+from fast_inference.fast_engine import (Parser, UserError, add_model_args, build_gpt, build_vq, check_draft_grid,
+                                        check_memory, check_ranges, check_speculative, check_writable, cli_main,
+                                        is_user_error, make_engine, model_args, pick_device, sample_tokens)
 from fast_inference.images import save_image, save_png_uint8
 
 
@@ -146,6 +146,8 @@ def output_settings(args, margs, resolved):
     settings = {k: os.path.abspath(v) if k in path_keys and v else v for k, v in vars(args).items()
                 if k in OUTPUT_SETTINGS}
     settings.update(resolved)
+    if args.speculative != "none":  # another random stream (the same distribution); absent from older folders
+        settings.update(speculative=args.speculative, draft_window=args.draft_window, draft_init=args.draft_init)
     cache_path = os.path.join(args.sample_dir, HASHES)
     cache = read_json(cache_path)
     content = {"model": dataclasses.asdict(margs)}
@@ -452,6 +454,7 @@ def image_shape(args, device, dtype):
     if H <= 0 or W <= 0 or H % 16 or W % 16 or (H // 16) * (W // 16) > margs.block_size:
         raise UserError(f"image size {H}x{W} must be multiples of 16 within the model's grid (--image-size {image_size})")
     check_memory(margs, H, W, args.batch, args.cfg_scale, device, dtype, "use a smaller --batch or --image-size")
+    check_draft_grid(args, H, W)
     return margs, H, W
 
 
@@ -460,6 +463,7 @@ def check_eval_args(args):
     output folder."""
     check_ranges(args)
     check_ranges(args, EVAL_RANGES)
+    check_speculative(args)
     for flag in ("gpt_ckpt", "vq_ckpt", "condition_ckpt", "t5_path"):
         path = getattr(args, flag)
         if path is not None and not os.path.exists(path):
@@ -554,6 +558,7 @@ def generate_split(args, held):
 
     saver = ThreadPoolExecutor(1)  # PNG encoding overlaps the next batch
     pending = None
+    passes = tokens = 0  # speculative passes of this rank's images, and the tokens they accepted
     t_run = time.perf_counter()
     with tqdm(total=todo, unit="img", desc=f"rank {rank}", position=rank, dynamic_ncols=True) as bar:
         for first, positions in batches:
@@ -574,13 +579,18 @@ def generate_split(args, held):
             runlog.write("batch", first=first, names=batch_names, data_s=round(t_data, 4), generate_s=round(t_gen, 4),
                          images_per_s=round(len(positions) / (time.perf_counter() - t0), 3),
                          engine=run.engine and run.engine.last_timings,
+                         speculative=run.engine and run.engine.last_speculation or None,
                          compile_s=run.engine and round(run.engine.compile_seconds, 3))
+            if run.engine is not None and run.engine.last_speculation:  # the rows of this batch's positions
+                passes += sum(run.engine.last_speculation["passes"][p - first] for p in positions)
+                tokens += len(positions) * ((run.H // 16) * (run.W // 16) - 1)  # the first from the prefill
     if pending is not None:
         pending.result()
     saver.shutdown()
     seconds = time.perf_counter() - t_run
     runlog.write("done", images=todo, seconds=round(seconds, 3), images_per_s=round(todo / seconds, 3))
-    print(f"rank {rank}: {todo} images in {seconds:.1f}s ({todo / seconds:.2f} images/s)")
+    spec = f"; {passes / todo:.0f} passes per image, {tokens / passes:.2f} tokens per pass" if passes else ""
+    print(f"rank {rank}: {todo} images in {seconds:.1f}s ({todo / seconds:.2f} images/s){spec}")
     return names, rank, world
 
 

@@ -9,27 +9,24 @@ import gc
 
 import torch
 
-# Re-running a step from the same token/position rewrites the same KV slot with the same values, so warm-up and
-# capture only need these small buffers (and the RNG) put back, not the caches.
-STEP_STATE = ("token", "input_pos", "out", "logits")
-
-
 def snapshot(state):
-    """state's STEP_STATE buffers and the RNG (state None: nothing)."""
+    """The buffers state.STATE names (what a run of the captured function changes besides the caches, which a rerun
+    rewrites with the same values) and the RNG; state None: nothing."""
     if state is None:
         return None
-    rng = torch.cuda.get_rng_state(state.token.device) if state.token.is_cuda else torch.get_rng_state()
-    return {name: getattr(state, name).clone() for name in STEP_STATE}, rng
+    device = state.out.device
+    rng = torch.cuda.get_rng_state(device) if device.type == "cuda" else torch.get_rng_state()
+    return {name: getattr(state, name).clone() for name in state.STATE}, rng
 
 
 def restore(state, saved):
     if saved is None:
         return
     buffers, rng = saved
-    for name in STEP_STATE:
+    for name in state.STATE:
         getattr(state, name).copy_(buffers[name])
-    if state.token.is_cuda:
-        torch.cuda.set_rng_state(rng, state.token.device)
+    if state.out.is_cuda:
+        torch.cuda.set_rng_state(rng, state.out.device)
     else:
         torch.set_rng_state(rng)
 
@@ -52,7 +49,7 @@ class Graphs:
 
     def capture(self, key, fn, state=None):
         """Capture fn() as graph `key`: two warm-up runs on a side stream first, then the capture, then one replay
-        (fn's work done once, as a plain call would), state's STEP_STATE put back before each (None: no state)."""
+        (fn's work done once, as a plain call would), state's buffers (snapshot) put back before each (None: none)."""
         saved = snapshot(state)
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())

@@ -318,10 +318,16 @@ class KVCache(nn.Module):
         self.text = None
 
     def update(self, input_pos, k, v):
-        # A step may run on the first rows only (CFG switched off by cfg_interval).
+        """k and v (B, H, S, hd) written at input_pos: (S,) for every row, or (B, S) a row's own (rows at different
+        positions: speculative passes). A step may run on the first rows only (CFG switched off by cfg_interval)."""
         k_cache, v_cache = self.k_cache[: k.shape[0]], self.v_cache[: k.shape[0]]
-        k_cache.index_copy_(2, input_pos, k)
-        v_cache.index_copy_(2, input_pos, v)
+        if input_pos.dim() == 1:
+            k_cache.index_copy_(2, input_pos, k)
+            v_cache.index_copy_(2, input_pos, v)
+        else:
+            rows = torch.arange(k.shape[0], device=k.device)[:, None]
+            k_cache[rows, :, input_pos] = k.transpose(1, 2)
+            v_cache[rows, :, input_pos] = v.transpose(1, 2)
         return k_cache, v_cache
 
 
@@ -451,8 +457,8 @@ class Transformer(nn.Module):
             layer.feed_forward.fuse()
 
     def step_inputs(self, input_pos, controls):
-        """What the blocks read at input_pos besides x: the RoPE rows (S, hd/2, 2) and the control rows
-        added before blocks 0, L, 2L (3, B, S, D; None without controls). The control token added at
+        """What the blocks read at input_pos, (S,) or (B, S) per row, besides x: the RoPE rows ([B,] S, hd/2, 2) and
+        the control rows added before blocks 0, L, 2L (3, B, S, D; None without controls). The control token added at
         position p is number p - cls_token_num + 1 (zero where there is none), so token j is added where
         image token j is predicted (only the last prefix position during the prefill)."""
         freqs = self.freqs_cis[input_pos]
@@ -460,7 +466,11 @@ class Transformer(nn.Module):
             return freqs, None
         idx = input_pos - self.args.cls_token_num + 1
         present = ((idx >= 0) & (idx < controls.shape[2])).to(controls.dtype)
-        return freqs, controls[:, :, idx.clamp(0, controls.shape[2] - 1)] * present[None, None, :, None]
+        at = idx.clamp(0, controls.shape[2] - 1)
+        if input_pos.dim() == 1:
+            return freqs, controls[:, :, at] * present[None, None, :, None]
+        rows = torch.arange(at.shape[0], device=at.device)[:, None]
+        return freqs, controls[:, rows, at] * present[None, :, :, None]
 
     def forward(self, x, input_pos, key_valid, controls=None, last_only=False, ctx=REFERENCE):
         """Float32 logits of the blocks over embeddings x (B,S,D) at absolute positions input_pos (S,), of the last
@@ -527,13 +537,14 @@ class Transformer(nn.Module):
 
 
 def attention_mask(key_valid, input_pos):
-    """Boolean (B,1,S,L) mask: query p sees key q iff q == p, or q <= p and key_valid[q].
+    """Boolean (B,1,S,L) mask: query p sees key q iff q == p, or q <= p and key_valid[q]; input_pos (S,), or (B, S)
+    a row's own positions.
 
     The forced diagonal keeps fully padded text rows from an empty softmax (official behaviour).
     """
     k_pos = torch.arange(key_valid.shape[1], device=key_valid.device)
-    q_pos = input_pos[:, None]
-    visible = (k_pos[None, :] <= q_pos) & (key_valid[:, None, :] | (k_pos[None, :] == q_pos))
+    q_pos = input_pos[..., :, None]
+    visible = (k_pos <= q_pos) & (key_valid[:, None, :] | (k_pos == q_pos))
     return visible[:, None]
 
 
@@ -588,11 +599,12 @@ def rotations(freqs):
 
 
 def apply_rotary_emb(x, rot):
-    """Rotate adjacent pairs (x[2j], x[2j+1]) of x (B,S,H,hd) by rot = rotations(freqs) (S,hd/2,2,2), in
+    """Rotate adjacent pairs (x[2j], x[2j+1]) of x (B,S,H,hd) by rot = rotations(freqs) ([B,] S,hd/2,2,2), in
     float32: (x0 cos - x1 sin, x1 cos + x0 sin), each product rounded to float32 and then the two added, as
     the official code rounds (a product by -sin is the negated product by sin). The two added as one add, not a
     sum over the last dimension: the same values (a zero's sign aside), and PyTorch's reduction kernel over pairs was
     most of the eager rotation's time (GPT-XL's prefill at n = 1 on an H200: 22.2 -> 15.9 us a block)."""
     xs = x.reshape(*x.shape[:-1], -1, 1, 2)  # bf16 times float32 is float32: no copy to float32 first
-    p = xs * rot.view(1, xs.shape[1], 1, xs.shape[3], 2, 2)
+    rows = rot.shape[0] if rot.dim() == 5 else 1  # a row's own positions' rotations (B, S, hd/2, 2, 2)
+    p = xs * rot.view(rows, xs.shape[1], 1, xs.shape[3], 2, 2)
     return (p[..., 0] + p[..., 1]).flatten(3).type_as(x)

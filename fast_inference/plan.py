@@ -80,6 +80,7 @@ class Situation:
     text_prefix: bool = True  # the prefix's RoPE rows are zero (the decode attention takes the text as one partial)
     builds: Callable = field(default=lambda kernel, *key: True, compare=False)  # (CUDA C++ kernel, key) built?
     overrides: tuple = ()  # ((key, value), ...): OVERRIDES
+    draft_window: int = 0  # speculative Jacobi passes over this many positions (speculative.py); 0: plain steps
 
     @property
     def head_dim(self):
@@ -136,6 +137,17 @@ class EagerOps:
 
 
 @dataclass(frozen=True)
+class JacobiPass:
+    """How a speculative pass runs (speculative.py): 2 x images x window query rows at their own positions, so the
+    one-query decode kernels (fused block, decode attention, inputs, draw) do not serve it; SDPA with the mask does."""
+    window: int  # L: the last accepted token and L - 1 drafts per image
+    block: str  # compiled (inductor's block, the compiled steps' own) | model (eager blocks)
+    head: str  # compiled | model
+    ops: EagerOps  # the eager blocks' element-wise kernels (RoPE: torch's, per row)
+    graph: bool  # the whole pass one CUDA graph, captured by hand
+
+
+@dataclass(frozen=True)
 class Plan:
     situation: Situation
     step: str  # hand_graph | compiled_step | eager
@@ -157,6 +169,7 @@ class Plan:
     vq_norm: str  # torch | triton
     guided: Rows  # the steps' rows (both CFG halves)
     unguided: Optional[Rows]  # after cfg_interval: the conditional half (None without CFG)
+    jacobi: Optional[JacobiPass] = None  # speculative passes instead of the steps (draft_window > 0)
 
     def rows(self, r):
         return self.guided if r == self.guided.rows else self.unguided
@@ -290,13 +303,27 @@ def make(s: Situation) -> Plan:
     text_sums = "none" if not text else "triton" if attention == "triton" else "torch"
     guided = step_rows(s, want, s.rows, s.rows, block, cuda_block, attention, prefetch, draw)
     unguided = step_rows(s, want, s.batch, s.rows, block, cuda_block, attention, prefetch, draw) if s.cfg else None
-    return Plan(situation=s, step="hand_graph" if hand_capture else "compiled_step" if s.backend == "inductor"
+    jacobi = jacobi_pass(s, block_scope, hand_capture, eager) if s.draft_window else None
+    return Plan(jacobi=jacobi, situation=s, step="hand_graph" if hand_capture else "compiled_step" if s.backend == "inductor"
                 and not block_scope else "eager", inputs=inputs, inputs_pdl=inputs == "triton" and s.pdl,
                 block=block, cuda_block=cuda_block, head=head, draw=draw, draw_pdl=draw == "triton" and s.pdl,
                 head_noise=head == "fused" and draw == "triton" and s.sample, prefetch=prefetch,
                 text_sums=text_sums, windows=windows, prefill=prefill, eager=eager, prefill_ops=prefill_ops,
                 step_ops=step_ops,
                 vq_norm=vq_norm(s.backend, s.cuda, s.triton, want), guided=guided, unguided=unguided)
+
+
+def jacobi_pass(s, block_scope, hand_capture, eager):
+    """The speculative pass: through inductor's compiled block and head in one captured graph on the inductor
+    backend (block scope), eager on the eager backend; the cudagraph backend (CUDA C++ one-query kernels) has none."""
+    if s.backend == "cudagraph" or (s.backend == "inductor" and not block_scope):
+        raise PlanError("--speculative jacobi runs on --backend inductor (compile scope block) or --backend eager")
+    if s.draft_window < 2:
+        raise PlanError(f"--draft-window {s.draft_window}: a pass needs at least 2 positions")
+    compiled = block_scope and not s.int8  # inductor turns int8 projections into slow kernels (as the steps)
+    return JacobiPass(window=s.draft_window, block="compiled" if compiled else "model",
+                      head="compiled" if compiled else "model",
+                      ops=EagerOps() if compiled else dataclasses.replace(eager, rope="torch"), graph=hand_capture)
 
 
 def block_pdl(s, rows):
@@ -552,6 +579,11 @@ def explain(p):
         [p.prefill] + f"; {ops(p.prefill_ops)}")
     if p.step_ops is not None:
         row("step ops", ops(p.step_ops))
+    if p.jacobi is not None:
+        j = p.jacobi
+        row("speculative", f"Jacobi passes of {j.window} positions: {s.rows * j.window} rows through the "
+            f"{'compiled' if j.block == 'compiled' else 'eager'} blocks and SDPA, "
+            f"{'one CUDA graph' if j.graph else 'op by op'}; {ops(j.ops)}")
     row("VQ norms", p.vq_norm)
     return "\n".join(lines)
 

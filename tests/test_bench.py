@@ -6,6 +6,7 @@ import subprocess
 import types
 
 import pytest
+import torch
 
 from fast_inference import bench
 
@@ -118,7 +119,11 @@ def test_the_help_names_in_process():
     (["--fast-runs", "0"], "--fast-runs 0 is out of range"), (["--ref-steps", "-1"], "--ref-steps -1"),
     (["--gpt-model", "GPT-XS"], "unknown model 'GPT-XS'"), (["--adapter-size", "huge"], "adapter_size must be"),
     (["--gpt-ckpt", "nowhere.safetensors"], "--gpt-ckpt nowhere.safetensors not found"),
-    (["--nope"], "unrecognized arguments: --nope"), (["--image-size", "x"], "invalid int value: 'x'")])
+    (["--nope"], "unrecognized arguments: --nope"), (["--image-size", "x"], "invalid int value: 'x'"),
+    (["--speculative", "jacobi", "--backend", "cudagraph"], "--speculative jacobi runs on --backend inductor"),
+    (["--speculative", "jacobi", "--draft-window", "1"], "--draft-window 1 is out of range"),
+    (["--speculative", "jacobi", "--draft-init", "above", "--image-size", "128"], "--draft-init above needs"),
+    (["--target-entropy", "20"], "--target-entropy 20.0 is out of range")])
 def test_user_errors_exit_2_in_one_line_before_any_child(monkeypatch, tmp_path, capsys, extra, needle):
     calls = fake_children(monkeypatch)
     err = usage_error(capsys, ["--random-weights", "--out-dir", str(tmp_path / "out"), *extra])
@@ -131,3 +136,24 @@ def test_out_dir_that_is_a_file_and_a_childs_user_error(monkeypatch, tmp_path, c
     assert "--out-dir" in usage_error(capsys, ["--random-weights", "--out-dir", str(tmp_path / "file")])
     monkeypatch.setattr(bench.subprocess, "run", lambda cmd: calls.append(cmd) or types.SimpleNamespace(returncode=2))
     assert "n = 1 process failed" in usage_error(capsys, ["--random-weights", "--out-dir", str(tmp_path / "out")])
+
+
+@pytest.mark.parametrize("target", [1.0, 3.0])
+def test_output_scaled_to_a_target_entropy(target):
+    """--target-entropy: the output layer scaled so that the sampled distributions' mean entropy is near the target;
+    the entropy it reports is what the reference sampler's own logits give at the scale (seed 0)."""
+    from fast_inference.sampling import cfg_merge, filter_logits
+    from test_reference import tiny_model
+
+    model = tiny_model(cls=8, block_size=16)
+    before = model.output.weight.clone()
+    kw = dict(cfg_scale=4.0, top_k=100, temperature=1.0, top_p=1.0)
+    with torch.no_grad():
+        scale, entropy = bench.scale_to_entropy(model, target, types.SimpleNamespace(image_size=64), kw, "cpu")
+        assert torch.allclose(model.output.weight, before * scale)
+        cond, mask, condition = bench.inputs(model, 1, 64, "cpu")
+        torch.manual_seed(0)
+        _, logits = bench.generate(model, cond, 16, emb_masks=mask, condition=condition, return_logits=True, **kw)
+    p = torch.softmax(filter_logits(torch.cat([cfg_merge(l, 4.0) for l in logits]), 1.0, 100), -1)
+    measured = -(p * p.log().nan_to_num(neginf=0.0)).sum(-1).mean().item()
+    assert measured == pytest.approx(entropy, abs=1e-4) and entropy == pytest.approx(target, abs=0.15)

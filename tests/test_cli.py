@@ -263,6 +263,12 @@ def test_plan_overrides_and_explain(capsys):
     assert code == 0 and "2 image(s) under CFG, bfloat16 on sm_90" in out and re.search(r"gate_up +cuda, PDL early", out)
     code, out, _ = cli(capsys, "--explain", "cpu")
     assert code == 0 and "float32 on CPU" in out and "SDPA" in out
+    readme = open(os.path.join(ROOT, "README.md"), encoding="utf-8").read()
+    command = re.search(r"python fast_inference/fast_engine.py (.*--explain sm_90)\n", readme).group(1).split()
+    code, out, err = cli(capsys, *command)  # the README's example: a real model needs no control image to plan
+    assert code == 0 and "GPT" not in err and "1 image" not in out and "2 image(s) under CFG" in out, err
+    code, out, _ = cli(capsys, "--explain", "sm_90", "--speculative", "jacobi", "--draft-window", "8")
+    assert code == 0 and re.search(r"speculative +Jacobi passes of 8 positions: 16 rows .* one CUDA graph", out)
     code, _, err = cli(capsys, "--explain", "tpu")
     assert code == 2 and "name a device as cpu or sm_XY" in err
 
@@ -575,3 +581,24 @@ def test_readme_first_screen_says_what_the_demo_and_the_tests_do():
     demo_out = os.path.relpath(fast_engine.default_out(fast_engine.parse_args([]), "t2i", True), ROOT)
     assert f"`{demo_out}`" in prose and "a grid, the control map and then the sample" in prose
     assert "takes several minutes on a 2-core machine" in prose and "skips the tests that need a CUDA GPU" in prose
+
+
+def test_speculative_flags(files, tmp_path, capsys):
+    """--speculative jacobi: greedy tokens equal the reference engine's, the report says how many passes and tokens
+    per pass; its companions are checked before any model loads."""
+    tokens = []
+    for extra in (["--engine", "reference"], ["--speculative", "jacobi", "--draft-window", 3, "--draft-init", "left"]):
+        code, out, err = cli(capsys, *t2i_argv(files, tmp_path, "--top-k", 1, "--save-tokens", tmp_path / "t.npy",
+                                               *extra))
+        assert code == 0, err
+        tokens.append(np.load(tmp_path / "t.npy"))
+    assert np.array_equal(*tokens)
+    assert "passes per image" in out and "tokens per pass" in out and "ms per pass" in out
+    for f in tmp_path.iterdir():
+        f.unlink()
+    argv = t2i_argv(files, tmp_path, "--speculative", "jacobi")
+    expect_error(capsys, tmp_path, argv + ["--engine", "reference"], "drop --engine reference")
+    expect_error(capsys, tmp_path, argv + ["--cfg-interval", 2], "use --cfg-interval -1")
+    expect_error(capsys, tmp_path, argv + ["--backend", "cudagraph"], "--backend inductor with --compile-scope block")
+    expect_error(capsys, tmp_path, argv + ["--draft-window", 0], "--draft-window 0 is out of range")
+    expect_error(capsys, tmp_path, argv + ["--draft-init", "above"], "--draft-init above needs a square image")

@@ -9,7 +9,8 @@ import torch
 
 from fast_inference import engine as engine_module
 from fast_inference import plan
-from fast_inference.engine import Engine, cache_windows
+from fast_inference.engine import Engine
+from fast_inference.runner import cache_windows
 from fast_inference.plan import CACHE_WINDOWS
 from fast_inference.generate import generate
 from fast_inference.quantize import quantize_int8

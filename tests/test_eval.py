@@ -379,3 +379,30 @@ def test_manifest_errors_name_the_manifest_not_another_tools_flag(split, tmp_pat
     sample.class_label = 10
     with pytest.raises(data.DataError, match="class_label 10 is not in 0..9"):
         data.check_text([sample], "label", num_classes=10)
+
+
+# ---- issue 70: speculative Jacobi decoding ------------------------------------------------------
+
+def test_speculative_shards_equal_one_run_and_keep_their_folder(split, tmp_path, capsys):
+    """--speculative jacobi: a row's tokens depend on its batch's seed only, so a shard resumed elsewhere makes the
+    same files; the folder records the sampler (its random stream is another one) and refuses the plain one."""
+    spec = ("--speculative", "jacobi", "--draft-window", 3, "--draft-init", "left")
+    whole, parts = tmp_path / "whole", tmp_path / "parts"
+    fast_eval.main([*common(split, "--num-workers", 0, "--sample-dir", whole), *map(str, spec)])
+    assert "passes per image" in capsys.readouterr().out
+    for start, end in ((0, 3), (3, 7)):
+        fast_eval.main([*common(split, "--num-workers", 0, "--sample-dir", parts, "--start", start, "--end", end),
+                        *map(str, spec)])
+    assert_same_outputs(whole, parts, pngs(range(N)))
+    settings = json.load(open(whole / "settings.json"))
+    assert (settings["speculative"], settings["draft_window"], settings["draft_init"]) == ("jacobi", 3, "left")
+    err = run_error(capsys, common(split, "--sample-dir", whole, "--num-workers", 0))
+    assert "speculative: 'jacobi' -> None" in err and "another --sample-dir" in err
+    for extra, needle in ((["--cfg-interval", "3"], "use --cfg-interval -1"),
+                          (["--engine", "reference"], "drop --engine reference"),
+                          (["--draft-window", "1"], "--draft-window 1 is out of range"),
+                          (["--draft-window", "5", "--draft-init", "above"], "at least 80 pixels wide")):
+        err = run_error(capsys, [*common(split, "--sample-dir", tmp_path / "new", "--num-workers", 0),
+                                 "--speculative", "jacobi", *extra])
+        assert needle in err, err
+    assert not (tmp_path / "new").exists()

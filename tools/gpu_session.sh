@@ -18,6 +18,9 @@ usage: tools/gpu_session.sh STEP...      (steps run in order; each writes OUT/<s
           processes of their own, alternating twice: engine_ab.py's decode ms/step and tokens' hash for AB_RUNS
           (backend:batch-sizes; default inductor:1,8,32 cudagraph:1,2); same hash, same tokens
   abbench bench.py --random-weights in BASE then here: inductor --batch-sizes 1,8,32 and cudagraph 1,2 (REF_STEPS)
+  jacobi  speculative Jacobi decoding: its GPU tests, the marginals against the plain engine (tools/jacobi_marginals.py),
+          bench.py --speculative jacobi at n = 1, 8, 32 on flat random weights and at target entropies 1.5 and 3
+          nats, then windows 8 and 32 and the left and above drafts at n = 1 (3 nats)
 
 OUT (default sample/gpu) receives the logs; PYTHON picks the interpreter.
 USAGE
@@ -118,9 +121,26 @@ step_abbench() {
     done
 }
 
+step_jacobi() {
+    (cd "$root" && "$py" -m pytest -q -p no:cacheprovider tests/test_speculative.py -k cuda)
+    "$py" "$here/jacobi_marginals.py" --images 1024 --tokens 64 --entropy 2.0
+    local bench=("$py" "$root/fast_inference/bench.py" --random-weights --speculative jacobi --e2e-runs 0 --out-dir "$out")
+    "${bench[@]}" --batch-sizes 1,8,32 --ref-steps "${REF_STEPS:-20}" --tag _jacobi_flat
+    local h w init
+    for h in 1.5 3; do
+        "${bench[@]}" --batch-sizes 1,8,32 --ref-steps 0 --target-entropy "$h" --tag "_jacobi_h$h"
+    done
+    for w in 8 32; do
+        "${bench[@]}" --batch-sizes 1 --ref-steps 0 --target-entropy 3 --draft-window "$w" --tag "_jacobi_w$w"
+    done
+    for init in left above; do
+        "${bench[@]}" --batch-sizes 1 --ref-steps 0 --target-entropy 3 --draft-init "$init" --tag "_jacobi_$init"
+    done
+}
+
 for step in "$@"; do
     case $step in
-        kernel | equiv | bench | cli | eval2 | gputests | ab | abbench) "step_$step" 2>&1 | tee "$out/$step.log" ;;
+        kernel | equiv | bench | cli | eval2 | gputests | ab | abbench | jacobi) "step_$step" 2>&1 | tee "$out/$step.log" ;;
         *) echo "error: unknown step '$step'" >&2; usage >&2; exit 2 ;;
     esac
 done
