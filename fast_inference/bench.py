@@ -39,7 +39,7 @@ from fast_inference.fast_engine import (RANGES, Parser, UserError, check_memory,
 from fast_inference.generate import generate
 from fast_inference.model import ModelArgs, Transformer
 from fast_inference.quantize import MODES as QUANTIZE_MODES, quantize_int8
-from fast_inference.speculative import DRAFT_INITS
+from fast_inference.speculative import COUPLINGS, DRAFT_INITS
 
 
 # The numeric flags' ranges (fast_engine.RANGES' form), checked before anything runs.
@@ -75,6 +75,7 @@ def parse_args(argv=None):
     p.add_argument("--draft-window", type=int, default=16, help=ranged("draft_window", "positions a pass verifies",
                                                                        BENCH_RANGES))
     p.add_argument("--draft-init", choices=list(DRAFT_INITS), default="random")
+    p.add_argument("--draft-coupling", choices=list(COUPLINGS), default="none")
     p.add_argument("--target-entropy", type=float, default=None,
                    help=ranged("target_entropy", "scale the output layer so that the sampled distributions' mean "
                                "entropy is this (random weights' are nearly flat: drafts are then rarely accepted)",
@@ -189,7 +190,8 @@ def bench_speculative(engine, B, N, args, kw, device):
     d, spec = sorted(runs, key=lambda r: r[0])[len(runs) // 2]
     return dict(tok_s=B * N / d, decode_s=d, pass_ms=d / spec["batch_passes"] * 1e3, compile_s=compile_s,
                 passes_per_image=sum(spec["passes"]) / B, tokens_per_pass=spec["tokens_per_pass"],
-                batch_passes=spec["batch_passes"], window=args.draft_window, init=args.draft_init)
+                batch_passes=spec["batch_passes"], window=args.draft_window, init=args.draft_init,
+                coupling=args.draft_coupling)
 
 
 def scale_to_entropy(model, target, args, kw, device, steps=64, rounds=3):
@@ -392,7 +394,8 @@ def measure(args, sizes):
     jacobi = None if args.speculative == "none" else Engine(
         fast_model, backend=args.backend, compile_mode=args.compile_mode, compile_prefill=args.compile_prefill,
         compile_scope=args.compile_scope, fused_block=not args.no_fused_block, overrides=args.plan,
-        speculative=args.speculative, draft_window=args.draft_window, draft_init=args.draft_init)
+        speculative=args.speculative, draft_window=args.draft_window, draft_init=args.draft_init,
+        draft_coupling=args.draft_coupling)
     rows, e2e, e2e_runs = [], None, None  # end to end is timed with n = 1 only
     scope = ""
     if args.backend == "inductor":
@@ -442,7 +445,8 @@ def print_row(r, flush=False):
           f"{fast['compile_s']:.1f}s | peak {r['peak_mem_gb']:.1f} GB", flush=flush)
     s = r.get("speculative")
     if s:
-        print(f"      jacobi L={s['window']} ({s['init']}) {s['tok_s']:9.1f} tok/s ({s['vs_fast']:.2f}x the plain engine) | "
+        print(f"      jacobi L={s['window']} ({s['init']}, coupling {s['coupling']}) {s['tok_s']:9.1f} tok/s "
+              f"({s['vs_fast']:.2f}x the plain engine) | "
               f"{s['passes_per_image']:.0f} passes per image, {s['tokens_per_pass']:.2f} tokens per pass | one pass "
               f"{s['pass_ms']:.2f} ms = {s['pass_vs_step']:.2f} plain steps | compile {s['compile_s']:.1f}s", flush=flush)
 

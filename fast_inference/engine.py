@@ -30,7 +30,7 @@ from fast_inference.kernels.pdl import EARLY
 from fast_inference.model import TORCH_OPS, Context, EagerOps
 from fast_inference.quantize import is_int8
 from fast_inference.runner import ShapeRunner
-from fast_inference.speculative import DRAFT_INITS, JacobiRunner
+from fast_inference.speculative import COUPLINGS, DRAFT_INITS, JacobiRunner
 
 log = logging.getLogger("fast_inference")
 
@@ -76,21 +76,21 @@ class Engine:
     """Generate with the fast path; `generate` takes the same arguments as generate.generate. overrides: plan
     overrides ("key=value" strings, plan.OVERRIDES), on top of CONTROLAR_PLAN's. speculative "jacobi": lossless
     speculative Jacobi passes of draft_window positions (speculative.py) instead of one token per step, the window's
-    initial drafts by draft_init (speculative.DRAFT_INITS)."""
+    initial drafts by draft_init (speculative.DRAFT_INITS), their redraws' noise by draft_coupling (COUPLINGS)."""
 
     def __init__(self, model, backend="inductor", compile_mode="reduce-overhead", cache_dir=None,
                  compile_prefill=False, compile_scope="block", fused_block=True, overrides=(), speculative="none",
-                 draft_window=16, draft_init="random"):
+                 draft_window=16, draft_init="random", draft_coupling="none"):
         self.model, self.backend, self.compile_mode = model, backend, compile_mode
         self.compile_scope, self.fused_block, self.compile_prefill = compile_scope, fused_block, compile_prefill
         self.device = model.output.weight.device
         if compile_scope not in COMPILE_SCOPES:
             raise ValueError(f"unknown compile scope {compile_scope!r}; use one of {COMPILE_SCOPES}")
-        if speculative not in SPECULATIVE or draft_init not in DRAFT_INITS:
-            raise ValueError(f"speculative {speculative!r}, draft init {draft_init!r}: use one of {SPECULATIVE} and "
-                             f"one of {DRAFT_INITS}")
+        if speculative not in SPECULATIVE or draft_init not in DRAFT_INITS or draft_coupling not in COUPLINGS:
+            raise ValueError(f"speculative {speculative!r}, draft init {draft_init!r}, coupling {draft_coupling!r}: use "
+                             f"one of {SPECULATIVE}, of {DRAFT_INITS} and of {COUPLINGS}")
         self.draft_window = draft_window if speculative == "jacobi" else 0
-        self.draft_init = draft_init
+        self.draft_init, self.draft_coupling = draft_init, draft_coupling
         self.overrides = tuple(dict(plans.environment_overrides() + plans.parse_overrides(overrides)).items())
         if model.layers[0].feed_forward.w13 is None:
             model.fuse_projections()
@@ -172,7 +172,7 @@ class Engine:
             r = ShapeRunner(self.model, p, num_tokens, prefix_len, num_controls, top_k, keep_logits)
         else:
             r = JacobiRunner(self.model, p, num_tokens, prefix_len, num_controls, top_k, keep_logits,
-                             self.draft_init, grid_width(num_tokens))
+                             self.draft_init, grid_width(num_tokens), self.draft_coupling)
         self._wire(r, p)
         self._compile(r, p)
         self.runner = r

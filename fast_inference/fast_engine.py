@@ -32,7 +32,7 @@ from fast_inference.engine import BACKENDS, COMPILE_SCOPES, SPECULATIVE, Engine,
 from fast_inference.generate import generate
 from fast_inference.model import GPT_CONFIGS, ModelArgs, Transformer
 from fast_inference.quantize import MODES as QUANTIZE_MODES, quantize_int8
-from fast_inference.speculative import DRAFT_INITS
+from fast_inference.speculative import COUPLINGS, DRAFT_INITS
 
 log = logging.getLogger("fast_inference")
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -166,6 +166,9 @@ def add_model_args(p):
                    help="the drafts of positions a pass has not reached yet: random (uniform, as SJD), left (the "
                         "token before, repeated) or above (the token one grid row up; square images, a window no wider "
                         "than the grid)")
+    p.add_argument("--draft-coupling", choices=list(COUPLINGS), default="none",
+                   help="gumbel: redraw each position's draft with noise fixed per (image, position, token), as MC-SJD, "
+                        "so that drafts move only where their distribution does (still lossless); none: fresh noise")
     p.add_argument("--plan", action="append", default=[], metavar="KEY=VALUE",
                    help="override the decode plan's choice (repeatable; also CONTROLAR_PLAN=KEY=VALUE,...): "
                         + "; ".join(f"{k}={'|'.join(v)}" for k, v in plans.OVERRIDES.items()))
@@ -549,7 +552,7 @@ def make_engine(args, model, backend):
     try:
         return Engine(model, backend=backend, compile_mode=args.compile_mode, compile_prefill=args.compile_prefill,
                       compile_scope=args.compile_scope, overrides=args.plan, speculative=args.speculative,
-                      draft_window=args.draft_window, draft_init=args.draft_init)
+                      draft_window=args.draft_window, draft_init=args.draft_init, draft_coupling=args.draft_coupling)
     except plans.PlanError as e:
         raise UserError(str(e)) from None
 

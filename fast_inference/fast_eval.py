@@ -147,7 +147,8 @@ def output_settings(args, margs, resolved):
                 if k in OUTPUT_SETTINGS}
     settings.update(resolved)
     if args.speculative != "none":  # another random stream (the same distribution); absent from older folders
-        settings.update(speculative=args.speculative, draft_window=args.draft_window, draft_init=args.draft_init)
+        settings.update(speculative=args.speculative, draft_window=args.draft_window, draft_init=args.draft_init,
+                        draft_coupling=args.draft_coupling)
     cache_path = os.path.join(args.sample_dir, HASHES)
     cache = read_json(cache_path)
     content = {"model": dataclasses.asdict(margs)}

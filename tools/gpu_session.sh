@@ -20,7 +20,7 @@ usage: tools/gpu_session.sh STEP...      (steps run in order; each writes OUT/<s
   abbench bench.py --random-weights in BASE then here: inductor --batch-sizes 1,8,32 and cudagraph 1,2 (REF_STEPS)
   jacobi  speculative Jacobi decoding: its GPU tests, the marginals against the plain engine (tools/jacobi_marginals.py),
           bench.py --speculative jacobi at n = 1, 8, 32 on flat random weights and at target entropies 1.5 and 3
-          nats, then windows 8 and 32 and the left and above drafts at n = 1 (3 nats)
+          nats, then windows 8 and 32, the left and above drafts at n = 1 and coupled drafts at n = 1, 8 (3 nats)
 
 OUT (default sample/gpu) receives the logs; PYTHON picks the interpreter.
 USAGE
@@ -136,6 +136,7 @@ step_jacobi() {
     for init in left above; do
         "${bench[@]}" --batch-sizes 1 --ref-steps 0 --target-entropy 3 --draft-init "$init" --tag "_jacobi_$init"
     done
+    "${bench[@]}" --batch-sizes 1,8 --ref-steps 0 --target-entropy 3 --draft-coupling gumbel --tag _jacobi_gumbel
 }
 
 for step in "$@"; do
