@@ -20,6 +20,7 @@ import argparse
 import copy
 import itertools
 import json
+import math
 import os
 import subprocess
 import sys
@@ -31,24 +32,33 @@ if __package__ in (None, ""):
 
 import torch
 
-from fast_inference import decode_block, fused_ops
-from fast_inference.engine import BACKENDS, COMPILE_SCOPES, Engine
-from fast_inference.fast_engine import official_tf32
+from fast_inference import plan as plans
+from fast_inference.engine import BACKENDS, COMPILE_SCOPES, SPECULATIVE, Engine, vq_kernels
+from fast_inference.fast_engine import (RANGES, Parser, UserError, check_memory, check_ranges, check_writable,
+                                        official_tf32, ranged)
 from fast_inference.generate import generate
 from fast_inference.model import ModelArgs, Transformer
 from fast_inference.quantize import MODES as QUANTIZE_MODES, quantize_int8
+from fast_inference.speculative import COUPLINGS, DRAFT_INITS
+
+
+# The numeric flags' ranges (fast_engine.RANGES' form), checked before anything runs.
+BENCH_RANGES = dict(image_size=RANGES["image_size"], cfg_scale=RANGES["cfg_scale"], top_k=RANGES["top_k"],
+                    ref_steps=(0, None, "0 = skip the reference"), fast_runs=(1, None, None),
+                    e2e_runs=(0, None, "0 = skip"), draft_window=RANGES["draft_window"],
+                    target_entropy=(0.01, 9.7, "nats; at most log(16384)"))
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = Parser(description=__doc__.split("\n")[0])
     p.add_argument("--gpt-model", default="GPT-XL")
     p.add_argument("--gpt-ckpt", default=None)
     p.add_argument("--random-weights", action="store_true", help="no checkpoint: random weights")
     p.add_argument("--adapter-size", default="small")
-    p.add_argument("--image-size", type=int, default=512)
-    p.add_argument("--batch-sizes", default="1,8,32")
-    p.add_argument("--cfg-scale", type=float, default=4.0)
-    p.add_argument("--top-k", type=int, default=2000)
+    p.add_argument("--image-size", type=int, default=512, help=ranged("image_size", "image side", BENCH_RANGES))
+    p.add_argument("--batch-sizes", default="1,8,32", help="images per batch, comma-separated (each >= 1)")
+    p.add_argument("--cfg-scale", type=float, default=4.0, help=ranged("cfg_scale", "guidance scale", BENCH_RANGES))
+    p.add_argument("--top-k", type=int, default=2000, help=ranged("top_k", "top-k", BENCH_RANGES))
     p.add_argument("--precision", choices=["bf16", "fp16", "fp32"], default="bf16")
     p.add_argument("--quantize", choices=list(QUANTIZE_MODES), default="none",
                    help="int8: the fast engine on a weight-only int8 copy (the reference keeps the model's weights)")
@@ -58,10 +68,22 @@ def parse_args(argv=None):
     p.add_argument("--compile-scope", choices=list(COMPILE_SCOPES), default="block")
     p.add_argument("--no-fused-block", action="store_true",
                    help="block scope: the compiled block at every batch size (default: fused kernels at <= 16 rows, n <= 8)")
-    p.add_argument("--ref-steps", type=int, default=200, help="reference decode steps timed (0: skip)")
-    p.add_argument("--fast-runs", type=int, default=2, help="timed fast images per batch size")
+    p.add_argument("--plan", action="append", default=[], metavar="KEY=VALUE",
+                   help="override the fast engine's decode plan (fast_engine.py --help lists the keys)")
+    p.add_argument("--speculative", choices=list(SPECULATIVE), default="none",
+                   help="jacobi: also time speculative Jacobi decoding (fast_engine.py --help), beside the plain engine")
+    p.add_argument("--draft-window", type=int, default=16, help=ranged("draft_window", "positions a pass verifies",
+                                                                       BENCH_RANGES))
+    p.add_argument("--draft-init", choices=list(DRAFT_INITS), default="random")
+    p.add_argument("--draft-coupling", choices=list(COUPLINGS), default="none")
+    p.add_argument("--target-entropy", type=float, default=None,
+                   help=ranged("target_entropy", "scale the output layer so that the sampled distributions' mean "
+                               "entropy is this (random weights' are nearly flat: drafts are then rarely accepted)",
+                               BENCH_RANGES))
+    p.add_argument("--ref-steps", type=int, default=200, help="reference decode steps timed (0: skip; >= 0)")
+    p.add_argument("--fast-runs", type=int, default=2, help="timed fast images per batch size (>= 1)")
     p.add_argument("--e2e-runs", type=int, default=5,
-                   help="timed images end to end at n = 1 (their median is reported; 0: skip)")
+                   help="timed images end to end at n = 1 (their median is reported; 0: skip; >= 0)")
     p.add_argument("--out-dir", default="sample/bench")
     p.add_argument("--tag", default="", help="name suffix of the JSON/PNG files")
     p.add_argument("--in-process", action="store_true",
@@ -155,6 +177,55 @@ def bench_fast(engine, model, B, N, args, kw, device):
                 timings=dict(engine.last_timings))
 
 
+def bench_speculative(engine, B, N, args, kw, device):
+    """The speculative engine's images (after a warm-up image): tok/s, passes and accepted tokens, a pass's time."""
+    cond, mask, condition = inputs(engine.model, B, args.image_size, device)
+    before = engine.compile_seconds
+    engine.generate(cond, N, emb_masks=mask, condition=condition, **kw)
+    compile_s = engine.compile_seconds - before
+    runs = []
+    for _ in range(args.fast_runs):
+        engine.generate(cond, N, emb_masks=mask, condition=condition, **kw)
+        runs.append((engine.last_timings["decode"], engine.last_speculation))
+    d, spec = sorted(runs, key=lambda r: r[0])[len(runs) // 2]
+    return dict(tok_s=B * N / d, decode_s=d, pass_ms=d / spec["batch_passes"] * 1e3, compile_s=compile_s,
+                passes_per_image=sum(spec["passes"]) / B, tokens_per_pass=spec["tokens_per_pass"],
+                batch_passes=spec["batch_passes"], window=args.draft_window, init=args.draft_init,
+                coupling=args.draft_coupling)
+
+
+def scale_to_entropy(model, target, args, kw, device, steps=64, rounds=3):
+    """Scale the output layer so that the mean entropy (nats) of the sampled distributions (CFG merge, top-k) over
+    the first `steps` tokens of one image (torch seed 0) is `target`. The merged logits are linear in the scale, so
+    one run gives every scale's entropy along its tokens (bisection on the scale's log); the tokens drawn then change
+    with the scale, so a few rounds refit it. -> (scale, the entropy measured at it)."""
+    from fast_inference.sampling import cfg_merge, filter_logits
+
+    cond, mask, condition = inputs(model, 1, args.image_size, device)
+    steps = min(steps, model.args.block_size - 1)
+
+    def merged_logits():
+        torch.manual_seed(0)
+        _, logits = generate(model, cond, steps + 1, emb_masks=mask, condition=condition, return_logits=True, **kw)
+        merged = torch.cat([cfg_merge(l, kw["cfg_scale"]) if kw["cfg_scale"] > 1 else l for l in logits]).float()
+        return filter_logits(merged, 1.0, kw["top_k"])
+
+    def entropy(merged, scale=1.0):
+        logp = torch.log_softmax(merged * scale, -1)
+        return -(logp.exp() * logp.nan_to_num(neginf=0.0)).sum(-1).mean().item()
+
+    total = 1.0
+    for _ in range(rounds):
+        merged, lo, hi = merged_logits(), -8.0, 8.0  # log2 of the scale: entropy falls as it grows
+        for _ in range(40):
+            mid = (lo + hi) / 2
+            lo, hi = (mid, hi) if entropy(merged, 2 ** mid) > target else (lo, mid)
+        model.output.weight.mul_(2 ** ((lo + hi) / 2))
+        total *= 2 ** ((lo + hi) / 2)
+    model.clear_caches()
+    return total, entropy(merged_logits())
+
+
 def end_to_end(engine, model, vq, args, kw, device):
     """One image: condition encoder + prefill + decode + VQ decode, warm: the median of --e2e-runs images, and
     each (one image's time moves by ~1 ms from one to the next, the decode's share of a 1.0 s target's margin)."""
@@ -195,19 +266,57 @@ def plot(rows, path):
     img.save(path)
 
 
-def main(argv=None):
-    argv = sys.argv[1:] if argv is None else list(argv)
-    args = parse_args(argv)
-    if not torch.cuda.is_available():
-        sys.exit("error: bench.py needs a CUDA GPU")
-    if not args.random_weights and not args.gpt_ckpt:
-        sys.exit("error: pass --random-weights or --gpt-ckpt PATH")
+def fail(message, code=2):
+    """A user's mistake (code 2, as the other tools), or a failed child's code: one line, nothing written."""
+    print(f"error: {message}", file=sys.stderr)
+    sys.exit(code)
+
+
+def check_args(args):
+    """Everything checked before any process starts or GPU memory is touched -> the batch sizes."""
+    check_ranges(args, BENCH_RANGES)
+    if args.image_size % 16:
+        raise UserError(f"--image-size {args.image_size} is not a multiple of 16; use e.g. {-(-args.image_size // 16) * 16}")
     try:
         sizes = [int(b) for b in args.batch_sizes.split(",")]
     except ValueError:
-        sys.exit(f"error: --batch-sizes {args.batch_sizes!r}: give whole numbers separated by commas, e.g. 1,8,32")
-    if args.e2e_runs < 0:
-        sys.exit(f"error: --e2e-runs {args.e2e_runs}: give 0 (skip) or more images")
+        sizes = []
+    if not sizes or min(sizes) < 1:
+        raise UserError(f"--batch-sizes {args.batch_sizes!r}: give whole numbers >= 1 separated by commas, e.g. 1,8,32")
+    if args.speculative != "none" and (args.backend == "cudagraph" or args.compile_scope == "step"):
+        raise UserError("--speculative jacobi runs on --backend inductor with --compile-scope block, or on --backend "
+                        "eager")
+    if args.speculative != "none" and args.draft_init == "above" and args.image_size // 16 < args.draft_window:
+        raise UserError(f"--draft-init above needs --image-size >= {16 * args.draft_window} (--draft-window x 16)")
+    if not args.random_weights and not args.gpt_ckpt:
+        raise UserError("pass --random-weights or --gpt-ckpt PATH")
+    if args.gpt_ckpt and not os.path.isfile(args.gpt_ckpt):
+        raise UserError(f"--gpt-ckpt {args.gpt_ckpt} not found")
+    try:
+        bench_model_args(args)
+    except ValueError as e:
+        raise UserError(f"--gpt-model {args.gpt_model}: {e}") from None
+    if os.path.exists(args.out_dir) and not os.path.isdir(args.out_dir):
+        raise UserError(f"--out-dir {args.out_dir} is a file; give a folder")
+    check_writable(os.path.join(args.out_dir, "bench.json"))
+    return sizes
+
+
+def bench_model_args(args):
+    grid = args.image_size // 16
+    return ModelArgs.from_name(args.gpt_model, block_size=grid * grid, adapter_size=args.adapter_size,
+                               condition_type="hed")
+
+
+def main(argv=None):
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args = parse_args(argv)
+    try:
+        sizes = check_args(args)
+    except UserError as e:
+        fail(e)
+    if not torch.cuda.is_available():
+        fail("bench.py needs a CUDA GPU")
     if len(sizes) > 1 and not args.in_process:
         result = isolated(args, argv, sizes)
     else:
@@ -237,8 +346,9 @@ def isolated(args, argv, sizes):
             part = os.path.join(tmp, f"n{B}.json")
             cmd = [sys.executable, os.path.abspath(__file__), *argv, "--batch-sizes", str(B), "--in-process",
                    "--part", part] + (["--no-header"] if i else [])
-            if subprocess.run(cmd).returncode != 0:
-                sys.exit(f"error: the n = {B} process failed (its error is above); nothing written")
+            code = subprocess.run(cmd).returncode
+            if code != 0:
+                fail(f"the n = {B} process failed (its error is above); nothing written", 2 if code == 2 else 1)
             with open(part) as f:
                 parts.append(json.load(f))
     e2e = [p for p in parts if p["end_to_end_s"] is not None]
@@ -253,8 +363,12 @@ def measure(args, sizes):
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.precision]
     official_tf32()
     grid = args.image_size // 16
-    margs = ModelArgs.from_name(args.gpt_model, block_size=grid * grid, adapter_size=args.adapter_size,
-                                condition_type="hed")
+    margs = bench_model_args(args)
+    try:
+        check_memory(margs, args.image_size, args.image_size, max(sizes), args.cfg_scale, device, dtype,
+                     "use smaller --batch-sizes or --image-size")
+    except UserError as e:
+        fail(e)
     with torch.device(device):
         model = Transformer(margs)
     if args.gpt_ckpt:
@@ -265,20 +379,28 @@ def measure(args, sizes):
     from fast_inference.vq import VQ_models
 
     with torch.device(device):
-        vq = VQ_models["VQ-16"]().eval().requires_grad_(False)
+        vq = vq_kernels(VQ_models["VQ-16"]().eval().requires_grad_(False), args.backend, device, args.plan)
     bw = copy_bandwidth(device)
     N = grid * grid
     kw = dict(cfg_scale=args.cfg_scale, top_k=args.top_k, temperature=1.0, top_p=1.0)
+    entropy = scale = None
+    if args.target_entropy is not None:
+        with torch.no_grad():
+            scale, entropy = scale_to_entropy(model, args.target_entropy, args, kw, device)
     fast_model = quantize_int8(copy.deepcopy(model)) if args.quantize == "int8" else model
-    fused_ops.for_backend(args.backend)
     engine = Engine(fast_model, backend=args.backend, compile_mode=args.compile_mode,
                     compile_prefill=args.compile_prefill, compile_scope=args.compile_scope,
-                    fused_block=not args.no_fused_block)
+                    fused_block=not args.no_fused_block, overrides=args.plan)
+    jacobi = None if args.speculative == "none" else Engine(
+        fast_model, backend=args.backend, compile_mode=args.compile_mode, compile_prefill=args.compile_prefill,
+        compile_scope=args.compile_scope, fused_block=not args.no_fused_block, overrides=args.plan,
+        speculative=args.speculative, draft_window=args.draft_window, draft_init=args.draft_init,
+        draft_coupling=args.draft_coupling)
     rows, e2e, e2e_runs = [], None, None  # end to end is timed with n = 1 only
     scope = ""
     if args.backend == "inductor":
         fused = "" if args.compile_scope == "step" else ", compiled block only" if args.no_fused_block else \
-            f", fused block at <= {decode_block.MAX_ROWS} rows"
+            f", fused block at <= {plans.FUSED_ROWS} rows"
         scope = f" (compile scope {args.compile_scope}{fused})"
     weights = " (fast: int8 weights)" if args.quantize == "int8" else ""
     where = "one process" if args.in_process and not args.part else "a process per batch size"
@@ -286,6 +408,10 @@ def measure(args, sizes):
         print(f"{torch.cuda.get_device_name()} | {args.gpt_model} {args.image_size}px ({N} tokens) | cfg "
               f"{args.cfg_scale} top-k {args.top_k} | {args.precision}{weights} | backend {args.backend}{scope} | "
               f"{where} | copy bandwidth {bw / 1e12:.2f} TB/s", flush=True)
+        if entropy is not None:
+            print(f"output layer x {scale:.3g}: the sampled distributions' mean entropy {entropy:.2f} nats over the "
+                  f"first 64 tokens (random weights: {math.log(min(args.top_k or margs.vocab_size, margs.vocab_size)):.2f} "
+                  f"at most)", flush=True)
     with torch.no_grad():
         for B in sizes:
             torch.cuda.reset_peak_memory_stats()
@@ -294,8 +420,14 @@ def measure(args, sizes):
             fast = bench_fast(engine, fast_model, B, N, args, kw, device)
             rows_ = 2 * B if args.cfg_scale > 1 else B
             roof_ms = step_bytes(fast_model, rows_, margs.cls_token_num, N) / bw * 1e3
+            speculative = None
+            if jacobi is not None:  # after the plain engine: its own caches and graphs
+                speculative = bench_speculative(jacobi, B, N, args, kw, device)
+                speculative.update(pass_vs_step=speculative["pass_ms"] / fast["step_ms"],
+                                   vs_fast=speculative["tok_s"] / fast["tok_s"])
             row = dict(n=B, reference=ref, fast=fast, roofline_step_ms=roof_ms, copy_bandwidth_Bps=bw,
-                       roofline_pct=100 * roof_ms / fast["step_ms"], peak_mem_gb=torch.cuda.max_memory_allocated() / 1e9)
+                       roofline_pct=100 * roof_ms / fast["step_ms"], peak_mem_gb=torch.cuda.max_memory_allocated() / 1e9,
+                       speculative=speculative, output_scale=scale, entropy=entropy)
             rows.append(row)
             print_row(row, flush=True)
             if B == 1 and args.e2e_runs > 0:  # while the n=1 graphs are warm
@@ -311,6 +443,12 @@ def print_row(r, flush=False):
     print(f"n={r['n']:<3d} reference {ref_s} | fast {fast['tok_s']:9.1f} tok/s ({fast['step_ms']:6.2f} ms/step) | "
           f"{ratio} | roofline {r['roofline_pct']:5.1f}% ({r['roofline_step_ms']:.2f} ms) | compile "
           f"{fast['compile_s']:.1f}s | peak {r['peak_mem_gb']:.1f} GB", flush=flush)
+    s = r.get("speculative")
+    if s:
+        print(f"      jacobi L={s['window']} ({s['init']}, coupling {s['coupling']}) {s['tok_s']:9.1f} tok/s "
+              f"({s['vs_fast']:.2f}x the plain engine) | "
+              f"{s['passes_per_image']:.0f} passes per image, {s['tokens_per_pass']:.2f} tokens per pass | one pass "
+              f"{s['pass_ms']:.2f} ms = {s['pass_vs_step']:.2f} plain steps | compile {s['compile_s']:.1f}s", flush=flush)
 
 
 if __name__ == "__main__":

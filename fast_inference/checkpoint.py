@@ -63,12 +63,20 @@ def read_metadata(path):
 
 
 def load_failure(path, e):
-    """One line for a torch.load failure: a pickled class safe loading refuses, or a broken file."""
-    m = re.search(r"Unsupported global: GLOBAL (\S+)", str(e))
+    """One line for a torch.load failure: a pickle that would run code (safe loading refuses it), or a broken file.
+
+    torch words the refusal by version: "Unsupported global: GLOBAL x" (classes outside its allowlist; every
+    global before 2.6), "Trying to load unsupported GLOBAL x whose module m is blocked" (2.6+: os, subprocess...),
+    "Unsupported class x" (1.13-2.0)."""
+    m = re.search(r"(?:[Uu]nsupported (?:global: )?GLOBAL|Unsupported class) (\S+)", str(e))
     if m:
-        return (f"{path} pickles {m.group(1)}, which safe (weights_only) loading refuses; re-save its state dict "
-                "as .safetensors (safetensors.torch.save_file) on a machine where you trust the file")
-    return f"{path} is not a readable torch checkpoint ({str(e).strip().splitlines()[0]}); download it again"
+        return (f"{path} is refused: it pickles {m.group(1).rstrip('.,')}, so loading it would run code from the file "
+                "(safe loading runs none); if you trust the file, re-save its state dict as .safetensors "
+                "(safetensors.torch.save_file) on a machine where you do")
+    lines = [s.strip() for s in str(e).splitlines() if s.strip() and not s.strip().startswith("Check the documentation")]
+    # torch's weights-only failures open with advice to load unsafely; their cause is the last line.
+    cause = (lines[-1] if "Weights only load failed" in str(e) else lines[0]) if lines else type(e).__name__
+    return f"{path} is not a readable torch checkpoint ({cause}); download it again"
 
 
 def unwrap(state_dict):

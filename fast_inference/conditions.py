@@ -37,15 +37,27 @@ class ConditionError(ValueError):
 
 # ---------------------------------------------------------------------------------- image I/O
 
-def read_rgb(path):
+def read_rgb(path, fix=None):
     """An image file -> uint8 (H, W, 3). Grey, palette and RGBA files are converted to RGB."""
+    return read_image(path, lambda im: np.array(im.convert("RGB")), fix)
+
+
+def read_size(path, fix=None):
+    """(H, W) of an image file from its header alone: sizes are checked before any pixel is decoded."""
+    return read_image(path, lambda im: (im.height, im.width), fix)
+
+
+def read_image(path, take, fix=None):
+    """take(the opened PIL image); a missing or unreadable file is one ConditionError ending with fix (default: the
+    fast_engine.py flag; fast_eval.py names the manifest line or the split instead)."""
     if not os.path.isfile(path):
-        raise ConditionError(f"control image {path} not found; pass an existing image with --condition-path")
+        raise ConditionError(f"control image {path} not found; {fix or 'pass an existing image with --condition-path'}")
     try:
         with Image.open(path) as im:
-            return np.array(im.convert("RGB"))
+            return take(im)
     except Exception as e:
-        raise ConditionError(f"cannot read {path} as an image ({e}); pass a PNG or JPEG with --condition-path") from None
+        raise ConditionError(f"cannot read {path} as an image ({e}); "
+                             f"{fix or 'pass a PNG or JPEG with --condition-path'}") from None
 
 
 def resize_to(rgb, H, W):
@@ -168,6 +180,9 @@ def extract_control(rgb, condition_type, ckpt=None, device="cpu", is_map=False, 
             x = to_model_range((1 - out) * 255)
         else:
             x = 2 * (out - 0.5)  # test_t2i.py: no 0..255 round trip
+    if not torch.isfinite(x).all():  # e.g. a depth map whose maximum is 0 (x 255 / 0): tokens of all zeros
+        raise ConditionError(f"the {condition_type} annotator gave NaN or infinite values for this image; "
+                             "pass a ready control map with --condition-is-map")
     return x.expand(3, -1, -1).contiguous()
 
 

@@ -11,6 +11,8 @@ Two sources, both turned into a list of `Sample`s:
   a JSONL manifest, one object per line, paths relative to the manifest:
       {"id": 7, "control": "c/7.png", "caption_emb": "e/7.npz"}  or  {..., "prompt": "a cat"}
       optional: "class_label" (c2i), "label" (seg ground truth)
+      The paths must stay inside the manifest's folder (symlinks resolved), unless the reader allows any
+      (fast_eval.py --allow-outside-paths): a manifest from elsewhere cannot make us open /etc or ../../.
 
 `read_sample` runs in DataLoader workers: CPU only, returns plain arrays, and reports a bad
 file as an error string (a worker's exception would arrive as a multi-line traceback).
@@ -40,6 +42,7 @@ class Sample:
     prompt: Optional[str] = None
     label: Optional[str] = None  # seg class-index PNG, saved raw as the annotation
     class_label: Optional[int] = None
+    fix: Optional[str] = None  # what a user fixes when one of its files is missing or unreadable
 
 
 def output_name(sample_id):
@@ -70,16 +73,16 @@ def official_samples(root, condition_type, is_map=False):
         label = os.path.join(root, "label", f"{i}.png")
         samples.append(Sample(name=f"{i:06d}", source=source, is_map=folder != "image",
                               caption=os.path.join(caption_dir, f"{i}.npz"),
-                              label=label if condition_type == "seg" and os.path.isfile(label) else None))
+                              label=label if condition_type == "seg" and os.path.isfile(label) else None,
+                              fix=f"replace it in the --data-path split {root}"))
     return samples
 
 
-def manifest_samples(path, condition_type, is_map=False):
-    """Samples of a JSONL manifest, in file order."""
+def manifest_samples(path, condition_type, is_map=False, anywhere=False):
+    """Samples of a JSONL manifest, in file order; anywhere: its paths may leave its folder."""
     if not os.path.isfile(path):
         raise DataError(f"--manifest {path} not found; pass a .jsonl file with one sample per line")
     base = os.path.dirname(os.path.abspath(path))
-    resolve = lambda p: None if p is None else os.path.join(base, p)
     samples, seen = [], set()
     with open(path, encoding="utf-8") as f:
         for n, line in enumerate(f, 1):
@@ -98,23 +101,43 @@ def manifest_samples(path, condition_type, is_map=False):
             label = row.get("class_label")
             if label is not None and not isinstance(label, int):
                 raise DataError(f"{path}:{n}: class_label must be an integer")
-            samples.append(Sample(name=name, source=resolve(row["control"]), is_map=is_map or condition_type == "seg",
-                                  caption=resolve(row.get("caption_emb")), prompt=row.get("prompt"),
-                                  label=resolve(row.get("label")), class_label=label))
+            where = f"{path}:{n}"
+            paths = {k: manifest_path(row.get(k), k, base, where, anywhere) for k in ("control", "caption_emb", "label")}
+            samples.append(Sample(name=name, source=paths["control"], is_map=is_map or condition_type == "seg",
+                                  caption=paths["caption_emb"], prompt=row.get("prompt"), label=paths["label"],
+                                  class_label=label, fix=f"fix line {n} of --manifest {path}"))
     if not samples:
         raise DataError(f"--manifest {path} has no samples")
     return samples
+
+
+def manifest_path(p, key, base, where, anywhere):
+    """A manifest's path, relative to its folder base; one that leaves base (absolute, ../, a symlink out) only
+    if anywhere."""
+    if p is None:
+        return None
+    if not isinstance(p, str) or not p:
+        raise DataError(f"{where}: \"{key}\" must be a path (a string), got {p!r}")
+    full = os.path.join(base, p)
+    inside = os.path.commonpath([os.path.realpath(full), os.path.realpath(base)]) == os.path.realpath(base)
+    if not inside and not anywhere:
+        raise DataError(f"{where}: \"{key}\" {p!r} leaves the manifest's folder {base}; move the file inside it, "
+                        "or pass --allow-outside-paths if you trust this manifest")
+    return full
 
 
 def listdir(d):
     return os.listdir(d) if os.path.isdir(d) else []
 
 
-def check_text(samples, mode):
-    """mode: 'emb' (caption .npz), 't5' (prompt, or the .npz's prompt) or 'label' (c2i class)."""
+def check_text(samples, mode, num_classes=None):
+    """mode: 'emb' (caption .npz), 't5' (prompt, or the .npz's prompt) or 'label' (c2i class, < num_classes)."""
     for s in samples:
         if mode == "label" and s.class_label is None:
             raise DataError(f"sample {s.name} has no class_label; c2i needs a --manifest with \"class_label\"")
+        if mode == "label" and num_classes is not None and not 0 <= s.class_label < num_classes:
+            raise DataError(f"sample {s.name}: class_label {s.class_label} is not in 0..{num_classes - 1}; "
+                            "fix the manifest (or --num-classes)")
         if mode == "emb" and s.caption is None:
             raise DataError(f"sample {s.name} has no caption_emb; pass --t5-path to encode its prompt")
         if mode == "t5" and s.caption is None and s.prompt is None:
@@ -128,7 +151,7 @@ def read_sample(sample, condition_type, H, W, cls_token_num, text_mode):
     dict(error=message). `ready`: source is the control map; otherwise the main process runs
     the hed/lineart/depth network on it. Canny is cheap and runs here."""
     try:
-        rgb = conditions.read_rgb(sample.source)
+        rgb = conditions.read_rgb(sample.source, fix=sample.fix)
         check_size(rgb, sample.source, H, W)
         ready = sample.is_map
         if condition_type == "canny" and not ready:

@@ -1,278 +1,132 @@
-"""The fast engine: static KV caches and ONE captured decode step per token.
+"""The fast engine: static KV caches and ONE captured decode step per token, executing a decode plan.
 
-The step (embed -> transformer -> CFG merge -> temperature/top-k/top-p -> exponential-race draw
--> write the token) reads and writes only buffers: the model's KV caches and the `Sampler`'s
-token, position, output, mask and control buffers. So it has no inputs to copy, no host sync, and
-can be captured once and replayed N-1 times:
-  backend "inductor":  compile_scope "block" (default): one compiled transformer block shared by
-                       all layers (regional compilation, ~1/n_layer of the compile time) and a
-                       compiled head (norm, output), in a step captured by hand as below
-                       (inductor's kernels with programmatic dependent launch on Hopper+; the
-                       weights and the next attention's first keys pulled into L2 beside the step,
-                       paced by the attention and the down projection); the
-                       embeddings, RoPE row and control rows in one Triton kernel (decode_inputs);
-                       at <= 16 rows (n <= 8 under CFG) decode_block's fused Triton kernels
-                       instead, with nothing compiled (fused_block=True), their weights pulled
-                       into L2 just ahead of them by a kernel beside the step (prefetch); the
-                       sampling in one Triton kernel (decode_sampling; sampling.py's ops compiled
-                       for top-p < 1);
-                       compile_scope "step": torch.compile(step, mode=reduce-overhead|max-autotune,
-                       fullgraph=True), as gpt-fast; int8 weights (quantize.py): the fused
-                       kernels up to 16 rows, the eager block beyond, nothing compiled
-  backend "cudagraph": torch.cuda.CUDAGraph captured by hand around the eager step (no Triton);
-                       its SDPA reads a static window of the cache per group of steps (one graph
-                       per window, CACHE_WINDOWS), not the whole cache; up to 4 rows in bf16 on
-                       Hopper+ the blocks' projections run as smem_gemv's CUDA C++ kernels (NVRTC)
-                       and the attention as smem_attention's (filled keys only: no windows); on
-                       Hopper+ the draw and the step's inputs as one CUDA C++ kernel each (cuda_draw,
-                       cuda_inputs; top-p < 1: sampling.py's ops), and in the eager blocks and prefill
-                       RoPE with the cache write and SiLU x up (fused_ops through cuda_ops); past
-                       smem_gemv's rows the eager blocks' attention is smem_attention's too, which
-                       does their steps' RoPE and cache write itself
-  backend "eager":     the same steps run op by op (CPU, debugging)
-Where the steps are captured by hand the eager prefill is captured too from a shape's second image on
-(replayed per image, its prefix copied in; the first token's draw runs after it, outside its graph), and so is
-the control encoder with the rest of prepare() (Engine._prepare). Where
-the steps run the compiled block, and with compile_prefill up to 8 images too, the prefill's blocks run it
-(no graph; from the shape's first image, so that every image of a seed is the same).
-It computes what generate.py computes; only the draw differs (same distribution, see sampling.py).
+plan.py chooses an implementation for every operation of a step and of the prefill from the situation (backend,
+device, rows, dtype, settings); the Engine makes each new shape's plan and runner (runner.py: the shape's static
+buffers and the functions that run its prefill and steps through the model's Context; speculative.py: its Jacobi
+passes), wires the chosen kernels into it, captures its steps by hand (graphs.py: one pool for the shape's graphs)
+or compiles them (torch.compile: the shared block, the head, or the whole step as gpt-fast does), and generates.
+Where the steps are captured by hand, the eager prefill and the condition encoder (prepare) are captured too from a
+shape's second image on, replayed per image with their inputs copied in; the first token's draw runs after the
+prefill, outside its graph. It computes what generate.py computes; only the draw differs (the same distribution,
+sampling.py).
 """
 import functools
 import logging
+import math
 import os
 import time
+from dataclasses import replace
 
 import torch
-import torch.nn as nn
 
-from fast_inference import (cuda_draw, cuda_inputs, cuda_ops, decode_attention, decode_block, decode_inputs,
-                            decode_sampling, prefetch, smem_attention, smem_gemv)
+from fast_inference import plan as plans
 from fast_inference.generate import prepare
-from fast_inference.pdl import use_pdl
+from fast_inference.graphs import Graphs, restore, snapshot
+from fast_inference.kernels import (attention_cuda, attention_triton, block_cuda, block_triton, draw_cuda, draw_triton,
+                                    eager_ops_cuda, eager_ops_triton, group_norm_triton, inputs_cuda, inputs_triton,
+                                    prefetch_triton)
+from fast_inference.kernels.block import fused_block
+from fast_inference.kernels.pdl import EARLY
+from fast_inference.model import TORCH_OPS, Context, EagerOps
 from fast_inference.quantize import is_int8
-from fast_inference.sampling import cfg_merge, sample
+from fast_inference.runner import ShapeRunner
+from fast_inference.speculative import COUPLINGS, DRAFT_INITS, JacobiRunner
 
 log = logging.getLogger("fast_inference")
 
-# Without the Triton decode attention (backends cudagraph and eager) a step's SDPA reads a static
-# window of the cache, one per run of steps: with 8 runs a step reads on average 1/16 of the
-# image's keys past the filled part, instead of the whole cache. One captured graph per window.
-CACHE_WINDOWS = 8
-BACKENDS = ("inductor", "cudagraph", "eager")
-COMPILE_SCOPES = ("step", "block")
-
-
-def inductor_pdl(device):
-    """Inductor's programmatic dependent launch on Hopper+: each of its kernels starts while the one
-    before it drains (n = 32 on an H200: 3.58 -> 3.38 ms/step, only while the block's step graph is the
-    process's one CUDA graph capture; docs/PERF_NOTES.md #18). Off with
-    TORCHINDUCTOR_ENABLE_PDL=0. Process-wide, as the compile cache directory: the config, and the
-    environment for inductor's compile workers. Called just before compiling: importing inductor
-    takes seconds, and the fused path (<= 16 rows) never needs it."""
-    if os.environ.get("TORCHINDUCTOR_ENABLE_PDL", "1") != "1" or not use_pdl(device):
-        return
-    import torch._inductor.config
-
-    if hasattr(torch._inductor.config.triton, "enable_pdl"):  # torch >= 2.9
-        os.environ["TORCHINDUCTOR_ENABLE_PDL"] = "1"
-        torch._inductor.config.triton.enable_pdl = True
-
-
-def cache_windows(prefix_len, num_tokens, max_seq, groups):
-    """The decode steps in `groups` runs of equal length -> (cache lengths, the window of each step).
-    Step i writes and attends up to position prefix_len + i, so its run's length covers the run's
-    last position (rounded up to 8, at most max_seq); runs of equal length share one window."""
-    steps = max(num_tokens - 1, 1)
-    per = -(-steps // groups)
-    need = [min(max_seq, -(-(prefix_len + (i // per + 1) * per) // 8) * 8) for i in range(steps)]
-    lengths = sorted(set(need))
-    return lengths, [lengths.index(n) for n in need]
-
-
-def captures_prefill(hand_capture, prefill_block, compiled):
-    """Whether the engine captures the prefill too, replaying it for every image of a shape: its ~1,000 small
-    eager kernels take 17-40 ms of CPU for ~5 ms of GPU work at n = 1 (H200). Where its steps are captured by
-    hand and the prefill runs eagerly; not through the compiled block (no CUDA graph there) or compiled whole."""
-    return hand_capture and prefill_block is None and not compiled
+BACKENDS, COMPILE_SCOPES = plans.BACKENDS, plans.COMPILE_SCOPES
+SPECULATIVE = ("none", "jacobi")
+CUDA_KERNELS = dict(block_cuda=block_cuda, attention_cuda=attention_cuda, draw_cuda=draw_cuda,
+                    inputs_cuda=inputs_cuda, eager_ops_cuda=eager_ops_cuda)
+# the eager ops' kernels by the plan's names: (op, implementation) -> (module, function)
+OPS = {("rms_norm", "cuda"): (eager_ops_cuda, "rms_norm"), ("silu_mul", "triton"): (eager_ops_triton, "silu_mul"),
+       ("silu_mul", "cuda"): (eager_ops_cuda, "silu_mul"), ("rope", "triton"): (eager_ops_triton, "rope_and_cache"),
+       ("rope", "cuda"): (eager_ops_cuda, "rope_and_cache")}
 
 
 def default_cache_dir():
     return os.path.join(os.path.expanduser("~"), ".cache", "controlar_fast", "inductor")
 
 
-class Sampler(nn.Module):
-    """Static buffers and the step functions for one (batch, tokens, control grid, settings) shape."""
+def eager_ops(choice):
+    """A plan's EagerOps choice as the model's EagerOps (the kernels' functions; torch's where None)."""
+    pick = lambda op, name: getattr(*OPS[op, name]) if (op, name) in OPS else None
+    return EagerOps(rms_norm=pick("rms_norm", choice.rms_norm), silu_mul=pick("silu_mul", choice.silu_mul),
+                    rope_and_cache=pick("rope", choice.rope))
 
-    def __init__(self, model, batch, num_tokens, prefix_len, num_controls, cfg, top_k, top_p, sample_logits,
-                 decode_attention=None, block_fn=None, draw_fn=None, windows=1, inputs_fn=None,
-                 keep_logits=True):
-        super().__init__()
-        self.model = model
-        self.decode_attention, self.block_fn, self.draw_fn = decode_attention, block_fn, draw_fn
-        self.inputs_fn = inputs_fn  # the step's inputs in one kernel (decode_inputs', cuda_inputs'); None: the model's
-        self.batch, self.num_tokens, self.prefix_len, self.cfg = batch, num_tokens, prefix_len, cfg
-        self.top_k, self.top_p, self.sample_logits = top_k, top_p, sample_logits
-        self.keep_logits = keep_logits  # each step's logits into `logits` (teacher forcing reads them)
-        self.finish_fn = self.finish  # the engine may compile it
-        self.logits_fn = model.logits  # or decode_block.logits (norm fused into the output GEMV)
-        rows = 2 * batch if cfg else batch
-        model.setup_caches(rows, prefix_len + num_tokens, model.tok_embeddings.weight.dtype)
-        self.cache = model.layers[0].attention.kv_cache  # graphs are bound to these cache tensors
-        # RoPE's zero rows make the text's keys zero (SPEC 2.5): the decode attention kernel takes them as one
-        # partial, their values' sum and count, made after each prefill (decode_attention.text_sums)
-        text_len = prefix_len if (decode_attention is not None and getattr(decode_attention, "text", True)
-                                  and not model.freqs_cis[:prefix_len].any()) else 0
-        for layer in model.layers:
-            layer.attention.kv_cache.text_len = text_len
-        # The cache length SDPA reads in each window of steps (None: the whole cache, or the kernel's own;
-        # the engine asks for windows only where there is no decode_attention kernel)
-        if windows > 1:
-            self.kv_lens, self.step_window = cache_windows(prefix_len, num_tokens, model.max_seq, windows)
-        else:
-            self.kv_lens, self.step_window = [None], [0]
-        device, dtype, D = model.output.weight.device, model.tok_embeddings.weight.dtype, model.args.dim
-        self.text_table = None  # the engine's, for the text partials of all layers in one kernel (layer_text_sums)
-        buf = lambda name, t: self.register_buffer(name, t, persistent=False)
-        buf("token", torch.zeros(batch, 1, dtype=torch.long, device=device))
-        buf("input_pos", torch.zeros(1, dtype=torch.long, device=device))
-        buf("out", torch.zeros(batch, num_tokens, dtype=torch.long, device=device))
-        buf("logits", torch.zeros(rows, model.args.vocab_size, device=device))
-        # The fused draw's race noise, made by the fused head where the engine says so (head_noise)
-        self.head_noise = False
-        buf("noise", torch.zeros(batch, model.args.vocab_size, device=device))
-        buf("draws", torch.zeros(1 + batch, dtype=torch.long, device=device))  # the fused draw's counts, zeros between
-        buf("key_valid", torch.ones(rows, model.max_seq, dtype=torch.bool, device=device))
-        buf("controls", torch.zeros(3, rows, num_controls, D, dtype=dtype, device=device))
-        # Tensors, not constants, so a new cfg scale or temperature replays the same graph.
-        buf("cfg_scale", torch.ones((), device=device))
-        buf("temperature", torch.ones((), device=device))
-        buf("seed", torch.zeros((), dtype=torch.long, device=device))  # the fused draw's Philox key, per call
-        self.capture_prefill = False  # the engine decides (captures_prefill)
-        self.prefetcher = None  # prefetch.Prefetcher, counted by the fused block or the compiled block's attention
-        self.prefix = None  # a captured prefill's input, copied in for each image
-        self.prefill_logits = None  # the prefill's output: the captured tensor where it is replayed
-        self.prefill_block = None  # the prefill's block_fn: None (eager) or the engine's compiled block
 
-    def key(self):
-        return (self.batch, self.num_tokens, self.prefix_len, self.controls.shape[2], self.cfg,
-                self.top_k, self.top_p, self.sample_logits, self.controls.dtype, self.keep_logits)
+def vq_kernels(vq, backend, device, overrides=()):
+    """The VQ decoder's norms through group_norm_triton where the plan says (Triton on CUDA, not the cudagraph
+    backend), else torch's."""
+    want = dict(plans.parse_overrides(overrides) + plans.environment_overrides())
+    cuda = torch.device(device).type == "cuda"
+    use = plans.vq_norm(backend, cuda, plans.triton_available(), want) == "triton"
+    return vq.use_kernels(group_norm_triton if use else None)
 
-    def _sample(self, logits):
-        return sample(logits, self.temperature, self.top_k, self.top_p, self.sample_logits, race=True)
 
-    def prefill(self, prefix):
-        """Prefix positions 0..T-1 -> the caches, and the logits of the last (first_token draws from them)."""
-        T = prefix.shape[1]
-        input_pos = torch.arange(T, device=prefix.device)
-        # SDPA over the prefix's keys only, not the whole cache (masked past T anyway): GPT-XL's prefill at n = 1
-        # 3.92 -> 3.30 ms of GPU on an H200, the same logits bit for bit
-        logits = self.model(prefix, input_pos, self.key_valid, self.controls, last_only=True,
-                            block_fn=self.prefill_block, kv_len=min(-(-T // 8) * 8, self.model.max_seq))[:, -1]
-        if self.cache.text_len:
-            caches = [layer.attention.kv_cache for layer in self.model.layers]
-            decode_attention.layer_text_sums(caches, self.key_valid, self.text_table)
-        return logits
-
-    def first_token(self, logits):
-        """The first image token, drawn from the prefill's logits into out[:, 0]. Never in the prefill's graph: the
-        fused draw's kernels launch under PDL, and in a second graph of the shape they cost every step PDL's overlap
-        (docs/PERF_NOTES.md, "The prefill's graph without its draw")."""
-        self.input_pos.fill_(self.prefix_len - 1)  # the position whose next token is drawn
-        self.emit(logits, self.cfg)
-
-    def window(self, i):
-        """The window (index into kv_lens) of decode step i."""
-        return self.step_window[min(i, len(self.step_window) - 1)]
-
-    def step_fn(self, guided, w):
-        """The step to capture or compile, reading the cache window w: `step` if guided, else
-        `step_conditional`."""
-        kv_len = self.kv_lens[w]
-        if guided:
-            return lambda: self.step(kv_len)
-        return lambda: self.step_conditional(kv_len)
-
-    def step(self, kv_len=None):
-        """One guided decode step over all rows (both CFG halves when cfg is on)."""
-        self._advance(self.key_valid, self.controls, self.cfg, kv_len)
-
-    def step_conditional(self, kv_len=None):
-        """After cfg_interval: the conditional half only, at half the batch (same tokens out)."""
-        self._advance(self.key_valid[: self.batch], self.controls[:, : self.batch], False, kv_len)
-
-    def _advance(self, key_valid, controls, guided, kv_len):
-        # Weights and keys into L2 ahead of the kernels that read them, beside the step: inside its graph only (prefetch.py)
-        fetching = self.prefetcher is not None and self.prefetcher.start(key_valid.shape[0])
-        if self.inputs_fn is not None:  # embeddings, RoPE row and control rows in one kernel
-            x, inputs = self.inputs_fn(self.model, self.token, self.input_pos, controls, guided)
-        else:
-            x, inputs = self.model.tok_embeddings(torch.cat([self.token, self.token]) if guided else self.token), None
-        h = self.model(x, self.input_pos, key_valid, controls, last_only=True, decode_attention=self.decode_attention,
-                       block_fn=self.block_fn, hidden=True, kv_len=kv_len, inputs=inputs)
-        self.finish_fn(h, guided)
-        if fetching:
-            self.prefetcher.join()
-        elif self.prefetcher is not None:
-            self.prefetcher.reset()
-
-    def finish(self, h, guided):
-        """Last hidden state -> logits -> CFG merge -> filtered draw -> token written, position advanced."""
-        self.emit(self.logits_fn(h)[:, -1], guided, self.head_noise)
-
-    def emit(self, logits, guided, noise_ready=False):
-        """Logits (rows, V) predicting the token after input_pos -> the token drawn, to `token` and `out`
-        (and the logits, in float32, to `logits` if keep_logits); the position advanced. noise_ready: the
-        fused draw's race noise is made for this step (decode_block.logits), else the draw makes it."""
-        if self.keep_logits:
-            self.logits[: logits.shape[0]].copy_(logits)
-        if self.draw_fn is not None:  # one kernel's draw (or two), the position advanced by it too
-            self.draw_fn(logits, self.token, self.out, self.input_pos, self.seed, self.cfg_scale, self.temperature,
-                         self.prefix_len, self.top_k, guided, self.sample_logits, self.noise, noise_ready, self.draws)
-            return
-        logits = logits.float()
-        token = self._sample(cfg_merge(logits, self.cfg_scale) if guided else logits)
-        self.token.copy_(token)
-        self.out.index_copy_(1, self.input_pos - self.prefix_len + 1, token)
-        self.input_pos.add_(1)
+def run_block(layer, x, freqs, attend, input_pos, ops=TORCH_OPS, down=False, down_pdl=0, progress=None):
+    """A block as the model's Context.block: the layer itself with its element-wise ops; with down, its w2 and
+    residual add as block_triton's kernel (launched in PDL mode down_pdl, counted for a prefetcher's progress). The
+    engine compiles it once for every layer (regional compilation)."""
+    d = functools.partial(block_triton.down, progress=progress, pdl=down_pdl) if down else None
+    return layer(x, freqs, attend, ops, down=d)
 
 
 class Engine:
-    """Generate with the fast path; `generate` takes the same arguments as generate.generate."""
+    """Generate with the fast path; `generate` takes the same arguments as generate.generate. overrides: plan
+    overrides ("key=value" strings, plan.OVERRIDES), on top of CONTROLAR_PLAN's. speculative "jacobi": lossless
+    speculative Jacobi passes of draft_window positions (speculative.py) instead of one token per step, the window's
+    initial drafts by draft_init (speculative.DRAFT_INITS), their redraws' noise by draft_coupling (COUPLINGS)."""
 
     def __init__(self, model, backend="inductor", compile_mode="reduce-overhead", cache_dir=None,
-                 compile_prefill=False, compile_scope="block", fused_block=True):
-        if backend not in BACKENDS:
-            raise ValueError(f"unknown backend {backend!r}; use one of {BACKENDS}")
+                 compile_prefill=False, compile_scope="block", fused_block=True, overrides=(), speculative="none",
+                 draft_window=16, draft_init="random", draft_coupling="none"):
+        self.model, self.backend, self.compile_mode = model, backend, compile_mode
+        self.compile_scope, self.fused_block, self.compile_prefill = compile_scope, fused_block, compile_prefill
+        self.device = model.output.weight.device
         if compile_scope not in COMPILE_SCOPES:
             raise ValueError(f"unknown compile scope {compile_scope!r}; use one of {COMPILE_SCOPES}")
-        self.model, self.backend, self.compile_mode = model, backend, compile_mode
-        # As gpt-fast's --compile_prefill: the prefill compiled where it would run eagerly. With compile scope
-        # "block" (bf16) it runs the compiled block (a few seconds of compile; past 8 images it does anyway),
-        # else it is compiled as one graph (~50 s for GPT-XL): that pays off over many batches of one shape.
-        self.compile_prefill = compile_prefill
-        self.device = model.output.weight.device
-        if backend == "cudagraph" and self.device.type != "cuda":
-            raise ValueError("--backend cudagraph needs a CUDA device; use --backend eager or inductor on CPU")
-        if backend == "inductor":
-            os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", cache_dir or default_cache_dir())
+        if speculative not in SPECULATIVE or draft_init not in DRAFT_INITS or draft_coupling not in COUPLINGS:
+            raise ValueError(f"speculative {speculative!r}, draft init {draft_init!r}, coupling {draft_coupling!r}: use "
+                             f"one of {SPECULATIVE}, of {DRAFT_INITS} and of {COUPLINGS}")
+        self.draft_window = draft_window if speculative == "jacobi" else 0
+        self.draft_init, self.draft_coupling = draft_init, draft_coupling
+        self.overrides = tuple(dict(plans.environment_overrides() + plans.parse_overrides(overrides)).items())
         if model.layers[0].feed_forward.w13 is None:
             model.fuse_projections()
-        # inductor turns int8 projections into slow kernels: decode_block's or eager ones instead
         self.int8 = is_int8(model)
-        if self.int8 and backend == "inductor" and compile_scope == "step":
-            raise ValueError("int8 weights run with compile_scope 'block'")
-        self.block_scope = backend == "inductor" and compile_scope == "block"
-        self.block_fn = None  # the compiled block, made when a shape first needs it
+        # the plan of one image, with nothing built: the backend's errors now, and how its steps run
+        first = plans.make(replace(self.situation(1, True, 1.0, True, model.args.prefix_len + 1),
+                                   builds=lambda *key: False))
+        self.hand_capture = first.step == "hand_graph"
+        self.device_pdl = first.situation.pdl
+        if backend == "inductor":
+            os.environ["TORCHINDUCTOR_CACHE_DIR"] = plans.inductor_cache_dir(cache_dir or default_cache_dir())
+        self.block_fn = self.compiled_logits = None  # compiled when a shape first needs them
         self.compile_seconds = 0.0
-        self.hand_capture = self.device.type == "cuda" and (backend == "cudagraph" or self.block_scope)
-        self.fused_block = fused_block and self.block_scope
-        # The split-KV Triton kernel needs Triton; the cudagraph backend promises to run without it.
-        self.decode_attention = None
-        if backend == "inductor" and decode_attention.available(self.device):
-            self.decode_attention = decode_attention.decode_attention
-        self.sampler = None
-        self.conditions = None  # prepare()'s graph for one set of inputs' shapes and settings (_prepare)
+        self.runner, self.plan = None, None  # the current shape's runner and plan
+        self.graphs, self.conditions = Graphs(), None  # the shape's graphs; prepare()'s key (_prepare)
         self.marks = None  # the last generate()'s Marks: last_timings
+        self.passes = None  # the last speculative generate()'s passes per image: last_speculation
+
+    def situation(self, batch, cfg, top_p, sample_logits, max_seq):
+        a, cuda = self.model.args, self.device.type == "cuda"
+        return plans.Situation(
+            backend=self.backend, compile_scope=self.compile_scope, fused_block=self.fused_block,
+            compile_prefill=self.compile_prefill, device=self.device.type,
+            capability=torch.cuda.get_device_capability(self.device) if cuda else None,
+            triton=plans.triton_available(), interpret=plans.interpreting(),
+            dtype=self.model.tok_embeddings.weight.dtype, int8=self.int8, top_p=top_p, sample=sample_logits, cfg=cfg,
+            batch=batch, dim=a.dim, n_head=a.n_head, ffn_hidden=a.ffn_hidden, vocab_size=a.vocab_size,
+            max_seq=max_seq, text_prefix=not self.model.freqs_cis[: a.prefix_len].any(),
+            builds=functools.partial(self.builds_on, self.device), overrides=self.overrides,
+            draft_window=self.draft_window)
+
+    @staticmethod
+    def builds_on(device, kernel, *key):
+        """Whether CUDA C++ kernel `kernel` (CUDA_KERNELS) builds on device for `key`: compiled now, before any capture.
+        (The plan holds it with the device, not the engine: no reference cycle keeps a dropped engine's graphs.)"""
+        return CUDA_KERNELS[kernel].builds(device, *key)
 
     @property
     def last_timings(self):
@@ -280,169 +134,191 @@ class Engine:
         {} before the first. Reading it waits for the GPU: generate() itself does not."""
         return self.marks.seconds() if self.marks else {}
 
+    @property
+    def last_speculation(self):
+        """The last speculative generate()'s passes per image, image tokens per pass (the first token, drawn from the
+        prefill, left out) and the passes the batch ran (until its last image was done); {} without. Reading it waits
+        for the GPU."""
+        if self.passes is None:
+            return {}
+        passes = self.passes.tolist()
+        return dict(passes=passes, tokens_per_pass=self.passes_tokens * len(passes) / max(sum(passes), 1),
+                    batch_passes=self.batch_passes)
+
+    def explain(self, batch, num_tokens, cfg=True, top_p=1.0, sample_logits=True):
+        """The plan of a shape, in words (fast_engine.py --explain)."""
+        prefix = self.model.args.prefix_len
+        return plans.explain(plans.make(self.situation(batch, cfg, top_p, sample_logits, prefix + num_tokens)))
+
     # ---- building the step for a shape ---------------------------------------------------------
 
-    def _sampler_for(self, batch, num_tokens, prefix_len, num_controls, cfg, top_k, top_p, sample_logits,
-                     keep_logits):
-        s = self.sampler
+    def _runner_for(self, batch, num_tokens, prefix_len, num_controls, cfg, top_k, top_p, sample_logits,
+                    keep_logits):
+        r = self.runner
         want = (num_tokens, prefix_len, num_controls, cfg, top_k, top_p, sample_logits,
                 self.model.tok_embeddings.weight.dtype, keep_logits)
-        mine = s is not None and self.model.layers[0].attention.kv_cache is s.cache
-        if mine and s.key()[1:] == want and s.batch >= batch:
-            return s  # a smaller batch is padded up to the captured one
-        if s is not None:
+        mine = r is not None and self.model.layers[0].attention.kv_cache is r.cache
+        if mine and r.key()[1:] == want and r.batch >= batch:
+            return r  # a smaller batch is padded up to the captured one
+        if r is not None:
             log.info("new shape (batch %d, %d tokens): building new caches and graphs", batch, num_tokens)
-        self.sampler = None
+        self.runner, self.graphs = None, Graphs()  # a new pool (prepare()'s graph is captured again at its next image)
         self.model.clear_caches()
-        rows = 2 * batch if cfg else batch
-        block_fn, attention = None, self.decode_attention
-        fused = self.fused_block and attention is not None and decode_block.supported(self.model, rows)
-        prefetcher = None
-        if fused:  # up to 16 rows the fused kernels beat the compiled block, and need no compiler at all
-            block_fn = decode_block.decode_block
-            if prefetch.available(self.device):
-                prefetcher = prefetch.Prefetcher(self.model)
-                block_fn = functools.partial(block_fn, prefetcher=prefetcher)
-            attention = functools.partial(attention, pdl=decode_block.attention_pdl(rows, self.device, self.int8),
-                                          merge_pdl=decode_block.merge_pdl(rows, self.device, self.int8))
-        elif self.block_scope and self.int8:
-            log.warning("int8 weights at %d rows: the block runs eagerly, slower than bf16 there (fused kernels up "
-                        "to %d rows); use --quantize none for large batches", rows, decode_block.MAX_ROWS)
-            block_fn = run_block
-        elif self.block_scope:
-            block_fn = self.compiled_block()
-            if attention is not None and prefetch.available(self.device):  # paced by the attention's and down's counts
-                prefetcher = prefetch.Prefetcher(self.model, compiled=True)
-                attention = functools.partial(attention, progress=prefetcher.progress)
-                block_fn = functools.partial(block_fn, progress=prefetcher.progress)
-        elif self.backend == "cudagraph" and smem_gemv.builds_block(self.model.layers[0], {rows, batch}, self.device):
-            # no Triton: the four projections with their norms, RoPE, cache writes and residuals as smem_gemv's CUDA
-            # kernels (README, "Other modes")
-            block_fn = functools.partial(decode_block.decode_block, kernels=smem_gemv.ALL)
-            # and between them the decode attention in CUDA C++ too where it builds, else SDPA
-            if smem_attention.builds(self.model.layers[0].attention, prefix_len + num_tokens, {rows, batch},
-                                     self.device):
-                attention = smem_attention.decode_attention
-            log.info("decode block for %d rows: smem_gemv's CUDA C++ kernels (%s) and %s", rows,
-                     ", ".join(smem_gemv.ALL), "smem_attention's" if attention else "SDPA")
-        elif self.backend == "cudagraph" and smem_attention.builds(self.model.layers[0].attention,
-                                                                   prefix_len + num_tokens, {rows, batch}, self.device):
-            # past smem_gemv's rows the eager block's attention is smem_attention's looping kernel (no cache windows)
-            attention = smem_attention.decode_attention
-            log.info("decode block for %d rows: eager, with smem_attention's decode attention", rows)
-        if self.block_scope:
-            dtype, layer = self.model.tok_embeddings.weight.dtype, self.model.layers[0]
-            cuda = smem_gemv.used(rows, dtype, self.device, layer) if fused and not self.int8 else ()
-            log.info("decode block for %d rows: %s%s", rows, "fused Triton kernels" if fused else
-                     "eager (int8)" if self.int8 else "compiled (inductor)",
-                     f" ({', '.join(cuda)} in CUDA C++: smem_gemv)" if cuda else "")
-        # The draw in Triton's kernels where the attention is Triton's; the cudagraph backend promises no Triton, so
-        # there in CUDA C++ where it builds. Else sampling.py's ops.
-        draw_fn = None
-        if self.decode_attention is not None and decode_sampling.supported(self.device, top_p):
-            draw_fn = decode_sampling.draw
-        elif self.backend == "cudagraph" and cuda_draw.builds(self.model.args.vocab_size,
-                                                              self.model.output.weight.dtype, self.device, top_p):
-            draw_fn = cuda_draw.draw
-        # Cache windows where the steps are captured or run eagerly, for SDPA: a compiler would compile each, and a
-        # decode attention kernel reads only the filled keys.
-        windows = CACHE_WINDOWS if self.backend in ("cudagraph", "eager") and attention is None else 1
-        # The step's inputs in one kernel where the ops around the blocks run eagerly (block scope), on the cudagraph
-        # backend in CUDA C++
-        inputs_fn = None
-        if self.block_scope and attention is not None and decode_inputs.supported(self.device):
-            inputs_fn = decode_inputs.step_inputs
-        elif self.backend == "cudagraph" and cuda_inputs.builds(self.model, self.device):  # no Triton there
-            inputs_fn = cuda_inputs.step_inputs
-        if self.backend == "cudagraph":  # fused_ops' kernels in CUDA C++ there (cuda_ops), built before any capture
-            cuda_ops.builds(self.device, self.model.tok_embeddings.weight.dtype)
-        s = Sampler(self.model, batch, num_tokens, prefix_len, num_controls, cfg, top_k, top_p, sample_logits,
-                    attention, block_fn, draw_fn, windows, inputs_fn, keep_logits)
-        if fused:  # the fused head, which also makes the fused draw's noise
-            s.head_noise = draw_fn is decode_sampling.draw and sample_logits
-            noise = (s.noise, s.input_pos, s.seed) if s.head_noise else None
-            s.logits_fn = functools.partial(decode_block.logits, self.model, noise=noise)
-        s.prefetcher = prefetcher
-        # the text partials in one Triton kernel where the Triton attention runs; torch's ops per layer elsewhere
-        # (smem_attention's: the cudagraph backend promises no Triton)
-        if s.cache.text_len and self.device.type == "cuda" and self.decode_attention is not None:
-            s.text_table = decode_attention.text_table([layer.attention.kv_cache for layer in self.model.layers])
-        if prefetcher is not None:  # a plan per row count the steps run at (CFG on, and off after cfg_interval)
-            for r in {rows, batch}:
-                down = prefetcher.compiled and decode_block.serves_down(self.model.layers[0], r)
-                prefetcher.prepare(r, s.input_pos, down)
-        self._build(s)
-        self.sampler = s
-        return s
+        p = plans.make(self.situation(batch, cfg, top_p, sample_logits, prefix_len + num_tokens))
+        self.plan = p
+        log.info("decode plan for %d rows: block %s, attention %s, draw %s (--explain prints it all)", p.guided.rows,
+                 plans.describe_rows(p, p.guided)["block"], p.guided.attention, p.draw)
+        if p.jacobi is None:
+            r = ShapeRunner(self.model, p, num_tokens, prefix_len, num_controls, top_k, keep_logits)
+        else:
+            r = JacobiRunner(self.model, p, num_tokens, prefix_len, num_controls, top_k, keep_logits,
+                             self.draft_init, grid_width(num_tokens), self.draft_coupling)
+        self._wire(r, p)
+        self._compile(r, p)
+        self.runner = r
+        return r
+
+    def _wire(self, r, p):
+        """The plan's kernels into the runner: its inputs, per kind of step the model's Context and the head, the
+        draw, the prefetcher and the text partial's table."""
+        if p.prefetch != "none":
+            r.prefetcher = prefetch_triton.Prefetcher(self.model, compiled=p.prefetch == "compiled")
+        step_ops, head_ops = eager_ops(p.step_ops or plans.EagerOps()), eager_ops(p.step_ops or p.eager)
+        for guided, rows in r.rows_plan.items():
+            r.contexts[guided] = Context(ops=step_ops, attention=self._attention(rows, r), block=self._block(p, rows, r),
+                                         block_adds_control=p.block == "fused")
+            if p.head == "fused":
+                noise = (r.noise, r.input_pos, r.seed) if p.head_noise else None
+                r.heads[guided] = functools.partial(block_triton.logits, self.model, noise=noise, pdl=rows.head.pdl,
+                                                    dot=rows.head.impl == "triton_dot")
+            else:
+                r.heads[guided] = functools.partial(self.model.logits, ops=head_ops)
+        r.prefill_ctx = Context(ops=eager_ops(p.prefill_ops), kv_len=min(-(-r.prefix_len // 8) * 8,
+                                                                          self.model.max_seq))
+        if p.inputs == "triton":
+            r.inputs_fn = functools.partial(inputs_triton.step_inputs, pdl=p.inputs_pdl)
+        elif p.inputs == "cuda":
+            r.inputs_fn = inputs_cuda.step_inputs
+        if p.draw == "triton":
+            r.draw_fn = functools.partial(draw_triton.draw, pdl=EARLY if p.draw_pdl else False)
+        elif p.draw == "cuda":
+            r.draw_fn = draw_cuda.draw
+        if p.text_sums == "triton":
+            r.text_table = attention_triton.text_table([layer.attention.kv_cache for layer in self.model.layers])
+        if r.prefetcher is not None:  # a schedule per row count the steps run at
+            for rows in {rows.rows: rows for rows in r.rows_plan.values()}.values():
+                r.prefetcher.prepare(rows.rows, r.input_pos, rows.prefetch_down)
+        if p.jacobi is not None:
+            self._wire_pass(r, p.jacobi)
+
+    def _wire_pass(self, r, j):
+        """The speculative pass's blocks and head: inductor's compiled block and head, or the eager model's."""
+        ops = eager_ops(j.ops)
+        r.pass_ctx = Context(ops=ops, block=self.compiled_block() if j.block == "compiled" else None)
+        if j.head == "compiled":
+            if self.compiled_logits is None:
+                self.compiled_logits = torch.compile(self.model.logits, fullgraph=True, dynamic=False)
+            r.pass_head = self.compiled_logits
+        else:
+            r.pass_head = functools.partial(self.model.logits, ops=ops)
+
+    def _attention(self, rows, r):
+        """The decode attention kernel of steps at the plan's Rows, bound to its form and launch (None: SDPA)."""
+        if rows.attention.startswith("sdpa"):
+            return None
+        if rows.attention.startswith("cuda"):
+            return functools.partial(attention_cuda.decode_attention, loop=rows.attention == "cuda_loop")
+        kw = dict(whole=rows.attention == "triton_whole", config=rows.attention_config, pdl=rows.attention_pdl)
+        if rows.merge_pdl is not None:
+            kw["merge_pdl"] = rows.merge_pdl
+        if rows.progress:
+            kw["progress"] = r.prefetcher.progress
+        return functools.partial(attention_triton.decode_attention, **kw)
+
+    def _block(self, p, rows, r):
+        """The model's Context.block of steps at the plan's Rows (None: the model's own eager blocks)."""
+        if p.block == "fused":
+            return functools.partial(fused_block, rows=rows, prefetcher=r.prefetcher)
+        if p.block == "layer":
+            return functools.partial(run_block, ops=eager_ops(p.step_ops))
+        if p.block == "compiled":
+            w2 = rows.projection("w2")
+            kw = dict(down=w2.impl == "triton_dot_down", down_pdl=w2.pdl)
+            if r.prefetcher is not None:
+                kw["progress"] = r.prefetcher.progress
+            return functools.partial(self.compiled_block(), **kw)
+        return None
 
     def compiled_block(self):
         """Regional compilation: blocks are inlined modules whose weights and caches become graph
         inputs, so one compiled block serves every layer; CUDA graphs are then captured by hand."""
         if self.block_fn is None:  # the first torch.compile imports dynamo and inductor (seconds)
             mode = "max-autotune-no-cudagraphs" if self.compile_mode == "max-autotune" else None
-            inductor_pdl(self.device)
+            self.inductor_pdl()
             if self.device.type == "cuda":
-                decode_block.tile_counts(self.device)  # for down(): made before tracing, so that it persists
+                block_triton.tile_counts(self.device)  # for down(): made before tracing, so that it persists
             self.block_fn = torch.compile(run_block, mode=mode, fullgraph=True, dynamic=False)
         return self.block_fn
 
-    def _build(self, s):
-        self.graphs = {}
-        self.prefill_fn = s.prefill
-        # Where the steps run the compiled block the prefill does too: ~2 s more compile at the first image, and
-        # GPT-XL at n = 32 62 -> 28 ms per batch (H200; ~1,900 eager kernels, CPU-bound). The fused kernels'
-        # shapes (<= 8 images) keep it eager unless compile_prefill, so that they start without the compiler.
-        # From a shape's first image either way: one seed, one image.
-        # the steps run the compiled block (its prefetcher's count bound or not)
-        compiled = self.block_fn is not None and getattr(s.block_fn, "func", s.block_fn) is self.block_fn
-        if self.block_scope and not self.int8 and (compiled or self.compile_prefill):
-            s.prefill_block = self.compiled_block()
-        self.prefill_compiled = False
-        if self.backend == "inductor" and self.compile_prefill and s.prefill_block is None:
-            inductor_pdl(self.device)
-            self.prefill_fn = torch.compile(s.prefill, fullgraph=True, dynamic=False)
-        s.capture_prefill = captures_prefill(self.hand_capture, s.prefill_block, self.prefill_fn != s.prefill)
-        self.step_fns = {(guided, w): s.step_fn(guided, w) for guided in (True, False)
-                         for w in range(len(s.kv_lens))}
-        if compiled:
-            # The head too (final norm and output projection; without the fused draw also CFG merge,
-            # top-k and draw: ~40 small kernels eager); fallback_random keeps the eager random stream.
-            if s.draw_fn is not None:
-                s.logits_fn = torch.compile(self.model.logits, fullgraph=True, dynamic=False)
-            else:
-                s.finish_fn = torch.compile(s.finish, fullgraph=True, dynamic=False, options={"fallback_random": True})
-        if self.backend == "inductor" and not self.block_scope:
-            inductor_pdl(self.device)
+    def inductor_pdl(self):
+        """Inductor's programmatic dependent launch on Hopper+ where the plan's settings allow it: process-wide, as the
+        compile cache folder (its compile workers read the environment). Called just before compiling: importing
+        inductor takes seconds, and the fused block never needs it."""
+        if not plans.inductor_pdl(self.device_pdl):
+            return
+        import torch._inductor.config
+
+        if hasattr(torch._inductor.config.triton, "enable_pdl"):  # torch >= 2.9
+            os.environ["TORCHINDUCTOR_ENABLE_PDL"] = "1"
+            torch._inductor.config.triton.enable_pdl = True
+
+    def _compile(self, r, p):
+        """What the plan compiles: the prefill (through the compiled block, or whole), the head, or the whole step."""
+        self.prefill_fn, self.prefill_compiled = r.prefill, False
+        if p.prefill == "compiled_block":  # from a shape's first image: one seed, one image
+            r.prefill_ctx = replace(r.prefill_ctx, block=self.compiled_block())
+        elif p.prefill == "compiled_whole":
+            self.inductor_pdl()
+            self.prefill_fn = torch.compile(r.prefill, fullgraph=True, dynamic=False)
+        self.step_fns = {(guided, w): r.step_fn(guided, w) for guided in (True, False) for w in range(len(r.kv_lens))}
+        if p.head == "compiled":  # the final norm and output projection (~40 small kernels eager)
+            if self.compiled_logits is None:
+                self.compiled_logits = torch.compile(self.model.logits, fullgraph=True, dynamic=False)
+            r.heads = dict.fromkeys(r.heads, self.compiled_logits)
+        elif p.head == "compiled_finish":  # with CFG merge, top-k and the draw; fallback_random: eager's random stream
+            r.finish_fn = torch.compile(ShapeRunner.finish, fullgraph=True, dynamic=False,
+                                        options={"fallback_random": True})
+        if p.step == "compiled_step":
+            self.inductor_pdl()
             compile_kw = dict(mode=self.compile_mode, fullgraph=True, dynamic=False)
             if self.device.type == "cpu":
                 compile_kw.pop("mode")  # CUDA graphs do not exist on the CPU
             self.step_fns = {key: torch.compile(f, **compile_kw) for key, f in self.step_fns.items()}
         self.warm = dict.fromkeys(self.step_fns, False)
 
-    def _run_prefill(self, s, prefix):
-        """The prefill, replayed from its graph where the engine captures it, then the first token's draw. A
-        shape's first image runs it as it comes (a one-image process would pay the capture, ~2 more prefills,
-        for nothing); the second captures it (timed as compile/capture time; the capture runs it once), later
-        ones replay. A prefill through the compiled block (prefill_block) is timed as compile time at its first
-        call."""
+    def _run_prefill(self, r, prefix):
+        """The prefill, replayed from its graph where the plan captures it, then the first token's draw. A shape's
+        first image runs it as it comes (a one-image process would pay the capture, ~2 more prefills, for nothing);
+        the second captures it (timed as compile/capture time; the capture runs it once), later ones replay. A prefill
+        through the compiled block is timed as compile time at its first call."""
         if "prefill" in self.graphs:
-            s.prefix.copy_(prefix)
-            self.graphs["prefill"].replay()  # its logits: the captured tensor, rewritten
-        elif s.capture_prefill and s.prefix is not None:
+            r.prefix.copy_(prefix)
+            self.graphs.replay("prefill")  # its logits: the captured tensor, rewritten
+        elif r.capture_prefill and r.prefix is not None:
             t0 = synced(self.device)
-            s.prefix.copy_(prefix)
-            self.graphs["prefill"] = capture(s, lambda: setattr(s, "prefill_logits", self.prefill_fn(s.prefix)))
+            r.prefix.copy_(prefix)
+            self.graphs.capture("prefill", lambda: setattr(r, "prefill_logits", self.prefill_fn(r.prefix)), state=r)
             self.compile_seconds += elapsed(t0, self.device)
-        elif s.prefill_block is not None and not self.prefill_compiled:
+        elif self.plan.prefill == "compiled_block" and not self.prefill_compiled:
             t0 = synced(self.device)
-            s.prefill_logits = self.prefill_fn(prefix)  # compiles the block for the prefill's shape
+            r.prefill_logits = self.prefill_fn(prefix)  # compiles the block for the prefill's shape
             self.compile_seconds += elapsed(t0, self.device)
             self.prefill_compiled = True
         else:
-            s.prefill_logits = self.prefill_fn(prefix)
-            if s.capture_prefill:
-                s.prefix = prefix.clone()  # the graph's input from the next image on
-        s.first_token(s.prefill_logits)
+            r.prefill_logits = self.prefill_fn(prefix)
+            if r.capture_prefill:
+                r.prefix = prefix.clone()  # the graph's input from the next image on
+        r.first_token(r.prefill_logits)
 
     def _prepare(self, cond, condition, emb_masks, cfg_scale, control_strength):
         """prepare(): the control encoder, the prefix and the control tokens, 214 small eager kernels (4.4-4.6 ms for
@@ -460,42 +336,76 @@ class Engine:
                float(control_strength))
         c = self.conditions
         if c is None or c["key"] != key:  # one set at a time: a new one drops the last one's graph
+            self.graphs.drop("prepare")
             self.conditions = dict(key=key)
             return run(*inputs)
-        if "graph" not in c:
+        if "prepare" not in self.graphs:
             t0 = synced(self.device)
             c["inputs"] = [None if t is None else t.clone() for t in inputs]
-            c["graph"] = capture(None, lambda: c.update(outputs=run(*c["inputs"])))
+            self.graphs.capture("prepare", lambda: c.update(outputs=run(*c["inputs"])))
             self.compile_seconds += elapsed(t0, self.device)
         else:
             for static, t in zip(c["inputs"], inputs):
                 if t is not None:
                     static.copy_(t)
-            c["graph"].replay()
+            self.graphs.replay("prepare")
         return c["outputs"]
 
-    def _run_step(self, s, key):
+    def _run_step(self, r, key):
         """One decode step of kind key = (guided, window); the first call of each kind is timed as
         compile/capture time."""
         if self.warm[key]:
             if self.hand_capture:
-                self.graphs[key].replay()
+                self.graphs.replay(key)
             else:
                 self.step_fns[key]()
             return
         t0 = synced(self.device)
         if self.hand_capture:
-            self.graphs[key] = capture(s, self.step_fns[key])
+            self.graphs.capture(key, self.step_fns[key], state=r)
         else:
             # reduce-overhead records its graph on the first calls; run them on a saved state.
-            saved = snapshot(s)
+            saved = snapshot(r)
             for _ in range(3 if self.device.type == "cuda" else 1):
-                restore(s, saved)
+                restore(r, saved)
                 self.step_fns[key]()
-            restore(s, saved)
+            restore(r, saved)
             self.step_fns[key]()
         self.compile_seconds += elapsed(t0, self.device)
         self.warm[key] = True
+
+    def _run_pass(self, r):
+        """One speculative pass: replayed from its graph where the plan captures it; the first is timed as
+        compile/capture time (where nothing is captured it runs once on a saved state first: the compiles)."""
+        key = ("pass",)
+        if key in self.graphs:
+            self.graphs.replay(key)
+            return
+        if self.warm.get(key) or (self.plan.jacobi.block == "model" and not self.plan.jacobi.graph):
+            r.jacobi_pass()  # nothing to compile or capture
+            return
+        t0 = synced(self.device)
+        if self.plan.jacobi.graph:
+            self.graphs.capture(key, r.jacobi_pass, state=r)
+        else:
+            saved = snapshot(r)
+            r.jacobi_pass()
+            restore(r, saved)
+            r.jacobi_pass()
+        self.compile_seconds += elapsed(t0, self.device)
+        self.warm[key] = True
+
+    def _decode_jacobi(self, r, B):
+        """Passes until every image has its tokens: as many as the fewest possible (every draft accepted), then
+        again for what the slowest image still lacks; one host sync per round, none per pass."""
+        r.start()
+        todo, self.batch_passes = -(-(r.num_tokens - 1) // r.window), 0
+        while todo > 0:
+            for _ in range(todo):
+                self._run_pass(r)
+            self.batch_passes += todo
+            todo = -(-(r.num_tokens - int(r.n[:B].min())) // r.window)
+        self.passes, self.passes_tokens = r.passes[:B].clone(), r.num_tokens - 1
 
     # ---- generation ----------------------------------------------------------------------------
 
@@ -506,6 +416,8 @@ class Engine:
         forcing, for tests); the logits of every step are then returned too."""
         if condition is None:
             raise ValueError("ControlAR needs a control image (condition) for every sample")
+        if self.draft_window and (cfg_interval > -1 or forced is not None):
+            raise ValueError("speculative decoding runs with guidance at every token (cfg_interval -1), not forced")
         B = cond.shape[0]
         marks = Marks(self.device)
         compile_before = self.compile_seconds
@@ -515,41 +427,44 @@ class Engine:
         t0 = time.perf_counter()  # a new shape: caches and compile set-up (imports dynamo the first time)
         cfg = cfg_scale > 1.0
         T, num_controls = p.prefix.shape[1], p.controls.shape[2]
-        s = self._sampler_for(B, max_new_tokens, T, num_controls, cfg, top_k, top_p, sample_logits, forced is not None)
+        r = self._runner_for(B, max_new_tokens, T, num_controls, cfg, top_k, top_p, sample_logits, forced is not None)
         self.compile_seconds += time.perf_counter() - t0
-        p = pad_rows(p, B, s.batch, cfg)
-        s.key_valid.copy_(p.key_valid(self.model.max_seq))
-        s.controls.copy_(p.controls)
-        s.cfg_scale.fill_(float(cfg_scale))
-        s.temperature.fill_(max(float(temperature), 1e-5))
-        if s.draw_fn is not None:  # from torch's generator: torch.manual_seed fixes the images
-            s.seed.copy_(torch.randint(0, 2**62, (), device=self.device))
+        p = pad_rows(p, B, r.batch, cfg)
+        r.key_valid.copy_(p.key_valid(self.model.max_seq))
+        r.controls.copy_(p.controls)
+        r.cfg_scale.fill_(float(cfg_scale))
+        r.temperature.fill_(max(float(temperature), 1e-5))
+        if r.draw_fn is not None:  # from torch's generator: torch.manual_seed fixes the images
+            r.seed.copy_(torch.randint(0, 2**62, (), device=self.device))
 
         marks.mark(None)  # the new shape's set-up above is compile time
         compile_before = self.compile_seconds
-        self._run_prefill(s, p.prefix)
+        self._run_prefill(r, p.prefix)
         marks.mark("prefill", self.compile_seconds - compile_before)
-        logits = [s.logits.clone()] if forced is not None else None
+        logits = [r.logits.clone()] if forced is not None else None
         compile_before = self.compile_seconds
-        for i in range(max_new_tokens - 1):
+        self.passes = None
+        for i in range(max_new_tokens - 1 if self.draft_window == 0 else 0):
             if forced is not None:
-                s.token[:B].copy_(forced[:, i : i + 1])
+                r.token[:B].copy_(forced[:, i : i + 1])
             guided = cfg and not (-1 < cfg_interval < i)
-            self._run_step(s, (guided, s.window(i)))
+            self._run_step(r, (guided, r.window(i)))
             if forced is not None:
-                logits.append(s.logits[: (2 * s.batch if guided else s.batch)].clone())
-        tokens = s.out[:B].clone()
+                logits.append(r.logits[: (2 * r.batch if guided else r.batch)].clone())
+        if self.draft_window:
+            self._decode_jacobi(r, B)
+        tokens = r.out[:B].clone()
         marks.mark("decode", self.compile_seconds - compile_before)
         self.marks = marks
         if forced is not None:
-            return tokens, [unpad_logits(l, B, s.batch) for l in logits]
+            return tokens, [unpad_logits(l, B, r.batch) for l in logits]
         return tokens
 
 
-def run_block(layer, x, freqs, attend, input_pos, progress=None):
-    # the model's attend reads input_pos; past the fused block's rows w2 and its add run as one kernel, which
-    # counts for a prefetcher (progress)
-    return layer(x, freqs, attend, decode_block.down_for(layer, x, progress))
+def grid_width(num_tokens):
+    """The token grid's width of a square image of num_tokens tokens (None for another shape)."""
+    w = math.isqrt(num_tokens)
+    return w if w * w == num_tokens else None
 
 
 def pad_rows(p, B, batch, cfg):
@@ -569,47 +484,6 @@ def pad_rows(p, B, batch, cfg):
 def unpad_logits(logits, B, batch):
     halves = logits.shape[0] // batch
     return torch.cat([h[:B] for h in logits.chunk(halves)])
-
-
-# Re-running a step from the same token/position rewrites the same KV slot with the same values,
-# so warm-up and capture only need these small buffers (and the RNG) put back, not the caches.
-STEP_STATE = ("token", "input_pos", "out", "logits")
-
-
-def snapshot(s):
-    rng = torch.cuda.get_rng_state(s.token.device) if s.token.is_cuda else torch.get_rng_state()
-    return {name: getattr(s, name).clone() for name in STEP_STATE}, rng
-
-
-def restore(s, saved):
-    state, rng = saved
-    for name in STEP_STATE:
-        getattr(s, name).copy_(state[name])
-    if s.token.is_cuda:
-        torch.cuda.set_rng_state(rng, s.token.device)
-    else:
-        torch.set_rng_state(rng)
-
-
-def capture(s, step):
-    """Capture `step` into a CUDA graph by hand (warm-up on a side stream first, the Sampler s's state restored;
-    s None: a step without state)."""
-    saved = snapshot(s) if s is not None else None
-    put_back = lambda: s is None or restore(s, saved)
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(2):
-            put_back()
-            step()
-    torch.cuda.current_stream().wait_stream(stream)
-    put_back()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        step()
-    put_back()
-    graph.replay()
-    return graph
 
 
 def sync(device):

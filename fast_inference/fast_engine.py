@@ -10,8 +10,11 @@ Flags keep the names and defaults of the official sample_t2i.py / sample_t2i_MR.
 sample_c2i.py. The engine class (`Engine`) and the reference `generate` are importable from here.
 """
 import argparse
+import functools
 import logging
+import math
 import os
+import re
 import sys
 import time
 
@@ -23,13 +26,14 @@ if __package__ in (None, ""):  # run as a script: make `fast_inference` importab
 import numpy as np
 import torch
 
-from fast_inference import fused_ops
+from fast_inference import plan as plans
 from fast_inference.checkpoint import (CheckpointError, fit_null_caption, gpt_fix_hint, load_weights, no_init,
                                        read_state_dict)
-from fast_inference.engine import BACKENDS, COMPILE_SCOPES, Engine, sync  # noqa: F401  (Engine: seed-compatible)
+from fast_inference.engine import BACKENDS, COMPILE_SCOPES, SPECULATIVE, Engine, sync, vq_kernels
 from fast_inference.generate import generate
 from fast_inference.model import GPT_CONFIGS, ModelArgs, Transformer
 from fast_inference.quantize import MODES as QUANTIZE_MODES, quantize_int8
+from fast_inference.speculative import COUPLINGS, DRAFT_INITS
 
 log = logging.getLogger("fast_inference")
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -46,6 +50,50 @@ DEFAULT_T5 = os.path.join(ROOT, "checkpoints", "t5-ckpt")  # the official --t5-p
 
 class UserError(Exception):
     """A mistake the user can fix; printed as one line without a traceback."""
+
+
+# Accepted ranges of the numeric flags (inclusive; None: unbounded), checked before any work and quoted by --help;
+# the note says what the edge values mean. Guidance and control strength are bounded where float32 logits and
+# fp16 activations could overflow into NaN (tokens of all zeros), far above any useful value (the models use 4 and 1).
+RANGES = dict(
+    cfg_scale=(0, 1000, "guidance runs only above 1, as officially (1 = none)"),
+    cfg_interval=(-1, None, "-1 = guidance at every token"),
+    top_k=(0, None, "0 = no top-k filter"),
+    top_p=(0, 1, "1 = no top-p filter, 0 = the most likely token only"),
+    temperature=(0, None, "0 = greedy (the official code divides the logits by max(temperature, 1e-5))"),
+    control_strength=(0, 100, "0 = no control; it acts only with guidance on, as officially"),
+    seed=(0, 2**32 - 1, None),  # fast_eval.py seeds a batch with seed * 2**32 + its first position
+    image_size=(16, None, "a multiple of 16"), image_H=(16, None, "a multiple of 16"),
+    image_W=(16, None, "a multiple of 16"),
+    codebook_size=(1, None, None), codebook_embed_dim=(1, None, None), cls_token_num=(1, None, None),
+    num_classes=(1, None, None), condition_token_nums=(0, None, None), num_images=(1, None, None),
+    warmup=(0, None, None), t5_feature_max_len=(1, None, None), t5_feature_dim=(1, None, None),
+    draft_window=(2, 256, "the last accepted token and window - 1 drafts"),
+)
+
+
+def span(name, ranges=RANGES):
+    low, high, _ = ranges[name]
+    return f"{low}..{high}" if high is not None else f">= {low}"
+
+
+def ranged(name, what, ranges=RANGES):
+    """A numeric flag's --help: what it is, its accepted range, its default and what the edge values mean."""
+    note = ranges[name][2]
+    return f"{what}, {span(name, ranges)} (default %(default)s)" + (f"; {note}" if note else "")
+
+
+def check_ranges(args, ranges=RANGES):
+    """Every numeric flag args has: a finite number within its range, else one line saying which values work."""
+    for name, (low, high, note) in ranges.items():
+        value = getattr(args, name, None)
+        if value is None:
+            continue
+        finite = isinstance(value, int) or math.isfinite(value)
+        if not finite or value < low or (high is not None and value > high):
+            kind = "a whole number" if isinstance(value, int) else "a number"
+            raise UserError(f"--{name.replace('_', '-')} {value} is out of range; use {kind} {span(name, ranges)}"
+                            + (f" ({note})" if note else ""))
 
 
 class Parser(argparse.ArgumentParser):
@@ -65,16 +113,18 @@ def add_model_args(p):
     p.add_argument("--gpt-type", choices=["t2i", "c2i"], default=None, help="default t2i")
     p.add_argument("--vq-model", default="VQ-16", help="VQ-16 or a .json of VQ arguments (vq.py's VQConfig)")
     p.add_argument("--vq-ckpt", default=None, help="vq_ds16_t2i.pt; none = random weights")
-    p.add_argument("--codebook-size", type=int, default=None, help="default 16384")
-    p.add_argument("--codebook-embed-dim", type=int, default=None, help="default 8 (or the --vq-model JSON's)")
+    p.add_argument("--codebook-size", type=int, default=None, help="default 16384 (>= 1)")
+    p.add_argument("--codebook-embed-dim", type=int, default=None, help="default 8 (or the --vq-model JSON's; >= 1)")
     p.add_argument("--image-size", type=int, default=None,
-                   help="training resolution: sets block_size = (size/16)^2 (default 512; c2i 256)")
-    p.add_argument("--image-H", type=int, default=None, help="output height (default: the control image's)")
-    p.add_argument("--image-W", type=int, default=None, help="output width (default: the control image's)")
+                   help="training resolution, a positive multiple of 16: sets block_size = (size/16)^2 (default 512; "
+                        "c2i 256); sizes whose model, caches and VQ decoding cannot fit the free memory are refused")
+    p.add_argument("--image-H", type=int, default=None,
+                   help="output height, a multiple of 16 (default: the control image's)")
+    p.add_argument("--image-W", type=int, default=None, help="output width, a multiple of 16 (default: the control image's)")
     p.add_argument("--downsample-size", type=int, choices=[16], default=16, help="the VQ-16 tokenizer's (only 16)")
-    p.add_argument("--cls-token-num", type=int, default=None, help="text/class prefix length (t2i 120, c2i 1)")
-    p.add_argument("--num-classes", type=int, default=None, help="c2i classes (default 1000)")
-    p.add_argument("--condition-token-nums", type=int, default=None, help="c2i condition tokens in the prefix (0)")
+    p.add_argument("--cls-token-num", type=int, default=None, help="text/class prefix length (t2i 120, c2i 1; >= 1)")
+    p.add_argument("--num-classes", type=int, default=None, help="c2i classes (default 1000; >= 1)")
+    p.add_argument("--condition-token-nums", type=int, default=None, help="c2i condition tokens in the prefix (0; >= 0)")
     p.add_argument("--adapter-size", choices=["small", "base", "tiny"], default=None,
                    help="DINOv2 size (default small; tiny: the demo model's)")
     p.add_argument("--condition-type", default="hed", help=" | ".join(CONDITION_TYPES))
@@ -83,13 +133,13 @@ def add_model_args(p):
     p.add_argument("--pos-interp", choices=["v444", "v445"], default="v444",
                    help="DINOv2 position-table interpolation of transformers <=4.44 (default) or >=4.45")
     p.add_argument("--t5-path", default=None, help="local flan-t5-xl folder (for --prompt)")
-    p.add_argument("--cfg-scale", type=float, default=4.0)
-    p.add_argument("--cfg-interval", type=int, default=-1)
-    p.add_argument("--top-k", type=int, default=2000)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--temperature", type=float, default=1.0)
-    p.add_argument("--control-strength", type=float, default=1.0)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--cfg-scale", type=float, default=4.0, help=ranged("cfg_scale", "classifier-free guidance scale"))
+    p.add_argument("--cfg-interval", type=int, default=-1, help=ranged("cfg_interval", "guidance ends after this step"))
+    p.add_argument("--top-k", type=int, default=2000, help=ranged("top_k", "keep the k most likely tokens"))
+    p.add_argument("--top-p", type=float, default=1.0, help=ranged("top_p", "keep the likeliest tokens up to this mass"))
+    p.add_argument("--temperature", type=float, default=1.0, help=ranged("temperature", "sampling temperature"))
+    p.add_argument("--control-strength", type=float, default=1.0, help=ranged("control_strength", "control scale"))
+    p.add_argument("--seed", type=int, default=0, help=ranged("seed", "torch.manual_seed before sampling"))
     p.add_argument("--precision", choices=["auto", "fp32", "none", "bf16", "fp16"], default="auto",
                    help="auto: bf16 on GPUs that support it, fp16 on other GPUs, fp32 on CPU ('none' = fp32)")
     p.add_argument("--quantize", choices=list(QUANTIZE_MODES), default="none",
@@ -112,6 +162,21 @@ def add_model_args(p):
                         "hand (block: ~7-21 s per shape for GPT-XL; at <= 16 rows, e.g. up to 8 images with CFG, "
                         "fused Triton kernels instead, nothing to compile), or the whole step with --compile-mode as "
                         "gpt-fast (step: ~50 s)")
+    p.add_argument("--speculative", choices=list(SPECULATIVE), default="none",
+                   help="jacobi: lossless speculative Jacobi decoding, each pass verifying --draft-window positions per "
+                        "image at once (several tokens per pass, the same distribution as one per step); fast engine, "
+                        "inductor (block scope) or eager backend, guidance at every token")
+    p.add_argument("--draft-window", type=int, default=16, help=ranged("draft_window", "positions a pass verifies"))
+    p.add_argument("--draft-init", choices=list(DRAFT_INITS), default="random",
+                   help="the drafts of positions a pass has not reached yet: random (uniform, as SJD), left (the "
+                        "token before, repeated) or above (the token one grid row up; square images, a window no wider "
+                        "than the grid)")
+    p.add_argument("--draft-coupling", choices=list(COUPLINGS), default="none",
+                   help="gumbel: redraw each position's draft with noise fixed per (image, position, token), as MC-SJD, "
+                        "so that drafts move only where their distribution does (still lossless); none: fresh noise")
+    p.add_argument("--plan", action="append", default=[], metavar="KEY=VALUE",
+                   help="override the decode plan's choice (repeatable; also CONTROLAR_PLAN=KEY=VALUE,...): "
+                        + "; ".join(f"{k}={'|'.join(v)}" for k, v in plans.OVERRIDES.items()))
     p.add_argument("--debug", action="store_true", help="show tracebacks")
 
 
@@ -124,18 +189,23 @@ def parse_args(argv=None):
     p.add_argument("--prompt-file", default=None, help="one prompt per line, encoded in one pass")
     p.add_argument("--caption-emb", default=None, help="precomputed caption .npz (caption_emb, prompt)")
     p.add_argument("--t5-model-type", default="flan-t5-xl", help="the model's folder under --t5-path")
-    p.add_argument("--t5-feature-max-len", type=int, default=120, help="T5 tokens per prompt")
+    p.add_argument("--t5-feature-max-len", type=int, default=120, help="T5 tokens per prompt (>= 1)")
     p.add_argument("--t5-feature-dim", type=int, default=None, help="must be the model's caption_dim (2048)")
     p.add_argument("--no-left-padding", action="store_true",
                    help="keep T5's right padding (the models were trained left padded)")
     p.add_argument("--class-label", type=int, default=None,
                    help="c2i class (default: the .npy beside --condition-path, as sample_c2i.py)")
-    p.add_argument("--num-images", type=int, default=1, help="samples per prompt, from the same control")
-    p.add_argument("--warmup", type=int, default=0, help="untimed generations first (compile, capture)")
-    p.add_argument("--out", default=None, help="PNG grid: control map, then the samples (default under sample/)")
+    p.add_argument("--num-images", type=int, default=1,
+                   help="samples per prompt, from the same control (>= 1; as many as fit the free memory)")
+    p.add_argument("--warmup", type=int, default=0, help="untimed generations first (compile, capture; >= 0)")
+    p.add_argument("--out", default=None,
+                   help="PNG file: a grid of the control map, then the samples (default under sample/)")
     p.add_argument("--save-samples", default=None, help="directory: each sample as {i}.png")
     p.add_argument("--save-tokens", default=None, help=".npy of the token ids [num_images, H/16*W/16]")
     p.add_argument("--compile", action="store_true", help="the official flag: same as --backend inductor")
+    p.add_argument("--explain", nargs="?", const="here", default=None, metavar="DEVICE",
+                   help="print the decode plan of this run (which kernel runs each operation) and exit, loading no "
+                        "weights; DEVICE plans for another one instead of this machine's: cpu, sm_80, sm_90, ...")
     return use_demo_model(p.parse_args(argv))
 
 
@@ -148,14 +218,9 @@ def pick_device(args):
         raise UserError(f"unknown --device {args.device!r}; use cpu, cuda or cuda:N") from None
     if device.type == "cuda" and not torch.cuda.is_available():
         raise UserError("--device cuda but no CUDA GPU is visible; use --device cpu")
-    precision = args.precision
-    if precision == "auto":
-        if device.type == "cuda":
-            precision = "bf16" if torch.cuda.is_bf16_supported() else "fp16"
-        else:
-            precision = "fp32"
-    dtype = {"fp32": torch.float32, "none": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[precision]
-    backend = args.backend or ("inductor" if device.type == "cuda" or getattr(args, "compile", False) else "eager")
+    cuda = device.type == "cuda"
+    dtype = precision_dtype(args.precision, cuda, cuda and torch.cuda.is_bf16_supported())
+    backend = default_backend(args, device)
     if backend == "cudagraph" and device.type != "cuda":
         raise UserError("--backend cudagraph needs a CUDA device; use --backend eager on the CPU")
     return device, dtype, backend
@@ -169,6 +234,17 @@ def use_demo_model(args):
         if args.vq_ckpt is None and args.vq_model == "VQ-16":
             args.vq_model, args.vq_ckpt = (os.path.join(DEMO_DIR, DEMO_FILES[k]) for k in ("vq_model", "vq_ckpt"))
     return args
+
+
+def precision_dtype(precision, cuda, bf16):
+    """--precision's dtype: auto is bf16 on GPUs that support it (bf16), fp16 on other GPUs, fp32 on the CPU."""
+    if precision == "auto":
+        precision = ("bf16" if bf16 else "fp16") if cuda else "fp32"
+    return {"fp32": torch.float32, "none": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[precision]
+
+
+def default_backend(args, device):
+    return args.backend or ("inductor" if device.type == "cuda" or getattr(args, "compile", False) else "eager")
 
 
 def is_demo(args):
@@ -279,6 +355,8 @@ def build_vq(args, device):
 
 def check_args(args):
     """Everything that can be checked cheaply, so a mistake costs no model loading."""
+    check_ranges(args)
+    check_speculative(args)
     if is_demo(args):
         check_demo(args)
     if args.quantize == "int8" and args.compile_scope == "step":
@@ -297,15 +375,15 @@ def check_args(args):
         if side is not None and (side <= 0 or side % 16):
             fit = max(16, -(-side // 16) * 16)
             raise UserError(f"--{flag.replace('_', '-')} {side} is not a positive multiple of 16; use e.g. {fit}")
-    if args.num_images < 1 or args.warmup < 0:
-        raise UserError("--num-images must be at least 1 and --warmup at least 0")
     if sum(x is not None for x in (args.caption_emb, args.prompt_file, args.prompt)) > 1:
         raise UserError("give one text source: --prompt, --prompt-file or --caption-emb")
     if (args.prompt is not None or args.prompt_file) and not t5_folder(args) and not uses_demo_text(args):
         raise UserError("--prompt/--prompt-file need the text encoder: pass --t5-path checkpoints/t5-ckpt/flan-t5-xl "
                         "(or use --caption-emb FILE.npz)")
-    if not is_demo(args) and args.condition_path is None:
+    if not is_demo(args) and args.condition_path is None and not args.explain:  # --explain reads no inputs
         raise UserError("--condition-path is required outside the demo: the control image (or map)")
+    if args.out and os.path.isdir(args.out):
+        raise UserError(f"--out {args.out} is a directory; give a file name like {os.path.join(args.out, 'grid.png')}")
     if args.save_tokens and os.path.isdir(args.save_tokens):
         raise UserError(f"--save-tokens {args.save_tokens} is a directory; give a file name like tokens.npy")
     if args.save_samples and os.path.isfile(args.save_samples):
@@ -322,6 +400,80 @@ def check_demo(args):
                if p and p.startswith(DEMO_DIR) and not os.path.isfile(p)]
     if missing:
         raise UserError(f"the demo model's {missing[0]} is missing; restore it: git checkout -- checkpoints/demo")
+
+
+def planned_shape(args, image_size, model_type):
+    """(H, W) of the control map control_image will make, from the image's header alone (no pixel decoded)."""
+    from fast_inference import conditions
+
+    if args.condition_path is None:  # the demo draws its map
+        return args.image_H or image_size, args.image_W or image_size
+    return target_shape(args, *conditions.read_size(args.condition_path), model_type)
+
+
+def target_shape(args, H, W, model_type):
+    """sample_t2i_MR.py's size: both sides rounded up to multiples of 16 (32 for depth extraction), or the flags."""
+    is_map = args.condition_is_map or model_type == "c2i"
+    step = 32 if args.condition_type == "depth" and not is_map else 16
+    return args.image_H or -(-H // step) * step, args.image_W or -(-W // step) * step
+
+
+def check_speculative(args):
+    """--speculative's companions, before any model loads (the plan refuses the rest when the engine is made)."""
+    if args.speculative == "none":
+        return
+    if args.engine == "reference":
+        raise UserError("--speculative jacobi runs on the fast engine; drop --engine reference")
+    if args.cfg_interval > -1:
+        raise UserError("--speculative jacobi guides every token; use --cfg-interval -1")
+    if args.backend == "cudagraph" or (args.backend == "inductor" and args.compile_scope == "step"):
+        raise UserError("--speculative jacobi runs on --backend inductor with --compile-scope block, or on --backend "
+                        "eager")
+
+
+def check_draft_grid(args, H, W):
+    """--draft-init above reads the token one grid row up: a square grid at least as wide as the window."""
+    if args.speculative != "none" and args.draft_init == "above" and (H != W or W // 16 < args.draft_window):
+        raise UserError(f"--draft-init above needs a square image at least {args.draft_window * 16} pixels wide "
+                        f"(--draft-window x 16), not {H}x{W}; use --draft-init random or left")
+
+
+def check_grid(margs, H, W, image_size):
+    num_tokens = (H // 16) * (W // 16)
+    if num_tokens > margs.block_size:
+        raise UserError(f"{H}x{W} needs {num_tokens} tokens but the model's grid has {margs.block_size} "
+                        f"(--image-size {image_size}); use a larger --image-size or a smaller image")
+
+
+def memory_needed(margs, H, W, images, cfg_scale, dtype):
+    """A lower bound of the bytes a run holds at once: the transformer as built (float32, then cast) with its RoPE
+    table, the KV caches, and two of the VQ decoder's full-resolution maps (128 float32 channels) per image."""
+    a, d = margs, margs.dim
+    params = a.n_layer * (4 * d * d + 3 * d * a.ffn_hidden) + 3 * a.vocab_size * d + a.block_size * d
+    rope = (a.prefix_len + a.block_size) * a.head_dim * 4
+    rows = images * (2 if cfg_scale > 1 else 1)
+    kv = a.n_layer * 2 * rows * (a.prefix_len + (H // 16) * (W // 16)) * d * torch.finfo(dtype).bits // 8
+    return 4 * params + rope + kv + 2 * images * 128 * H * W * 4
+
+
+def available_memory(device):
+    """Bytes this run may use: the GPU's free memory, or the host's MemAvailable + SwapFree (None: unknown)."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    try:
+        with open("/proc/meminfo") as f:
+            info = {line.split(":")[0]: int(line.split()[1]) * 1024 for line in f}
+        return info["MemAvailable"] + info.get("SwapFree", 0)
+    except (OSError, KeyError, ValueError, IndexError):
+        return None
+
+
+def check_memory(margs, H, W, images, cfg_scale, device, dtype, fix):
+    """Refuse before any allocation a size the device cannot hold (the allocator's traceback otherwise)."""
+    need, have = memory_needed(margs, H, W, images, cfg_scale, dtype), available_memory(device)
+    if have is not None and need > have:
+        raise UserError(f"{images} image(s) of {H}x{W} on a grid of {margs.block_size} tokens need at least "
+                        f"{need / 2**30:.1f} GiB but {device} has {have / 2**30:.1f} GiB free; {fix}")
 
 
 def check_writable(path):
@@ -353,8 +505,7 @@ def control_image(args, image_size, model_type="t2i"):
     rgb = conditions.read_rgb(args.condition_path)
     H, W = rgb.shape[:2]
     is_map = args.condition_is_map or model_type == "c2i"
-    step = 32 if args.condition_type == "depth" and not is_map else 16
-    target = (args.image_H or -(-H // step) * step, args.image_W or -(-W // step) * step)
+    target = target_shape(args, H, W, model_type)
     if target != (H, W):
         log.info("control image %dx%d resized to %dx%d (PIL bicubic)", H, W, target[0], target[1])
         rgb = conditions.resize_to(rgb, *target)
@@ -409,6 +560,8 @@ def text_inputs(args, model, device):
         if emb.shape[2] != model.args.caption_dim:
             raise UserError(f"{args.caption_emb}: caption_emb width {emb.shape[2]} != the model's caption_dim "
                             f"{model.args.caption_dim}; use embeddings of the model's text encoder")
+        dtype = model.tok_embeddings.weight.dtype
+        text.check_values(emb, f"{args.caption_emb}: 'caption_emb'", "run with --precision bf16 or fp32", dtype)
         return emb.to(device), mask.to(device), [prompt]
     if uses_demo_text(args):
         return demo_text_inputs(args, model, device)
@@ -431,6 +584,7 @@ def text_inputs(args, model, device):
             emb, mask = encoder.encode_left_padded(prompts)
             emb, mask = left_fit(emb, T), left_fit(mask, T)
         del encoder
+        text.check_t5_output(emb, t5)
         return emb, mask, prompts
     raise UserError("give a prompt: --prompt TEXT with --t5-path, --prompt-file, or --caption-emb FILE.npz")
 
@@ -475,12 +629,48 @@ def left_fit(x, T):
 # ---- run ---------------------------------------------------------------------------------------
 
 def make_engine(args, model, backend):
-    """The fast engine the flags ask for, or None for --engine reference."""
+    """The fast engine the flags ask for, or None for --engine reference (the official loop, plain torch)."""
     if args.engine == "reference":
         return None
-    fused_ops.for_backend(backend)
-    return Engine(model, backend=backend, compile_mode=args.compile_mode, compile_prefill=args.compile_prefill,
-                  compile_scope=args.compile_scope)
+    try:
+        return Engine(model, backend=backend, compile_mode=args.compile_mode, compile_prefill=args.compile_prefill,
+                      compile_scope=args.compile_scope, overrides=args.plan, speculative=args.speculative,
+                      draft_window=args.draft_window, draft_init=args.draft_init, draft_coupling=args.draft_coupling)
+    except plans.PlanError as e:
+        raise UserError(str(e)) from None
+
+
+def explain(args):
+    """--explain: the decode plan of the run the flags describe, on this machine or on args.explain's device, from the
+    model's configuration alone (no weights)."""
+    margs, image_size = model_args(args)
+    builds = lambda kernel, *key: True  # another device: its CUDA C++ kernels taken to build
+    if args.explain == "here":
+        device, dtype, backend = pick_device(args)
+        capability = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
+        builds = functools.partial(Engine.builds_on, device)
+    else:
+        target = args.explain.lower().replace("sm_", "sm")
+        if not (target == "cpu" or re.fullmatch(r"sm\d\d+", target)):
+            raise UserError(f"--explain {args.explain}: name a device as cpu or sm_XY (sm_80 Ampere, sm_90 Hopper)")
+        capability = None if target == "cpu" else (int(target[2:-1]), int(target[-1]))
+        device = torch.device("cpu" if target == "cpu" else "cuda")
+        dtype = precision_dtype(args.precision, device.type == "cuda", capability is not None and capability >= (8, 0))
+        backend = default_backend(args, device)
+    H, W = args.image_H or image_size, args.image_W or image_size
+    prompts = 1
+    if args.prompt_file:
+        with open(args.prompt_file, encoding="utf-8") as f:
+            prompts = max(1, sum(1 for line in f if line.strip()))
+    s = plans.Situation(
+        backend=backend, compile_scope=args.compile_scope, compile_prefill=args.compile_prefill, device=device.type,
+        capability=capability, triton=plans.triton_available(), interpret=plans.interpreting(), dtype=dtype,
+        int8=args.quantize == "int8", top_p=args.top_p, cfg=args.cfg_scale > 1.0, batch=prompts * args.num_images,
+        dim=margs.dim, n_head=margs.n_head, ffn_hidden=margs.ffn_hidden, vocab_size=margs.vocab_size,
+        max_seq=margs.prefix_len + (H // 16) * (W // 16), builds=builds,
+        overrides=tuple(dict(plans.environment_overrides() + plans.parse_overrides(args.plan)).items()),
+        draft_window=args.draft_window if args.speculative == "jacobi" else 0)
+    print(plans.explain(plans.make(s)))
 
 
 def sample_tokens(args, model, engine, cond, mask, condition, num_tokens):
@@ -533,16 +723,40 @@ def describe(args, model, demo):
     return f"{name} {a.model_type} ({adapter}, {a.condition_type}, grid {int(a.block_size ** 0.5)}^2{weights})"
 
 
+def weights_note(args, demo):
+    """What the run draws with: the demo model's control and what to try next, or what random weights make of the
+    output (None when every weight is loaded)."""
+    if demo:
+        where = args.condition_path or f"scene {DEMO_SCENE} of the demo set's test split"
+        return (f"{args.condition_type} control: {where}. Try --prompt with the words of fast_inference/scenes.py, "
+                "another --condition-type or --seed; real checkpoints: see checkpoints/README.md")
+    if not args.gpt_ckpt:
+        vq = "" if args.vq_ckpt else " and the VQ decoder"
+        return f"no --gpt-ckpt: RANDOM weights in the transformer{vq}, so the tokens and the PNGs are noise"
+    if not args.vq_ckpt:
+        return "no --vq-ckpt: the VQ decoder has RANDOM weights, so the PNGs are noise (tokens are real)"
+    return None
+
+
 def run(args):
     t_start = time.perf_counter()
     check_args(args)
+    if args.explain:
+        return explain(args)
     torch.manual_seed(args.seed)
     device, dtype, backend = pick_device(args)
     demo = is_demo(args)
+    margs, image_size = model_args(args)
+    model_type = margs.model_type
+    out = args.out or default_out(args, model_type, demo)
+    check_writable(out)
+    H, W = planned_shape(args, image_size, model_type)
+    check_grid(margs, H, W, image_size)
+    check_memory(margs, H, W, args.num_images, args.cfg_scale, device, dtype,
+                 "use a smaller --image-size, --image-H/--image-W or --num-images")
     t0 = time.perf_counter()
     model, image_size = build_gpt(args, device, dtype)
     t_models = time.perf_counter() - t0
-    model_type = model.args.model_type
     if demo and not all(os.path.isfile(os.path.join(EXAMPLES_DIR, f"{t}.png")) for t in CONDITION_TYPES):
         from fast_inference.conditions import write_examples
 
@@ -551,15 +765,13 @@ def run(args):
     control = control_image(args, image_size, model_type)
     t_control = time.perf_counter() - t0
     H, W = control.shape[1:]
+    check_draft_grid(args, H, W)
     num_tokens = (H // 16) * (W // 16)
-    if num_tokens > model.args.block_size:
-        raise UserError(f"{H}x{W} needs {num_tokens} tokens but the model's grid has {model.args.block_size} "
-                        f"(--image-size {image_size}); use a larger --image-size or a smaller image")
     t0 = time.perf_counter()
     cond, mask, prompts = text_inputs(args, model, device)
     t_text = time.perf_counter() - t0
     t0 = time.perf_counter()
-    vq = build_vq(args, device)
+    vq = vq_kernels(build_vq(args, device), backend, device, args.plan)
     t_models += time.perf_counter() - t0
     engine = make_engine(args, model, backend)
     weights = " (int8 weights)" if args.quantize == "int8" else ""
@@ -567,12 +779,10 @@ def run(args):
           f"{str(dtype).replace('torch.', '')}{weights} on {device} | {len(prompts)} prompt(s) x {args.num_images} "
           f"image(s) | {H}x{W} = {num_tokens} tokens")
     if demo:
-        where = args.condition_path or f"scene {DEMO_SCENE} of the demo set's test split"
-        print(f"  prompt: {' | '.join(prompts)!r}; {args.condition_type} control: {where}. Try --prompt with the "
-              "words of fast_inference/scenes.py, another --condition-type or --seed; real checkpoints: see "
-              "checkpoints/README.md")
-    elif not args.vq_ckpt:
-        print("  no --vq-ckpt: the VQ decoder has RANDOM weights, so the PNGs are noise (tokens are real)")
+        print(f"  prompt: {' | '.join(prompts)!r}")
+    note = weights_note(args, demo)
+    if note:
+        print("  " + note)
     for _ in range(args.warmup):
         sample_images(args, model, engine, cond, mask, control, num_tokens)
     torch.manual_seed(args.seed)
@@ -584,7 +794,6 @@ def run(args):
     images = vq.decode_code(tokens, (tokens.shape[0], vq.quantize.embedding.weight.shape[1], H // 16, W // 16))
     sync(device)
     t_vq = time.perf_counter() - t0
-    out = args.out or default_out(args, model_type, demo)
     save_outputs(args, out, images, control, tokens)
     times = dict(imports=t_start - PROCESS_START, models=t_models, control=t_control, text=t_text, generate=t_gen, vq=t_vq,
                  total=time.perf_counter() - PROCESS_START)
@@ -600,6 +809,11 @@ def report(engine, times, tokens):
         decode = tm["decode"]
         parts += [f"condition encoder {tm['condition']:.3f}s", f"prefill {tm['prefill']:.3f}s",
                   f"decode {decode:.2f}s ({n / max(decode, 1e-9):.0f} tok/s)"]
+        spec = engine.last_speculation
+        if spec:  # passes per image, tokens per pass, and a pass's time
+            passes = sum(spec["passes"]) / len(spec["passes"])
+            parts.append(f"{passes:.0f} passes per image, {spec['tokens_per_pass']:.2f} tokens per pass, "
+                         f"{1e3 * decode / max(spec['batch_passes'], 1):.2f} ms per pass")
         if engine.backend != "eager":
             parts.append(f"compile/capture {engine.compile_seconds:.1f}s")
     else:
@@ -646,7 +860,7 @@ def is_user_error(e):
         e.args = ("CUDA out of memory; use a smaller --num-images (or fewer prompts, or a smaller --image-size)",)
         return True
     return isinstance(e, (UserError, CheckpointError, ConditionError, TextError, FileNotFoundError, PermissionError,
-                          IsADirectoryError, NotADirectoryError))
+                          IsADirectoryError, NotADirectoryError, plans.PlanError))
 
 
 if __name__ == "__main__":

@@ -22,6 +22,10 @@ global_seed * world_size + r, which ties every image to the GPU count.) Under to
 takes every world_size-th batch of the range and the GPU LOCAL_RANK.
 """
 import argparse
+import contextlib
+import dataclasses
+import fcntl
+import hashlib
 import json
 import os
 import socket
@@ -38,10 +42,12 @@ import torch
 from tqdm import tqdm
 
 from fast_inference import conditions, data, metrics
-from fast_inference.engine import Engine
-from fast_inference.fast_engine import (ROOT, UserError, add_model_args, build_gpt, build_vq, cli_main, is_demo,
-                                        is_user_error, make_engine, model_args, pick_device, sample_tokens,
-                                        use_demo_model)
+from fast_inference import plan as plans
+from fast_inference.engine import Engine, vq_kernels
+from fast_inference.fast_engine import (ROOT, Parser, UserError, add_model_args, build_gpt, build_vq,
+                                        check_draft_grid, check_memory, check_ranges, check_speculative,
+                                        check_writable, cli_main, is_demo, is_user_error, make_engine, model_args,
+                                        pick_device, sample_tokens, use_demo_model)
 from fast_inference.images import save_image, save_png_uint8
 
 
@@ -51,20 +57,29 @@ OUTPUT_SETTINGS = ("gpt_model", "gpt_ckpt", "gpt_type", "vq_model", "vq_ckpt", "
                    "condition_type", "condition_ckpt", "condition_is_map", "pos_interp", "t5_path", "cfg_scale",
                    "cfg_interval", "top_k", "top_p", "temperature", "control_strength", "seed", "engine", "batch",
                    "data_path", "manifest")
+# Settings whose files are compared by content (settings.json's "content"), so that they may move (a copy on a
+# node's local disk resumes the folder) while another file behind the same path is refused.
+CONTENT_SETTINGS = ("gpt_model", "gpt_ckpt", "vq_ckpt", "condition_ckpt", "t5_path")
+EVAL_RANGES = dict(start=(0, None, None), end=(1, None, None), batch=(1, None, None), num_workers=(0, None, None))
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description="ControlAR batch evaluation: sharded, resumable generation and metrics")
+    p = Parser(description="ControlAR batch evaluation: sharded, resumable generation and metrics")
     add_model_args(p)
     g = p.add_argument_group("evaluation")
     g.add_argument("--data-path", "--code-path", default=None,
                    help="extracted validation split (image/, caption_emb/, control/ or control_depth/, label/)")
-    g.add_argument("--manifest", default=None, help="JSONL: id, control, caption_emb or prompt[, class_label, label]")
-    g.add_argument("--start", type=int, default=0, help="first sample position (in the sorted ids)")
-    g.add_argument("--end", type=int, default=None, help="one past the last position (default: all)")
-    g.add_argument("--batch", type=int, default=32, help="images per batch (fixed; the seed depends on it)")
-    g.add_argument("--sample-dir", default=None, help="output folder (default sample/eval/<condition-type>)")
-    g.add_argument("--num-workers", type=int, default=4, help="data-loading processes (0: load in line)")
+    g.add_argument("--manifest", default=None, help="JSONL: id, control, caption_emb or prompt[, class_label, label]; "
+                   "paths relative to its folder, and inside it")
+    g.add_argument("--allow-outside-paths", action="store_true",
+                   help="let --manifest paths leave its folder (absolute, ../, symlinks out): for trusted manifests")
+    g.add_argument("--start", type=int, default=0, help="first sample position (in the sorted ids; >= 0)")
+    g.add_argument("--end", type=int, default=None, help="one past the last position (default: all; >= 1)")
+    g.add_argument("--batch", type=int, default=32,
+                   help="images per batch (fixed; the seed depends on it; >= 1, as many as fit the free memory)")
+    g.add_argument("--sample-dir", default=None,
+                   help="output folder (default sample/eval/<condition-type>); one run writes it at a time")
+    g.add_argument("--num-workers", type=int, default=4, help="data-loading processes (0: load in line; >= 0)")
     g.add_argument("--metrics", action="store_true", help="compute the metrics after generating")
     g.add_argument("--metrics-only", action="store_true", help="only compute the metrics of --sample-dir")
     g.add_argument("--pred-dir", default=None, help="seg: the segmenter's label maps {name}.png, for mIoU")
@@ -126,24 +141,194 @@ def save_batch(sample_dir, names, rows, images, controls, labels):
             publish(save_image, controls[i, 0], ann)
 
 
-def check_settings(args, resolved):
-    """Record the settings in <sample-dir>/settings.json; refuse to mix outputs of other ones."""
+def output_settings(args, margs, resolved):
+    """What the images depend on: the flags, the model's arguments as resolved (a JSON config's content), and the
+    sha256 of every file read (checkpoints, the T5 and annotator folders)."""
     path_keys = {"gpt_ckpt", "vq_ckpt", "condition_ckpt", "t5_path", "data_path", "manifest"}
     settings = {k: os.path.abspath(v) if k in path_keys and v else v for k, v in vars(args).items()
                 if k in OUTPUT_SETTINGS}
     settings.update(resolved)
-    path = os.path.join(args.sample_dir, "settings.json")
-    if os.path.isfile(path):
+    if args.speculative != "none":  # another random stream (the same distribution); absent from older folders
+        settings.update(speculative=args.speculative, draft_window=args.draft_window, draft_init=args.draft_init,
+                        draft_coupling=args.draft_coupling)
+    cache_path = os.path.join(args.sample_dir, HASHES)
+    cache = read_json(cache_path)
+    content = {"model": dataclasses.asdict(margs)}
+    for k in ("gpt_ckpt", "vq_ckpt", "condition_ckpt", "t5_path"):
+        content[k] = content_hash(getattr(args, k), cache) if getattr(args, k) else None
+    metrics.write_json(cache, cache_path)
+    return dict(settings, content=content)
+
+
+HASHES = ".hashes.json"  # <sample-dir>'s cache of file hashes: each file is read once per folder
+
+
+def content_hash(path, cache):
+    """sha256 of a file's bytes, or of a folder's files (names and hashes; hidden ones skipped). cache maps a real
+    path to (its stat, its hash): any write changes the stat (its ctime cannot be set back, unlike the mtime), so a
+    resumed run reads nothing again, while a copy elsewhere or a file rewritten in place is hashed anew."""
+    if os.path.isdir(path):
+        h = hashlib.sha256()
+        for folder, dirs, files in os.walk(path):
+            dirs[:] = sorted(d for d in dirs if not d.startswith("."))  # walked in this order
+            for name in sorted(f for f in files if not f.startswith(".")):
+                full = os.path.join(folder, name)
+                h.update(f"{os.path.relpath(full, path)} {content_hash(full, cache)}\n".encode())
+        return h.hexdigest()
+    st = os.stat(path)
+    key, stamp = os.path.realpath(path), [st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns]
+    if cache.get(key, [None])[0] != stamp:
+        h = hashlib.sha256()
+        with open(path, "rb") as f:
+            for chunk in iter(lambda: f.read(1 << 20), b""):
+                h.update(chunk)
+        cache[key] = [stamp, h.hexdigest()]
+    return cache[key][1]
+
+
+def read_json(path):
+    """A JSON object from path; {} if it is missing or unreadable (a cache)."""
+    try:
         with open(path) as f:
-            before = json.load(f)
-        changed = sorted(k for k in set(before) | set(settings) if before.get(k) != settings.get(k))
-        if changed:
-            diff = ", ".join(f"{k}: {before.get(k)!r} -> {settings.get(k)!r}" for k in changed)
-            raise UserError(f"{args.sample_dir} holds samples made with other settings ({diff}); "
-                            "use the same settings or another --sample-dir")
-    else:
-        os.makedirs(args.sample_dir, exist_ok=True)
+            return json.load(f)
+    except (OSError, ValueError):
+        return {}
+
+
+def flat(d, prefix=""):
+    """{"content": {"model": {"dim": 64}}} -> {"content.model.dim": 64}: one key per value, for the diff."""
+    out = {}
+    for k, v in d.items():
+        out.update(flat(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v})
+    return out
+
+
+def check_settings(sample_dir, settings):
+    """Refuse a folder holding samples of other settings. Read only: settings.json is written once the run is
+    certain to start (write_settings), so a run that fails before never blocks the corrected one."""
+    path = os.path.join(sample_dir, "settings.json")
+    if not os.path.isfile(path):
+        return
+    with open(path) as f:
+        before = json.load(f)
+    now = dict(settings)
+    if "content" in before:  # contents compared: those files may have moved
+        before, now = ({k: v for k, v in d.items() if k not in CONTENT_SETTINGS} for d in (before, now))
+    else:  # a folder from before contents were recorded: paths compared, as then
+        now.pop("content")
+    before, now = flat(before), flat(now)
+    changed = sorted(k for k in set(before) | set(now) if before.get(k) != now.get(k))
+    if changed:
+        diff = ", ".join(f"{k}: {before.get(k)!r} -> {now.get(k)!r}" for k in changed)
+        raise UserError(f"{sample_dir} holds samples made with other settings ({diff}); "
+                        "use the same settings or another --sample-dir")
+
+
+def write_settings(sample_dir, settings):
+    path = os.path.join(sample_dir, "settings.json")
+    if not os.path.isfile(path):
+        os.makedirs(sample_dir, exist_ok=True)
         metrics.write_json(settings, path)
+
+
+# ---- one writer per folder ------------------------------------------------------------------------
+# Rank 0 holds an exclusive lock on <sample-dir>/.lock for the whole run, writes its job there, checks the
+# folder's settings and marks the record checked; the other ranks of its job write nothing until then, and every
+# process of another job is refused at once (a second job would only idle its GPUs for days, then find nothing to
+# do). A POSIX (fcntl) lock: NFS shares it between nodes, forked DataLoader workers do not inherit it, and it ends
+# with its process, so a killed run never blocks the next.
+
+LOCK = ".lock"
+
+
+def job_id(world):
+    """What every rank of one torchrun job shares and no other live job does: its rendezvous endpoint (a port
+    bound while the job lives) and run id; a single process is a job of its own."""
+    if world == 1:
+        return f"{socket.gethostname()}:{os.getpid()}"
+    addr = os.environ.get("MASTER_ADDR", "")
+    if addr in ("", "localhost", "::1") or addr.startswith("127."):
+        addr = socket.gethostname()  # one node: its ranks share the host name
+    return f"{addr}:{os.environ.get('MASTER_PORT', '')}:{os.environ.get('TORCHELASTIC_RUN_ID', '')}"
+
+
+def lock_sample_dir(sample_dir, job, tries=20):
+    """Rank 0: the folder's lock, holding our job's record -> the open fd (closing it releases the lock)."""
+    os.makedirs(sample_dir, exist_ok=True)
+    fd = os.open(os.path.join(sample_dir, LOCK), os.O_RDWR | os.O_CREAT, 0o644)
+    for _ in range(tries):  # other ranks' probes hold it for microseconds
+        try:
+            fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            break
+        except (BlockingIOError, PermissionError):
+            time.sleep(0.1)
+        except OSError as e:  # a filesystem without locks (Lustre mounted without flock)
+            print(f"warning: cannot lock {sample_dir} ({e.strerror}); make sure no other run writes it", file=sys.stderr)
+            return fd
+    else:
+        holder = read_holder(fd)
+        os.close(fd)
+        raise UserError(busy(sample_dir, holder))
+    write_record(fd, job, checked=False)
+    return fd
+
+
+def write_record(fd, job, checked):
+    """The lock holder's record: its job, where it runs, and whether the folder's settings are checked."""
+    record = dict(job=job, host=socket.gethostname(), pid=os.getpid(), since=time.strftime("%Y-%m-%d %H:%M:%S"),
+                  checked=checked)
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, json.dumps(record).encode(), 0)
+
+
+def wait_for_lock(sample_dir, job, grace=5.0, timeout=3600.0, poll=0.2):
+    """Rank r > 0: write nothing until our rank 0 holds the folder's lock and has checked its settings (hashing
+    the checkpoints the first time); refuse when another job holds it."""
+    deadline, other_since = time.monotonic() + timeout, None
+    while True:
+        held, holder = probe_lock(os.path.join(sample_dir, LOCK))
+        if held is None or (held and holder.get("job") == job and holder.get("checked")):
+            return
+        if held and holder.get("job") != job:  # another job's, or ours while its record is (re)written
+            other_since = other_since or time.monotonic()
+            if time.monotonic() - other_since > grace:
+                raise UserError(busy(sample_dir, holder))
+        else:
+            other_since = None
+        if time.monotonic() > deadline:
+            raise UserError(f"rank 0 did not lock and check {sample_dir} in {timeout:.0f} s; see its error")
+        time.sleep(poll)
+
+
+def probe_lock(path):
+    """(whether a process holds the lock, None where the filesystem has no locks; its record)."""
+    try:
+        fd = os.open(path, os.O_RDWR)
+    except FileNotFoundError:
+        return False, {}
+    try:
+        fcntl.lockf(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        fcntl.lockf(fd, fcntl.LOCK_UN)
+        return False, {}
+    except (BlockingIOError, PermissionError):
+        return True, read_holder(fd)
+    except OSError:
+        return None, {}
+    finally:
+        os.close(fd)
+
+
+def read_holder(fd):
+    try:
+        return json.loads(os.pread(fd, 4096, 0) or b"{}")
+    except ValueError:
+        return {}
+
+
+def busy(sample_dir, holder):
+    who = f"host {holder.get('host', '?')}, pid {holder.get('pid', '?')}, since {holder.get('since', '?')}"
+    return (f"{sample_dir} is being written by another fast_eval.py run ({who}); wait for it to end or use another "
+            "--sample-dir (a killed run's lock ends with its process)")
 
 
 class RunLog:
@@ -171,7 +356,7 @@ def load_samples(args):
         raise UserError(f"unknown --condition-type {args.condition_type}; use one of {conditions.CONDITION_TYPES}")
     if args.data_path is not None:
         return data.official_samples(args.data_path, args.condition_type, args.condition_is_map)
-    return data.manifest_samples(args.manifest, args.condition_type, args.condition_is_map)
+    return data.manifest_samples(args.manifest, args.condition_type, args.condition_is_map, args.allow_outside_paths)
 
 
 def demo_split(args):
@@ -221,17 +406,21 @@ def control_map(item, args, device):
 
 def text_batch(items, rows, text_mode, model, t5, device):
     """The prefix inputs of the B rows: (caption embeddings, mask) or (class labels, None)."""
+    from fast_inference.text import check_t5_output, check_values
+
     if text_mode == "label":
         return torch.tensor([items[r]["class_label"] for r in rows], device=device), None
     T = model.args.cls_token_num
     if text_mode == "t5":
         # All B rows, fillers included: the encoder's numerics may depend on the batch size.
         emb, mask = t5.encode_left_padded([items[r]["prompt"] for r in rows])
+        check_t5_output(emb, t5.path)
         return emb[:, :T].to(device), mask[:, :T].to(device)
     emb = torch.cat([items[r]["emb"] for r in rows])
     if emb.shape[-1] != model.args.caption_dim:
         raise UserError(f"caption embeddings have {emb.shape[-1]} features but the model takes caption_dim "
                         f"{model.args.caption_dim}; pass the matching model (--gpt-model) or --t5-path")
+    check_values(emb, "the caption embeddings", "run with --precision bf16 or fp32", model.tok_embeddings.weight.dtype)
     return emb.to(device), torch.cat([items[r]["mask"] for r in rows]).to(device)
 
 
@@ -278,18 +467,35 @@ def check_annotator(args, samples):
                             f"{ANNOTATOR_FILES[kind]} (or ready maps with --condition-is-map)")
 
 
-def image_shape(args):
+def image_shape(args, device, dtype):
     margs, image_size = model_args(args)
     H, W = args.image_H or image_size, args.image_W or image_size
-    if H % 16 or W % 16 or (H // 16) * (W // 16) > margs.block_size:
+    if H <= 0 or W <= 0 or H % 16 or W % 16 or (H // 16) * (W // 16) > margs.block_size:
         raise UserError(f"image size {H}x{W} must be multiples of 16 within the model's grid (--image-size {image_size})")
+    check_memory(margs, H, W, args.batch, args.cfg_scale, device, dtype, "use a smaller --batch or --image-size")
+    check_draft_grid(args, H, W)
     return margs, H, W
+
+
+def check_eval_args(args):
+    """Before any data is listed or model built: every number in range, the input files there, and a writable
+    output folder."""
+    check_ranges(args)
+    check_ranges(args, EVAL_RANGES)
+    check_speculative(args)
+    for flag in ("gpt_ckpt", "vq_ckpt", "condition_ckpt", "t5_path"):
+        path = getattr(args, flag)
+        if path is not None and not os.path.exists(path):
+            raise UserError(f"--{flag.replace('_', '-')} {path} not found")
+    if os.path.exists(args.sample_dir) and not os.path.isdir(args.sample_dir):
+        raise UserError(f"--sample-dir {args.sample_dir} is a file; give a folder")
+    check_writable(os.path.join(args.sample_dir, "settings.json"))
 
 
 def build_run(args, device, dtype, backend, text_mode, H, W):
     torch.manual_seed(args.seed)  # random weights (no checkpoint) must be the same in every run
     model, _ = build_gpt(args, device, dtype)
-    vq = build_vq(args, device)
+    vq = vq_kernels(build_vq(args, device), backend, device, args.plan)
     engine = make_engine(args, model, backend)
     t5 = None
     if text_mode == "t5":
@@ -299,42 +505,55 @@ def build_run(args, device, dtype, backend, text_mode, H, W):
     return Run(args, device, model, vq, engine, t5, text_mode, H, W)
 
 
-def generate_split(args):
-    """Generate this rank's share of [start, end); returns the names of the whole range."""
+def generate_split(args, held):
+    """Generate this rank's share of [start, end); returns the names of the whole range. The folder stays this
+    job's until `held` (an ExitStack) closes."""
     rank, world, local_rank = dist_env()
     if world > 1 and args.device in (None, "cuda") and torch.cuda.is_available():
         args.device = f"cuda:{local_rank}"
         torch.cuda.set_device(args.device)
+    check_eval_args(args)
     device, dtype, backend = pick_device(args)
-    margs, H, W = image_shape(args)
-    if args.batch < 1:
-        raise UserError("--batch must be at least 1")
+    margs, H, W = image_shape(args, device, dtype)
     samples = load_samples(args)
     text_mode = "label" if margs.model_type == "c2i" else "t5" if args.t5_path else "emb"
-    data.check_text(samples, text_mode)
+    data.check_text(samples, text_mode, margs.num_classes)
     check_annotator(args, samples)
+    overrides = dict(plans.environment_overrides() + plans.parse_overrides(args.plan))  # they can change the images
+    overrides = ",".join(f"{k}={v}" for k, v in sorted(overrides.items()))
     end = len(samples) if args.end is None else min(args.end, len(samples))
     if not 0 <= args.start < end:
         raise UserError(f"--start {args.start} --end {args.end} selects nothing of the {len(samples)} samples")
-    check_settings(args, dict(precision=str(dtype).replace("torch.", ""), device_type=device.type,
-                              backend=backend if args.engine == "fast" else None,
-                              compile_scope=args.compile_scope if (args.engine, backend) == ("fast", "inductor") else None,
-                              # only when on: settings.json files written before the flag existed still match
-                              **({"quantize": args.quantize} if args.quantize != "none" else {})))
+    resolved = dict(precision=str(dtype).replace("torch.", ""), device_type=device.type,
+                    backend=backend if args.engine == "fast" else None,
+                    compile_scope=args.compile_scope if (args.engine, backend) == ("fast", "inductor") else None,
+                    # only when on: settings.json files written before the flags existed still match
+                    **({"quantize": args.quantize} if args.quantize != "none" else {}),
+                    **({"plan": overrides} if overrides and args.engine == "fast" else {}))
+    # The folder becomes this job's: rank 0 locks it (until `held` closes), hashes the files and checks the settings;
+    # the other ranks write nothing before that.
+    job = job_id(world)
+    if rank == 0:
+        fd = lock_sample_dir(args.sample_dir, job)
+        held.callback(os.close, fd)
+        settings = output_settings(args, margs, resolved)
+        check_settings(args.sample_dir, settings)
+        write_record(fd, job, checked=True)
+    else:
+        wait_for_lock(args.sample_dir, job)
     mine = shard(args.start, end, args.batch, rank, world)
     batches = [(first, [p for p in positions if not finished(args.sample_dir, samples[p].name)])
                for first, positions in mine]
     batches = [b for b in batches if b[1]]
     todo = sum(len(b[1]) for b in batches)
     done = sum(len(b[1]) for b in mine) - todo
-    for d in ("visualization", "annotations", ".tmp"):
-        os.makedirs(os.path.join(args.sample_dir, d), exist_ok=True)
-    runlog = RunLog(args.sample_dir, rank, args.start, end)
-    runlog.write("start", host=socket.gethostname(), pid=os.getpid(), rank=rank, world_size=world,
-                 device=str(device), todo=todo, done_before=done, settings=vars(args))
     names = [s.name for s in samples[args.start:end]]
+    start_fields = dict(host=socket.gethostname(), pid=os.getpid(), rank=rank, world_size=world, device=str(device),
+                        todo=todo, done_before=done, settings=vars(args))
     if not batches:
         print(f"rank {rank}: all {done} samples of its share of [{args.start}, {end}) are done in {args.sample_dir}")
+        runlog = RunLog(args.sample_dir, rank, args.start, end)
+        runlog.write("start", **start_fields)
         runlog.write("done", images=0, seconds=0.0)
         return names, rank, world
 
@@ -345,12 +564,20 @@ def generate_split(args):
                                               worker_init_fn=one_thread if workers else None,
                                               prefetch_factor=2 if workers else None))
     run = build_run(args, device, dtype, backend, text_mode, H, W)
+    # The models loaded: the run starts now, and only now the folder is marked as made with these settings.
+    if rank == 0:
+        write_settings(args.sample_dir, settings)
+    for d in ("visualization", "annotations", ".tmp"):
+        os.makedirs(os.path.join(args.sample_dir, d), exist_ok=True)
+    runlog = RunLog(args.sample_dir, rank, args.start, end)
+    runlog.write("start", **start_fields)
     print(f"rank {rank}/{world}: {todo} images to make in {len(batches)} batches of {args.batch} ({done} done before) "
           f"| {args.engine} engine{'' if run.engine is None else ' (' + backend + ')'} | "
           f"{str(dtype).replace('torch.', '')} on {device} | {H}x{W} -> {args.sample_dir}")
 
     saver = ThreadPoolExecutor(1)  # PNG encoding overlaps the next batch
     pending = None
+    passes = tokens = 0  # speculative passes of this rank's images, and the tokens they accepted
     t_run = time.perf_counter()
     with tqdm(total=todo, unit="img", desc=f"rank {rank}", position=rank, dynamic_ncols=True) as bar:
         for first, positions in batches:
@@ -371,18 +598,24 @@ def generate_split(args):
             runlog.write("batch", first=first, names=batch_names, data_s=round(t_data, 4), generate_s=round(t_gen, 4),
                          images_per_s=round(len(positions) / (time.perf_counter() - t0), 3),
                          engine=run.engine and run.engine.last_timings,
+                         speculative=run.engine and run.engine.last_speculation or None,
                          compile_s=run.engine and round(run.engine.compile_seconds, 3))
+            if run.engine is not None and run.engine.last_speculation:  # the rows of this batch's positions
+                passes += sum(run.engine.last_speculation["passes"][p - first] for p in positions)
+                tokens += len(positions) * ((run.H // 16) * (run.W // 16) - 1)  # the first from the prefill
     if pending is not None:
         pending.result()
     saver.shutdown()
     seconds = time.perf_counter() - t_run
     runlog.write("done", images=todo, seconds=round(seconds, 3), images_per_s=round(todo / seconds, 3))
-    print(f"rank {rank}: {todo} images in {seconds:.1f}s ({todo / seconds:.2f} images/s)")
+    spec = f"; {passes / todo:.0f} passes per image, {tokens / passes:.2f} tokens per pass" if passes else ""
+    print(f"rank {rank}: {todo} images in {seconds:.1f}s ({todo / seconds:.2f} images/s){spec}")
     return names, rank, world
 
 
 def wait_for_ranks(sample_dir, names, poll=10.0):
-    """Rank 0 under torchrun: the metrics need every rank's outputs (torchrun stops us if one fails)."""
+    """Rank 0 under torchrun: it holds the folder's lock, and the metrics need every rank's outputs, until the
+    other ranks are done (torchrun stops us if one fails)."""
     while True:
         missing = sum(not finished(sample_dir, n) for n in names)
         if not missing:
@@ -406,13 +639,16 @@ def user_mistake(e):
 
 
 def run(args):
-    if not args.metrics_only:
-        names, rank, world = generate_split(args)
-        if not args.metrics or rank != 0:
+    if args.metrics_only:
+        return run_metrics(args)
+    with contextlib.ExitStack() as held:
+        names, rank, world = generate_split(args, held)
+        if rank != 0:
             return
-        if world > 1:
+        if world > 1:  # the folder stays locked until every rank of the job is done
             wait_for_ranks(args.sample_dir, names)
-    run_metrics(args)
+        if args.metrics:
+            run_metrics(args)
 
 
 def main(argv=None):

@@ -1,21 +1,21 @@
-"""The ControlAR transformer: LlamaGen's GPT plus the ControlAR control path, t2i and c2i.
+"""The ControlAR transformer: LlamaGen's GPT plus the ControlAR control path, t2i and c2i. Plain torch.
 
 One definition serves the reference sampler and the fast engine. State-dict keys are the official
 ones (see tests/data/manifest_*.json), so official checkpoints load unchanged. Nothing from a
 previous call lives on the module: control tokens, positions and masks are arguments; only the KV
-cache is a buffer, written in place at the positions it is given.
+cache is a buffer, written in place at the positions it is given. The fast engine changes how the blocks
+run through one small `Context` (its kernels for the attention, a block, the element-wise ops), never what
+they compute; the model imports none of them.
 """
 import json
 import math
 import os
 from dataclasses import dataclass, fields
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-
-from fast_inference import cuda_ops, fused_ops
 
 NUM_CONTROL_LISTS = 3  # condition_layers has three MLPs in every official checkpoint
 
@@ -50,6 +50,23 @@ class ModelArgs:
             raise ValueError("n_kv_head != n_head is not used by any ControlAR model")
         if self.model_type not in ("t2i", "c2i"):
             raise ValueError(f"model_type must be t2i or c2i, got {self.model_type!r}")
+        # Sizes checked here, up front: a config that fails them would fail deep inside the model.
+        for name in ("dim", "n_layer", "n_head", "multiple_of", "vocab_size", "block_size", "cls_token_num",
+                     "caption_dim", "num_classes", "condition_token_num"):
+            value, low = getattr(self, name), 0 if name == "condition_token_num" else 1
+            if not isinstance(value, int) or isinstance(value, bool) or value < low:
+                raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
+        for name in ("rope_base", "norm_eps", "ffn_dim_multiplier"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, (int, float)) or not 0 < value < math.inf):
+                raise ValueError(f"{name} must be a positive number, got {value!r}")
+        if self.dim % self.n_head or (self.dim // self.n_head) % 4:
+            raise ValueError(f"dim {self.dim} must split into n_head {self.n_head} heads of a multiple of 4 "
+                             "(2-D RoPE turns a quarter of each head per axis); e.g. 64 per head")
+        if self.adapter_size not in ("small", "base"):
+            raise ValueError(f"adapter_size must be small or base, got {self.adapter_size!r}")
+        if self.pos_interp not in ("v444", "v445"):
+            raise ValueError(f"pos_interp must be v444 or v445, got {self.pos_interp!r}")
         if math.isqrt(self.block_size) ** 2 != self.block_size:
             raise ValueError(f"block_size must be a perfect square, got {self.block_size}")
 
@@ -124,6 +141,39 @@ GPT_CONFIGS = {
 }
 
 
+@dataclass(frozen=True)
+class EagerOps:
+    """Kernels that stand in for the eager blocks' element-wise torch ops, each in the same roundings (None: torch's):
+    rms_norm(x, weight, eps, delta=None) -> y, or (x + delta, y) with delta; silu_mul(gate_up) -> SiLU(gate) * up;
+    rope_and_cache(q, k, v, freqs, cache, input_pos) -> as the function of that name below."""
+    rms_norm: Optional[Callable] = None
+    silu_mul: Optional[Callable] = None
+    rope_and_cache: Optional[Callable] = None
+
+
+TORCH_OPS = EagerOps()
+
+
+@dataclass(frozen=True)
+class Context:
+    """How the blocks run; the defaults are plain torch, the reference's. The fast engine's plan fills it.
+    ops: the eager blocks' element-wise kernels. attention: a decode attention kernel for one-token steps,
+    attention(q, k_cache, v_cache, key_valid, input_pos, fresh=(k, v, freqs) or None, text=cache.text) that reads only
+    the filled cache and does rope_and_cache's work itself (fresh None: q is rotated and the step's key and value are
+    in the cache). block: runs a block in place of the layer, block(layer, x, freqs, attend, input_pos[, control=]);
+    block_adds_control: it adds the next block's control rows itself. kv_len: SDPA reads the first kv_len cache
+    positions only. inputs: step_inputs(input_pos, controls) made ahead, a control row already added into x None."""
+    ops: EagerOps = TORCH_OPS
+    attention: Optional[Callable] = None
+    block: Optional[Callable] = None
+    block_adds_control: bool = False
+    kv_len: Optional[int] = None
+    inputs: Optional[tuple] = None
+
+
+REFERENCE = Context()
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim, eps=1e-5):
         super().__init__()
@@ -135,20 +185,22 @@ class RMSNorm(nn.Module):
         # fused kernel does the first part (two kernels instead of eight per norm: the backends without a
         # compiler are launch-bound); inductor would call that kernel as is, so compiled code spells it out
         # for inductor to fuse with its neighbours.
-        if fused_ops.norms(x, self.weight):  # one kernel (the cudagraph backend)
-            return cuda_ops.rms_norm(x, self.weight, self.eps)
         if not torch.compiler.is_compiling():
             return F.rms_norm(x, x.shape[-1:], eps=self.eps) * self.weight
         xf = x.float()
         y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return y.type_as(x) * self.weight
 
-    def add(self, x, delta):
-        """(x + delta, this norm of it): a block's residual add and the norm after it, one kernel where `forward` is."""
-        if delta.is_contiguous() and fused_ops.norms(x, self.weight):
-            return cuda_ops.rms_norm(x, self.weight, self.eps, delta)
-        h = x + delta
-        return h, self(h)
+
+def rms_norm(ops, norm, x, delta=None):
+    """norm(x), or with delta the residual add before it, (x + delta, norm(x + delta)): one kernel where ops has one
+    (for contiguous tensors, its layout)."""
+    if ops.rms_norm is not None and x.is_contiguous() and (delta is None or delta.is_contiguous()):
+        return ops.rms_norm(x, norm.weight, norm.eps, delta)
+    if delta is None:
+        return norm(x)
+    h = x + delta
+    return h, norm(h)
 
 
 class Int8Linear(nn.Module):
@@ -239,18 +291,18 @@ class FeedForward(nn.Module):
         self.w1.weight.data, self.w3.weight.data = w13.chunk(2)
         self.w13 = w13
 
-    def gated(self, x):
+    def gated(self, x, ops=TORCH_OPS):
         """SiLU(w1 x) * w3 x: what w2 reads."""
         if self.w13 is None:
             return F.silu(self.w1(x)) * self.w3(x)
         w13 = F.linear(x, self.w13) if self.w13_scales is None else int8_linear(x, self.w13, self.w13_scales)
-        if fused_ops.fuses(w13):
-            return fused_ops.silu_mul(w13)
+        if ops.silu_mul is not None:
+            return ops.silu_mul(w13)
         gate, up = w13.chunk(2, dim=-1)
         return F.silu(gate) * up
 
-    def forward(self, x):
-        return self.w2(self.gated(x))
+    def forward(self, x, ops=TORCH_OPS):
+        return self.w2(self.gated(x, ops))
 
 
 class KVCache(nn.Module):
@@ -261,21 +313,21 @@ class KVCache(nn.Module):
         shape = (max_batch, n_head, max_seq, head_dim)
         self.register_buffer("k_cache", torch.zeros(shape, dtype=dtype), persistent=False)
         self.register_buffer("v_cache", torch.zeros(shape, dtype=dtype), persistent=False)
-        # The fast engine's decode attention takes the text prefix's first text_len keys (zero: RoPE's zero rows)
-        # as one partial, its values' sum and count (decode_attention.text_sums after each prefill); 0: it reads them
-        self.text_len = 0
-        self.register_buffer("text_sum", torch.zeros(max_batch, n_head, head_dim), persistent=False)
-        self.register_buffer("text_count", torch.zeros(max_batch), persistent=False)
-
-    def text(self):
-        """decode_attention's text argument: None, or (sums, counts, text_len)."""
-        return (self.text_sum, self.text_count, self.text_len) if self.text_len else None
+        # A decode attention kernel's text partial, (sums, counts, T): the prefix's first T keys (zero: RoPE's zero
+        # rows) as one partial, their values' sum and count (the engine's, after each prefill); None: it reads them
+        self.text = None
 
     def update(self, input_pos, k, v):
-        # A step may run on the first rows only (CFG switched off by cfg_interval).
+        """k and v (B, H, S, hd) written at input_pos: (S,) for every row, or (B, S) a row's own (rows at different
+        positions: speculative passes). A step may run on the first rows only (CFG switched off by cfg_interval)."""
         k_cache, v_cache = self.k_cache[: k.shape[0]], self.v_cache[: k.shape[0]]
-        k_cache.index_copy_(2, input_pos, k)
-        v_cache.index_copy_(2, input_pos, v)
+        if input_pos.dim() == 1:
+            k_cache.index_copy_(2, input_pos, k)
+            v_cache.index_copy_(2, input_pos, v)
+        else:
+            rows = torch.arange(k.shape[0], device=k.device)[:, None]
+            k_cache[rows, :, input_pos] = k.transpose(1, 2)
+            v_cache[rows, :, input_pos] = v.transpose(1, 2)
         return k_cache, v_cache
 
 
@@ -303,17 +355,19 @@ class TransformerBlock(nn.Module):
         self.attention_norm = RMSNorm(args.dim, args.norm_eps)
         self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
 
-    def forward(self, x, freqs, attend, down=None, delta=None, defer=False):
-        """down(a, w2, h): h + w2(a) in one kernel (the fast engine's compiled block at one-token steps).
-        delta: the block before's feed-forward output, its residual add done here with the first norm (one kernel
-        where RMSNorm.add is one); defer: return (h, the feed-forward output) for the next block to add."""
-        x, n = (x, self.attention_norm(x)) if delta is None else self.attention_norm.add(x, delta)
-        h, y = self.ffn_norm.add(x, self.attention(n, freqs, attend))
+    def forward(self, x, freqs, attend, ops=TORCH_OPS, down=None, delta=None, defer=False):
+        """ops: the element-wise kernels (EagerOps). down(a, w2, h): h + w2(a) in one kernel (the fast engine's
+        compiled block at one-token steps). delta: the block before's feed-forward output, its residual add done here
+        with the first norm (one kernel where ops has the norm); defer: return (h, the feed-forward output) for the
+        next block to add."""
+        x, n = (x, rms_norm(ops, self.attention_norm, x)) if delta is None else \
+            rms_norm(ops, self.attention_norm, x, delta)
+        h, y = rms_norm(ops, self.ffn_norm, x, self.attention(n, freqs, attend))
         if defer:
-            return h, self.feed_forward(y)
+            return h, self.feed_forward(y, ops)
         if down is None:
-            return h + self.feed_forward(y)
-        return down(self.feed_forward.gated(y), self.feed_forward.w2, h)
+            return h + self.feed_forward(y, ops)
+        return down(self.feed_forward.gated(y, ops), self.feed_forward.w2, h)
 
 
 class Transformer(nn.Module):
@@ -403,8 +457,8 @@ class Transformer(nn.Module):
             layer.feed_forward.fuse()
 
     def step_inputs(self, input_pos, controls):
-        """What the blocks read at input_pos besides x: the RoPE rows (S, hd/2, 2) and the control rows
-        added before blocks 0, L, 2L (3, B, S, D; None without controls). The control token added at
+        """What the blocks read at input_pos, (S,) or (B, S) per row, besides x: the RoPE rows ([B,] S, hd/2, 2) and
+        the control rows added before blocks 0, L, 2L (3, B, S, D; None without controls). The control token added at
         position p is number p - cls_token_num + 1 (zero where there is none), so token j is added where
         image token j is predicted (only the last prefix position during the prefill)."""
         freqs = self.freqs_cis[input_pos]
@@ -412,54 +466,43 @@ class Transformer(nn.Module):
             return freqs, None
         idx = input_pos - self.args.cls_token_num + 1
         present = ((idx >= 0) & (idx < controls.shape[2])).to(controls.dtype)
-        return freqs, controls[:, :, idx.clamp(0, controls.shape[2] - 1)] * present[None, None, :, None]
+        at = idx.clamp(0, controls.shape[2] - 1)
+        if input_pos.dim() == 1:
+            return freqs, controls[:, :, at] * present[None, None, :, None]
+        rows = torch.arange(at.shape[0], device=at.device)[:, None]
+        return freqs, controls[:, rows, at] * present[None, :, :, None]
 
-    def forward(self, x, input_pos, key_valid, controls=None, last_only=False, decode_attention=None, block_fn=None,
-                hidden=False, kv_len=None, inputs=None):
-        """Run the blocks over embeddings x (B,S,D) at absolute positions input_pos (S,).
+    def forward(self, x, input_pos, key_valid, controls=None, last_only=False, ctx=REFERENCE):
+        """Float32 logits of the blocks over embeddings x (B,S,D) at absolute positions input_pos (S,), of the last
+        position only if last_only (the only one sampling uses). key_valid (B, max_seq) bool: which cache positions a
+        query may see besides itself (the text mask for the prefix, True elsewhere). controls (3, B, Nc, D): the
+        control lists (step_inputs picks the rows). ctx: how the blocks run (the fast engine's Context)."""
+        return self.logits(self.blocks(x, input_pos, key_valid, controls, last_only, ctx), ctx.ops)
 
-        key_valid (B, max_seq) bool: which cache positions a query may see besides itself (the text
-        mask for the prefix, True elsewhere). controls (3, B, Nc, D): the control lists (step_inputs
-        picks the rows). Returns float32 logits, of the last position only if last_only (the only one
-        sampling uses; norm and output are per token).
-        decode_attention: a kernel (q, k_cache, v_cache, key_valid, input_pos, fresh=(k, v, freqs), text=...) for
-        one-token steps that reads only the filled cache and does rope_and_cache's work itself (fast
-        engine; text: the cache's text partial, KVCache.text); default SDPA with the mask (additive) after
-        rope_and_cache. Either way attend(q, None, None, freqs, cache) takes q rotated and the step's key and value
-        already in the cache (a block_fn whose QKV kernel did rope_and_cache's work).
-        block_fn(layer, x, freqs, attend, input_pos): runs a block instead of layer(x, freqs, attend) (the
-        fast engine passes one compiled function shared by all blocks; input_pos is for its fused kernels); one
-        marked adds_control is passed control= too, the next block's control rows, and adds them to its output.
-        hidden: return the last block's output instead of the logits (`logits` finishes it; the fast
-        engine's head runs that).
-        kv_len: SDPA reads only the first kv_len cache positions, a static window past every position
-        in input_pos (the later keys are masked out anyway); the fast engine's graphs without Triton.
-        inputs: step_inputs(input_pos, controls) computed ahead (the fast engine's embedding kernel,
-        decode_inputs.py), where a control row already added into x is None.
-        """
-        freqs, picked = self.step_inputs(input_pos, controls) if inputs is None else inputs
-        if decode_attention is not None and x.shape[1] == 1:
+    def blocks(self, x, input_pos, key_valid, controls=None, last_only=False, ctx=REFERENCE):
+        """The last block's output (B, S or 1, D): forward without the head."""
+        freqs, picked = self.step_inputs(input_pos, controls) if ctx.inputs is None else ctx.inputs
+        ops = ctx.ops
+        if ctx.attention is not None and x.shape[1] == 1:
             def attend(q, k, v, freqs, cache):
                 # The kernel rotates q and k and writes k and v; k None: q is rotated and the step's key
-                # and value are in the cache already (decode_block's QKV kernel).
+                # and value are in the cache already (the fused block's QKV kernel).
                 fresh = None if k is None else (k.transpose(1, 2), v.transpose(1, 2), freqs)
-                return decode_attention(q.transpose(1, 2), cache.k_cache, cache.v_cache, key_valid, input_pos,
-                                        fresh=fresh, text=cache.text())
+                return ctx.attention(q.transpose(1, 2), cache.k_cache, cache.v_cache, key_valid, input_pos,
+                                     fresh=fresh, text=cache.text)
         else:
-            # Made once for all blocks: the mask as SDPA's additive form (else each block converts it), and RoPE on q
-            # and k with the cache write in one kernel where fused_ops has one (the same bits), else the rotations of
-            # the RoPE rows (three kernels per apply_rotary_emb instead of nine)
-            n = key_valid.shape[1] if kv_len is None else kv_len
+            # Made once for all blocks: the mask as SDPA's additive form (else each block converts it), and the
+            # rotations of the RoPE rows (three kernels per apply_rotary_emb instead of nine) unless a kernel rotates
+            n = key_valid.shape[1] if ctx.kv_len is None else ctx.kv_len
             mask = attention_mask(key_valid[:, :n], input_pos)
             bias = torch.zeros(mask.shape, dtype=x.dtype, device=x.device).masked_fill_(~mask, float("-inf"))
-            fused = fused_ops.fuses(x)
-            rot = None if fused else rotations(freqs)
+            rot = rotations(freqs) if ops.rope_and_cache is None else None
 
             def attend(q, k, v, freqs, cache):
-                if k is None:  # q rotated, the step's key and value in the cache (decode_block's QKV kernel)
+                if k is None:  # q rotated, the step's key and value in the cache (the fused block's QKV kernel)
                     q, k, v = q.transpose(1, 2), cache.k_cache[: q.shape[0]], cache.v_cache[: q.shape[0]]
-                elif fused:
-                    q, k, v = fused_ops.rope_and_cache(q, k, v, freqs, cache, input_pos)
+                elif rot is None:
+                    q, k, v = ops.rope_and_cache(q, k, v, freqs, cache, input_pos)
                 else:
                     q, k, v = rope_and_cache(q, k, v, rot, cache, input_pos)
                 return F.scaled_dot_product_attention(q, k[:, :, :n], v[:, :, :n], attn_mask=bias)
@@ -470,9 +513,7 @@ class Transformer(nn.Module):
             # Official code indexes a 4th list for GPT-1B/7B and crashes; we reuse the last one.
             return picked[min(i // self.args.layer_internal, NUM_CONTROL_LISTS - 1)]
 
-        # A block_fn with adds_control (decode_block's, also as a functools.partial) adds the next block's control
-        # rows to its output itself: block_fn(..., control=rows or None)
-        folds = getattr(getattr(block_fn, "func", block_fn), "adds_control", False)
+        folds = ctx.block_adds_control  # the block adds the next block's control rows to its output itself
         delta = None  # the eager blocks' last residual add, left to the next block's first norm (one kernel fewer)
         for i, layer in enumerate(self.layers):
             control = control_at(i)
@@ -480,31 +521,30 @@ class Transformer(nn.Module):
                 if delta is not None:
                     x, delta = x + delta, None
                 x = x + control
-            if block_fn is None:
-                x, delta = layer(x, freqs, attend, delta=delta, defer=True)
+            if ctx.block is None:
+                x, delta = layer(x, freqs, attend, ops, delta=delta, defer=True)
             elif folds:
-                x = block_fn(layer, x, freqs, attend, input_pos, control=control_at(i + 1))
+                x = ctx.block(layer, x, freqs, attend, input_pos, control=control_at(i + 1))
             else:
-                x = block_fn(layer, x, freqs, attend, input_pos)
+                x = ctx.block(layer, x, freqs, attend, input_pos)
         if delta is not None:
             x = x + delta
-        if last_only:
-            x = x[:, -1:]
-        return x if hidden else self.logits(x)
+        return x[:, -1:] if last_only else x
 
-    def logits(self, x):
+    def logits(self, x, ops=TORCH_OPS):
         """Hidden states (..., D) -> float32 logits (..., vocab_size)."""
-        return self.output(self.norm(x)).float()
+        return self.output(rms_norm(ops, self.norm, x)).float()
 
 
 def attention_mask(key_valid, input_pos):
-    """Boolean (B,1,S,L) mask: query p sees key q iff q == p, or q <= p and key_valid[q].
+    """Boolean (B,1,S,L) mask: query p sees key q iff q == p, or q <= p and key_valid[q]; input_pos (S,), or (B, S)
+    a row's own positions.
 
     The forced diagonal keeps fully padded text rows from an empty softmax (official behaviour).
     """
     k_pos = torch.arange(key_valid.shape[1], device=key_valid.device)
-    q_pos = input_pos[:, None]
-    visible = (k_pos[None, :] <= q_pos) & (key_valid[:, None, :] | (k_pos[None, :] == q_pos))
+    q_pos = input_pos[..., :, None]
+    visible = (k_pos <= q_pos) & (key_valid[:, None, :] | (k_pos == q_pos))
     return visible[:, None]
 
 
@@ -559,11 +599,12 @@ def rotations(freqs):
 
 
 def apply_rotary_emb(x, rot):
-    """Rotate adjacent pairs (x[2j], x[2j+1]) of x (B,S,H,hd) by rot = rotations(freqs) (S,hd/2,2,2), in
+    """Rotate adjacent pairs (x[2j], x[2j+1]) of x (B,S,H,hd) by rot = rotations(freqs) ([B,] S,hd/2,2,2), in
     float32: (x0 cos - x1 sin, x1 cos + x0 sin), each product rounded to float32 and then the two added, as
     the official code rounds (a product by -sin is the negated product by sin). The two added as one add, not a
     sum over the last dimension: the same values (a zero's sign aside), and PyTorch's reduction kernel over pairs was
     most of the eager rotation's time (GPT-XL's prefill at n = 1 on an H200: 22.2 -> 15.9 us a block)."""
     xs = x.reshape(*x.shape[:-1], -1, 1, 2)  # bf16 times float32 is float32: no copy to float32 first
-    p = xs * rot.view(1, xs.shape[1], 1, xs.shape[3], 2, 2)
+    rows = rot.shape[0] if rot.dim() == 5 else 1  # a row's own positions' rotations (B, S, hd/2, 2, 2)
+    p = xs * rot.view(rows, xs.shape[1], 1, xs.shape[3], 2, 2)
     return (p[..., 0] + p[..., 1]).flatten(3).type_as(x)

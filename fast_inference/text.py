@@ -242,6 +242,7 @@ def load_caption_emb(path, cls_token_num=120):
         raise TextError(f"{path}: 'prompt' must hold the caption string, got {prompt.dtype} {prompt.shape}")
     prompt = prompt.reshape(-1)[0]
     prompt = prompt.decode() if isinstance(prompt, bytes) else str(prompt)
+    check_values(torch.from_numpy(emb), f"{path}: 'caption_emb'", "re-extract it (extract_file_*.py)")
     T, v = cls_token_num, min(emb.shape[1], cls_token_num)
     out = torch.zeros(1, T, emb.shape[2], dtype=torch.float32)
     mask = torch.zeros(1, T, dtype=torch.int64)
@@ -249,6 +250,20 @@ def load_caption_emb(path, cls_token_num=120):
         out[0, T - v:] = torch.from_numpy(np.ascontiguousarray(emb[0, :v], dtype=np.float32))
         mask[0, T - v:] = 1
     return out, mask, prompt
+
+
+def check_values(x, what, fix, dtype=torch.float32):
+    """x feeds sampling: a NaN, an infinity or a value dtype cannot hold would give tokens of all zeros silently."""
+    bad = int((~torch.isfinite(x) | (x.abs() > torch.finfo(dtype).max)).sum())
+    if bad:
+        raise TextError(f"{what} has {bad} value(s) that are NaN, infinite or beyond "
+                        f"{str(dtype).replace('torch.', '')}'s range; {fix}")
+
+
+def check_t5_output(emb, t5_path):
+    fix = ("T5 overflows in float16: run with --precision bf16 or fp32" if emb.dtype == torch.float16
+           else f"check the T5 weights in --t5-path {t5_path}")
+    check_values(emb, "the T5 encoding of the prompt(s)", fix, emb.dtype)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -283,7 +298,7 @@ class T5Encoder:
             from transformers import AutoTokenizer, T5EncoderModel
         except ImportError:
             raise TextError("running T5 needs transformers: pip install transformers sentencepiece")
-        path = _model_dir(str(t5_path))
+        path = self.path = _model_dir(str(t5_path))
         self.device, self.dtype, self.max_length = torch.device(device), dtype or torch.bfloat16, max_length
         try:
             self.tokenizer = AutoTokenizer.from_pretrained(path)

@@ -11,8 +11,6 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from fast_inference import group_norm
-
 
 @dataclass
 class VQConfig:
@@ -73,14 +71,16 @@ VQ_TRAINING_ONLY = {"codebook_show_usage", "commit_loss_beta", "entropy_loss_rat
 
 class GroupNorm(nn.GroupNorm):
     """nn.GroupNorm of x + x_bias (per channel, if given: the bias of the convolution before), then SiLU if silu.
-    Channels-last float32 on CUDA: group_norm.py's kernels. Else its statistics from var_mean, which spreads each
-    group over many thread blocks: PyTorch's CUDA kernel gives an (image, group) one block, 32 blocks at batch 1
-    for up to 128 MB of activations (8.7 of a 512 px decode's 17.5 ms on an H200). Then y = a * x + b with a and b
-    per (image, channel), as that kernel computes it."""
+    Its statistics from var_mean, which spreads each group over many thread blocks: PyTorch's CUDA kernel gives an
+    (image, group) one block, 32 blocks at batch 1 for up to 128 MB of activations (8.7 of a 512 px decode's 17.5 ms
+    on an H200). Then y = a * x + b with a and b per (image, channel), as that kernel computes it. With kernels
+    (VQModel.use_kernels: the engine's group_norm_triton), theirs where they take x."""
+
+    kernels = None
 
     def forward(self, x, silu=False, x_bias=None):
-        if group_norm.supported(x, self.num_groups):
-            return group_norm.group_norm(x, self.num_groups, self.weight, self.bias, self.eps, silu, x_bias)
+        if self.kernels is not None and self.kernels.supported(x, self.num_groups):
+            return self.kernels.group_norm(x, self.num_groups, self.weight, self.bias, self.eps, silu, x_bias)
         if x_bias is not None:
             x = x + x_bias.view(1, -1, *(1,) * (x.dim() - 2))
         B, C = x.shape[:2]
@@ -106,7 +106,14 @@ def conv1(cin, cout):
     return nn.Conv2d(cin, cout, 1)
 
 
+def conv(m, x):
+    """The Conv2d m on x without its bias, which what reads the output adds (GroupNorm's x_bias, the residual)."""
+    return F.conv2d(x, m.weight, None, m.stride, m.padding)
+
+
 class ResBlock(nn.Module):
+    kernels = None  # VQModel.use_kernels
+
     def __init__(self, cin, cout, groups=32):
         super().__init__()
         self.norm1, self.conv1 = norm(cin, groups), conv3(cin, cout)
@@ -116,11 +123,13 @@ class ResBlock(nn.Module):
 
     def forward(self, x):
         # the two convolutions' biases are added where their outputs are read: one pass less over each
-        h = group_norm.conv(self.conv1, self.norm1(x, silu=True))
-        h = group_norm.conv(self.conv2, self.norm2(h, silu=True, x_bias=self.conv1.bias))
+        h = conv(self.conv1, self.norm1(x, silu=True))
+        h = conv(self.conv2, self.norm2(h, silu=True, x_bias=self.conv1.bias))
         if hasattr(self, "nin_shortcut"):
             x = self.nin_shortcut(x)
-        return group_norm.residual(x, h, self.conv2.bias)
+        if self.kernels is not None:
+            return self.kernels.residual(x, h, self.conv2.bias)
+        return x + (h + self.conv2.bias.view(1, -1, 1, 1))
 
 
 class AttnBlock(nn.Module):
@@ -152,12 +161,16 @@ class Downsample(nn.Module):
 
 
 class Upsample(nn.Module):
+    kernels = None  # VQModel.use_kernels
+
     def __init__(self, c):
         super().__init__()
         self.conv = conv3(c, c)
 
     def forward(self, x):
-        return self.conv(group_norm.upsample(x))  # F.interpolate's nearest 2x
+        if self.kernels is not None:
+            return self.conv(self.kernels.upsample(x))  # F.interpolate's nearest 2x, the same values
+        return self.conv(F.interpolate(x, scale_factor=2.0, mode="nearest"))
 
 
 def level(cin, cout, n_res, attn, resample=None, groups=32):
@@ -279,6 +292,14 @@ class VQModel(nn.Module):
         # (512 px on an H200: 15.4 -> 13.5 ms per image, 38.9 -> 34.4 ms for 4). load_weights copies into
         # these tensors, so the layout stays.
         self.to(memory_format=torch.channels_last)
+
+    def use_kernels(self, kernels):
+        """The decoder's GroupNorms, residual adds and upsampling through `kernels` (a module with group_norm, residual,
+        upsample and supported: the engine's group_norm_triton, where the plan takes it), or torch's ops (None)."""
+        for m in self.modules():
+            if isinstance(m, (GroupNorm, ResBlock, Upsample)):
+                m.kernels = kernels
+        return self
 
     @property
     def downsample(self):

@@ -4,7 +4,7 @@
                                       [--backends inductor:step,inductor:block,inductor:block:nofuse,cudagraph]
 
 A backend is backend[:compile-scope[:nofuse]] (nofuse: the compiled block even at <= 16 rows, where
-the default runs decode_block's fused kernels). For each precision and backend: greedy tokens
+the default runs the fused block's kernels). For each precision and backend: greedy tokens
 (first divergence, if any), teacher-forced max |delta log p| over every position (the reference's
 greedy tokens fed to both; a shape's first image, then its second, which on the cudagraph backend
 replays the prefill's graph), and the same seed twice with top-k 2000 sampling on the fast engine.
@@ -23,7 +23,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch
 
 import fast_inference.generate as ref
-from fast_inference import fused_ops
+from fast_inference import plan
 from fast_inference.engine import Engine
 from fast_inference.model import ModelArgs, Transformer
 from fast_inference.quantize import MODES as QUANTIZE_MODES, quantize_int8
@@ -34,8 +34,9 @@ def max_dlogp(a, b):
 
 
 def kernel_check():
-    """The split-KV decode kernel against SDPA with the boolean mask, random data, fp32 and bf16."""
-    from fast_inference.decode_attention import decode_attention
+    """The Triton decode attention (split-KV, or one program per (row, head) where the plan takes it) against SDPA with
+    the boolean mask, random data, fp32 and bf16."""
+    from fast_inference.kernels.attention_triton import decode_attention
     from fast_inference.model import attention_mask
 
     for dtype in (torch.float32, torch.bfloat16):
@@ -49,7 +50,7 @@ def kernel_check():
             input_pos = torch.tensor([pos], device="cuda")
             want = torch.nn.functional.scaled_dot_product_attention(
                 q.float(), k.float(), v.float(), attn_mask=attention_mask(key_valid, input_pos))
-            got = decode_attention(q, k, v, key_valid, input_pos).float()
+            got = decode_attention(q, k, v, key_valid, input_pos, whole=R in plan.WHOLE_ROWS).float()
             worst = max(worst, ((got - want).norm() / want.norm()).item())
         print(f"decode kernel vs SDPA ({dtype}): worst relative error {worst:.2e}", flush=True)
 
@@ -88,7 +89,6 @@ def check(model, dtype, backends, N, B):
                                  return_logits=True, **kw)
     for spec in backends:
         backend, scope, flag = (spec.split(":") + ["step", ""])[:3]
-        fused_ops.for_backend(backend)  # as fast_engine and bench.py: no Triton on the cudagraph backend
         make = lambda: Engine(model, backend=backend, compile_scope=scope, fused_block=flag != "nofuse")
         engine = make()
         greedy = engine.generate(cond, N, emb_masks=mask, condition=condition, top_k=1, **kw)
@@ -106,7 +106,6 @@ def check(model, dtype, backends, N, B):
         print(f"{str(dtype):15s} {spec:22s} n={B} greedy identical: {bool(same.all())} (first divergence: {first}) | "
               f"teacher-forced max|dlogp| {d[0]:.2e} / {d[1]:.2e} | same seed twice identical: {torch.equal(*runs)}", flush=True)
         model.clear_caches()
-    fused_ops.for_backend("inductor")  # the reference's setting again
 
 
 def main():

@@ -1,7 +1,13 @@
 """Ahead-of-time compilation of the Triton kernels for sm_90 (H100/H200) with Triton's bundled ptxas, no
 GPU needed: a kernel that only the interpreter accepts, or whose registers spill, fails here rather
 than on the first GPU run. The tests run their compile scripts in a subprocess (`run`), away from the
-interpreter settings of the other tests."""
+interpreter settings of the other tests.
+
+With SM90_SASS_LOG=FILE each build appends a line to FILE: the kernel, its settings and a digest of its SASS, so that
+two commits' builds can be compared (tools/compare_sass.py): a change that moves code but not kernels leaves every
+digest as it was."""
+import hashlib
+import json
 import os
 import re
 import subprocess
@@ -36,7 +42,31 @@ def build(kernel, signature, constexprs, options, attrs=None, stack=0):
             usage = subprocess.run([cuobjdump, "-res-usage", f.name], capture_output=True, text=True).stdout
         frame = int(re.search(r"STACK:(\d+)", usage).group(1))
         assert frame <= stack, (kernel.__name__, constexprs, usage)
+    log_sass("triton", k.asm["cubin"], f"{kernel.__name__} {json.dumps(constexprs, sort_keys=True, default=str)} "
+                                          f"{json.dumps(options, sort_keys=True, default=str)}")
     return k
+
+
+def log_sass(tool, cubin, what):
+    """SM90_SASS_LOG's line per kernel of a cubin: tool, what was built (or {kernel: what}), kernel name, digest of
+    its instructions."""
+    path = os.environ.get("SM90_SASS_LOG")
+    if not path:
+        return
+    import triton
+
+    cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        text = subprocess.run([cuobjdump, "-sass", f.name], capture_output=True, text=True, check=True).stdout
+    with open(path, "a") as log:
+        for block in re.split(r"\n\s*Function : ", text)[1:]:
+            name, body = block.split("\n", 1)
+            lines = "\n".join(m.group(1).strip() for m in re.finditer(r"/\*[0-9a-f]{4}\*/\s+([^;]*;)", body))
+            name = name.strip()
+            built = what.get(name, "-") if isinstance(what, dict) else what
+            log.write(f"{tool} {built} {name} {hashlib.sha1(lines.encode()).hexdigest()[:16]}\n")
 
 
 def env(**extra):
@@ -62,5 +92,8 @@ def nvcc_stack_frames(src):
         open(path, "w").write(src)
         out = subprocess.run(["nvcc", "-arch=sm_90", "-cubin", "-Xptxas", "-v", path, "-o", path + ".cubin"],
                              capture_output=True, text=True)
-    assert out.returncode == 0, out.stderr
+        assert out.returncode == 0, out.stderr
+        with open(path + ".cubin", "rb") as f:
+            entries = re.findall(r"__launch_bounds__\((\d+)\) (\w+)\(const \w+ a\) \{ (.+?)\(a\); \}", src)
+            log_sass("nvcc", f.read(), {name: f"{call.replace(' ', '')}@{threads}" for threads, name, call in entries})
     return [int(f) for f in re.findall(r"(\d+) bytes stack frame", out.stderr)]

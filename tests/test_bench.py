@@ -6,6 +6,7 @@ import subprocess
 import types
 
 import pytest
+import torch
 
 from fast_inference import bench
 
@@ -65,18 +66,27 @@ def test_end_to_end_is_the_median_of_its_runs(monkeypatch):
     assert calls == ["generate", ("decode", "tokens", (1, 8, 32, 32))] * 6  # the warm image, then five
 
 
-def test_negative_e2e_runs_is_a_usage_error(monkeypatch, tmp_path):
-    calls = fake_children(monkeypatch)
+def usage_error(capsys, argv):
+    """bench.main(argv) ends as the other tools' user errors: exit code 2 and one 'error:' line."""
     with pytest.raises(SystemExit) as e:
-        bench.main(["--random-weights", "--e2e-runs", "-1", "--out-dir", str(tmp_path / "out")])
-    assert "--e2e-runs -1" in str(e.value) and calls == [] and not (tmp_path / "out").exists()
+        bench.main(argv)
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.count("\n") == 1 and err.startswith("error: "), err
+    return err
 
 
-def test_a_failed_child_writes_nothing(monkeypatch, tmp_path):
+def test_negative_e2e_runs_is_a_usage_error(monkeypatch, tmp_path, capsys):
+    calls = fake_children(monkeypatch)
+    err = usage_error(capsys, ["--random-weights", "--e2e-runs", "-1", "--out-dir", str(tmp_path / "out")])
+    assert "--e2e-runs -1" in err and calls == [] and not (tmp_path / "out").exists()
+
+
+def test_a_failed_child_writes_nothing(monkeypatch, tmp_path, capsys):
     calls = fake_children(monkeypatch, fail=8)
     with pytest.raises(SystemExit) as e:
         bench.main(["--random-weights", "--batch-sizes", "1,8,32", "--out-dir", str(tmp_path / "out")])
-    assert "n = 8 process failed" in str(e.value) and "nothing written" in str(e.value)
+    err = capsys.readouterr().err
+    assert e.value.code == 1 and "n = 8 process failed" in err and "nothing written" in err
     assert len(calls) == 2 and not (tmp_path / "out").exists()
 
 
@@ -90,14 +100,60 @@ def test_one_batch_size_or_in_process_starts_no_child(monkeypatch, tmp_path):
     assert measured == [[32], [1, 8]] and calls == []
 
 
-def test_batch_sizes_not_numbers_is_a_usage_error(monkeypatch, tmp_path):
+def test_batch_sizes_not_numbers_is_a_usage_error(monkeypatch, tmp_path, capsys):
     calls = fake_children(monkeypatch)
-    with pytest.raises(SystemExit) as e:
-        bench.main(["--random-weights", "--batch-sizes", "1,eight", "--out-dir", str(tmp_path / "out")])
-    assert "--batch-sizes '1,eight'" in str(e.value) and "e.g. 1,8,32" in str(e.value)
+    err = usage_error(capsys, ["--random-weights", "--batch-sizes", "1,eight", "--out-dir", str(tmp_path / "out")])
+    assert "--batch-sizes '1,eight'" in err and "e.g. 1,8,32" in err
     assert calls == [] and not (tmp_path / "out").exists()
 
 
 def test_the_help_names_in_process():
     out = subprocess.run([bench.sys.executable, bench.__file__, "--help"], capture_output=True, text=True).stdout
     assert "--in-process" in out and "--part" not in out
+
+
+@pytest.mark.parametrize("extra,needle", [
+    (["--image-size", "100"], "--image-size 100 is not a multiple of 16; use e.g. 112"),
+    (["--image-size", "0"], "--image-size 0 is out of range"), (["--batch-sizes", "0,8"], "--batch-sizes '0,8'"),
+    (["--cfg-scale", "nan"], "--cfg-scale nan is out of range"), (["--top-k", "-1"], "--top-k -1 is out of range"),
+    (["--fast-runs", "0"], "--fast-runs 0 is out of range"), (["--ref-steps", "-1"], "--ref-steps -1"),
+    (["--gpt-model", "GPT-XS"], "unknown model 'GPT-XS'"), (["--adapter-size", "huge"], "adapter_size must be"),
+    (["--gpt-ckpt", "nowhere.safetensors"], "--gpt-ckpt nowhere.safetensors not found"),
+    (["--nope"], "unrecognized arguments: --nope"), (["--image-size", "x"], "invalid int value: 'x'"),
+    (["--speculative", "jacobi", "--backend", "cudagraph"], "--speculative jacobi runs on --backend inductor"),
+    (["--speculative", "jacobi", "--draft-window", "1"], "--draft-window 1 is out of range"),
+    (["--speculative", "jacobi", "--draft-init", "above", "--image-size", "128"], "--draft-init above needs"),
+    (["--target-entropy", "20"], "--target-entropy 20.0 is out of range")])
+def test_user_errors_exit_2_in_one_line_before_any_child(monkeypatch, tmp_path, capsys, extra, needle):
+    calls = fake_children(monkeypatch)
+    err = usage_error(capsys, ["--random-weights", "--out-dir", str(tmp_path / "out"), *extra])
+    assert needle in err and calls == [] and not (tmp_path / "out").exists()
+
+
+def test_out_dir_that_is_a_file_and_a_childs_user_error(monkeypatch, tmp_path, capsys):
+    (tmp_path / "file").write_text("")
+    calls = fake_children(monkeypatch)
+    assert "--out-dir" in usage_error(capsys, ["--random-weights", "--out-dir", str(tmp_path / "file")])
+    monkeypatch.setattr(bench.subprocess, "run", lambda cmd: calls.append(cmd) or types.SimpleNamespace(returncode=2))
+    assert "n = 1 process failed" in usage_error(capsys, ["--random-weights", "--out-dir", str(tmp_path / "out")])
+
+
+@pytest.mark.parametrize("target", [1.0, 3.0])
+def test_output_scaled_to_a_target_entropy(target):
+    """--target-entropy: the output layer scaled so that the sampled distributions' mean entropy is near the target;
+    the entropy it reports is what the reference sampler's own logits give at the scale (seed 0)."""
+    from fast_inference.sampling import cfg_merge, filter_logits
+    from test_reference import tiny_model
+
+    model = tiny_model(cls=8, block_size=16)
+    before = model.output.weight.clone()
+    kw = dict(cfg_scale=4.0, top_k=100, temperature=1.0, top_p=1.0)
+    with torch.no_grad():
+        scale, entropy = bench.scale_to_entropy(model, target, types.SimpleNamespace(image_size=64), kw, "cpu")
+        assert torch.allclose(model.output.weight, before * scale)
+        cond, mask, condition = bench.inputs(model, 1, 64, "cpu")
+        torch.manual_seed(0)
+        _, logits = bench.generate(model, cond, 16, emb_masks=mask, condition=condition, return_logits=True, **kw)
+    p = torch.softmax(filter_logits(torch.cat([cfg_merge(l, 4.0) for l in logits]), 1.0, 100), -1)
+    measured = -(p * p.log().nan_to_num(neginf=0.0)).sum(-1).mean().item()
+    assert measured == pytest.approx(entropy, abs=1e-4) and entropy == pytest.approx(target, abs=0.15)

@@ -1,14 +1,16 @@
 """Checkpoint reading (.safetensors, official .pt layouts) and strict loading with a readable report."""
 import argparse
+import os
 import pathlib
+import pickle
 
 import pytest
 import torch
 import torch.nn as nn
 from safetensors.torch import save_file
 
-from fast_inference.checkpoint import (CheckpointError, fit_null_caption, gpt_fix_hint, load_weights, no_init,
-                                       read_state_dict)
+from fast_inference.checkpoint import (CheckpointError, fit_null_caption, gpt_fix_hint, load_failure, load_weights,
+                                       no_init, read_state_dict)
 from fast_inference.model import ModelArgs, Transformer
 
 
@@ -193,3 +195,38 @@ def test_broken_files(tmp_path):
     with pytest.raises(CheckpointError, match=r"pickles pathlib.PurePosixPath.*safetensors") as e:
         read_state_dict(str(tmp_path / "path.pt"))
     assert "\n" not in str(e.value)
+
+
+class RunsCode:
+    """Unpickling this calls os.system: what a malicious checkpoint does."""
+
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return os.system, (f"touch {self.marker}",)
+
+
+def test_a_pickle_that_would_run_code_is_refused_plainly(tmp_path):
+    """torch 2.6+ blocks os.* with another wording than the allowlist's; both say the file would run code."""
+    marker = tmp_path / "ran"
+    torch.save({"model": small_module().state_dict(), "payload": RunsCode(marker)}, tmp_path / "evil.pt")
+    with pytest.raises(CheckpointError) as e:
+        read_state_dict(str(tmp_path / "evil.pt"))
+    msg = str(e.value)
+    assert f"pickles {os.system.__module__}.system" in msg and "would run code" in msg and "refused" in msg
+    assert "weights_only` set to `False`" not in msg and "download it again" not in msg and "\n" not in msg
+    assert not marker.exists()
+    # The older wordings of the same refusal (torch <= 2.5, and 1.13-2.0).
+    for old in ("Weights only load failed. WeightsUnpickler error: Unsupported global: GLOBAL posix.system was not "
+                "an allowed global by default.", "Weights only load failed. WeightsUnpickler error: Unsupported class "
+                "posix.system"):
+        msg = load_failure("x.pt", pickle.UnpicklingError(old))
+        assert msg.startswith("x.pt is refused: it pickles posix.system, so loading it would run code"), msg
+
+
+def test_a_broken_pickle_names_its_cause_not_torchs_unsafe_advice(tmp_path):
+    (tmp_path / "junk.pt").write_bytes(b"not a checkpoint at all")
+    with pytest.raises(CheckpointError) as e:
+        read_state_dict(str(tmp_path / "junk.pt"))
+    assert "download it again" in str(e.value) and "weights_only" not in str(e.value)

@@ -5,6 +5,7 @@ the full VQ-16 with random weights, so images stay 64x64 and few.
 """
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -15,7 +16,7 @@ from PIL import Image
 from safetensors.torch import save_file
 
 from conftest import ROOT
-from fast_inference import fast_engine
+from fast_inference import fast_engine, plan
 from fast_inference.checkpoint import read_state_dict
 from fast_inference.conditions import draw_example
 from fast_inference.generate import generate
@@ -225,29 +226,51 @@ def test_quantize_int8(files, tmp_path, capsys):
                                          "drop --compile-scope step")
 
 
-@pytest.mark.parametrize("argv,block", [([], True), (["--compile-scope", "step"], False)])
+@pytest.mark.parametrize("argv,block", [([], "compiled"), (["--compile-scope", "step"], "model")])
 def test_compile_scope_flag(argv, block):
     """--compile-scope reaches the engine (block by default); nothing is compiled until a step runs."""
     args = fast_engine.parse_args(["--backend", "inductor", "--device", "cpu", *argv])
     model = Transformer(ModelArgs(n_layer=1, n_head=2, dim=32, caption_dim=32, block_size=4))
     engine = fast_engine.make_engine(args, model, "inductor")
-    assert engine.block_scope == block and engine.block_fn is None
+    assert engine.block_fn is None and plan.make(engine.situation(1, True, 1.0, True, 8)).block == block
 
 
-def test_cudagraph_backend_keeps_the_eager_model_and_vq_decoder_off_triton(monkeypatch):
-    """--backend cudagraph promises no Triton: make_engine turns fused_ops' kernels off, for the eager model and the VQ
-    decoder's norms (group_norm), and the other backends leave them on (a stand-in engine: the cudagraph backend needs
-    CUDA)."""
-    from fast_inference import fused_ops, group_norm
+def test_cudagraph_backend_keeps_the_vq_decoder_off_triton(monkeypatch):
+    """--backend cudagraph promises no Triton: the VQ decoder's norms stay torch's there (the eager model's ops are
+    the plan's: tests/test_plan.py), and the other backends take group_norm_triton's on CUDA."""
+    from fast_inference.engine import vq_kernels
+    from fast_inference.kernels import group_norm_triton
 
-    monkeypatch.setattr(fast_engine, "Engine", lambda *a, **k: "engine")
-    monkeypatch.setattr(fused_ops, "ENABLED", True)
-    args = fast_engine.parse_args(["--device", "cpu"])
-    x = torch.zeros(1, 32, 2, 2).contiguous(memory_format=torch.channels_last)
-    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda t: True))  # as if on CUDA
-    for backend, enabled in (("cudagraph", False), ("inductor", True), ("cudagraph", False), ("eager", True)):
-        assert fast_engine.make_engine(args, None, backend) == "engine" and fused_ops.ENABLED is enabled
-        assert group_norm.supported(x, 32) is enabled and fused_ops.supported(x) is enabled
+    for backend, device, want in (("cudagraph", "cuda", None), ("inductor", "cuda", group_norm_triton),
+                                  ("eager", "cuda", group_norm_triton), ("inductor", "cpu", None)):
+        taken = []
+        vq = type("VQ", (), {"use_kernels": lambda self, k: taken.append(k) or self})()  # the model needs none here
+        vq_kernels(vq, backend, device)
+        assert taken == [want if plan.triton_available() else None], (backend, device, taken)
+
+
+def test_plan_overrides_and_explain(capsys):
+    """--plan KEY=VALUE reaches the engine's plan; a bad one is one error line naming the keys; --explain prints the
+    plan of the run for this machine or another device and exits without loading weights."""
+    args = fast_engine.parse_args(["--device", "cpu", "--plan", "draw=torch"])
+    model = Transformer(ModelArgs(n_layer=1, n_head=2, dim=32, caption_dim=32, block_size=4))
+    assert fast_engine.make_engine(args, model, "eager").overrides == (("draw", "torch"),)
+    code, _, err = cli(capsys, "--device", "cpu", "--plan", "draw=fast")
+    err = err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and err[0].startswith("error:")
+    assert "draw=fast: use one of torch, triton, cuda" in err[0]
+    code, out, _ = cli(capsys, "--explain", "sm_90", "--num-images", "2")
+    assert code == 0 and "2 image(s) under CFG, bfloat16 on sm_90" in out and re.search(r"gate_up +cuda, PDL early", out)
+    code, out, _ = cli(capsys, "--explain", "cpu")
+    assert code == 0 and "float32 on CPU" in out and "SDPA" in out
+    readme = open(os.path.join(ROOT, "README.md"), encoding="utf-8").read()
+    command = re.search(r"python fast_inference/fast_engine.py (.*--explain sm_90)\n", readme).group(1).split()
+    code, out, err = cli(capsys, *command)  # the README's example: a real model needs no control image to plan
+    assert code == 0 and "GPT" not in err and "1 image" not in out and "2 image(s) under CFG" in out, err
+    code, out, _ = cli(capsys, "--explain", "sm_90", "--speculative", "jacobi", "--draft-window", "8")
+    assert code == 0 and re.search(r"speculative +Jacobi passes of 8 positions: 16 rows .* one CUDA graph", out)
+    code, _, err = cli(capsys, "--explain", "tpu")
+    assert code == 2 and "name a device as cpu or sm_XY" in err
 
 
 def test_sampling_flags_and_seed(files, tmp_path, capsys):
@@ -495,3 +518,125 @@ def test_demo_engines_agree_on_greedy_tokens(tmp_path, capsys):
         assert code == 0, err
         tokens.append(np.load(tmp_path / f"{engine}.npy"))
     assert np.array_equal(*tokens) and len(np.unique(tokens[0])) > 4
+
+
+# ---- (g) numbers, sizes and outputs checked before any model is built --------------------------------
+
+@pytest.mark.parametrize("flag,value", [
+    ("--cfg-scale", "nan"), ("--cfg-scale", "inf"), ("--cfg-scale", "-1"), ("--cfg-scale", "1e30"),
+    ("--temperature", "nan"), ("--temperature", "-0.5"), ("--temperature", "inf"), ("--top-k", "-5"),
+    ("--top-p", "1.5"), ("--top-p", "nan"), ("--top-p", "-0.1"), ("--cfg-interval", "-2"),
+    ("--control-strength", "nan"), ("--control-strength", "-1"), ("--seed", "-1"), ("--seed", str(2**32)),
+    ("--num-images", "0"), ("--warmup", "-1"), ("--codebook-size", "0"), ("--cls-token-num", "0"),
+    ("--t5-feature-max-len", "0"), ("--t5-feature-dim", "-3")])
+def test_sampling_numbers_out_of_range(files, tmp_path, flag, value):
+    args = fast_engine.parse_args([str(a) for a in t2i_argv(files, tmp_path, flag, value)])
+    with pytest.raises(fast_engine.UserError) as e:
+        fast_engine.check_args(args)
+    name = flag[2:].replace("-", "_")
+    assert str(e.value).startswith(f"{flag} {getattr(args, name)} is out of range; use ")
+    assert fast_engine.span(name) in str(e.value)
+
+
+def test_edge_values_are_accepted_and_the_help_states_every_range(files, tmp_path, capsys):
+    for flag, value in (("--temperature", "0"), ("--top-p", "0"), ("--top-k", "0"), ("--cfg-scale", "0"),
+                        ("--cfg-interval", "-1"), ("--control-strength", "0"), ("--seed", str(2**32 - 1))):
+        fast_engine.check_args(fast_engine.parse_args([str(a) for a in t2i_argv(files, tmp_path, flag, value)]))
+    with pytest.raises(SystemExit):
+        fast_engine.parse_args(["--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    for name in ("cfg_scale", "cfg_interval", "top_k", "top_p", "temperature", "control_strength", "seed"):
+        assert f"--{name.replace('_', '-')}" in text and fast_engine.span(name) in text, name
+    assert "0 = greedy" in text
+
+
+def test_nan_guidance_is_one_line_and_exit_2(files, tmp_path, capsys):
+    code, _, err = cli(capsys, *t2i_argv(files, tmp_path, "--cfg-scale", "nan"))
+    assert code == 2 and err.strip() == "error: --cfg-scale nan is out of range; use a number 0..1000 (" + \
+        fast_engine.RANGES["cfg_scale"][2] + ")"
+    assert not (tmp_path / "grid.png").exists()
+
+
+def test_nan_caption_embedding_is_refused(files, tmp_path, capsys):
+    emb = np.random.default_rng(0).standard_normal((1, 7, 32)).astype(np.float32)
+    emb[0, 3] = np.nan
+    np.savez(tmp_path.parent / "nan.npz", caption_emb=emb, prompt=np.array(["a red house"]))
+    msg = expect_error(capsys, tmp_path, replace(t2i_argv(files, tmp_path), "--caption-emb", tmp_path.parent / "nan.npz"),
+                       "'caption_emb' has 32 value(s) that are NaN", "re-extract")
+    assert msg.startswith("error: ")
+
+
+def test_out_that_is_a_directory_is_refused_before_any_work(files, tmp_path, capsys):
+    (tmp_path / "empty").mkdir()
+    out = str(tmp_path / "empty")
+    expect_error(capsys, tmp_path, replace(t2i_argv(files, tmp_path), "--out", out),
+                 f"--out {out} is a directory; give a file name like {os.path.join(out, 'grid.png')}")
+
+
+def test_config_that_cannot_split_into_heads_is_refused(files, tmp_path, capsys):
+    (tmp_path.parent / "heads.json").write_text(json.dumps(dict(T2I, n_head=3)))
+    expect_error(capsys, tmp_path, replace(t2i_argv(files, tmp_path), "--gpt-model", tmp_path.parent / "heads.json"),
+                 "--gpt-model", "dim 64 must split into n_head 3 heads")
+
+
+def test_huge_image_size_is_refused_before_allocation(tmp_path, capsys):
+    code, _, err = cli(capsys, "--image-size", 16 * 62500, "--out", tmp_path / "x.png")
+    assert code == 2 and err.count("\n") == 1 and "GiB free; use a smaller --image-size" in err, err
+    assert not (tmp_path / "x.png").exists()
+
+
+def test_sizes_beyond_the_free_memory_are_refused(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(fast_engine, "available_memory", lambda device: 2**20)
+    code, _, err = cli(capsys, "--num-images", 4, "--out", tmp_path / "x.png")
+    assert code == 2 and "4 image(s) of 256x256" in err and "0.0 GiB free" in err and "--num-images" in err, err
+
+
+def test_memory_estimate_is_a_lower_bound():
+    """The weights part never exceeds what a built model holds (a refusal must never be a false alarm)."""
+    margs = ModelArgs(**T2I, block_size=16, cls_token_num=8)
+    model = Transformer(margs)
+    held = sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
+    assert fast_engine.memory_needed(margs, 16, 16, 0, 1.0, torch.float32) <= held
+    more = fast_engine.memory_needed(margs, 64, 64, 2, 4.0, torch.float32)
+    assert more - fast_engine.memory_needed(margs, 64, 64, 0, 4.0, torch.float32) >= 2 * 2 * 128 * 64 * 64 * 4
+
+
+def test_random_transformer_is_not_called_real_tokens(files):
+    args = fast_engine.parse_args(["--gpt-model", files["t2i_json"], "--condition-path", files["seg"]])
+    assert "tokens are real" not in fast_engine.weights_note(args, demo=False)
+    assert "RANDOM weights in the transformer and the VQ decoder" in fast_engine.weights_note(args, demo=False)
+    args.gpt_ckpt = files["t2i_ckpt"]
+    assert "tokens are real" in fast_engine.weights_note(args, demo=False)
+    args.vq_ckpt = files["vq_ckpt"]
+    assert fast_engine.weights_note(args, demo=False) is None
+
+
+def test_readme_first_screen_says_what_the_demo_and_the_tests_do():
+    """The demo writes a grid (control map, then the sample) to default_out; the suite takes minutes, skips GPU tests."""
+    text = open(os.path.join(ROOT, "README.md"), encoding="utf-8").read()
+    quick = text[text.index("## Quick start"):text.index("## Real checkpoints")]
+    prose = " ".join(quick.split("```")[2].split())
+    demo_out = os.path.relpath(fast_engine.default_out(fast_engine.parse_args([]), "t2i", True), ROOT)
+    assert f"`{demo_out}`" in prose and "a grid, the control map and then the sample" in prose
+    assert "takes several minutes on a 2-core machine" in prose and "skips the tests that need a CUDA GPU" in prose
+
+
+def test_speculative_flags(files, tmp_path, capsys):
+    """--speculative jacobi: greedy tokens equal the reference engine's, the report says how many passes and tokens
+    per pass; its companions are checked before any model loads."""
+    tokens = []
+    for extra in (["--engine", "reference"], ["--speculative", "jacobi", "--draft-window", 3, "--draft-init", "left"]):
+        code, out, err = cli(capsys, *t2i_argv(files, tmp_path, "--top-k", 1, "--save-tokens", tmp_path / "t.npy",
+                                               *extra))
+        assert code == 0, err
+        tokens.append(np.load(tmp_path / "t.npy"))
+    assert np.array_equal(*tokens)
+    assert "passes per image" in out and "tokens per pass" in out and "ms per pass" in out
+    for f in tmp_path.iterdir():
+        f.unlink()
+    argv = t2i_argv(files, tmp_path, "--speculative", "jacobi")
+    expect_error(capsys, tmp_path, argv + ["--engine", "reference"], "drop --engine reference")
+    expect_error(capsys, tmp_path, argv + ["--cfg-interval", 2], "use --cfg-interval -1")
+    expect_error(capsys, tmp_path, argv + ["--backend", "cudagraph"], "--backend inductor with --compile-scope block")
+    expect_error(capsys, tmp_path, argv + ["--draft-window", 0], "--draft-window 0 is out of range")
+    expect_error(capsys, tmp_path, argv + ["--draft-init", "above"], "--draft-init above needs a square image")

@@ -248,3 +248,20 @@ def test_errors(tmp_path, monkeypatch):
     raises_one_line("uint8", extract_control, rgb.astype(np.float32), "seg")
     monkeypatch.setitem(sys.modules, "cv2", None)  # as if OpenCV were not installed
     raises_one_line("pip install opencv-python-headless", extract_control, rgb, "canny")
+
+
+def test_an_annotator_output_that_is_not_finite_is_refused(monkeypatch):
+    """A depth map whose maximum is 0 (x 255 / 0) would feed NaN control tokens into sampling."""
+    monkeypatch.setattr(conditions, "depth", lambda rgb, ckpt, device: torch.zeros(1, 32, 32) * 255 / 0.0)
+    with pytest.raises(ConditionError, match="depth annotator gave NaN or infinite values.*--condition-is-map"):
+        extract_control(np.zeros((32, 32, 3), np.uint8), "depth")
+
+
+def test_read_size_reads_the_header_and_errors_name_the_fix(tmp_path):
+    Image.new("RGB", (48, 32)).save(tmp_path / "a.png")
+    assert conditions.read_size(str(tmp_path / "a.png")) == (32, 48)
+    with pytest.raises(ConditionError, match="not found; fix line 3"):
+        conditions.read_size(str(tmp_path / "b.png"), fix="fix line 3")
+    (tmp_path / "c.png").write_bytes(b"no image")
+    with pytest.raises(ConditionError, match="cannot read .*c.png as an image .*--condition-path"):
+        read_rgb(str(tmp_path / "c.png"))

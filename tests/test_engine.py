@@ -1,12 +1,17 @@
 """The fast engine against the reference sampler (CPU, fp32, tiny random models)."""
+import dataclasses
 import math
 import os
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 from fast_inference import engine as engine_module
-from fast_inference.engine import CACHE_WINDOWS, Engine, cache_windows, captures_prefill
+from fast_inference import plan
+from fast_inference.engine import Engine
+from fast_inference.runner import cache_windows
+from fast_inference.plan import CACHE_WINDOWS
 from fast_inference.generate import generate
 from fast_inference.quantize import quantize_int8
 from test_reference import FIXTURES, build_fixture_model, tiny_inputs, tiny_model
@@ -91,11 +96,11 @@ def test_same_seed_same_tokens_and_partial_batch():
         runs.append(engine.generate(cond, 16, emb_masks=mask, condition=condition, cfg_scale=1.0, top_k=50))
     assert torch.equal(runs[0], runs[1])
     assert engine.generate(cond[:1], 16, emb_masks=mask[:1], condition=condition[:1], top_k=50).shape == (1, 16)
-    assert engine.sampler.batch == 2  # a smaller batch reuses the captured shape, padded
+    assert engine.runner.batch == 2  # a smaller batch reuses the captured shape, padded
     # Padded greedy results equal the reference on the real rows.
     engine.generate(cond, 16, emb_masks=mask, condition=condition, cfg_scale=4.0, top_k=1)
     greedy = engine.generate(cond[1:], 16, emb_masks=mask[1:], condition=condition[1:], cfg_scale=4.0, top_k=1)
-    assert engine.sampler.batch == 2
+    assert engine.runner.batch == 2
     want = generate(model, cond[1:], 16, emb_masks=mask[1:], condition=condition[1:], cfg_scale=4.0, top_k=1)
     assert torch.equal(greedy, want)
 
@@ -119,30 +124,32 @@ def test_last_timings_are_each_phase_without_its_compile_time(monkeypatch):
     assert marks.seconds() == {"condition": 0.5, "prefill": 0.125, "decode": 3.75}
 
 
+def hand_captured(monkeypatch):
+    """Plans as on CUDA (the steps, the eager prefill and prepare() captured by hand) with stand-in graphs that replay
+    the captured function, as CUDA graphs do not exist on the CPU -> the list of the captured graphs' keys. A capture
+    leaves the state of one run, and the first token's draw stays out of the prefill's graph."""
+    make, captured = plan.make, []
+    monkeypatch.setattr(engine_module.plans, "make",
+                        lambda s: dataclasses.replace(make(s), step="hand_graph", prefill="eager_graph"))
+
+    def capture(self, key, fn, state=None):
+        captured.append(key)
+        drawn = None if state is None else (state.out.clone(), state.input_pos.clone(), state.token.clone())
+        fn()
+        if key == "prefill":
+            assert all(torch.equal(a, b) for a, b in zip(drawn or (), (state.out, state.input_pos, state.token)))
+        self.graphs[key] = SimpleNamespace(replay=fn)
+
+    monkeypatch.setattr(engine_module.Graphs, "capture", capture)
+    return captured
+
+
 @pytest.mark.parametrize("int8", [False, True])
 def test_captured_prefill_replays_each_images_prefix(monkeypatch, int8):
     """Where the steps are captured by hand the eager prefill is captured too: a shape's first image runs it as
     it comes, the second captures it, later ones copy their prefix in and replay; the first token is drawn
-    outside the graph. CUDA graphs do not exist on the CPU, so a stand-in graph replays the captured function;
-    the tokens must equal those of the engine that never captures the prefill, with int8 weights too."""
-    captured = []
-
-    class Graph:
-        def __init__(self, fn):
-            self.replay = fn
-
-    def capture(s, fn):  # as engine.capture: the state after it is that of one run
-        captured.append(fn)
-        if s is None:  # prepare()'s graph: test_captured_condition_replays_each_images_inputs
-            fn()
-            return Graph(fn)
-        drawn = s.out.clone(), s.input_pos.clone(), s.token.clone()
-        fn()
-        if "_run_prefill" in fn.__qualname__:  # the draw stays out of the prefill's graph
-            assert all(torch.equal(a, b) for a, b in zip(drawn, (s.out, s.input_pos, s.token)))
-        return Graph(fn)
-
-    monkeypatch.setattr(engine_module, "capture", capture)
+    outside the graph. The tokens must equal those of the engine that never captures the prefill, with int8 weights
+    too."""
     model = quantize_int8(tiny_model()) if int8 else tiny_model()
     cond, mask, condition = tiny_inputs(model)
     a, b = (cond, mask, condition), (cond.flip(0), mask.flip(0), condition)  # one shape, other prefixes
@@ -150,14 +157,14 @@ def test_captured_prefill_replays_each_images_prefix(monkeypatch, int8):
     plain = Engine(model, backend="eager")
     want = [torch.manual_seed(3) and run(plain, p) for p in (a, b, a)]
     assert not torch.equal(want[0], want[1])  # a stale prefix would show
+    captured = hand_captured(monkeypatch)
     hand = Engine(model, backend="eager")
-    hand.hand_capture = True  # as on CUDA (the rest runs as eager)
     prefills = []
     for i, p in enumerate((a, b, a)):
         torch.manual_seed(3)
         assert torch.equal(run(hand, p), want[i]), i
-        prefills.append(sum("_run_prefill" in f.__qualname__ for f in captured))
-    assert hand.sampler.capture_prefill and prefills == [0, 1, 1]
+        prefills.append(captured.count("prefill"))
+    assert hand.hand_capture and hand.runner.capture_prefill and prefills == [0, 1, 1]
 
 
 def test_captured_condition_replays_each_images_inputs(monkeypatch):
@@ -165,18 +172,6 @@ def test_captured_condition_replays_each_images_inputs(monkeypatch):
     of inputs' shapes and settings: the first image runs it as it comes, the second captures it, later ones copy
     their inputs in and replay. A stand-in graph replays the captured function from the graph's own inputs, so a
     stale input shows as other tokens than those of the engine that never captures."""
-    captured = []
-
-    class Graph:
-        def __init__(self, fn):
-            self.replay = fn
-
-    def capture(s, fn):
-        captured.append(s)
-        fn()
-        return Graph(fn)
-
-    monkeypatch.setattr(engine_module, "capture", capture)
     model = tiny_model()
     cond, mask, condition = tiny_inputs(model)
     a = (cond, mask, condition)
@@ -188,22 +183,25 @@ def test_captured_condition_replays_each_images_inputs(monkeypatch):
     plain = Engine(model, backend="eager")
     want = [torch.manual_seed(3) and run(plain, *o) for o in order]
     assert not torch.equal(want[0], want[1]) and not torch.equal(want[0], want[4])
+    captured = hand_captured(monkeypatch)
     hand = Engine(model, backend="eager")
-    hand.hand_capture = True  # as on CUDA (the rest runs as eager)
     graphs = []
     for i, o in enumerate(order):
         torch.manual_seed(3)
         assert torch.equal(run(hand, *o), want[i]), i
-        graphs.append(captured.count(None))
+        graphs.append(captured.count("prepare"))
     # captured at a set's second image; a new control strength or shape runs eagerly first
     assert graphs == [0, 1, 1, 1, 1, 2, 2, 3, 3]
 
 
 def test_prefill_captured_where_the_steps_are_and_it_runs_eagerly():
-    assert captures_prefill(True, None, False)
-    assert not captures_prefill(False, None, False)  # steps not captured by hand (CPU, compile scope step)
-    assert not captures_prefill(True, object(), False)  # through the compiled block
-    assert not captures_prefill(True, None, True)  # compiled whole (compile_prefill)
+    hopper = dict(device="cuda", capability=(9, 0), dtype=torch.bfloat16, builds=lambda *key: False)
+    assert plan.make(plan.Situation(backend="cudagraph", **hopper)).prefill == "eager_graph"
+    assert plan.make(plan.Situation(backend="inductor", **hopper)).prefill == "eager_graph"  # the fused block
+    assert plan.make(plan.Situation(backend="inductor", batch=9, **hopper)).prefill == "compiled_block"
+    assert plan.make(plan.Situation(compile_scope="step", compile_prefill=True, **hopper)).prefill == "compiled_whole"
+    assert plan.make(plan.Situation(compile_scope="step", **hopper)).prefill == "eager"  # steps not captured by hand
+    assert plan.make(plan.Situation(backend="eager", **hopper)).prefill == "eager"
 
 
 def test_sampling_distribution_matches_reference():
@@ -293,14 +291,14 @@ def test_block_scope_prefill_runs_the_compiled_block():
         for i, (r, f) in enumerate(zip(ref_logits, fast_logits)):
             assert (r - f).abs().max().item() <= 1e-4, (image, i)
     assert graphs == [3, 3]  # the block at the prefill's and the step's shape, the head
-    assert engine.sampler.prefill_block is engine.block_fn
+    assert engine.runner.prefill_ctx.block is engine.block_fn
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_the_prefill_through_the_compiled_block_on_cuda():
     """Past 8 images on CUDA the steps and the prefill run the compiled block, and the prefill's RoPE and cache write
-    inside it are fused_ops' Triton kernel, which inductor launches (8b6a4aa had sent it to cuda_ops' ctypes launch
-    there, which dynamo cannot trace): float32 logits within 1e-4 of the reference's, the prefill's included."""
+    inside it are eager_ops_triton's kernel, which inductor launches (8b6a4aa had sent it to the CUDA C++ kernel's
+    ctypes launch there, which dynamo cannot trace): float32 logits within 1e-4 of the reference's, the prefill's included."""
     model = tiny_model(n_layer=2, n_head=2, dim=32, block_size=4).cuda()
     cond, mask, condition = (t.cuda() for t in tiny_inputs(model, B=9))
     condition = condition[..., :32, :32]
@@ -310,13 +308,13 @@ def test_the_prefill_through_the_compiled_block_on_cuda():
     torch._dynamo.reset()
     engine = Engine(model, backend="inductor", compile_scope="block")
     _, fast_logits = engine.generate(cond, 3, **kw)
-    assert engine.sampler.prefill_block is engine.block_fn is not None
+    assert engine.runner.prefill_ctx.block is engine.block_fn is not None
     for i, (r, f) in enumerate(zip(ref_logits, fast_logits)):
         assert (r - f).abs().max().item() <= 1e-4, i
 
 
-def text_partial_attention(q, k_cache, v_cache, key_valid, input_pos, fresh=None, text=None):
-    """decode_attention's math for the compiled block (q and the step's key before RoPE), in PyTorch, the text's
+def text_partial_attention(q, k_cache, v_cache, key_valid, input_pos, fresh=None, text=None, **launch):
+    """attention_triton's math for the compiled block (q and the step's key before RoPE), in PyTorch, the text's
     keys read only through the text partial: their values' sum and count, of score 0."""
     from fast_inference.model import apply_rotary_emb, rotations
 
@@ -335,15 +333,20 @@ def text_partial_attention(q, k_cache, v_cache, key_valid, input_pos, fresh=None
 
 
 def test_text_partial_is_made_after_each_prefill(monkeypatch):
-    """Where the Triton decode attention runs, the engine makes the text partial after every prefill (the values'
-    sum and count of the attendable text keys, decode_attention.text_sums): an attention that reads the text only
+    """Where a decode attention kernel runs, the engine makes the text partial after every prefill (the values'
+    sum and count of the attendable text keys, attention_triton.text_sums): an attention that reads the text only
     through it gives the reference's teacher-forced logits, for two captions of other lengths in a row (the
-    first's sums, left over, would show) and with a cfg_interval. Not where the RoPE table's text rows are
-    not zero (its keys would not be)."""
-    from fast_inference import decode_attention
+    first's sums, left over, would show) and with a cfg_interval. The plan is the CPU's with the Triton attention
+    and torch's text sums in it; not where the RoPE table's text rows are not zero (its keys would not be)."""
+    make = plan.make
 
-    monkeypatch.setattr(decode_attention, "available", lambda device: True)
-    monkeypatch.setattr(decode_attention, "decode_attention", text_partial_attention)
+    def with_attention(s):
+        p = make(s)
+        rows = lambda r: dataclasses.replace(r, attention="triton_split", attention_config=(4, 1, 1))
+        return dataclasses.replace(p, text_sums="torch", guided=rows(p.guided), unguided=rows(p.unguided))
+
+    monkeypatch.setattr(engine_module.plans, "make", with_attention)
+    monkeypatch.setattr(engine_module.attention_triton, "decode_attention", text_partial_attention)
     monkeypatch.setattr(Engine, "compiled_block", lambda self: engine_module.run_block)  # eager on the CPU
     model = tiny_model(cls=8, seed=7, n_layer=2)
     engine = Engine(model, backend="inductor", compile_scope="block")
@@ -353,13 +356,13 @@ def test_text_partial_is_made_after_each_prefill(monkeypatch):
         kw = dict(emb_masks=mask, condition=condition, cfg_scale=4.0, cfg_interval=2, forced=forced)
         _, want = generate(model, cond, 5, return_logits=True, **kw)
         _, got = engine.generate(cond, 5, **kw)
-        assert engine.sampler.cache.text_len == model.args.cls_token_num
+        assert engine.runner.cache.text[2] == model.args.cls_token_num
         for i, (r, f) in enumerate(zip(want, got)):
             r = r if r.shape == f.shape else r.chunk(2)[0]
             assert (r - f).abs().max().item() <= 1e-4, (valid, i)
     model.freqs_cis[0, 0, 0] = 1.0
-    s = engine_module.Sampler(model, 2, 5, 8, 16, True, 0, 1.0, True, decode_attention=text_partial_attention)
-    assert s.cache.text_len == 0 and model.layers[0].attention.kv_cache.text() is None
+    s = dataclasses.replace(engine.situation(2, True, 1.0, True, 13), device="cuda", capability=(9, 0))
+    assert not s.text_prefix and make(s).guided.attention == "triton_split" and make(s).text_sums == "none"
 
 
 def test_inductor_pdl_switch(monkeypatch):
@@ -368,18 +371,34 @@ def test_inductor_pdl_switch(monkeypatch):
     CPU never gets it."""
     import torch._inductor.config as config
 
-    from fast_inference import engine
-
     if not hasattr(config.triton, "enable_pdl"):
         pytest.skip("this torch's inductor has no PDL option")
     monkeypatch.setattr(config.triton, "enable_pdl", False)
     monkeypatch.setenv("TORCHINDUCTOR_ENABLE_PDL", "0")
-    monkeypatch.setattr(engine, "use_pdl", lambda device: True)
-    engine.inductor_pdl(torch.device("cuda"))
+    Engine.inductor_pdl(SimpleNamespace(device_pdl=True))
     assert config.triton.enable_pdl is False
     monkeypatch.delenv("TORCHINDUCTOR_ENABLE_PDL")
-    monkeypatch.setattr(engine, "use_pdl", lambda device: device.type == "cuda")
-    engine.inductor_pdl(torch.device("cpu"))
+    Engine.inductor_pdl(SimpleNamespace(device_pdl=False))
     assert config.triton.enable_pdl is False and "TORCHINDUCTOR_ENABLE_PDL" not in os.environ
-    engine.inductor_pdl(torch.device("cuda"))
+    Engine.inductor_pdl(SimpleNamespace(device_pdl=True))
     assert config.triton.enable_pdl is True and os.environ["TORCHINDUCTOR_ENABLE_PDL"] == "1"
+
+
+def test_a_dropped_engine_is_freed_at_once():
+    """No reference cycle holds an engine (its runner, plan, graphs): dropped, it is freed at once, not by the cycle
+    collector, which could run in the middle of the next engine's capture and free its CUDA graphs there (a graph's
+    reset during another's capture invalidates that capture: seen on an H200 with two engines in one process)."""
+    import gc
+    import weakref
+
+    model = tiny_model()
+    cond, mask, condition = tiny_inputs(model)
+    engine = Engine(model, backend="inductor")
+    engine.generate(cond, 4, emb_masks=mask, condition=condition, cfg_scale=4.0, top_k=1)
+    refs = [weakref.ref(o) for o in (engine, engine.runner, engine.plan, engine.graphs)]
+    gc.disable()
+    try:
+        del engine
+        assert [r() for r in refs] == [None] * len(refs)
+    finally:
+        gc.enable()

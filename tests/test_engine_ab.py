@@ -1,40 +1,41 @@
-"""scripts/engine_ab.py's settings on the CPU: each starts from the modules as they were, and a setting that
-is not Python is a one-line usage error."""
+"""tools/engine_ab.py's settings on the CPU: each starts from the modules as they were, may set plan overrides, and a
+setting that is not Python is a one-line usage error."""
 import os
 import subprocess
 import sys
 
 from conftest import ROOT
 
-sys.path.insert(0, os.path.join(ROOT, "scripts"))
+sys.path.insert(0, os.path.join(ROOT, "tools"))
 import engine_ab  # noqa: E402
-from fast_inference import decode_block  # noqa: E402
+from fast_inference import plan  # noqa: E402
+from fast_inference.kernels import block_triton  # noqa: E402
 
 
 def test_each_setting_starts_from_the_code_as_it_stands():
     saved = engine_ab.snapshot()
-    table, pdl_for = dict(decode_block.DOT_CONFIG), decode_block.pdl_for
+    table, rows = dict(block_triton.DOT_CONFIG), plan.FUSED_ROWS
     first, second, plain = engine_ab.compile_settings([
-        "decode_block.DOT_CONFIG['w2'] = (1, 2, 3, 4, 5)\ndecode_block.pdl_for = None\ndecode_block.NEW = 1",
-        "decode_block.DOT_CONFIG.update(wo=(0, 0, 0, 0, 0))", ""])
+        "block_triton.DOT_CONFIG['w2'] = (1, 2, 3, 4, 5)\nplan.FUSED_ROWS = 8\nblock_triton.NEW = 1",
+        "block_triton.DOT_CONFIG.update(wo=(0, 0, 0, 0, 0))\noverrides = 'draw=torch'", ""])
     try:
-        engine_ab.apply(saved, first)
-        assert decode_block.DOT_CONFIG["w2"] == (1, 2, 3, 4, 5) and decode_block.pdl_for is None
-        engine_ab.apply(saved, second)  # the first setting's changes are gone
-        assert decode_block.DOT_CONFIG == dict(table, wo=(0, 0, 0, 0, 0))
-        assert decode_block.pdl_for is pdl_for and not hasattr(decode_block, "NEW")
+        assert engine_ab.apply(saved, first) == ""
+        assert block_triton.DOT_CONFIG["w2"] == (1, 2, 3, 4, 5) and plan.FUSED_ROWS == 8
+        assert engine_ab.apply(saved, second) == "draw=torch"  # the first setting's changes are gone
+        assert block_triton.DOT_CONFIG == dict(table, wo=(0, 0, 0, 0, 0))
+        assert plan.FUSED_ROWS == rows and not hasattr(block_triton, "NEW")
         engine_ab.apply(saved, plain)
-        assert decode_block.DOT_CONFIG == table
+        assert block_triton.DOT_CONFIG == table
     finally:
         engine_ab.restore(saved)
-    assert decode_block.DOT_CONFIG == table and decode_block.pdl_for is pdl_for
+    assert block_triton.DOT_CONFIG == table and plan.FUSED_ROWS == rows
 
 
 def test_a_setting_that_is_not_python_is_a_usage_error():
-    out = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "engine_ab.py"), "", "decode_block.X ="],
+    out = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "engine_ab.py"), "", "plan.X ="],
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 2 and "Traceback" not in out.stderr
-    assert "setting 'decode_block.X =' is not Python" in out.stderr.splitlines()[-1]
+    assert "setting 'plan.X =' is not Python" in out.stderr.splitlines()[-1]
 
 
 def test_process_per_setting_runs_each_setting_alone_twice(monkeypatch):
@@ -44,8 +45,8 @@ def test_process_per_setting_runs_each_setting_alone_twice(monkeypatch):
     monkeypatch.setattr(engine_ab.torch.cuda, "is_available", lambda: True)  # the parent runs nothing on it
     monkeypatch.setattr(engine_ab.subprocess, "run", lambda cmd: runs.append(cmd) or subprocess.CompletedProcess(cmd, 0))
     engine_ab.main(["--batch-sizes", "1,32", "--backend", "cudagraph", "--process-per-setting", "",
-                    "-1 or decode_block.X"])
-    assert [cmd[-1] for cmd in runs] == ["", "-1 or decode_block.X"] * 2
+                    "-1 or plan.X"])
+    assert [cmd[-1] for cmd in runs] == ["", "-1 or plan.X"] * 2
     assert all(cmd[2:-1] == ["--batch-sizes", "1,32", "--backend", "cudagraph", "--once", "--"] for cmd in runs)
     monkeypatch.setattr(engine_ab.subprocess, "run", lambda cmd: subprocess.CompletedProcess(cmd, 1))
     try:

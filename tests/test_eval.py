@@ -1,8 +1,10 @@
 """fast_eval.py end to end on a tiny random model (CPU): shards, kill -9 and resume, torchrun ranks,
 the JSONL manifest, and the one-line errors. Every run writes 64x64 images of a 7-sample split."""
+import hashlib
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -233,3 +235,189 @@ def test_evaluation_demo(tmp_path, monkeypatch):
     assert result["num_images"] == 2 and 0 <= result["f1"] <= 1
     split = [p for p in (tmp_path / "sample" / "demo_set").iterdir()]
     assert len(split) == 1 and sorted(os.listdir(split[0] / "caption_emb")) == ["0.npz", "1.npz"]
+
+
+# ---- issue 68: folders that cannot mix or block, numbers and manifests checked -------------------------
+
+def quick(split, out, *extra):
+    """One batch of two samples, in this process."""
+    return [*common(split, "--num-workers", 0, "--end", 2, "--sample-dir", out), *map(str, extra)]
+
+
+def test_a_failed_run_never_blocks_the_corrected_rerun(split, tmp_path, capsys):
+    (tmp_path / "broken.pt").write_bytes(b"not a checkpoint")
+    out = tmp_path / "out"
+    assert "broken.pt is not a readable torch checkpoint" in run_error(
+        capsys, quick(split, out, "--gpt-ckpt", tmp_path / "broken.pt"))
+    assert not (out / "settings.json").exists() and finished(out) == []
+    fast_eval.main(quick(split, out))  # the corrected command: random weights
+    assert finished(out) == pngs(range(2))
+    assert json.load(open(out / "settings.json"))["gpt_ckpt"] is None
+
+
+def test_folder_identity_is_the_content_of_configs_and_weights(split, tmp_path, capsys):
+    config, out = tmp_path / "model.json", tmp_path / "out"
+    config.write_text(json.dumps(TINY))
+    fast_eval.main(quick(split, out, "--gpt-model", config))
+    moved = tmp_path / "elsewhere" / "same.json"  # the same config copied elsewhere resumes the folder
+    moved.parent.mkdir()
+    moved.write_text(config.read_text())
+    fast_eval.main(quick(split, out, "--gpt-model", moved))
+    assert "are done" in capsys.readouterr().out
+    config.write_text(json.dumps(dict(TINY, n_layer=2)))  # another model behind the same path
+    err = run_error(capsys, quick(split, out, "--gpt-model", config))
+    assert "content.model.n_layer: 3 -> 2" in err and "another --sample-dir" in err
+    settings = json.load(open(out / "settings.json"))
+    assert settings["content"]["model"]["n_layer"] == 3 and "gpt_ckpt" in settings["content"]
+
+
+def test_content_hash_follows_content_not_path_or_mtime(tmp_path):
+    data_ = np.random.default_rng(0).bytes(3 << 20)
+    (tmp_path / "a.pt").write_bytes(data_)
+    (tmp_path / "copy.pt").write_bytes(data_)
+    os.utime(tmp_path / "copy.pt", (1, 1))
+    cache = {}
+    want = hashlib.sha256(data_).hexdigest()
+    assert fast_eval.content_hash(str(tmp_path / "a.pt"), cache) == want
+    assert fast_eval.content_hash(str(tmp_path / "copy.pt"), cache) == want
+    # A change in place, one byte, with the size and mtime put back: the stat still differs (ctime).
+    stat = os.stat(tmp_path / "a.pt")
+    with open(tmp_path / "a.pt", "r+b") as f:
+        f.seek(len(data_) // 3)
+        f.write(b"\0" if data_[len(data_) // 3] else b"\1")
+    os.utime(tmp_path / "a.pt", ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    assert fast_eval.content_hash(str(tmp_path / "a.pt"), cache) != want
+    # The cache is used while the stat is unchanged: nothing read again.
+    cache[os.path.realpath(tmp_path / "copy.pt")][1] = "cached"
+    assert fast_eval.content_hash(str(tmp_path / "copy.pt"), cache) == "cached"
+    folder = tmp_path / "t5"
+    folder.mkdir()
+    (folder / "config.json").write_text("{}")
+    first = fast_eval.content_hash(str(folder), cache)
+    (folder / ".cache").mkdir()
+    (folder / ".cache" / "x").write_text("lock files and the like")
+    assert fast_eval.content_hash(str(folder), cache) == first
+    (folder / "config.json").write_text('{"d_model": 32}')
+    assert fast_eval.content_hash(str(folder), cache) != first
+
+
+HOLDER = """
+import sys
+sys.path.insert(0, sys.argv[1])
+from fast_inference.fast_eval import lock_sample_dir, write_record
+write_record(lock_sample_dir(sys.argv[2], "job-A"), "job-A", checked=True)
+print("locked", flush=True)
+sys.stdin.read()
+"""
+
+
+def test_a_second_writer_is_refused_while_the_first_holds_the_folder(split, tmp_path, capsys):
+    out = tmp_path / "out"
+    holder = subprocess.Popen([sys.executable, "-c", HOLDER, ROOT, str(out)], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True, env=env())
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        err = run_error(capsys, quick(split, out))
+        assert f"is being written by another fast_eval.py run (host {socket.gethostname()}, pid {holder.pid}" in err
+        assert sorted(os.listdir(out)) == [".lock"]  # nothing else written
+        with pytest.raises(fast_eval.UserError, match="another fast_eval.py run"):  # a rank of another job
+            fast_eval.wait_for_lock(str(out), "job-B", grace=0.3)
+        fast_eval.wait_for_lock(str(out), "job-A")  # a rank of the holder's job goes on at once
+    finally:
+        holder.stdin.close()
+        holder.wait(timeout=60)
+    os.close(fast_eval.lock_sample_dir(str(out), "job-C"))  # its lock ended with its process
+
+
+def test_job_ids_tell_torchrun_jobs_apart(monkeypatch):
+    for k, v in dict(MASTER_ADDR="127.0.0.1", MASTER_PORT="29500", TORCHELASTIC_RUN_ID="none").items():
+        monkeypatch.setenv(k, v)
+    one = fast_eval.job_id(2)
+    assert one == f"{socket.gethostname()}:29500:none" and fast_eval.job_id(1) != one
+    monkeypatch.setenv("MASTER_PORT", "29501")
+    assert fast_eval.job_id(2) != one
+
+
+def test_numbers_and_values_are_one_line(split, tmp_path, capsys):
+    out = tmp_path / "out"
+    for extra, needle in ((["--cfg-scale", "nan"], "--cfg-scale nan is out of range"),
+                          (["--temperature", "-1"], "--temperature -1.0 is out of range; use a number >= 0"),
+                          (["--batch", "0"], "--batch 0 is out of range; use a whole number >= 1"),
+                          (["--num-workers", "-1"], "--num-workers -1 is out of range"),
+                          (["--start", "-1"], "--start -1 is out of range"),
+                          (["--image-H", "0"], "--image-H 0 is out of range"),
+                          (["--batch", "x"], "argument --batch: invalid int value: 'x'"),
+                          (["--gpt-ckpt", str(tmp_path / "nope.pt")], "--gpt-ckpt"),
+                          (["--sample-dir", str(split / "tiny.json")], "is a file; give a folder")):
+        capsys.readouterr()
+        with pytest.raises(SystemExit) as e:
+            fast_eval.main(quick(split, out, *extra))
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and err.count("\n") == 1 and needle in err, err
+    assert not out.exists()
+
+
+def test_batches_beyond_the_free_memory_are_refused(split, tmp_path, capsys, monkeypatch):
+    from fast_inference import fast_engine
+
+    monkeypatch.setattr(fast_engine, "available_memory", lambda device: 2**20)
+    err = run_error(capsys, quick(split, tmp_path / "out"))
+    assert "2 image(s) of 64x64" in err and "use a smaller --batch" in err
+    assert not (tmp_path / "out").exists()
+
+
+def test_manifest_paths_stay_in_its_folder(split, tmp_path, capsys):
+    from fast_inference import data
+
+    (tmp_path / "m").mkdir()
+    os.symlink(split / "val" / "control", tmp_path / "m" / "out_link")
+    for control in ("../outside.png", str(split / "val" / "control" / "0.png"), "out_link/0.png"):
+        (tmp_path / "m" / "val.jsonl").write_text(json.dumps(dict(id=0, control=control, caption_emb="e.npz")) + "\n")
+        with pytest.raises(data.DataError) as e:
+            data.manifest_samples(str(tmp_path / "m" / "val.jsonl"), "seg")
+        assert f"val.jsonl:1: \"control\" {control!r} leaves the manifest's folder" in str(e.value)
+        assert "--allow-outside-paths" in str(e.value)
+        assert data.manifest_samples(str(tmp_path / "m" / "val.jsonl"), "seg", anywhere=True)[0].source.endswith(
+            control.split("/")[-1])
+    base = [a for a in common(split, "--num-workers", 0) if a not in ("--data-path", str(split / "val"))]
+    err = run_error(capsys, [*base, "--manifest", str(tmp_path / "m" / "val.jsonl"), "--sample-dir", str(tmp_path / "o")])
+    assert "leaves the manifest's folder" in err and "--allow-outside-paths" in err
+
+
+def test_manifest_errors_name_the_manifest_not_another_tools_flag(split, tmp_path):
+    from fast_inference import data
+
+    (tmp_path / "val.jsonl").write_text(json.dumps(dict(id=0, control="missing.png", caption_emb="e.npz")) + "\n")
+    (sample,) = data.manifest_samples(str(tmp_path / "val.jsonl"), "seg")
+    err = data.read_sample(sample, "seg", 64, 64, 120, "emb")["error"]
+    assert "missing.png not found; fix line 1 of --manifest" in err and "--condition-path" not in err
+    sample.class_label = 10
+    with pytest.raises(data.DataError, match="class_label 10 is not in 0..9"):
+        data.check_text([sample], "label", num_classes=10)
+
+
+# ---- issue 70: speculative Jacobi decoding ------------------------------------------------------
+
+def test_speculative_shards_equal_one_run_and_keep_their_folder(split, tmp_path, capsys):
+    """--speculative jacobi: a row's tokens depend on its batch's seed only, so a shard resumed elsewhere makes the
+    same files; the folder records the sampler (its random stream is another one) and refuses the plain one."""
+    spec = ("--speculative", "jacobi", "--draft-window", 3, "--draft-init", "left")
+    whole, parts = tmp_path / "whole", tmp_path / "parts"
+    fast_eval.main([*common(split, "--num-workers", 0, "--sample-dir", whole), *map(str, spec)])
+    assert "passes per image" in capsys.readouterr().out
+    for start, end in ((0, 3), (3, 7)):
+        fast_eval.main([*common(split, "--num-workers", 0, "--sample-dir", parts, "--start", start, "--end", end),
+                        *map(str, spec)])
+    assert_same_outputs(whole, parts, pngs(range(N)))
+    settings = json.load(open(whole / "settings.json"))
+    assert (settings["speculative"], settings["draft_window"], settings["draft_init"]) == ("jacobi", 3, "left")
+    err = run_error(capsys, common(split, "--sample-dir", whole, "--num-workers", 0))
+    assert "speculative: 'jacobi' -> None" in err and "another --sample-dir" in err
+    for extra, needle in ((["--cfg-interval", "3"], "use --cfg-interval -1"),
+                          (["--engine", "reference"], "drop --engine reference"),
+                          (["--draft-window", "1"], "--draft-window 1 is out of range"),
+                          (["--draft-window", "5", "--draft-init", "above"], "at least 80 pixels wide")):
+        err = run_error(capsys, [*common(split, "--sample-dir", tmp_path / "new", "--num-workers", 0),
+                                 "--speculative", "jacobi", *extra])
+        assert needle in err, err
+    assert not (tmp_path / "new").exists()

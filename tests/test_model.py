@@ -196,3 +196,18 @@ def test_from_name_errors(tmp_path):
         ModelArgs.from_name("GPT-XS")
     with pytest.raises(ValueError, match="perfect square"):
         ModelArgs.from_name("GPT-B", block_size=200)
+
+
+@pytest.mark.parametrize("field,value,needle", [
+    ("dim", 66, "dim 66 must split into n_head 2 heads of a multiple of 4"),
+    ("dim", 68, "dim 68 must split into n_head 2 heads"),  # 34 per head: RoPE's quarters would not be whole
+    ("n_head", 0, "n_head must be an integer >= 1"), ("dim", "64", "dim must be an integer >= 1, got '64'"),
+    ("n_layer", 2.5, "n_layer must be an integer"), ("vocab_size", -1, "vocab_size must be an integer >= 1"),
+    ("norm_eps", -1e-5, "norm_eps must be a positive number"), ("rope_base", float("nan"), "rope_base must be"),
+    ("condition_token_num", -1, "condition_token_num must be an integer >= 0"),
+    ("adapter_size", "large", "adapter_size must be small or base"), ("pos_interp", "v9", "pos_interp must be")])
+def test_config_is_validated_up_front(field, value, needle):
+    """A JSON config that would fail deep inside the model (or allocate absurdly) fails at ModelArgs."""
+    with pytest.raises(ValueError) as e:
+        ModelArgs(**{**dict(n_layer=3, n_head=2, dim=64, block_size=16), field: value})
+    assert needle in str(e.value)

@@ -84,7 +84,7 @@ def test_engine_never_compiles_int8_projections():
     _, want = generate(model, cond, 6, forced=forced, return_logits=True, **kw)
     engine = Engine(model, backend="inductor", compile_scope="block")
     _, got = engine.generate(cond, 6, forced=forced, **kw)
-    assert engine.sampler.block_fn is run_block and engine.block_fn is None
+    assert engine.runner.contexts[True].block.func is run_block and engine.block_fn is None
     assert max((w - g).abs().max().item() for w, g in zip(want, got)) <= 1e-4
     with pytest.raises(ValueError, match="compile_scope 'block'"):
         Engine(model, backend="inductor", compile_scope="step")

@@ -8,7 +8,7 @@ from safetensors.torch import load_file
 
 from conftest import DATA
 from fast_inference.generate import generate, prepare
-from fast_inference.model import ModelArgs, Transformer
+from fast_inference.model import Context, EagerOps, ModelArgs, Transformer
 from weights import recipe_state_dict
 
 FIXTURES = json.load(open(os.path.join(DATA, "fixtures.json")))
@@ -130,8 +130,8 @@ def test_unconditional_half_gets_zero_control():
     assert torch.equal(p.text_mask[:2], p.text_mask[2:])
 
 
-def test_a_block_fn_that_adds_control_is_passed_the_next_blocks_rows():
-    """model.forward with a block_fn marked adds_control (as decode_block's): block i gets the control rows added
+def test_a_block_that_adds_control_is_passed_the_next_blocks_rows():
+    """model.blocks with a Context.block that adds control rows (as the fused block): block i gets the control rows added
     before block i + 1 (None where there are none, and for the last block) and adds them itself; the hidden states
     are those of the blocks run plainly."""
     model = tiny_model(n_layer=6)  # control rows before blocks 0, 2 and 4
@@ -147,21 +147,20 @@ def test_a_block_fn_that_adds_control_is_passed_the_next_blocks_rows():
         x = layer(x, freqs, attend)
         return x if control is None else x + control
 
-    block.adds_control = True
     with torch.no_grad():
-        want = model(p.prefix, torch.arange(T), key_valid, p.controls, hidden=True)
-        got = model(p.prefix, torch.arange(T), key_valid, p.controls, hidden=True, block_fn=block)
+        want = model.blocks(p.prefix, torch.arange(T), key_valid, p.controls)
+        got = model.blocks(p.prefix, torch.arange(T), key_valid, p.controls,
+                           ctx=Context(block=block, block_adds_control=True))
     assert [c is not None for c in passed] == [False, True, False, True, False, False]
     assert passed[1].abs().sum() > 0 and torch.equal(got, want)
 
 
 def test_the_eager_blocks_leave_their_last_residual_add_to_the_next_norm(monkeypatch):
-    """Where RMSNorm runs as one kernel with the residual add before it (cuda_ops.rms_norm, stood in for by torch's ops
-    here), each eager block's last residual add is done by the next block's first norm, except before a control add
-    (blocks 0, 2 and 4 of 6); the last block's after the loop. The hidden states are those of the plain ops."""
+    """Where RMSNorm runs as one kernel with the residual add before it (EagerOps.rms_norm: eager_ops_cuda's, stood in for
+    by torch's ops here), each eager block's last residual add is done by the next block's first norm, except before a
+    control add (blocks 0, 2 and 4 of 6); the last block's after the loop. The hidden states are those of the plain
+    ops."""
     import torch.nn.functional as F
-
-    from fast_inference import cuda_ops, fused_ops
 
     model = tiny_model(n_layer=6)
     cond, mask, condition = tiny_inputs(model)
@@ -170,7 +169,7 @@ def test_the_eager_blocks_leave_their_last_residual_add_to_the_next_norm(monkeyp
     model.setup_caches(rows, T, torch.float32)
     key_valid = p.key_valid(model.max_seq)
     with torch.no_grad():
-        want = model(p.prefix, torch.arange(T), key_valid, p.controls, hidden=True)
+        want = model.blocks(p.prefix, torch.arange(T), key_valid, p.controls)
     adds = []
 
     def rms_norm(x, weight, eps, delta=None):
@@ -179,9 +178,7 @@ def test_the_eager_blocks_leave_their_last_residual_add_to_the_next_norm(monkeyp
         y = F.rms_norm(h, h.shape[-1:], eps=eps) * weight
         return y if delta is None else (h, y)
 
-    monkeypatch.setattr(fused_ops, "norms", lambda x, weight: True)
-    monkeypatch.setattr(cuda_ops, "rms_norm", rms_norm)
     with torch.no_grad():
-        got = model(p.prefix, torch.arange(T), key_valid, p.controls, hidden=True)
+        got = model.blocks(p.prefix, torch.arange(T), key_valid, p.controls, ctx=Context(ops=EagerOps(rms_norm=rms_norm)))
     # (attention_norm, ffn_norm) per block: the ffn norm always adds the attention's output
     assert adds == [False, True, True, True] * 3 and torch.equal(got, want)

@@ -1,4 +1,4 @@
-"""scripts/step_timeline.py on the CPU: its per-name summary on made-up kernel events (the profile itself needs a
+"""tools/step_timeline.py on the CPU: its per-name summary on made-up kernel events (the profile itself needs a
 GPU), and its --setting checked before anything runs."""
 import os
 import subprocess
@@ -6,7 +6,7 @@ import sys
 
 from conftest import ROOT
 
-sys.path.insert(0, os.path.join(ROOT, "scripts"))
+sys.path.insert(0, os.path.join(ROOT, "tools"))
 import step_timeline  # noqa: E402
 
 
@@ -21,7 +21,7 @@ def test_by_name_counts_and_sums_each_kernel_name_largest_first():
 
 
 def test_a_setting_that_is_not_python_is_a_usage_error():
-    out = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "step_timeline.py"), "--setting", "prefetch.X ="],
+    out = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "step_timeline.py"), "--setting", "plan.X ="],
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 2 and "Traceback" not in out.stderr
-    assert "setting 'prefetch.X =' is not Python" in out.stderr.splitlines()[-1]
+    assert "setting 'plan.X =' is not Python" in out.stderr.splitlines()[-1]

@@ -250,3 +250,21 @@ def test_t5_errors(tiny_t5, tmp_path):
             shutil.copy(tiny_t5 / f, no_weights / f)
     with pytest.raises(TextError, match=r"--t5-path.*model\.safetensors"):
         T5Encoder(no_weights)
+
+
+def test_caption_values_that_would_silently_zero_the_tokens_are_refused(tmp_path):
+    from fast_inference.text import check_t5_output, check_values
+
+    emb = np.zeros((1, 5, 32), np.float32)
+    emb[0, 2, 3] = np.nan
+    np.savez(tmp_path / "nan.npz", caption_emb=emb, prompt=np.array(["a cat"]))
+    with pytest.raises(TextError, match=r"nan.npz: 'caption_emb' has 1 value\(s\) that are NaN.*re-extract"):
+        load_caption_emb(str(tmp_path / "nan.npz"))
+    big = torch.full((1, 4, 8), 1e5)  # fine in float32, infinite once cast to float16
+    check_values(big, "x", "fix")
+    with pytest.raises(TextError, match="beyond float16's range; --precision bf16"):
+        check_values(big, "x", "--precision bf16", torch.float16)
+    with pytest.raises(TextError, match="T5 overflows in float16: run with --precision bf16 or fp32"):
+        check_t5_output(torch.tensor([1.0, float("inf")], dtype=torch.float16), "t5")
+    with pytest.raises(TextError, match="check the T5 weights in --t5-path t5"):
+        check_t5_output(torch.tensor([float("nan")]), "t5")

@@ -1,0 +1,366 @@
+"""Decode attention that reads only the filled part of the KV cache (split-KV, Triton).
+
+The static cache is sized for the whole image, but at step p only keys 0..p exist. SDPA over the
+static cache reads all of it every step; here each program takes one tile of BLOCK keys of one
+(row, head), and a tile that starts past p reads nothing, so the bytes per step follow the filled
+length. Tiles start at a row's first attendable key: a caption shorter than the text prefix is
+left-padded (the padding keys are masked for every image position), so its padding is skipped too.
+A program writes a partial result (max, sum, weighted values); a second kernel merges the
+partials of each (row, head) and writes the output in the layout the output projection reads. A tile
+past p writes a partial that weighs nothing, so the merge needs neither the position nor the padding:
+it loads the partials right after its wait.
+Same function as SDPA with the mask rule of model.attention_mask: query p sees key q iff q == p or
+(q <= p and key_valid[q]).
+With pdl (programmatic dependent launch, between the fused block's kernels) a program loads the keys and values
+of earlier steps before it waits for the kernel that wrote the current one.
+With fresh=(k, v, freqs) (the compiled block) q and the step's key come before RoPE: every program
+rotates q, and the program whose tile holds the position rotates the key and writes it and the value
+into the caches, which saves the compiled block its RoPE and cache-write kernels.
+With text=(sums, counts, T) the first T keys are the text prefix's, which RoPE's zero rows make zero
+vectors (SPEC 2.5): every query scores exactly 0 against each attendable one, so their values' sum and
+their count (text_sums, made once after the prefill) are one more partial, of max 0, and the tiles
+start at T. The text's keys and values are then not read at every step, nor the mask.
+With whole (the plan's WHOLE_ROWS: enough (row, head)s to fill the GPU with one program each, and not so many that
+it measured slower) that program (_whole_kernel) walks all of its keys a tile at a time with an online softmax,
+starting from the text's partial, and writes the output itself; no partials, no merge kernel.
+"""
+import torch
+
+from fast_inference.kernels.pdl import launch
+
+try:
+    import triton
+    import triton.language as tl
+
+    from fast_inference.kernels.pdl import pdl_trigger, pdl_wait
+    from fast_inference.kernels.prefetch_triton import bump
+except ImportError:  # the cudagraph/eager backends work without Triton
+    triton = None
+
+# (BLOCK, num_warps, the merge's num_warps) of the split form by row count: the first entry whose bound is >= the rows
+# (docs/PERF_NOTES.md, "Tuning tables' histories": attention_triton)
+CONFIGS = ((4, (128, 4, 1)), (16, (64, 2, 1)), (None, (128, 2, 1)))
+LEAD = 128  # leading keys searched for the first attendable one (the t2i text prefix is 120)
+EVICT_FIRST = True  # K and V are read once per step: L2's evict-first hint keeps a prefetcher's weights (#34)
+WHOLE = (64, 1, 1)  # the whole form's (BLOCK, num_warps, num_stages): one program per (row, head) (#48, #54)
+
+if triton is not None:
+
+    @triton.jit
+    def _partial_kernel(Q, K, V, KEY_VALID, POS, M_OUT, L_OUT, ACC_OUT, K_NEW, V_NEW, FREQS,
+                        stride_qr, stride_qh, stride_kr, stride_kh, stride_kn, stride_vr, stride_vh, stride_vn,
+                        stride_valid, stride_nr, stride_nh, n_heads, n_splits, text_len, SCALE: tl.constexpr,
+                        BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr, LEAD: tl.constexpr, PDL: tl.constexpr,
+                        EVICT: tl.constexpr, FRESH: tl.constexpr, TEXT: tl.constexpr):
+        rh = tl.program_id(0)
+        split = tl.program_id(1)
+        r = rh // n_heads
+        h = rh % n_heads
+        pos = tl.load(POS)  # written by the previous step, before any kernel of this one
+        if TEXT:  # the text is the merge's partial; every later key is attendable
+            start = text_len + split * BLOCK
+        else:
+            start = _first_key(KEY_VALID + r * stride_valid, pos, LEAD) + split * BLOCK
+        out = rh * n_splits + split
+        if start <= pos:
+            _tile(Q, K, V, KEY_VALID, M_OUT, L_OUT, ACC_OUT, K_NEW, V_NEW, FREQS, r, h, out, start, pos,
+                  stride_qr, stride_qh, stride_kr, stride_kh, stride_kn, stride_vr, stride_vh, stride_vn,
+                  stride_valid, stride_nr, stride_nh, SCALE, BLOCK, HEAD_DIM, PDL, EVICT, FRESH, TEXT)
+        else:  # past pos: a partial that weighs nothing (written after the wait, as every write of a PDL kernel)
+            pdl_wait(PDL)
+            pdl_trigger(PDL)
+            tl.store(M_OUT + out, float("-inf"))
+            tl.store(L_OUT + out, 0.0)
+            tl.store(ACC_OUT + out * HEAD_DIM + tl.arange(0, HEAD_DIM), tl.zeros((HEAD_DIM,), tl.float32))
+
+    @triton.jit
+    def _first_key(VALID, pos, LEAD: tl.constexpr):
+        """A key position no later than the first one p may attend to: no earlier key is attendable
+        (searched among the first LEAD keys; pos is always attended). key_valid is set before the step."""
+        offs = tl.arange(0, LEAD)
+        valid = tl.load(VALID + offs, mask=offs < pos, other=0) != 0
+        return tl.minimum(tl.min(tl.where(valid, offs, LEAD), 0), pos)
+
+    @triton.jit
+    def _rope(ptr, x, FREQS, offs_d, mask):
+        """x (HEAD_DIM,) in float32, loaded from ptr, rotated as model.apply_rotary_emb (the pair 2j, 2j + 1 by
+        FREQS row j: cos, sin) and rounded to ptr's dtype, as the model's result is."""
+        other = tl.load(ptr + (offs_d ^ 1), mask=mask, other=0.0).to(tl.float32)  # the pair's other half
+        cos = tl.load(FREQS + offs_d // 2 * 2)
+        sin = tl.load(FREQS + offs_d // 2 * 2 + 1)
+        out = tl.where(offs_d % 2 == 0, x * cos - other * sin, x * cos + other * sin)
+        return out.to(ptr.dtype.element_ty).to(tl.float32)
+
+    @triton.jit
+    def _text_partial(TEXT_SUM, TEXT_COUNT, r, rh, offs_d, HEAD_DIM: tl.constexpr):
+        """(max, sum, weighted values) of the text's keys for (row r, head rh), from text_sums: their scores are 0, so
+        the max is 0, unless no key of it is attendable (count 0: -inf, a partial that weighs nothing)."""
+        l = tl.load(TEXT_COUNT + r)
+        return tl.where(l > 0, 0.0, float("-inf")), l, tl.load(TEXT_SUM + rh * HEAD_DIM + offs_d)
+
+    @triton.jit
+    def _read_once(ptrs, mask, EVICT: tl.constexpr):
+        """Keys or values, zeros where masked; read once per step, so evicted from L2 first (EVICT_FIRST) if EVICT."""
+        if EVICT:
+            x = tl.load(ptrs, mask=mask, other=0.0, eviction_policy="evict_first")
+        else:
+            x = tl.load(ptrs, mask=mask, other=0.0)
+        return x
+
+    @triton.jit
+    def _tile(Q, K, V, KEY_VALID, M_OUT, L_OUT, ACC_OUT, K_NEW, V_NEW, FREQS, r, h, out, start, pos,
+              stride_qr, stride_qh, stride_kr, stride_kh, stride_kn, stride_vr, stride_vh, stride_vn, stride_valid,
+              stride_nr, stride_nh, SCALE: tl.constexpr, BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr,
+              PDL: tl.constexpr, EVICT: tl.constexpr, FRESH: tl.constexpr, TEXT: tl.constexpr):
+        """Keys start..start+BLOCK-1 of (row r, head h) -> partial (max, sum, weighted values) at `out`."""
+        # Offsets within the tile, its start in the base pointers: the tile's vectors keep the same
+        # compile-time form wherever it starts (a runtime start in them costs ~80 registers: spills).
+        offs_n = tl.arange(0, BLOCK)
+        offs_d = tl.arange(0, HEAD_DIM)
+        k_ptrs = K + r * stride_kr + h * stride_kh + start * stride_kn + offs_n[:, None] * stride_kn + offs_d[None, :]
+        v_ptrs = V + r * stride_vr + h * stride_vh + start * stride_vn + offs_n[:, None] * stride_vn + offs_d[None, :]
+        # K/V are masked by the filled length only (every filled slot is finite); padding is masked in
+        # the scores. They stay bf16 in registers until used: a 128 x 64 tile in fp32 spills.
+        if FRESH:  # the tile holding pos writes the step's key (rotated) and value into the caches first; the
+            # barrier shows them to the loads of the program's other threads (no other program reads pos)
+            here = offs_d < tl.where(pos - start < BLOCK, HEAD_DIM, 0)
+            new_at = r * stride_nr + h * stride_nh
+            k_new = tl.load(K_NEW + new_at + offs_d, mask=here, other=0.0).to(tl.float32)
+            k_new = _rope(K_NEW + new_at, k_new, FREQS, offs_d, here)
+            v_new = tl.load(V_NEW + new_at + offs_d, mask=here, other=0.0)
+            tl.store(K + r * stride_kr + h * stride_kh + pos * stride_kn + offs_d, k_new.to(K.dtype.element_ty),
+                     mask=here)
+            tl.store(V + r * stride_vr + h * stride_vh + pos * stride_vn + offs_d, v_new.to(V.dtype.element_ty),
+                     mask=here)
+            tl.debug_barrier()
+        earlier = offs_n < pos - start
+        current = offs_n == pos - start
+        # With PDL the tile holds the keys of earlier steps only, loaded before the wait; the current
+        # key and value (written by the kernel just before) are read after it, as vectors.
+        tile = earlier if PDL else earlier | current
+        k = _read_once(k_ptrs, tile[:, None], EVICT)
+        v = _read_once(v_ptrs, tile[:, None], EVICT)
+        if TEXT:  # the tile starts past the text
+            ok = earlier
+        else:
+            ok = tl.load(KEY_VALID + r * stride_valid + start + offs_n, mask=earlier, other=0) != 0
+        pdl_wait(PDL)
+        q_at = Q + r * stride_qr + h * stride_qh
+        q = tl.load(q_at + offs_d).to(tl.float32)
+        if FRESH:
+            q = _rope(q_at, q, FREQS, offs_d, offs_d >= 0)
+        # SCALE is a constexpr so it stays fp32 (a runtime float becomes fp64 under inductor).
+        q = q * SCALE
+        scores = tl.sum(k.to(tl.float32) * q[None, :], 1)
+        if PDL:
+            here = offs_d < tl.where(pos - start < BLOCK, HEAD_DIM, 0)  # the whole row iff this tile holds pos
+            k_cur = tl.load(K + r * stride_kr + h * stride_kh + pos * stride_kn + offs_d, mask=here, other=0.0)
+            scores = tl.where(current, tl.sum(k_cur.to(tl.float32) * q, 0), scores)
+        scores = tl.where(current | (earlier & ok), scores, float("-inf"))
+        m = tl.max(scores, 0)  # -inf for a tile of padding only
+        p = tl.exp(scores - tl.where(m == float("-inf"), 0.0, m))
+        acc = tl.sum(p[:, None] * v.to(tl.float32), 0)
+        if PDL:
+            v_cur = tl.load(V + r * stride_vr + h * stride_vh + pos * stride_vn + offs_d, mask=here, other=0.0)
+            acc += tl.sum(tl.where(current, p, 0.0), 0) * v_cur.to(tl.float32)
+        pdl_trigger(PDL)
+        tl.store(M_OUT + out, m)
+        tl.store(L_OUT + out, tl.sum(p, 0))
+        tl.store(ACC_OUT + out * HEAD_DIM + offs_d, acc)
+
+    @triton.jit
+    def _whole_kernel(Q, K, V, KEY_VALID, POS, OUT, K_NEW, V_NEW, FREQS, PROGRESS, TEXT_SUM, TEXT_COUNT,
+                      stride_qr, stride_qh, stride_kr, stride_kh, stride_kn, stride_vr, stride_vh, stride_vn,
+                      stride_valid, stride_nr, stride_nh, n_heads, text_len, SCALE: tl.constexpr, BLOCK: tl.constexpr,
+                      HEAD_DIM: tl.constexpr, LEAD: tl.constexpr, PDL: tl.constexpr, EVICT: tl.constexpr,
+                      FRESH: tl.constexpr, TEXT: tl.constexpr, BUMP: tl.constexpr, STAGES: tl.constexpr):
+        """One program per (row, head) over all its keys, BLOCK at a time (an online softmax), with the text's
+        partial as its start: no partials and no merge. As _partial_kernel and _merge_kernel together. STAGES > 1:
+        Triton's pipeliner copies the next STAGES - 1 tiles into shared memory (cp.async) while one is scored."""
+        rh = tl.program_id(0)
+        r = rh // n_heads
+        h = rh % n_heads
+        pos = tl.load(POS)  # written by the previous step, before any kernel of this one
+        offs_n = tl.arange(0, BLOCK)
+        offs_d = tl.arange(0, HEAD_DIM)
+        k_row = K + r * stride_kr + h * stride_kh
+        v_row = V + r * stride_vr + h * stride_vh
+        m = tl.full((), float("-inf"), tl.float32)
+        l = tl.zeros((), tl.float32)
+        acc = tl.zeros((HEAD_DIM,), tl.float32)
+        if TEXT:  # the online softmax starts from the text's partial
+            start = text_len
+            m, l, acc = _text_partial(TEXT_SUM, TEXT_COUNT, r, rh, offs_d, HEAD_DIM)
+        else:
+            start = _first_key(KEY_VALID + r * stride_valid, pos, LEAD)
+        pdl_wait(PDL)
+        q_at = Q + r * stride_qr + h * stride_qh
+        q = tl.load(q_at + offs_d).to(tl.float32)
+        if FRESH:  # this program alone reads (r, h)'s keys: it writes the step's (rotated) and reads them back
+            new_at = r * stride_nr + h * stride_nh
+            k_new = _rope(K_NEW + new_at, tl.load(K_NEW + new_at + offs_d).to(tl.float32), FREQS, offs_d, offs_d >= 0)
+            tl.store(k_row + pos * stride_kn + offs_d, k_new.to(K.dtype.element_ty))
+            tl.store(v_row + pos * stride_vn + offs_d, tl.load(V_NEW + new_at + offs_d))
+            tl.debug_barrier()
+            q = _rope(q_at, q, FREQS, offs_d, offs_d >= 0)
+        q = q * SCALE
+        for first in tl.range(start, pos + 1, BLOCK, num_stages=STAGES if STAGES > 1 else None):
+            keys = first + offs_n
+            tile = keys <= pos
+            k = _read_once(k_row + keys[:, None] * stride_kn + offs_d[None, :], tile[:, None], EVICT)
+            v = _read_once(v_row + keys[:, None] * stride_vn + offs_d[None, :], tile[:, None], EVICT)
+            if not TEXT:
+                tile = (keys == pos) | (tl.load(KEY_VALID + r * stride_valid + keys, mask=keys < pos, other=0) != 0)
+            scores = tl.where(tile, tl.sum(k.to(tl.float32) * q[None, :], 1), float("-inf"))
+            top = tl.maximum(m, tl.max(scores, 0))
+            top = tl.where(top == float("-inf"), 0.0, top)  # nothing attendable yet: weights of zero
+            p = tl.exp(scores - top)
+            w = tl.exp(m - top)
+            l = l * w + tl.sum(p, 0)
+            acc = acc * w + tl.sum(p[:, None] * v.to(tl.float32), 0)
+            m = tl.maximum(m, tl.max(scores, 0))
+        pdl_trigger(PDL)
+        tl.store(OUT + rh * HEAD_DIM + offs_d, (acc / l).to(OUT.dtype.element_ty))
+        bump(PROGRESS, BUMP)  # a prefetcher's count as the first program ends: the others end about then
+
+    @triton.jit
+    def _merge_kernel(M, L, ACC, OUT, PROGRESS, TEXT_SUM, TEXT_COUNT, n_splits, n_heads, SPLITS: tl.constexpr,
+                      HEAD_DIM: tl.constexpr, PDL: tl.constexpr, BUMP: tl.constexpr, TEXT: tl.constexpr):
+        bump(PROGRESS, BUMP)  # a prefetcher's count: this layer's keys have streamed
+        rh = tl.program_id(0)
+        offs_s = tl.arange(0, SPLITS)
+        offs_d = tl.arange(0, HEAD_DIM)
+        if TEXT:  # made after the prefill: read before the wait
+            text_m, text_l, text_acc = _text_partial(TEXT_SUM, TEXT_COUNT, rh // n_heads, rh, offs_d, HEAD_DIM)
+        pdl_wait(PDL)
+        ok = offs_s < n_splits
+        m = tl.load(M + rh * n_splits + offs_s, mask=ok, other=float("-inf"))
+        l = tl.load(L + rh * n_splits + offs_s, mask=ok, other=0.0)
+        acc = tl.load(ACC + (rh * n_splits + offs_s)[:, None] * HEAD_DIM + offs_d[None, :], mask=ok[:, None], other=0.0)
+        top = tl.max(m, 0)  # the tile holding the current key is never empty, so the max is finite
+        if TEXT:
+            top = tl.maximum(top, text_m)
+        w = tl.exp(m - top)
+        num = tl.sum(w[:, None] * acc, 0)
+        den = tl.sum(w * l, 0)
+        if TEXT:
+            text_w = tl.exp(text_m - top)
+            num += text_w * text_acc
+            den += text_w * text_l
+        out = num / den
+        pdl_trigger(PDL)
+        tl.store(OUT + rh * HEAD_DIM + offs_d, out.to(OUT.dtype.element_ty))
+
+    @triton.jit
+    def _text_sums_kernel(V, SUMS, COUNTS, TABLE, KEY_VALID, text_len, sv_r, sv_h, sv_t, ss_r, ss_h, skv,
+                          HD: tl.constexpr, HDP: tl.constexpr, BLOCK_T: tl.constexpr):
+        """Program (layer l, row r, head h): the values of its first text_len keys that key_valid[r] lets attend,
+        summed in float32, at layer l's SUMS[r, h], and (h = 0) their count at its COUNTS[r]. TABLE[l]: l's
+        element offsets from V, SUMS and COUNTS (text_table)."""
+        l, r, h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+        v = V + tl.load(TABLE + 3 * l) + r * sv_r + h * sv_h
+        t, d = tl.arange(0, BLOCK_T), tl.arange(0, HDP)
+        acc = tl.zeros((HDP,), tl.float32)
+        count = tl.zeros((BLOCK_T,), tl.float32)
+        for t0 in range(0, text_len, BLOCK_T):
+            ok = t0 + t < text_len
+            w = tl.load(KEY_VALID + r * skv + t0 + t, mask=ok, other=0).to(tl.float32)
+            x = tl.load(v + (t0 + t)[:, None] * sv_t + d[None, :], mask=ok[:, None] & (d < HD)[None, :], other=0.0)
+            acc += tl.sum(x.to(tl.float32) * w[:, None], 0)
+            count += w
+        tl.store(SUMS + tl.load(TABLE + 3 * l + 1) + r * ss_r + h * ss_h + d, acc, mask=d < HD)
+        if h == 0:
+            tl.store(COUNTS + tl.load(TABLE + 3 * l + 2) + r, tl.sum(count, 0))
+
+
+def decode_attention(q, k_cache, v_cache, key_valid, input_pos, config=None, pdl=False, progress=None, fresh=None,
+                     text=None, merge_pdl=None, whole=False):
+    """q (R,H,1,hd); caches (>= R,H,L,hd), rows past R untouched; key_valid (R,L) bool; input_pos (1,) -> (R,H,1,hd).
+    whole: one program per (row, head), config WHOLE's form (BLOCK, warps, stages); else the split form, config
+    (BLOCK, warps, merge warps), by default CONFIGS' for R. progress: a prefetcher's int32 count (prefetch_triton.py),
+    bumped once per call (by the merge as it starts, or by the
+    whole kernel's first program as it ends), or None. fresh: None (q is rotated, the caches hold the step's key and
+    value) or (k, v, freqs): the step's key and value (R,H,1,hd) and q before RoPE, freqs the position's RoPE row
+    (1,hd/2,2); the key (rotated) and value are written to the caches at input_pos. text: None or (sums, counts, T)
+    from text_sums: the first T keys are zero and stand for them; key_valid is not read (every key from T on is
+    attendable). merge_pdl: how the merge launches (pdl.launch's argument), if not as the partial kernel does: it
+    reads only the text's partial before its wait, so it may launch with PDL after a partial kernel without it."""
+    R, H, _, hd = q.shape
+    L = k_cache.shape[2]
+    k_new, v_new, freqs = (q, q, q) if fresh is None else fresh  # unused pointers without it
+    if k_new.stride() != v_new.stride():
+        raise ValueError("decode_attention: fresh keys and values need the same strides")
+    text_sum, text_count, text_len = (q, q, 0) if text is None else text  # unused pointers without it
+    # what both kernels take: the strides of q, the caches, key_valid and the step's key, and the constants
+    strides = (q.stride(0), q.stride(1), *k_cache.stride()[:3], *v_cache.stride()[:3], key_valid.stride(0),
+               *k_new.stride()[:2])
+    consts = dict(SCALE=hd**-0.5, HEAD_DIM=hd, LEAD=LEAD, EVICT=EVICT_FIRST, FRESH=fresh is not None,
+                  TEXT=text is not None, **launch(pdl))
+    if whole:  # one program per (row, head), no merge
+        block, num_warps, stages = config or WHOLE
+        out = torch.empty(R, H, 1, hd, device=q.device, dtype=q.dtype)
+        _whole_kernel[(R * H,)](
+            q, k_cache, v_cache, key_valid, input_pos, out, k_new, v_new, freqs, out if progress is None else progress,
+            text_sum, text_count, *strides, H, text_len, BLOCK=block, BUMP=progress is not None, num_warps=num_warps,
+            num_stages=stages, STAGES=stages, **consts)
+        return out
+    block, num_warps, merge_warps = config or config_for(R)
+    n_splits = triton.cdiv(L - text_len, block)
+    m = torch.empty(R, H, n_splits, device=q.device, dtype=torch.float32)
+    l = torch.empty_like(m)
+    acc = torch.empty(R, H, n_splits, hd, device=q.device, dtype=torch.float32)
+    _partial_kernel[(R * H, n_splits)](q, k_cache, v_cache, key_valid, input_pos, m, l, acc, k_new, v_new, freqs,
+                                       *strides, H, n_splits, text_len, BLOCK=block, num_warps=num_warps, **consts)
+    out = torch.empty(R, H, 1, hd, device=q.device, dtype=q.dtype)
+    _merge_kernel[(R * H,)](m, l, acc, out, m if progress is None else progress, text_sum, text_count, n_splits, H,
+                            SPLITS=triton.next_power_of_2(n_splits), HEAD_DIM=hd, BUMP=progress is not None,
+                            TEXT=text is not None, num_warps=merge_warps,
+                            **launch(pdl if merge_pdl is None else merge_pdl))  # m: an unused pointer
+    return out
+
+
+def text_sums(v_cache, key_valid, text_len, sums, counts):
+    """After the prefill: what the first text_len keys give every later query, whose scores against them are 0
+    (their keys are zero, SPEC 2.5). sums (>= R,H,hd) float32: the values of the attendable ones summed, counts
+    (>= R,) float32: how many there are, for R = key_valid's rows. As decode_attention's text, the same math as
+    their tile's: exp(0 - max) is the weight of every one of them."""
+    R = key_valid.shape[0]
+    assert sums.dtype == counts.dtype == torch.float32 and sums[:R].is_contiguous()
+    w = key_valid[:, :text_len].to(torch.float32)
+    torch.sum(v_cache[:R, :, :text_len] * w[:, None, :, None], 2, out=sums[:R])
+    torch.sum(w, 1, out=counts[:R])
+
+
+def text_table(caches):
+    """The layers' KVCaches (one shape, each with its text partial c.text = (sums, counts, T)) as layer_text_sums'
+    table: per layer the element offsets of its value cache, text sums and count from the first layer's, (L, 3) int64
+    on their device. Made outside any capture (a host copy)."""
+    first = caches[0]
+    rows = [[(t.data_ptr() - t0.data_ptr()) // t.element_size()
+             for t, t0 in zip((c.v_cache, *c.text[:2]), (first.v_cache, *first.text[:2]))] for c in caches]
+    assert all(c.v_cache.stride() == first.v_cache.stride() and c.text[0].stride() == first.text[0].stride()
+               for c in caches)
+    return torch.tensor(rows, dtype=torch.int64, device=first.v_cache.device)
+
+
+def layer_text_sums(caches, key_valid, table=None):
+    """text_sums of each layer's KVCache c (its v_cache and text partial c.text = (sums, counts, T)) after the
+    prefill: one kernel for all layers where `table` (text_table) is given, which sums each (layer, row, head)'s
+    values in its own order (float32, as text_sums), else torch's ops per layer (four kernels each: GPT-XL's 144 are
+    0.3 ms of an H200's prefill graph at n = 1)."""
+    if table is None:
+        for c in caches:
+            sums, counts, T = c.text
+            text_sums(c.v_cache, key_valid, T, sums, counts)
+        return
+    c = caches[0]
+    (sums, counts, T), R, (_, H, _, hd) = c.text, key_valid.shape[0], c.v_cache.shape
+    assert sums.dtype == counts.dtype == torch.float32 and sums.stride(2) == 1
+    _text_sums_kernel[(len(caches), R, H)](c.v_cache, sums, counts, table, key_valid, T, *c.v_cache.stride()[:3],
+                                           *sums.stride()[:2], key_valid.stride(0), HD=hd,
+                                           HDP=triton.next_power_of_2(hd), BLOCK_T=64, num_warps=2)
+
+
+def config_for(rows):
+    """The split form's (BLOCK, warps, merge warps) at `rows` rows (CONFIGS)."""
+    return next(config for bound, config in CONFIGS if bound is None or rows <= bound)

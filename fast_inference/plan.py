@@ -1,0 +1,622 @@
+"""The decode plan: which implementation runs each operation of a step and of the prefill.
+
+This module is the ONE place that chooses. `make` takes the situation (backend and its settings, the device and
+what builds on it, the model's shapes and dtype, int8, top-p, the rows the steps run at) and returns a `Plan` that
+names, for each operation, one implementation of kernels/ (or torch's op, or inductor's compiled code), with the
+launch settings (PDL) that go with it. The engine only executes a plan; the kernels consult no globals and no
+environment. `explain` prints a plan (`fast_engine.py --explain`); `table` is the README's backend x rows table.
+
+Overrides (A/Bs, and what the FAST_* switches once did) are plan fields set by name: `--plan KEY=VALUE` on the
+command lines, or CONTROLAR_PLAN="KEY=VALUE,KEY=VALUE" in the environment (OVERRIDES lists them; a value the
+situation cannot run is refused with the valid ones). Each rule below keeps its measured reason in one line;
+the measurements are in docs/PERF_NOTES.md.
+"""
+import dataclasses
+import os
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+import torch
+
+from fast_inference.kernels import (attention_cuda, attention_triton, block_cuda, block_triton, draw_cuda,
+                                    eager_ops_cuda)
+from fast_inference.kernels.pdl import EARLY, FIRST, LATE
+
+ENV = "CONTROLAR_PLAN"
+BACKENDS = ("inductor", "cudagraph", "eager")
+COMPILE_SCOPES = ("step", "block")
+
+NONE = 0  # a kernel without PDL; kernels/pdl.py's EARLY, LATE and FIRST say when the next kernel may launch
+
+# ---- the rules' constants, each with its reason (docs/PERF_NOTES.md has the runs) --------------------------------
+FUSED_ROWS = 16  # the fused block up to here; the compiled block from 17 rows (faster there from 32: #14)
+GEMV_ROWS = 4  # the fused block's projections as GEMVs (rows in registers) up to here, tensor-core dots above (#7-#14)
+DOT_ALWAYS = ("output",)  # float head weights take the dot path at any row count (n = 1 0.970 -> 0.966 ms/step, #64)
+DOWN_ROWS = 64  # the compiled block's w2 + residual as the dot path's kernel up to here (n = 32 3.09 -> 3.05, #41)
+DOWN_PDL = True  # ... launched under PDL's late trigger (n = 32 2.775 -> 2.756 ms/step, #47)
+GEMV_PDL = FIRST  # GEMVs let the next kernel launch before their wait (n = 1 0.966 -> 0.948 ms/step, #65)
+GEMV_PDL_INT8 = EARLY  # ... but int8 GEMVs after it (FIRST lost: 0.913 -> 0.930 ms/step, #65)
+MERGE_PDL = True  # the split attention's merge under PDL's late trigger on the dot path (n = 8 1.515 -> 1.507, #46)
+CUDA_PROJECTIONS = ("gate_up",)  # block_cuda's GEMVs beside Triton's: gate/up gains (n = 1 0.940 -> 0.916), the
+# others lost next to Triton's FIRST launch (qkv 1.113, wo 1.016, w2 1.017 ms/step; #67)
+CUDA_FIRST_ROWS = 2  # with no Triton, block_cuda's kernels launch FIRST up to here (n = 1 1.358 -> 1.294, #70), else
+# EARLY (FIRST lost at 4 rows: 1.879 -> 1.930, and beside Triton's kernels: n = 1 1.137 -> 1.184 ms/step, #67)
+WHOLE_ROWS = range(64, 97)  # the attention's one-program-per-(row, head) form (n = 32 2.729 -> 2.647-2.675; lost at
+# 32 rows, 2.132 -> 2.410, and from 112: #48, #54)
+CUDA_LOOP_ROWS = 4  # attention_cuda stages whole slices up to here, loops over them above (#76-#78)
+CACHE_WINDOWS = 8  # SDPA without a decode attention kernel reads one of 8 static windows of the cache (ebb74cb)
+
+# Where one operation keeps two kernels, and why (the cudagraph backend is the mission's backend without Triton):
+#   attention  Triton (split-KV, whole) | CUDA C++ without Triton (n = 1 1.46 -> 1.34 ms/step over SDPA, #69, #77)
+#   block      Triton | CUDA C++: gate/up beside Triton's (n = 1 0.940 -> 0.916, #67), all four without Triton (#74)
+#   draw       Triton | CUDA C++ without Triton (sampling.py's ~20 kernels a step, #69); torch's for top-p and the CPU
+#   inputs     Triton | CUDA C++ without Triton (the model's ~13 kernels a step); the model's ops on the CPU
+#   eager ops  Triton | CUDA C++ without Triton (the eager prefill's ~850 small kernels, #61); torch's in compiled code
+#   VQ norms   Triton | torch's without Triton (4.5 of a 512 px decode's 9.4 ms, #40)
+
+
+@dataclass(frozen=True)
+class Situation:
+    """What the plan is made from."""
+    backend: str = "inductor"  # BACKENDS
+    compile_scope: str = "block"  # COMPILE_SCOPES (inductor)
+    fused_block: bool = True  # inductor, block scope: the fused kernels up to FUSED_ROWS rows
+    compile_prefill: bool = False
+    device: str = "cpu"  # cpu | cuda
+    capability: Optional[tuple] = None  # (major, minor) of a CUDA device
+    triton: bool = True  # Triton importable
+    interpret: bool = False  # Triton's CPU interpreter (TRITON_INTERPRET=1)
+    dtype: torch.dtype = torch.float32  # the model's activations
+    int8: bool = False  # quantize.py's weights
+    top_p: float = 1.0
+    sample: bool = True  # sample_logits (greedy argmax if False)
+    cfg: bool = True
+    batch: int = 1  # images; the steps run at 2 x batch rows under CFG, at batch after cfg_interval
+    dim: int = 1280
+    n_head: int = 20
+    ffn_hidden: int = 3584
+    vocab_size: int = 16384
+    max_seq: int = 1144  # prefix + image tokens
+    text_prefix: bool = True  # the prefix's RoPE rows are zero (the decode attention takes the text as one partial)
+    builds: Callable = field(default=lambda kernel, *key: True, compare=False)  # (CUDA C++ kernel, key) built?
+    overrides: tuple = ()  # ((key, value), ...): OVERRIDES
+    draft_window: int = 0  # speculative Jacobi passes over this many positions (speculative.py); 0: plain steps
+
+    @property
+    def head_dim(self):
+        return self.dim // self.n_head
+
+    @property
+    def rows(self):
+        return 2 * self.batch if self.cfg else self.batch
+
+    @property
+    def cuda(self):
+        return self.device == "cuda"
+
+    @property
+    def pdl(self):
+        """PDL exists: sm_90+, not in the interpreter."""
+        return self.cuda and not self.interpret and self.capability[0] >= 9
+
+    @property
+    def nvrtc(self):
+        """kernels/*_cuda.py may run: sm_90+ (bulk copies, PDL); whether NVRTC builds them is `builds`."""
+        return self.pdl
+
+
+@dataclass(frozen=True)
+class Projection:
+    impl: str  # cuda | triton_gemv | triton_dot | triton_dot_down (compiled block's w2) | inductor
+    pdl: int = NONE
+
+
+@dataclass(frozen=True)
+class Rows:
+    """What steps over `rows` rows run: the fused block's projections, the attention's form and launch."""
+    rows: int
+    projections: tuple = ()  # ((name, Projection), ...)
+    attention: str = "sdpa"  # sdpa | sdpa_windows | triton_split | triton_whole | cuda | cuda_loop
+    attention_config: tuple = ()  # the Triton form's (BLOCK, warps, merge warps) or (BLOCK, warps, stages)
+    attention_pdl: int = NONE
+    merge_pdl: Optional[int] = None  # None: as the partial kernel
+    progress: bool = False  # the attention counts for the compiled block's prefetcher
+    prefetch_down: bool = False  # the compiled block's w2 counts too
+    head: Optional[Projection] = None  # the fused head's tiling and launch
+
+    def projection(self, name):
+        return dict(self.projections)[name]
+
+
+@dataclass(frozen=True)
+class EagerOps:
+    """The eager model's element-wise ops: torch's, or one kernel each (kernels/eager_ops_*)."""
+    rms_norm: str = "torch"  # torch | cuda
+    silu_mul: str = "torch"  # torch | triton | cuda
+    rope: str = "torch"  # torch | triton | cuda | attention (the decode attention kernel rotates and writes the cache)
+
+
+@dataclass(frozen=True)
+class JacobiPass:
+    """How a speculative pass runs (speculative.py): 2 x images x window query rows at their own positions, so the
+    one-query decode kernels (fused block, decode attention, inputs, draw) do not serve it; SDPA with the mask does."""
+    window: int  # L: the last accepted token and L - 1 drafts per image
+    block: str  # compiled (inductor's block, the compiled steps' own) | model (eager blocks)
+    head: str  # compiled | model
+    ops: EagerOps  # the eager blocks' element-wise kernels (RoPE: torch's, per row)
+    graph: bool  # the whole pass one CUDA graph, captured by hand
+
+
+@dataclass(frozen=True)
+class Plan:
+    situation: Situation
+    step: str  # hand_graph | compiled_step | eager
+    inputs: str  # model | triton | cuda
+    inputs_pdl: bool
+    block: str  # model | layer (eager blocks without the residual folding) | compiled | fused
+    cuda_block: bool  # the fused block with block_cuda's kernels alone (no Triton)
+    head: str  # model | fused | compiled | compiled_finish (with the draw: no draw kernel)
+    draw: str  # torch | triton | cuda
+    draw_pdl: bool
+    head_noise: bool  # the fused head makes the draw's race noise
+    prefetch: str  # none | fused | compiled
+    text_sums: str  # none | triton | torch
+    windows: int
+    prefill: str  # eager | eager_graph (captured from a shape's second image) | compiled_block | compiled_whole
+    eager: EagerOps  # the backend's eager ops (the model's head where it runs eagerly)
+    prefill_ops: EagerOps
+    step_ops: Optional[EagerOps]  # where the steps run the model's (or a layer's) eager ops
+    vq_norm: str  # torch | triton
+    guided: Rows  # the steps' rows (both CFG halves)
+    unguided: Optional[Rows]  # after cfg_interval: the conditional half (None without CFG)
+    jacobi: Optional[JacobiPass] = None  # speculative passes instead of the steps (draft_window > 0)
+
+    def rows(self, r):
+        return self.guided if r == self.guided.rows else self.unguided
+
+
+class PlanError(ValueError):
+    """An override the situation cannot run; the message names the valid values."""
+
+
+# ---- overrides ----------------------------------------------------------------------------------------------------
+
+OVERRIDES = dict(
+    attention=("sdpa", "triton", "cuda"),  # the decode attention (FAST_SMEM_ATTENTION=0 was attention=sdpa)
+    cuda_projections=("none", "gate_up", "all"),  # which fused-block projections run block_cuda's kernels
+    draw=("torch", "triton", "cuda"),  # FAST_CUDA_DRAW=0 was draw=torch on the cudagraph backend
+    inputs=("model", "triton", "cuda"),  # FAST_CUDA_INPUTS=0 was inputs=model
+    eager_ops=("torch", "triton", "cuda"),  # FAST_CUDA_OPS=0 was eager_ops=torch on the cudagraph backend
+    prefetch=("on", "off"),
+    vq_norm=("torch", "triton"),
+    down_pdl=("on", "off"),
+    merge_pdl=("on", "off"),
+)
+
+
+def parse_overrides(text):
+    """"key=value,key=value" (or a list of "key=value") -> ((key, value), ...), checked against OVERRIDES."""
+    items = text if isinstance(text, (list, tuple)) else [t for t in (text or "").split(",") if t.strip()]
+    out = []
+    for item in items:
+        key, sep, value = item.partition("=")
+        key, value = key.strip(), value.strip()
+        if not sep or key not in OVERRIDES:
+            raise PlanError(f"unknown plan override {item!r}; use KEY=VALUE with KEY one of {', '.join(OVERRIDES)}")
+        if value not in OVERRIDES[key]:
+            raise PlanError(f"plan override {key}={value}: use one of {', '.join(OVERRIDES[key])}")
+        out.append((key, value))
+    return tuple(out)
+
+
+def environment_overrides():
+    """CONTROLAR_PLAN's overrides (the one environment variable the plan reads)."""
+    return parse_overrides(os.environ.get(ENV, ""))
+
+
+def interpreting():
+    """Triton's CPU interpreter is on (tests): no PDL, no bulk prefetch."""
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def triton_available():
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def inductor_cache_dir(default):
+    """The compile cache folder: TORCHINDUCTOR_CACHE_DIR where set, else ours."""
+    return os.environ.get("TORCHINDUCTOR_CACHE_DIR", default)
+
+
+def inductor_pdl(device_pdl):
+    """Whether inductor's kernels launch with PDL: on Hopper+ (n = 32 3.58 -> 3.38 ms/step, #18) unless
+    TORCHINDUCTOR_ENABLE_PDL=0."""
+    return device_pdl and os.environ.get("TORCHINDUCTOR_ENABLE_PDL", "1") == "1"
+
+
+# ---- the plan -----------------------------------------------------------------------------------------------------
+
+def make(s: Situation) -> Plan:
+    """The plan of situation s. Raises PlanError for an override s cannot run."""
+    want = dict(s.overrides)
+    if s.backend not in BACKENDS:
+        raise PlanError(f"unknown backend {s.backend!r}; use one of {', '.join(BACKENDS)}")
+    if s.backend == "cudagraph" and not s.cuda:
+        raise PlanError("--backend cudagraph needs a CUDA device; use --backend eager or inductor on CPU")
+    if s.int8 and s.backend == "inductor" and s.compile_scope == "step":
+        raise PlanError("int8 weights run with compile_scope 'block'")
+    block_scope = s.backend == "inductor" and s.compile_scope == "block"
+    hand_capture = s.cuda and (s.backend == "cudagraph" or block_scope)
+    # Triton's kernels where the inductor backend runs on CUDA (the cudagraph backend promises no Triton)
+    triton_ok = s.backend == "inductor" and s.triton and s.cuda
+    if want.get("attention") == "triton" and not triton_ok:
+        raise PlanError("plan override attention=triton needs the inductor backend on a CUDA device with Triton")
+    block, cuda_block = "model", False
+    attention = "triton" if triton_ok and want.get("attention") != "sdpa" else "sdpa"
+    fused = (block_scope and s.fused_block and triton_ok and s.rows <= FUSED_ROWS
+             and block_triton.fits(s.head_dim, dot=s.rows > GEMV_ROWS))
+    if fused:
+        block = "fused"  # up to 16 rows the fused kernels beat the compiled block, and need no compiler
+    elif block_scope and s.int8:
+        block = "layer"  # inductor turns int8 projections into slow kernels: eager blocks past the fused rows
+    elif block_scope:
+        block = "compiled"
+    elif s.backend == "cudagraph" and cuda_projections(s, want):
+        block, cuda_block = "fused", True  # no Triton: all four projections in CUDA C++
+    if s.backend == "cudagraph":
+        attention = "cuda" if cuda_attention(s, want) else "sdpa"
+    if want.get("attention") == "cuda" and attention != "cuda":
+        raise PlanError("plan override attention=cuda needs the cudagraph backend on sm_90+ with NVRTC, bf16 weights "
+                        "and a head dim of 64, 128 or 256")
+    prefetch = "none"
+    if want.get("prefetch") != "off" and s.triton and s.pdl:  # bulk L2 prefetch: sm_90+ (#34, #35)
+        prefetch = "fused" if block == "fused" and not cuda_block else "compiled" if (
+            block == "compiled" and attention == "triton") else "none"
+    draw = choose_draw(s, want, triton_ok)
+    windows = CACHE_WINDOWS if s.backend in ("cudagraph", "eager") and attention == "sdpa" else 1
+    inputs = choose_inputs(s, want, block_scope and triton_ok)
+    compiled_steps = block == "compiled"
+    prefill_block = block_scope and not s.int8 and (compiled_steps or s.compile_prefill)
+    prefill = ("compiled_block" if prefill_block else
+               "compiled_whole" if s.backend == "inductor" and s.compile_prefill else
+               "eager_graph" if hand_capture else "eager")
+    if block == "fused" and not cuda_block:
+        head = "fused"  # the final norm fused into the output projection
+    elif compiled_steps:
+        head = "compiled" if draw != "torch" else "compiled_finish"
+    else:
+        head = "model"
+    eager = choose_eager_ops(s, want)
+    prefill_ops = (EagerOps() if prefill == "compiled_whole" else
+                   EagerOps(rope=eager.rope) if prefill == "compiled_block" else eager)
+    step_ops = None
+    rotates = "attention" if attention != "sdpa" else None
+    if s.backend == "inductor" and s.compile_scope == "step" or block == "compiled":
+        step_ops = EagerOps(rope=rotates or "torch")  # traced: inductor fuses them itself
+    elif block in ("model", "layer"):
+        step_ops = dataclasses.replace(eager, rope=rotates or eager.rope)
+    text = attention != "sdpa" and s.text_prefix  # the text's zero keys as one partial (#45)
+    text_sums = "none" if not text else "triton" if attention == "triton" else "torch"
+    guided = step_rows(s, want, s.rows, s.rows, block, cuda_block, attention, prefetch, draw)
+    unguided = step_rows(s, want, s.batch, s.rows, block, cuda_block, attention, prefetch, draw) if s.cfg else None
+    jacobi = jacobi_pass(s, block_scope, hand_capture, eager) if s.draft_window else None
+    return Plan(jacobi=jacobi, situation=s, step="hand_graph" if hand_capture else "compiled_step" if s.backend == "inductor"
+                and not block_scope else "eager", inputs=inputs, inputs_pdl=inputs == "triton" and s.pdl,
+                block=block, cuda_block=cuda_block, head=head, draw=draw, draw_pdl=draw == "triton" and s.pdl,
+                head_noise=head == "fused" and draw == "triton" and s.sample, prefetch=prefetch,
+                text_sums=text_sums, windows=windows, prefill=prefill, eager=eager, prefill_ops=prefill_ops,
+                step_ops=step_ops,
+                vq_norm=vq_norm(s.backend, s.cuda, s.triton, want), guided=guided, unguided=unguided)
+
+
+def jacobi_pass(s, block_scope, hand_capture, eager):
+    """The speculative pass: through inductor's compiled block and head in one captured graph on the inductor
+    backend (block scope), eager on the eager backend; the cudagraph backend (CUDA C++ one-query kernels) has none."""
+    if s.backend == "cudagraph" or (s.backend == "inductor" and not block_scope):
+        raise PlanError("--speculative jacobi runs on --backend inductor (compile scope block) or --backend eager")
+    if s.draft_window < 2:
+        raise PlanError(f"--draft-window {s.draft_window}: a pass needs at least 2 positions")
+    compiled = block_scope and not s.int8  # inductor turns int8 projections into slow kernels (as the steps)
+    return JacobiPass(window=s.draft_window, block="compiled" if compiled else "model",
+                      head="compiled" if compiled else "model",
+                      ops=EagerOps() if compiled else dataclasses.replace(eager, rope="torch"), graph=hand_capture)
+
+
+def block_pdl(s, rows):
+    """How the fused block's Triton kernels launch at `rows` rows: GEMV_PDL (GEMV_PDL_INT8) on the GEMV path, whose
+    weights load before the wait; LATE on the dot path (right after the wait its programs slowed this one, #26)."""
+    if not s.pdl:
+        return NONE
+    if rows > GEMV_ROWS:
+        return LATE
+    return GEMV_PDL_INT8 if s.int8 else GEMV_PDL
+
+
+def attention_pdl(s, rows):
+    """The Triton attention between the fused block's kernels: with PDL as the GEMV path; without it on the dot path,
+    where its PDL data path cost more than the overlap saved (n = 8 1.845 -> 1.794 ms/step, #26)."""
+    pdl = block_pdl(s, rows)
+    return pdl if pdl in (EARLY, FIRST) else NONE
+
+
+def merge_pdl(s, rows, want):
+    pdl = attention_pdl(s, rows)
+    return block_pdl(s, rows) if want.get("merge_pdl", "on") == "on" and MERGE_PDL and not pdl else pdl
+
+
+def step_rows(s, want, rows, guided_rows, block, cuda_block, attention, prefetch, draw):
+    """The Rows of steps at `rows` rows. The attention's launch is the guided steps' (one kernel argument for both)."""
+    projections, head = (), None
+    if block == "fused":
+        projections = tuple((name, fused_projection(s, want, name, rows, cuda_block)) for name in
+                            ("qkv", "wo", "gate_up", "w2"))
+        if not cuda_block:
+            gemv = rows <= GEMV_ROWS and ("output" not in DOT_ALWAYS or s.int8)
+            head = Projection("triton_gemv" if gemv else "triton_dot", block_pdl(s, rows))
+    elif block == "compiled":
+        down = serves_down(s, rows)
+        w2 = Projection("triton_dot_down", block_pdl(s, rows) if DOWN_PDL and want.get("down_pdl", "on") == "on"
+                        else NONE) if down else Projection("inductor")
+        projections = (("w2", w2),)
+    config, form = (), attention
+    if attention == "triton":
+        if rows in WHOLE_ROWS:
+            form, config = "triton_whole", attention_triton.WHOLE
+        else:
+            form, config = "triton_split", attention_triton.config_for(rows)
+    elif attention == "cuda":
+        form = "cuda_loop" if rows > CUDA_LOOP_ROWS else "cuda"
+    elif s.backend in ("cudagraph", "eager"):
+        form = "sdpa_windows"
+    apdl = mpdl = None
+    if attention == "triton" and block == "fused":
+        apdl, mpdl = attention_pdl(s, guided_rows), merge_pdl(s, guided_rows, want)
+    return Rows(rows=rows, projections=projections, attention=form, attention_config=config,
+                attention_pdl=apdl or NONE, merge_pdl=mpdl, progress=prefetch == "compiled",
+                prefetch_down=prefetch == "compiled" and serves_down(s, rows), head=head)
+
+
+def serves_down(s, rows):
+    """The compiled block's w2 and residual add as block_triton's dot kernel (`down`): past the fused rows, up to
+    DOWN_ROWS, float weights, on CUDA."""
+    return s.triton and s.cuda and FUSED_ROWS < rows <= DOWN_ROWS and not s.int8
+
+
+def fused_projection(s, want, name, rows, cuda_block):
+    """The fused block's projection `name` at `rows` rows: block_cuda's kernel where the plan takes it and it fits and
+    builds, else Triton's (GEMV or dot)."""
+    pdl = block_pdl(s, rows)
+    if cuda_block or name in cuda_names(want):
+        mode = (FIRST if cuda_block and rows <= CUDA_FIRST_ROWS else EARLY) if pdl else NONE
+        adds = (False, True) if name == "w2" else (False,)  # w2 with the control rows too, before blocks L, 2L
+        if cuda_projection_fits(s, name, rows) and all(
+                s.builds("block_cuda", block_cuda.entry(name, cuda_k(s, name), rows, mode, add)) for add in adds):
+            return Projection("cuda", mode)
+    gemv = rows <= GEMV_ROWS and (name not in DOT_ALWAYS or s.int8)
+    return Projection("triton_gemv" if gemv else "triton_dot", pdl)
+
+
+PROJECTIONS = ("qkv", "wo", "gate_up", "w2")
+
+
+def cuda_names(want):
+    """The projections of the Triton fused block that block_cuda runs where it can."""
+    chosen = want.get("cuda_projections")
+    return CUDA_PROJECTIONS if chosen is None else dict(none=(), gate_up=("gate_up",), all=PROJECTIONS)[chosen]
+
+
+def cuda_k(s, name):
+    return s.ffn_hidden if name == "w2" else s.dim
+
+
+def cuda_projection_fits(s, name, rows):
+    """block_cuda runs projection `name` at `rows` rows: sm_90+, bf16 float weights, its tiling fits."""
+    cols = dict(qkv=3 * s.dim, wo=s.dim, gate_up=s.ffn_hidden, w2=s.dim)[name]
+    fits = block_cuda.fits(name, rows, cuda_k(s, name), cols)
+    if name == "qkv":
+        fits = fits and block_cuda.fits_heads(s.head_dim)
+    return s.nvrtc and not s.int8 and s.dtype == torch.bfloat16 and fits
+
+
+def cuda_projections(s, want):
+    """The cudagraph backend's fused block: every projection in block_cuda at every step row count, each built now,
+    before a step is captured (a refusal leaves the eager block whole, not a step half made of these kernels)."""
+    if want.get("cuda_projections", "all") != "all":
+        return False
+    step = sorted({s.rows, s.batch})
+    return all(cuda_projection_fits(s, name, r) for name in PROJECTIONS for r in step) and all(
+        fused_projection(s, want, name, r, True).impl == "cuda" for name in PROJECTIONS for r in step)
+
+
+def cuda_attention(s, want):
+    """attention_cuda on the cudagraph backend: sm_90+, bf16 weights, its head dims and shared memory, its forms
+    built."""
+    if want.get("attention") == "sdpa" or not s.nvrtc or s.dtype != torch.bfloat16 or s.int8:
+        return False
+    step = {s.rows, s.batch}
+    if not attention_cuda.fits(s.head_dim, s.n_head, max(step), s.max_seq):
+        return False
+    return all(s.builds("attention_cuda", s.head_dim, loop) for loop in sorted({r > CUDA_LOOP_ROWS for r in step}))
+
+
+def choose_draw(s, want, triton_ok):
+    """The draw: Triton's where the inductor backend runs Triton, CUDA C++'s on the cudagraph backend; top-p's sorted
+    sums stay in sampling.py's ops."""
+    asked = want.get("draw")
+    if asked == "torch" or s.top_p < 1.0:
+        return _granted(asked, "torch", "top-p < 1 draws with sampling.py's ops")
+    if triton_ok:
+        return _granted(asked, "triton", "")
+    if s.backend == "cudagraph" and s.nvrtc and not s.int8 and s.dtype in (torch.bfloat16, torch.float32) \
+            and draw_cuda.fits(s.vocab_size) and s.builds("draw_cuda", s.vocab_size, s.dtype):
+        return _granted(asked, "cuda", "")
+    return _granted(asked, "torch", "")
+
+
+def _granted(asked, chosen, why):
+    if asked is not None and asked != chosen:
+        raise PlanError(f"plan override draw={asked} cannot run here ({why or 'the backend or device lacks it'}); "
+                        f"this situation draws with {chosen}")
+    return chosen
+
+
+def choose_inputs(s, want, triton_block_scope):
+    """The step's inputs (embeddings, RoPE row, control rows) in one kernel where the ops around the blocks run
+    eagerly: Triton's in inductor's block scope, CUDA C++'s on the cudagraph backend."""
+    asked = want.get("inputs")
+    chosen = "model"
+    if asked != "model":
+        if triton_block_scope:
+            chosen = "triton"
+        elif s.backend == "cudagraph" and s.nvrtc and s.dtype in (torch.bfloat16, torch.float32) \
+                and s.builds("inputs_cuda", s.dtype):
+            chosen = "cuda"
+    if asked not in (None, chosen):
+        raise PlanError(f"plan override inputs={asked} cannot run here; this situation takes inputs={chosen}")
+    return chosen
+
+
+def choose_eager_ops(s, want):
+    """The eager model's RoPE + cache write, SiLU x up and RMSNorm: Triton's kernels where Triton may run (not on the
+    cudagraph backend, which promises none), else CUDA C++'s where they build (sm_90+, bf16 or float32), else torch's.
+    RMSNorm is one kernel in CUDA C++ only: inductor fuses it where it compiles, and torch's fused kernel is close."""
+    asked = want.get("eager_ops")
+    triton_ok = s.backend != "cudagraph" and s.triton and s.cuda
+    cuda_ok = (s.cuda and s.nvrtc and s.dtype in (torch.bfloat16, torch.float32) and not triton_ok
+               and s.builds("eager_ops_cuda", s.dtype))
+    if asked == "torch" or not (triton_ok or cuda_ok):
+        if asked not in (None, "torch"):
+            raise PlanError(f"plan override eager_ops={asked} cannot run here; use eager_ops=torch")
+        return EagerOps()
+    if asked not in (None, "triton" if triton_ok else "cuda"):
+        raise PlanError(f"plan override eager_ops={asked} cannot run here; use eager_ops="
+                        f"{'triton' if triton_ok else 'cuda'} or torch")
+    if triton_ok:
+        return EagerOps(rms_norm="torch", silu_mul="triton", rope="triton")
+    norm = "cuda" if s.dim <= eager_ops_cuda.MAX_D else "torch"
+    return EagerOps(rms_norm=norm, silu_mul="cuda", rope="cuda")
+
+
+def vq_norm(backend, cuda, triton, want=None):
+    """The VQ decoder's GroupNorm, residual adds and upsampling: Triton's kernels on CUDA where Triton may run."""
+    asked = (want or {}).get("vq_norm")
+    chosen = "triton" if backend != "cudagraph" and triton and cuda else "torch"
+    if asked == "torch":
+        return "torch"
+    if asked not in (None, chosen):
+        raise PlanError("plan override vq_norm=triton needs Triton on a CUDA device, not the cudagraph backend")
+    return chosen
+
+
+# ---- explaining ---------------------------------------------------------------------------------------------------
+
+PDL_NAMES = {NONE: "no PDL", EARLY: "PDL early", LATE: "PDL late", FIRST: "PDL first"}
+
+
+def describe_rows(p, r):
+    """{column: text} of the steps at Rows r, in the README table's words."""
+    if p.block == "fused":
+        kinds = sorted({proj.impl for _, proj in r.projections})
+        cuda = [name for name, proj in r.projections if proj.impl == "cuda"]
+        if p.cuda_block:
+            block = "fused, CUDA C++"
+        else:
+            block = "fused, Triton " + "/".join(k.split("_")[1] for k in kinds if k.startswith("triton"))
+            block += f" + {'/'.join(cuda)} CUDA C++" if cuda else ""
+    elif p.block == "compiled":
+        block = "compiled" + (" + Triton w2" if r.projection("w2").impl == "triton_dot_down" else "")
+    else:
+        block = {"model": "eager", "layer": "eager (int8)"}[p.block]
+    attention = {"triton_split": "Triton split-KV", "triton_whole": "Triton whole", "cuda": "CUDA C++",
+                 "cuda_loop": "CUDA C++ loop", "sdpa": "SDPA", "sdpa_windows": "SDPA, windows"}[r.attention]
+    return dict(block=block, attention=attention)
+
+
+def explain(p):
+    """The plan in lines of text (fast_engine.py --explain)."""
+    s = p.situation
+    cap = f"sm_{s.capability[0]}{s.capability[1]}" if s.cuda else "CPU"
+    scope = f", compile scope {s.compile_scope}" if s.backend == "inductor" else ""
+    lines = [f"decode plan: backend {s.backend}{scope}; {s.batch} image(s){' under CFG' if s.cfg else ''}, "
+             f"{str(s.dtype).replace('torch.', '')}{' int8 weights' if s.int8 else ''} on {cap}"
+             + (f", top-p {s.top_p}" if s.top_p < 1 else "")]
+    row = lambda name, text: lines.append(f"  {name:<14}{text}")
+    row("steps", {"hand_graph": "one CUDA graph per step kind, captured by hand",
+                  "compiled_step": "torch.compile of the whole step", "eager": "eager, op by op"}[p.step])
+    row("inputs", {"model": "the model's ops", "triton": "one Triton kernel (inputs_triton)",
+                   "cuda": "one CUDA C++ kernel (inputs_cuda)"}[p.inputs])
+    for label, r in (("guided", p.guided), ("after cfg_interval", p.unguided)):
+        if r is None:
+            continue
+        d = describe_rows(p, r)
+        lines.append(f"  {label} steps, {r.rows} rows:")
+        row("  block", d["block"])
+        for name, proj in r.projections:
+            row(f"    {name}", f"{proj.impl}, {PDL_NAMES[proj.pdl]}")
+        config = f" {r.attention_config}" if r.attention_config else ""
+        launch = f", {PDL_NAMES[r.attention_pdl]}" + (f", merge {PDL_NAMES[r.merge_pdl]}" if r.merge_pdl is not None
+                                                        else "") if r.attention.startswith("triton") else ""
+        row("  attention", d["attention"] + config + launch + (", counted for the prefetcher" if r.progress else ""))
+        if r.head is not None:
+            row("  head", f"fused norm + output, {r.head.impl}, {PDL_NAMES[r.head.pdl]}")
+    row("head", {"model": "the model's norm and output", "fused": "fused (above)", "compiled": "compiled (inductor)",
+                 "compiled_finish": "compiled with the draw (inductor)"}[p.head])
+    row("draw", {"torch": "sampling.py's ops", "triton": "two Triton kernels (draw_triton)",
+                 "cuda": "one CUDA C++ kernel (draw_cuda)"}[p.draw] + (", noise made by the head" if p.head_noise
+                                                                        else ""))
+    row("prefetch", {"none": "none", "fused": "L2 prefetch paced by the projections",
+                     "compiled": "L2 prefetch paced by the attention"}[p.prefetch])
+    row("text partial", p.text_sums)
+    if p.windows > 1:
+        row("cache windows", str(p.windows))
+    ops = lambda o: f"RMSNorm {o.rms_norm}, SiLU x up {o.silu_mul}, RoPE + cache {o.rope}"
+    row("prefill", {"eager": "eager", "eager_graph": "eager, a CUDA graph from the shape's second image",
+                    "compiled_block": "the compiled block", "compiled_whole": "torch.compile of the whole prefill"}
+        [p.prefill] + f"; {ops(p.prefill_ops)}")
+    if p.step_ops is not None:
+        row("step ops", ops(p.step_ops))
+    if p.jacobi is not None:
+        j = p.jacobi
+        row("speculative", f"Jacobi passes of {j.window} positions: {s.rows * j.window} rows through the "
+            f"{'compiled' if j.block == 'compiled' else 'eager'} blocks and SDPA, "
+            f"{'one CUDA graph' if j.graph else 'op by op'}; {ops(j.ops)}")
+    row("VQ norms", p.vq_norm)
+    return "\n".join(lines)
+
+
+# The README's table: one model (GPT-XL t2i 512 px) under CFG, each backend on each device class, by images.
+TABLE_DEVICES = (("Hopper (sm_90), bf16", dict(device="cuda", capability=(9, 0), dtype=torch.bfloat16)),
+                 ("Ampere (sm_80), bf16", dict(device="cuda", capability=(8, 0), dtype=torch.bfloat16)),
+                 ("CPU, fp32", dict(device="cpu", dtype=torch.float32)))
+TABLE_IMAGES = ((1, 1), (2, 2), (3, 8), (9, 31), (32, 32), (33, 48), (49, 64))
+
+
+def table():
+    """The README's backend x rows table (a test holds the README to it): for n images under CFG (2n rows), the block
+    and attention of the steps, the draw and the inputs; ranges of n that run the same are one line."""
+    out = ["| backend | device | images (rows) | block | attention | draw | inputs |", "|---|---|---|---|---|---|---|"]
+    for backend in BACKENDS:
+        for label, kw in TABLE_DEVICES:
+            if backend == "cudagraph" and kw["device"] == "cpu":
+                continue
+            lines = []  # [first, last, cells]
+            for lo, hi in TABLE_IMAGES:
+                cells = set()
+                for n in range(lo, hi + 1):
+                    p = make(Situation(backend=backend, batch=n, **kw))
+                    d = describe_rows(p, p.guided)
+                    cells.add((d["block"], d["attention"], p.draw, p.inputs))
+                assert len(cells) == 1, (backend, label, lo, hi, cells)  # TABLE_IMAGES' ranges are uniform
+                cell = cells.pop()
+                if lines and lines[-1][2] == cell:
+                    lines[-1][1] = hi
+                else:
+                    lines.append([lo, hi, cell])
+            for lo, hi, cell in lines:
+                n = f"{lo} ({2 * lo})" if lo == hi else f"{lo}-{hi} ({2 * lo}-{2 * hi})"
+                out.append(f"| {backend} | {label} | {n} | " + " | ".join(cell) + " |")
+    return "\n".join(out)

@@ -1,0 +1,194 @@
+"""Speculative Jacobi decoding (SJD, Teng et al., ICLR 2025), lossless: several image tokens per pass, the sequential
+sampler's distribution.
+
+A pass feeds each image its last accepted token and L - 1 drafts of the next positions at once (its rows at their
+own positions), and reads the L next-token distributions p (after CFG, temperature, top-k, top-p, as sampling.py).
+Draft j, drawn from q_j, is accepted with probability min(1, p_j(x) / q_j(x)) while every draft before it was; at the
+first rejection one token is drawn from norm(max(0, p_j - q_j)) and accepted, and the image's pass ends there. That
+is speculative sampling's rule: each accepted token has the sequential sampler's distribution given the tokens before
+it, whatever q_j was, as long as the draft was drawn from q_j with randomness of its own. The window's later
+positions get new drafts drawn from this pass's p (their q), positions past it initial drafts (DRAFT_INITS, each
+with its exact q). Every image advances by its own count; an image with all its tokens idles until its batch is done.
+
+Coupled drafts (COUPLINGS "gumbel", as MC-SJD): the redraws and uniform drafts take their race noise from a hash of
+(the call's seed, image, position, token) instead of fresh draws, so a position's draft moves only where its
+distribution does. Still lossless: a position's noise decides an accepted token only in the verification that fixes
+that position, and nothing before then depends on it (the distributions there are computed from earlier positions),
+so each draft is still a fresh draw from its q; the residual draws and the accept tests keep fresh randomness.
+"""
+import torch
+import torch.nn.functional as F
+
+from fast_inference.runner import ShapeRunner
+from fast_inference.sampling import cfg_merge, filter_logits
+
+# Initial drafts of the positions past a pass's window: a uniform draw (q uniform, as SJD); the token to the left
+# (q: one-hot); the token above, one grid row up, already accepted (q: one-hot; a window no wider than the grid)
+DRAFT_INITS = ("random", "left", "above")
+COUPLINGS = ("none", "gumbel")  # the redraws' noise: fresh per pass, or fixed per (image, position, token)
+
+
+def probabilities(logits, guided, cfg_scale, temperature, top_k, top_p, sample_logits=True):
+    """(rows, L, V) float32 logits of a pass -> the draw's distributions (images, L, V): CFG merge, temperature, top-k,
+    top-p (sampling.filter_logits), softmax; greedy (sample_logits False): one-hot at the best."""
+    if guided:
+        logits = cfg_merge(logits, cfg_scale)
+    logits = filter_logits(logits, temperature, top_k, top_p)
+    if not sample_logits:
+        return F.one_hot(logits.argmax(-1), logits.shape[-1]).to(logits.dtype)
+    return F.softmax(logits, dim=-1)
+
+
+def race(probs):
+    """One index per row of probs (..., V), with probability probs (not normalised: proportional): the exponential
+    race, argmax(log probs - log E), E ~ Exp(1); zeros are never drawn."""
+    noise = torch.empty_like(probs).exponential_(1).clamp_min_(torch.finfo(probs.dtype).tiny)
+    return (probs.log() - noise.log()).argmax(-1)
+
+
+def hash32(x):
+    """A 32-bit integer hash (Wellons' lowbias32) of int64 tensors holding values in [0, 2**32), in int64 arithmetic:
+    each multiply split in 16-bit halves so that nothing overflows."""
+    def times(x, c):
+        return (x * (c & 0xFFFF) + (((x * (c >> 16)) & 0xFFFF) << 16)) & 0xFFFFFFFF
+
+    x = x ^ (x >> 16)
+    x = times(x, 0x7FEB352D)
+    x = x ^ (x >> 15)
+    x = times(x, 0x846CA68B)
+    return x ^ (x >> 16)
+
+
+def position_noise(seed, positions, vocab_size):
+    """Exp(1) noise (images, L, V) fixed by (seed (), image, image position (images, L), token): the same in every
+    pass of one generate() call; its 32-bit uniforms are (hash + 0.5) / 2**32."""
+    rows = torch.arange(positions.shape[0], device=positions.device)[:, None, None]
+    tokens = torch.arange(vocab_size, device=positions.device)
+    key = hash32(hash32(hash32(seed ^ rows) ^ positions[..., None]) ^ tokens)
+    return -torch.log((key.to(torch.float64) + 0.5) / 2.0**32).to(torch.float32)
+
+
+def coupled_race(probs, noise):
+    """race() with the given Exp(1) noise (..., V) instead of fresh draws."""
+    return (probs.log() - noise.clamp_min(torch.finfo(noise.dtype).tiny).log()).argmax(-1)
+
+
+def accepted_count(p, q, drafts, u):
+    """How many of each image's drafts (images, L) are accepted: draft j with probability min(1, p_j / q_j) at it
+    (u (images, L) uniform in [0, 1): u q < p), counted while every draft before it was."""
+    pd, qd = (t.gather(-1, drafts[..., None])[..., 0] for t in (p, q))
+    return (u * qd < pd).to(torch.int64).cumprod(-1).sum(-1)
+
+
+def residual(p, q):
+    """The distribution of the token drawn at a rejection, unnormalised: max(0, p - q)."""
+    return (p - q).clamp_min(0)
+
+
+def next_window(dist, count, redraw):
+    """What this pass gives the next window: its position k is position count + k of this one; where that is inside
+    (inside), the draft redrawn there and its q, `dist` there (the draws' distributions); the rest takes initial
+    drafts. -> inside (images, L), drafts (images, L), q (images, L, V)."""
+    L = dist.shape[1]
+    src = count[:, None] + torch.arange(L, device=dist.device)
+    at = src.clamp(max=L - 1)
+    return src < L, redraw.gather(1, at), dist.gather(1, at[..., None].expand(-1, -1, dist.shape[-1]))
+
+
+class JacobiRunner(ShapeRunner):
+    """A shape's buffers for speculative passes: each image's accepted count n, last accepted token, window of L
+    drafts and their q, and its passes; `jacobi_pass` runs one pass over every image, on the device, no sync."""
+
+    STATE = ("n", "last", "drafts", "q", "out", "passes")
+
+    def __init__(self, model, plan, num_tokens, prefix_len, num_controls, top_k, keep_logits, init, width,
+                 coupling="none"):
+        super().__init__(model, plan, num_tokens, prefix_len, num_controls, top_k, keep_logits)
+        B, V, device = self.batch, model.args.vocab_size, self.out.device
+        window = plan.jacobi.window
+        if init == "above" and (width is None or window > width):
+            raise ValueError(f"draft init 'above' needs a square token grid at least as wide as the draft window "
+                             f"({window}); use a smaller window or another draft init")
+        self.window, self.init, self.width, self.coupling = window, init, width, coupling
+        buf = lambda name, t: self.register_buffer(name, t, persistent=False)
+        buf("n", torch.ones(B, dtype=torch.long, device=device))
+        buf("last", torch.zeros(B, dtype=torch.long, device=device))
+        buf("drafts", torch.zeros(B, window, dtype=torch.long, device=device))
+        buf("q", torch.zeros(B, window, V, device=device))
+        buf("passes", torch.zeros(B, dtype=torch.long, device=device))
+        buf("steps", torch.arange(window, device=device))
+        buf("noise_seed", torch.zeros((), dtype=torch.long, device=device))  # position_noise's, per generate()
+        self.pass_ctx, self.pass_head = None, None  # the passes' Context and head (wired by the Engine)
+
+    def start(self):
+        """After the prefill's first token: every image at one token, its window of initial drafts."""
+        self.n.fill_(1)
+        self.passes.zero_()
+        self.noise_seed.copy_(torch.randint(0, 2**32, (), device=self.n.device))
+        self.last.copy_(self.out[:, 0])
+        tokens, q = self.initial(self.n, torch.zeros_like(self.n), self.drafts)
+        self.drafts.copy_(tokens)
+        self.q.copy_(q)
+
+    def initial(self, n, kept, drafts):
+        """Initial drafts (images, L) and their q (images, L, V) of a window starting at image position n, whose
+        first `kept` drafts are `drafts`' (redrawn from the pass): DRAFT_INITS."""
+        B, L, V = self.batch, self.window, self.q.shape[-1]
+        uniform = torch.full((B, L, V), 1.0 / V, device=n.device)
+        anywhere = (torch.randint(0, V, (B, L), device=n.device) if self.coupling == "none" else
+                    self.draw(uniform, n[:, None] + self.steps))  # a uniform draft at each slot
+        if self.init == "random":
+            return anywhere, uniform
+        if self.init == "left":  # the token before the first initial draft, repeated
+            before = torch.where(kept > 0, drafts.gather(1, (kept - 1).clamp(min=0)[:, None])[:, 0], self.last)
+            tokens = before[:, None].expand(B, L)
+        else:  # above: image position i - width, accepted (the window is no wider than the grid); none in row 0
+            at = n[:, None] + self.steps - self.width
+            tokens = torch.where(at >= 0, self.out.gather(1, at.clamp(min=0)), anywhere)
+            return tokens, torch.where((at >= 0)[..., None], F.one_hot(tokens, V).float(), uniform)
+        return tokens, F.one_hot(tokens, V).float()
+
+    def draw(self, probs, positions):
+        """One draft per image and window slot from probs (images, L, V), at image positions (images, L): fresh race
+        noise, or position_noise where drafts are coupled."""
+        if self.coupling == "none":
+            return race(probs)
+        return coupled_race(probs, position_noise(self.noise_seed, positions, probs.shape[-1]))
+
+    def jacobi_pass(self):
+        """One pass: each image's last token and L - 1 drafts at their positions through the model, the L
+        distributions, the drafts verified, the tokens written, the window moved on."""
+        L, N, T = self.window, self.num_tokens, self.prefix_len
+        tokens = torch.cat([self.last[:, None], self.drafts[:, : L - 1]], 1)
+        # image position n - 1 + j sits at T + n - 1 + j; past the image (its outputs unused), at its last position
+        pos = (T + self.n[:, None] - 1 + self.steps).clamp(max=T + N - 1)
+        if self.cfg:
+            tokens, pos = torch.cat([tokens, tokens]), torch.cat([pos, pos])
+        h = self.model.blocks(self.model.tok_embeddings(tokens), pos, self.key_valid, self.controls,
+                              ctx=self.pass_ctx)
+        p = probabilities(self.pass_head(h), self.cfg, self.cfg_scale, self.temperature, self.top_k, self.top_p,
+                          self.sample_logits)
+        self.advance(p)
+
+    def advance(self, p):
+        """The drafts verified against this pass's distributions p (images, L, V): tokens written, n advanced,
+        the next window drawn."""
+        B, L, N = self.batch, self.window, self.num_tokens
+        n, live = self.n, self.n < N
+        a = accepted_count(p, self.q, self.drafts, torch.rand(B, L, device=p.device))
+        rows = torch.arange(B, device=p.device)
+        j = a.clamp(max=L - 1)
+        fixed = race(residual(p[rows, j], self.q[rows, j]))  # used where a draft was rejected (a < L)
+        count = torch.where(a < L, a + 1, a) * live
+        tokens = torch.where(self.steps < a[:, None], self.drafts, fixed[:, None])
+        k = torch.arange(N, device=p.device) - n[:, None]  # image position i is window position k (a gather: no
+        written = (k >= 0) & (k < count[:, None])  # duplicate indices where the window runs past the image)
+        self.out.copy_(torch.where(written, tokens.gather(1, k.clamp(0, L - 1)), self.out))
+        n_next = (n + count).clamp(max=N)
+        self.last.copy_(self.out.gather(1, (n_next - 1)[:, None])[:, 0])
+        inside, redrawn, q = next_window(p, count, self.draw(p, n[:, None] + self.steps))
+        init_tokens, init_q = self.initial(n_next, (L - count).clamp(min=0), redrawn)
+        self.drafts.copy_(torch.where(inside, redrawn, init_tokens))
+        self.q.copy_(torch.where(inside[..., None], q, init_q))
+        self.passes.add_(live.to(torch.long))
+        self.n.copy_(n_next)

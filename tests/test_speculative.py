@@ -1,0 +1,240 @@
+"""Speculative Jacobi decoding (speculative.py) against the reference sampler: greedy identity, and the exact
+distribution of whole token sequences on a tiny vocabulary, which planted mistakes must break."""
+import itertools
+import math
+
+import pytest
+import torch
+
+from fast_inference import engine as engine_module
+from fast_inference import generate as generate_module
+from fast_inference import speculative
+from fast_inference.engine import Engine
+from fast_inference.generate import Prepared, generate, prepare
+from fast_inference.plan import PlanError
+from fast_inference.sampling import cfg_merge, filter_logits
+from test_reference import tiny_inputs, tiny_model
+
+
+def greedy_case():
+    model = tiny_model(cls=8, seed=3)
+    cond, mask, condition = tiny_inputs(model)
+    kw = dict(emb_masks=mask, condition=condition, cfg_scale=4.0, control_strength=0.8, top_k=1)
+    return model, cond, model.args.block_size, kw
+
+
+@pytest.mark.parametrize("backend,init,window,coupling", [
+    ("eager", "random", 3, "none"), ("eager", "left", 4, "none"), ("eager", "above", 4, "none"),
+    ("eager", "random", 4, "gumbel"), ("inductor", "random", 4, "none")])
+def test_greedy_tokens_equal_reference(backend, init, window, coupling):
+    model, cond, n, kw = greedy_case()
+    ref = generate(model, cond, n, **kw)
+    engine = Engine(model, backend=backend, speculative="jacobi", draft_window=window, draft_init=init,
+                    draft_coupling=coupling)
+    assert torch.equal(engine.generate(cond, n, **kw), ref)
+    stats = engine.last_speculation
+    assert len(stats["passes"]) == 2 and all(-(-(n - 1) // window) <= p <= n - 1 for p in stats["passes"])
+    assert stats["tokens_per_pass"] == pytest.approx(2 * (n - 1) / sum(stats["passes"]))
+    assert torch.equal(engine.generate(cond, n, **kw), ref)  # again: the shape's pass reused
+
+
+def test_hash32_is_lowbias32():
+    """speculative.hash32 in int64 tensors against the hash written in Python integers (mod 2**32)."""
+    def lowbias32(x):
+        x ^= x >> 16
+        x = (x * 0x7FEB352D) & 0xFFFFFFFF
+        x ^= x >> 15
+        x = (x * 0x846CA68B) & 0xFFFFFFFF
+        return x ^ (x >> 16)
+
+    xs = [0, 1, 2, 0xFFFF, 0x10000, 0x7FFFFFFF, 0x80000000, 0xFFFFFFFF] + list(range(12345, 2**32, 2**32 // 97))
+    assert speculative.hash32(torch.tensor(xs)).tolist() == [lowbias32(x) for x in xs]
+
+
+def test_position_noise_is_exponential_and_fixed_by_position():
+    """Coupled drafts' noise: Exp(1) (mean 1, P(E > 1) = 1/e, within 5 standard errors over 2 x 64 x 512 values),
+    the same for the same (seed, image, position, token) wherever the position sits in the window, another for
+    another seed or image."""
+    seed = torch.tensor(12345)
+    positions = torch.arange(128).reshape(2, 64)
+    e = speculative.position_noise(seed, positions, 512)
+    n = e.numel()
+    assert abs(e.mean().item() - 1) < 5 / math.sqrt(n) and abs((e > 1).double().mean().item() - math.exp(-1)) < 5 * (
+        math.exp(-1) * (1 - math.exp(-1)) / n) ** 0.5
+    shifted = speculative.position_noise(seed, positions[:, 5:9], 512)
+    assert torch.equal(shifted, e[:, 5:9])
+    assert not torch.equal(speculative.position_noise(seed + 1, positions, 512), e)
+    assert not torch.equal(e[0], speculative.position_noise(seed, positions[[1, 0]], 512)[1])
+
+
+# ---- the exact distribution ----------------------------------------------------------------------------------------
+
+V, N, WINDOW = 4, 4, 3  # 256 sequences; the first token from the prefill, three from passes of 3 positions
+SETTINGS = dict(cfg_scale=2.5, temperature=0.9, top_k=3, top_p=0.95, control_strength=0.8)
+SAMPLES = 4000  # images, half per caption
+
+
+def distribution_case():
+    """A tiny model over 4 tokens whose output is scaled so that the sequences' distribution is spread (entropy
+    ~3.5 nats over ~75 sequences per caption), two captions with their own controls."""
+    model = tiny_model(cls=8, seed=5, block_size=4, vocab_size=V)
+    with torch.no_grad():
+        model.output.weight.mul_(0.05)
+        model.tok_embeddings.weight.mul_(4)  # the next token's distribution depends on the tokens before it
+    cond, mask, condition = tiny_inputs(model, B=2, valid=(3, 6))
+    return model, cond, mask, condition[..., :32, :32]
+
+
+def repeat_prepare(monkeypatch, module, cond, mask, condition, idx):
+    """module's prepare() run once per caption, its rows repeated as idx picks them: the condition encoder of
+    thousands of images would be most of the test's time (prepare itself is tested elsewhere)."""
+    def prepared(model, cond_, condition_, emb_masks, cfg_scale, strength):
+        p = prepare(model, cond, condition, mask, cfg_scale, strength)
+        rows = torch.cat([idx, idx + cond.shape[0]])  # both CFG halves
+        return Prepared(p.prefix[rows], p.text_mask[rows], p.controls[:, rows])
+
+    monkeypatch.setattr(module, "prepare", prepared)
+
+
+def reference_probabilities(model, cond, mask, condition):
+    """(captions, V**N): the reference sampler's probability of every sequence, by teacher forcing: the product of
+    each token's probability under sampling.py's CFG merge, temperature, top-k and top-p."""
+    seqs = torch.tensor(list(itertools.product(range(V), repeat=N)))
+    out = []
+    for c in range(cond.shape[0]):
+        rows = torch.zeros(len(seqs), dtype=torch.long) + c
+        with pytest.MonkeyPatch.context() as monkeypatch:
+            repeat_prepare(monkeypatch, generate_module, cond, mask, condition, rows)
+            _, logits = generate(model, cond[rows], N, emb_masks=mask[rows], condition=condition[rows], forced=seqs,
+                                 return_logits=True, cfg_scale=SETTINGS["cfg_scale"],
+                                 control_strength=SETTINGS["control_strength"])
+        logp = torch.zeros(len(seqs), dtype=torch.float64)
+        for j, l in enumerate(logits):
+            merged = filter_logits(cfg_merge(l, SETTINGS["cfg_scale"]), SETTINGS["temperature"], SETTINGS["top_k"],
+                                   SETTINGS["top_p"])
+            logp += torch.log_softmax(merged.double(), -1).gather(1, seqs[:, j : j + 1])[:, 0]
+        out.append(logp.exp())
+    return torch.stack(out)
+
+
+def speculative_counts(model, cond, mask, condition, monkeypatch, init="random", window=WINDOW, coupling="none"):
+    """(captions, V**N): how often the speculative sampler drew each sequence over SAMPLES images (alternating
+    captions, one batch whose rows accept different counts)."""
+    idx = torch.arange(SAMPLES) % cond.shape[0]
+    repeat_prepare(monkeypatch, engine_module, cond, mask, condition, idx)
+    engine = Engine(model, backend="eager", speculative="jacobi", draft_window=window, draft_init=init,
+                    draft_coupling=coupling)
+    torch.manual_seed(0)
+    out = engine.generate(cond[idx], N, emb_masks=mask[idx], condition=condition[idx], **SETTINGS)
+    code = (out * V ** torch.arange(N - 1, -1, -1)).sum(1)
+    return torch.stack([torch.bincount(code[idx == c], minlength=V**N) for c in range(cond.shape[0])]).double()
+
+
+def goodness_of_fit(counts, probs):
+    """Per caption: (sequences drawn that the reference never draws, Pearson's chi-square over the sequences
+    expected >= 5 times and one bin of the rest, its bound at p = 1e-4 (Wilson-Hilferty): the real sampler runs in
+    five configurations of two captions each; the planted mistakes' statistics are about twice it or more)."""
+    out = []
+    for obs, p in zip(counts, probs):
+        expected = p * obs.sum()
+        big = expected >= 5
+        chi2 = (((obs[big] - expected[big]) ** 2) / expected[big]).sum().item()
+        chi2 += (obs[~big].sum() - expected[~big].sum()).item() ** 2 / max(expected[~big].sum().item(), 1e-9)
+        dof = int(big.sum())
+        bound = dof * (1 - 2 / (9 * dof) + 3.72 * math.sqrt(2 / (9 * dof))) ** 3
+        out.append((int(obs[p == 0].sum()), chi2, bound))
+    return out
+
+
+def plant(monkeypatch, mistake):
+    """A mistake the exact test must catch."""
+    if mistake == "always_accept":  # every draft accepted, whatever p and q say
+        monkeypatch.setattr(speculative, "accepted_count", lambda p, q, drafts, u: torch.full_like(drafts[:, 0],
+                                                                                                  drafts.shape[1]))
+    elif mistake == "residual_is_p":  # the token at the first rejection drawn from p, not norm(max(0, p - q))
+        monkeypatch.setattr(speculative, "residual", lambda p, q: p)
+    elif mistake == "stale_q":  # redrawn drafts verified against the distribution of the draft they replace
+        real, before = speculative.next_window, {}
+        advance = speculative.JacobiRunner.advance
+
+        def remember(self, p):
+            before["q"] = self.q.clone()  # the q of the drafts this pass verified (drawn in earlier passes)
+            return advance(self, p)
+
+        def stale(dist, count, redraw):
+            inside, drafts, _ = real(dist, count, redraw)
+            return inside, drafts, real(before["q"], count, redraw)[2]
+
+        monkeypatch.setattr(speculative.JacobiRunner, "advance", remember)
+        monkeypatch.setattr(speculative, "next_window", stale)
+
+
+@pytest.fixture(scope="module")
+def reference():
+    model, cond, mask, condition = distribution_case()
+    return (model, cond, mask, condition), reference_probabilities(model, cond, mask, condition)
+
+
+@pytest.mark.parametrize("init,window,coupling", [("random", WINDOW, "none"), ("left", WINDOW, "none"),
+                                                  ("above", 2, "none"), ("random", WINDOW, "gumbel"),
+                                                  ("left", WINDOW, "gumbel")])  # above: a 2 x 2 grid
+def test_sequence_distribution_is_the_reference_one(reference, monkeypatch, init, window, coupling):
+    case, probs = reference
+    assert (probs > 0).sum(1).min() >= 40, "the test needs a spread distribution"
+    counts = speculative_counts(*case, monkeypatch, init, window, coupling)
+    for outside, chi2, bound in goodness_of_fit(counts, probs):
+        assert outside == 0 and chi2 < bound, (outside, chi2, bound)
+
+
+@pytest.mark.parametrize("mistake", ["always_accept", "residual_is_p", "stale_q"])
+def test_planted_mistakes_change_the_distribution(reference, monkeypatch, mistake):
+    case, probs = reference
+    plant(monkeypatch, mistake)
+    fits = goodness_of_fit(speculative_counts(*case, monkeypatch), probs)
+    assert any(outside > 0 or chi2 > bound for outside, chi2, bound in fits), fits
+
+
+# ---- refusals ------------------------------------------------------------------------------------------------------
+
+def test_what_the_pass_cannot_run_is_refused():
+    model, cond, n, kw = greedy_case()
+    with pytest.raises(PlanError, match="compile scope block"):
+        Engine(model, backend="inductor", compile_scope="step", speculative="jacobi")
+    with pytest.raises(PlanError, match="at least 2 positions"):
+        Engine(model, backend="eager", speculative="jacobi", draft_window=1)
+    engine = Engine(model, backend="eager", speculative="jacobi", draft_window=5, draft_init="above")
+    with pytest.raises(ValueError, match="at least as wide as the draft window"):  # a 4 x 4 grid
+        engine.generate(cond, n, **kw)
+    with pytest.raises(ValueError, match="cfg_interval -1"):
+        Engine(model, backend="eager", speculative="jacobi").generate(cond, n, **dict(kw, cfg_interval=3))
+
+
+# ---- on a GPU: the captured pass -----------------------------------------------------------------------------------
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("backend", ["inductor", "eager"])
+def test_captured_pass_greedy_on_cuda(backend):
+    """GPT-XL's width (2 blocks, float32 so that no near tie turns): the pass captured as one CUDA graph (inductor)
+    or run op by op (eager) gives the reference's greedy tokens, for 3 images whose rows accept different counts."""
+    model = tiny_model(dim=1280, n_head=20, n_layer=2, seed=4).cuda()
+    cond, mask, condition = (t.cuda() for t in tiny_inputs(model, B=3, valid=(3, 8, 5)))
+    kw = dict(emb_masks=mask, condition=condition, cfg_scale=4.0, control_strength=0.8, top_k=1)
+    n = model.args.block_size
+    ref = generate(model, cond, n, **kw)
+    engine = Engine(model, backend=backend, speculative="jacobi", draft_window=4)
+    for _ in range(2):  # the first captures, the second replays
+        assert torch.equal(engine.generate(cond, n, **kw), ref)
+    assert (("pass",) in engine.graphs) == (backend == "inductor")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_captured_pass_same_seed_same_tokens_on_cuda():
+    model = tiny_model(dim=1280, n_head=20, n_layer=2, seed=4).cuda().to(torch.bfloat16)
+    cond, mask, condition = (t.cuda() for t in tiny_inputs(model, B=2))
+    engine = Engine(model, backend="inductor", speculative="jacobi", draft_window=8)
+    runs = []
+    for _ in range(3):
+        torch.manual_seed(7)
+        runs.append(engine.generate(cond, model.args.block_size, emb_masks=mask, condition=condition, cfg_scale=4.0,
+                                    top_k=100))
+    assert torch.equal(runs[1], runs[2]) and torch.equal(runs[0], runs[1])

@@ -1,0 +1,147 @@
+#!/usr/bin/env bash
+# The GPU checks of issues 3, 5 and 6 in few device calls; logs under ${OUT:-sample/gpu}.
+set -euo pipefail
+
+usage() {
+    cat <<'USAGE'
+usage: tools/gpu_session.sh STEP...      (steps run in order; each writes OUT/<step>.log)
+
+  kernel  sweep the split-KV decode attention configs against SDPA (tools/bench_attention.py)
+  equiv   fast vs reference at GPT-XL shapes, bf16 and fp32, both backends (scripts/gpu_equivalence.py)
+  bench   bench.py --random-weights for each of BENCH_RUNS (backend:compile-scope; default inductor:step
+          inductor:block cudagraph:step), the reference timed in the first (REF_STEPS, default 100)
+  cli     the single-image CLI on random GPT-XL t2i for each of CLI_RUNS (same form), cold then warm
+          compile cache, then GPT-L c2i (skipped if CLI_SKIP_C2I is set)
+  eval2   fast_eval.py under torchrun on 2 GPUs over a 64-image synthetic 512 px split (GPT-XL)
+  gputests  the tests that need a GPU (tests/test_*_cuda.py, test_engine.py's CUDA test)
+  ab      this checkout against BASE (another checkout's files, e.g. `git archive OLD | tar -x -C base`), each in
+          processes of their own, alternating twice: engine_ab.py's decode ms/step and tokens' hash for AB_RUNS
+          (backend:batch-sizes; default inductor:1,8,32 cudagraph:1,2); same hash, same tokens
+  abbench bench.py --random-weights in BASE then here: inductor --batch-sizes 1,8,32 and cudagraph 1,2 (REF_STEPS)
+  jacobi  speculative Jacobi decoding: its GPU tests, the marginals against the plain engine (tools/jacobi_marginals.py),
+          bench.py --speculative jacobi at n = 1, 8, 32 on flat random weights and at target entropies 1.5 and 3
+          nats, then windows 8 and 32, the left and above drafts at n = 1 and coupled drafts at n = 1, 8 (3 nats)
+
+OUT (default sample/gpu) receives the logs; PYTHON picks the interpreter.
+USAGE
+}
+
+if [[ $# -lt 1 || $1 == -h || $1 == --help ]]; then usage; exit $(( $# < 1 ? 2 : 0 )); fi
+here=$(cd "$(dirname "$0")" && pwd)
+root=$(cd "$here/.." && pwd)
+out=${OUT:-$root/sample/gpu}
+py=${PYTHON:-python}
+mkdir -p "$out"
+export PYTHONUNBUFFERED=1
+
+step_kernel() {
+    "$py" "$here/bench_attention.py" --rows 2,16,64 --positions 700
+    "$py" "$here/bench_attention.py" --rows 64 --positions 200,1100
+}
+
+step_equiv() {
+    "$py" "$root/scripts/gpu_equivalence.py" --tokens 64 --precisions bf16,fp32 --backends inductor:step,inductor:block,cudagraph
+}
+
+step_bench() {
+    # BENCH_RUNS: backend:compile-scope pairs; the first one also times the reference.
+    local ref=${REF_STEPS:-100} run
+    for run in ${BENCH_RUNS:-inductor:step inductor:block cudagraph:step}; do
+        "$py" "$root/fast_inference/bench.py" --random-weights --backend "${run%%:*}" --compile-scope "${run##*:}" \
+            --ref-steps "$ref" --out-dir "$out" --tag "_${run##*:}"
+        ref=0
+    done
+}
+
+step_cli() {
+    # CLI_RUNS: backend:compile-scope pairs, each run with a cold then a warm compile cache.
+    local data=$out/synthetic_cli cache run backend scope
+    "$py" "$root/scripts/make_synthetic_set.py" "$data" --num 1 --size 512 >/dev/null
+    for run in ${CLI_RUNS:-inductor:step inductor:block cudagraph:step}; do
+        backend=${run%%:*} scope=${run##*:} cache=$(mktemp -d)
+        for state in cold warm; do
+            echo "== t2i GPT-XL --backend $backend --compile-scope $scope ($state compile cache)"
+            time env TORCHINDUCTOR_CACHE_DIR="$cache" "$py" "$root/fast_inference/fast_engine.py" \
+                --gpt-model GPT-XL --backend "$backend" --compile-scope "$scope" \
+                --condition-type seg --condition-path "$data/control/0.png" \
+                --caption-emb "$data/caption_emb/0.npz" --out "$out/cli_t2i_${backend}_$scope.png"
+        done
+    done
+    [[ -n ${CLI_SKIP_C2I:-} ]] && return
+    echo "== c2i GPT-L with CFG"
+    "$py" "$root/fast_inference/fast_engine.py" --gpt-model GPT-L --gpt-type c2i --image-size 256 --class-label 3 \
+        --condition-type canny --condition-path "$root/condition/example/canny.png" --condition-is-map \
+        --image-H 256 --image-W 256 --out "$out/cli_c2i.png"
+}
+
+step_eval2() {
+    local data=$out/synthetic_eval
+    "$py" "$root/scripts/make_synthetic_set.py" "$data" --num 64 --size 512 >/dev/null
+    PYTHON=$py "$root/scripts/eval_multigpu.sh" 2 --gpt-model GPT-XL --condition-type seg --data-path "$data" \
+        --sample-dir "$out/eval2" --batch 16
+    nvidia-smi --query-gpu=index,name,memory.used --format=csv
+}
+
+step_gputests() {
+    (cd "$root" && "$py" -m pytest -q -p no:cacheprovider tests/test_attention_cuda.py tests/test_block_cuda.py \
+        tests/test_draw_cuda.py tests/test_inputs_cuda.py tests/test_eager_ops_cuda.py tests/test_engine.py -k "cuda")
+}
+
+# a checkout's engine_ab.py: tools/ now, scripts/ before the decode plan
+ab_script() {
+    if [[ -f $1/tools/engine_ab.py ]]; then
+        echo "$1/tools/engine_ab.py"
+    else
+        echo "$1/scripts/engine_ab.py"
+    fi
+}
+
+step_ab() {
+    : "${BASE:?set BASE to the folder of the other checkout}"
+    local run round tree
+    for run in ${AB_RUNS:-inductor:1,8,32 cudagraph:1,2}; do
+        for round in 1 2; do
+            for tree in "$BASE" "$root"; do
+                echo "== ${tree} backend ${run%%:*} round $round"
+                (cd "$tree" && "$py" "$(ab_script "$tree")" --backend "${run%%:*}" --batch-sizes "${run##*:}" --once -- "")
+            done
+        done
+    done
+}
+
+step_abbench() {
+    : "${BASE:?set BASE to the folder of the other checkout}"
+    local tree
+    for tree in "$BASE" "$root"; do
+        echo "== $tree"
+        (cd "$tree" && "$py" fast_inference/bench.py --random-weights --batch-sizes 1,8,32 --ref-steps "${REF_STEPS:-20}" \
+            --e2e-runs 3 --out-dir "$out" --tag "_$(basename "$tree")" \
+         && "$py" fast_inference/bench.py --random-weights --backend cudagraph --batch-sizes 1,2 --ref-steps 0 \
+            --e2e-runs 0 --out-dir "$out" --tag "_$(basename "$tree")_cudagraph")
+    done
+}
+
+step_jacobi() {
+    (cd "$root" && "$py" -m pytest -q -p no:cacheprovider tests/test_speculative.py -k cuda)
+    "$py" "$here/jacobi_marginals.py" --images 1024 --tokens 64 --entropy 2.0
+    local bench=("$py" "$root/fast_inference/bench.py" --random-weights --speculative jacobi --e2e-runs 0 --out-dir "$out")
+    "${bench[@]}" --batch-sizes 1,8,32 --ref-steps "${REF_STEPS:-20}" --tag _jacobi_flat
+    local h w init
+    for h in 1.5 3; do
+        "${bench[@]}" --batch-sizes 1,8,32 --ref-steps 0 --target-entropy "$h" --tag "_jacobi_h$h"
+    done
+    for w in 8 32; do
+        "${bench[@]}" --batch-sizes 1 --ref-steps 0 --target-entropy 3 --draft-window "$w" --tag "_jacobi_w$w"
+    done
+    for init in left above; do
+        "${bench[@]}" --batch-sizes 1 --ref-steps 0 --target-entropy 3 --draft-init "$init" --tag "_jacobi_$init"
+    done
+    "${bench[@]}" --batch-sizes 1,8 --ref-steps 0 --target-entropy 3 --draft-coupling gumbel --tag _jacobi_gumbel
+}
+
+for step in "$@"; do
+    case $step in
+        kernel | equiv | bench | cli | eval2 | gputests | ab | abbench | jacobi) "step_$step" 2>&1 | tee "$out/$step.log" ;;
+        *) echo "error: unknown step '$step'" >&2; usage >&2; exit 2 ;;
+    esac
+done
