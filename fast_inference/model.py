@@ -63,8 +63,8 @@ class ModelArgs:
         if self.dim % self.n_head or (self.dim // self.n_head) % 4:
             raise ValueError(f"dim {self.dim} must split into n_head {self.n_head} heads of a multiple of 4 "
                              "(2-D RoPE turns a quarter of each head per axis); e.g. 64 per head")
-        if self.adapter_size not in ("small", "base"):
-            raise ValueError(f"adapter_size must be small or base, got {self.adapter_size!r}")
+        if self.adapter_size not in ("small", "base", "tiny"):
+            raise ValueError(f"adapter_size must be small, base or tiny (the demo model's), got {self.adapter_size!r}")
         if self.pos_interp not in ("v444", "v445"):
             raise ValueError(f"pos_interp must be v444 or v445, got {self.pos_interp!r}")
         if math.isqrt(self.block_size) ** 2 != self.block_size:

@@ -205,7 +205,7 @@ def test_from_name_errors(tmp_path):
     ("n_layer", 2.5, "n_layer must be an integer"), ("vocab_size", -1, "vocab_size must be an integer >= 1"),
     ("norm_eps", -1e-5, "norm_eps must be a positive number"), ("rope_base", float("nan"), "rope_base must be"),
     ("condition_token_num", -1, "condition_token_num must be an integer >= 0"),
-    ("adapter_size", "large", "adapter_size must be small or base"), ("pos_interp", "v9", "pos_interp must be")])
+    ("adapter_size", "large", "adapter_size must be small, base or tiny"), ("pos_interp", "v9", "pos_interp must be")])
 def test_config_is_validated_up_front(field, value, needle):
     """A JSON config that would fail deep inside the model (or allocate absurdly) fails at ModelArgs."""
     with pytest.raises(ValueError) as e:
