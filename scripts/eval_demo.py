@@ -13,6 +13,7 @@
                     generated pixels inside the shape (eroded 2 px) is nearest, among the palette, to the named one
   colour_shapes     the same per shape; background_colour: the same for the background's pixels
   greedy_same       the fast and the reference engine draw the same tokens under --top-k 1 (first 8 scenes)
+  passes_per_image, tokens_per_pass   with --speculative jacobi (and its --draft-* flags): the passes each image took
 Every metric comes with its standard error over scenes (sampling noise). --engine both samples the scenes with both
 engines (their own random streams) and reports both. Controls are canny maps, captions the scenes' own.
 """
@@ -119,7 +120,7 @@ def vq_metrics(vq, size, n, device, batch=32):
 @torch.no_grad()
 def sample_metrics(args, model, engine, vq, size, device):
     """The control and colour metrics of --num scenes sampled by one engine (seeded per batch)."""
-    own, other, scene_ok, shape_ok, bg_ok = [], [], [], [], []
+    own, other, scene_ok, shape_ok, bg_ok, passes = [], [], [], [], [], []
     n = args.num
     for start in range(0, n, args.batch):
         idx = list(range(start, min(n, start + args.batch)))
@@ -127,14 +128,19 @@ def sample_metrics(args, model, engine, vq, size, device):
         controls = scenes.control(batch, "canny", size)
         images, _ = generate(args.model, model, engine, vq, batch, controls, args.model.seed * 1000 + start, device)
         own += f1s(images, controls)
+        passes += engine.last_speculation.get("passes", []) if engine is not None else []
         mismatched = scenes.control(scenes.scenes([(i + 1) % n for i in idx], "test"), "canny", size)
         other += f1s(images, mismatched)
         for ok, shapes, bg in colour_checks(images, batch, size):
             scene_ok.append(ok)
             shape_ok += shapes
             bg_ok.append(bg)
-    return dict(control_f1=mean_se(own), mismatched_f1=mean_se(other), colour_scenes=mean_se(scene_ok),
-                colour_shapes=mean_se(shape_ok), background_colour=mean_se(bg_ok))
+    result = dict(control_f1=mean_se(own), mismatched_f1=mean_se(other), colour_scenes=mean_se(scene_ok),
+                  colour_shapes=mean_se(shape_ok), background_colour=mean_se(bg_ok))
+    if passes:  # --speculative jacobi: passes per image; tokens per pass leave out the first, drawn by the prefill
+        tokens = ((size // 16) ** 2 - 1) * n
+        result.update(passes_per_image=mean_se(passes), tokens_per_pass=round(tokens / sum(passes), 3))
+    return result
 
 
 @torch.no_grad()
