@@ -8,11 +8,11 @@ joining a busy batch (unless a worker is idle to take it), so that batch drains 
 Nothing here knows HTTP (serve.py); every error is the job's, the workers live on.
 """
 import collections
-import itertools
 import logging
 import threading
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -181,6 +181,8 @@ class Worker:
         self.batch, self.entries = None, {}  # Entry -> Job
         self.steps = 0
         self.thread = threading.Thread(target=self.run, name=f"engine-{index}", daemon=True)
+        # finished jobs' VQ decoding beside the steps (on the CPU it takes longer than a small image's steps)
+        self.decoder = ThreadPoolExecutor(1, thread_name_prefix=f"vq-{index}")
 
     @property
     def busy(self):
@@ -195,6 +197,7 @@ class Worker:
                 elif self.busy:
                     self.step()
                 elif self.scheduler.stopping:
+                    self.decoder.shutdown(wait=True)
                     return
 
     def admit(self, job):
@@ -227,10 +230,9 @@ class Worker:
             for entry, job in self.entries.items():
                 self.progress(entry, job)
             for entry in finished:
-                job = self.entries[entry]
-                images = self.decode(self.batch.tokens(entry), job.request)
+                job, tokens = self.entries[entry], self.batch.tokens(entry)
                 self.remove(entry)
-                self.scheduler.finished(job, "done", images=images)
+                self.decoder.submit(self.finish, job, tokens)
         except Exception as e:  # noqa: BLE001
             jobs = list(self.entries.values())
             self.entries, self.batch = {}, None
@@ -239,6 +241,16 @@ class Worker:
     def remove(self, entry):
         self.batch.remove(entry)
         del self.entries[entry]
+
+    def finish(self, job, tokens):
+        """The decoder thread's: a done job's images, or its failure."""
+        try:
+            with torch.no_grad():
+                images = self.decode(tokens, job.request)
+        except Exception as e:  # noqa: BLE001
+            self.fail([job], e, job.request)
+            return
+        self.scheduler.finished(job, "done", images=images)
 
     def progress(self, entry, job):
         """Tokens done to the job; its watchers woken at each grid row done (and a preview every preview_every)."""
@@ -276,5 +288,3 @@ def describe_error(error, request, device, capacity):
                 f"(the server keeps serving others)")
     return f"{type(error).__name__}: {error}"
 
-
-_ids = itertools.count()

@@ -30,12 +30,14 @@ import argparse
 import asyncio
 import base64
 import binascii
+import contextlib
 import copy
 import io
 import json
 import logging
 import math
 import os
+import signal
 import sys
 import threading
 import time
@@ -584,6 +586,15 @@ def serve(args):
         def handle_exit(self, sig, frame):  # Ctrl-C / SIGTERM: accept nothing new, then uvicorn's graceful stop
             scheduler.accepting = False
             super().handle_exit(sig, frame)
+
+        @contextlib.contextmanager
+        def capture_signals(self):  # as uvicorn's, without raising the signal again at the end: a clean exit 0
+            old = {sig: signal.signal(sig, self.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM)}
+            try:
+                yield
+            finally:
+                for sig, handler in old.items():
+                    signal.signal(sig, handler)
 
         async def startup(self, sockets=None):
             await super().startup(sockets)
