@@ -52,6 +52,10 @@ class ContinuousRunner(ShapeRunner):
         first = torch.arange(slot, slot + n, device=self.out.device) * self.halves
         return first if self.halves == 1 else torch.cat([first, first + 1])
 
+    def captures(self, bucket):
+        """Whether a step at `bucket` captures its graph now (its first, where the plan captures steps)."""
+        return self.graphs is not None and bucket not in self.graphs
+
     def bucket(self, slots):
         """The step size holding the first `slots` slots."""
         return next(b for b in self.buckets if b >= slots)
@@ -227,6 +231,10 @@ class Batch:
         for e in self.entries:
             e.done += 1
         return [e for e in self.entries if e.done >= e.request.num_tokens]
+
+    def captures(self):
+        """Whether the next step captures a CUDA graph (its bucket's first)."""
+        return self.runner.captures(self.runner.bucket(self.used))
 
     def tokens(self, entry):
         """A request's tokens (n, N), a copy."""

@@ -8,6 +8,7 @@ joining a busy batch (unless a worker is idle to take it), so that batch drains 
 Nothing here knows HTTP (serve.py); every error is the job's, the workers live on.
 """
 import collections
+import contextlib
 import logging
 import threading
 import time
@@ -23,6 +24,44 @@ from fast_inference.images import to_uint8
 
 log = logging.getLogger("fast_inference")
 FINAL = ("done", "failed", "cancelled")
+
+
+class DeviceWork:
+    """The process's GPU work from its threads (workers, decoders): a CUDA graph's capture excludes all the rest, as a
+    capture fails when another thread allocates or synchronises meanwhile; everything else is shared. (Readers and a
+    writer, the writer first: no new shared work starts while a capture waits.)"""
+
+    def __init__(self):
+        self.cond = threading.Condition()
+        self.shared_count, self.capturing = 0, False
+
+    @contextlib.contextmanager
+    def shared(self):
+        with self.cond:
+            while self.capturing:
+                self.cond.wait()
+            self.shared_count += 1
+        try:
+            yield
+        finally:
+            with self.cond:
+                self.shared_count -= 1
+                self.cond.notify_all()
+
+    @contextlib.contextmanager
+    def exclusive(self):
+        with self.cond:
+            while self.capturing:
+                self.cond.wait()
+            self.capturing = True
+            while self.shared_count:
+                self.cond.wait()
+        try:
+            yield
+        finally:
+            with self.cond:
+                self.capturing = False
+                self.cond.notify_all()
 
 
 class QueueFull(Exception):
@@ -72,6 +111,7 @@ class Scheduler:
         self.active = 0  # accepted, not finished
         self.workers = []
         self.accepting, self.stopping = True, False
+        self.gpu = DeviceWork()
 
     def add_worker(self, engine, vq, capacity):
         worker = Worker(self, len(self.workers), engine, vq, capacity)
@@ -183,6 +223,11 @@ class Worker:
         self.thread = threading.Thread(target=self.run, name=f"engine-{index}", daemon=True)
         # finished jobs' VQ decoding beside the steps (on the CPU it takes longer than a small image's steps)
         self.decoder = ThreadPoolExecutor(1, thread_name_prefix=f"vq-{index}")
+        self.cuda = engine.device.type == "cuda"
+
+    def shared(self):
+        """GPU work beside other threads' (DeviceWork); nothing to order on the CPU."""
+        return self.scheduler.gpu.shared() if self.cuda else contextlib.nullcontext()
 
     @property
     def busy(self):
@@ -204,10 +249,11 @@ class Worker:
         """A job into the batch (a new batch if its shape is another): its prefill and first token."""
         request = job.request
         try:
-            if self.batch is None or self.batch.shape != request.shape:
-                self.batch = None  # the old shape's caches and graphs go before the new ones are made
-                self.batch = Batch(self.engine, request.shape, self.capacity)
-            entry = self.batch.admit(request)
+            with self.shared():
+                if self.batch is None or self.batch.shape != request.shape:
+                    self.batch = None  # the old shape's caches and graphs go before the new ones are made
+                    self.batch = Batch(self.engine, request.shape, self.capacity)
+                entry = self.batch.admit(request)
         except Exception as e:  # noqa: BLE001 (the job fails; the server serves the others)
             self.fail([job], e, request)
             if not self.entries:
@@ -225,14 +271,16 @@ class Worker:
         if not self.entries:
             return
         try:
-            finished = self.batch.step()
-            self.steps += 1
-            for entry, job in self.entries.items():
-                self.progress(entry, job)
-            for entry in finished:
-                job, tokens = self.entries[entry], self.batch.tokens(entry)
-                self.remove(entry)
-                self.decoder.submit(self.finish, job, tokens)
+            capture = self.cuda and self.batch.captures()
+            with self.scheduler.gpu.exclusive() if capture else self.shared():
+                finished = self.batch.step()
+                self.steps += 1
+                for entry, job in self.entries.items():
+                    self.progress(entry, job)
+                for entry in finished:
+                    job, tokens = self.entries[entry], self.batch.tokens(entry)
+                    self.remove(entry)
+                    self.decoder.submit(self.finish, job, tokens)
         except Exception as e:  # noqa: BLE001
             jobs = list(self.entries.values())
             self.entries, self.batch = {}, None
@@ -245,7 +293,7 @@ class Worker:
     def finish(self, job, tokens):
         """The decoder thread's: a done job's images, or its failure."""
         try:
-            with torch.no_grad():
+            with torch.no_grad(), self.shared():
                 images = self.decode(tokens, job.request)
         except Exception as e:  # noqa: BLE001
             self.fail([job], e, job.request)

@@ -354,7 +354,8 @@ def text_condition(service, body, seed):
         if not service.demo:
             raise BadRequest("prompt", "send caption_emb (an extracted .npz, base64): the server has no text encoder")
         return fast_engine.demo_caption(seed, T, a.caption_dim)
-    with service.text_lock:
+    gpu = service.scheduler.gpu.shared() if service.devices[0].type == "cuda" else contextlib.nullcontext()
+    with service.text_lock, gpu:  # T5 on the first GPU: not while a worker captures a graph
         emb, mask = fast_engine.encode_prompts(service.text, [prompt or "a high-quality image"], T,
                                                not service.args.no_left_padding)
     text.check_t5_output(emb, service.t5_path)

@@ -134,3 +134,31 @@ def test_the_plan_of_a_servers_steps():
     assert plan.make(plan.Situation(backend="eager", batch=6)).own_positions is None
     with pytest.raises(plan.PlanError, match="one token per step"):
         plan.make(plan.Situation(backend="eager", own_positions=True, draft_window=4))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_captured_steps_on_cuda_give_the_reference_greedy_tokens():
+    """On CUDA (inductor: the compiled block and head, a CUDA graph per bucket, float32): requests joining at other
+    steps get the reference's greedy tokens; the same seeds sampled twice give the same tokens."""
+    from fast_inference.generate import generate
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    model = tiny_model(seed=6).cuda()
+    rs = [dataclasses.replace(r, top_k=1, cond=r.cond.cuda(), mask=r.mask.cuda(), control=r.control.cuda())
+          for r in requests(model)[:3]]
+    want = []
+    for r in rs:
+        n = r.num_images
+        want.append(generate(model, r.cond.repeat_interleave(n, 0), r.num_tokens,
+                             emb_masks=r.mask.repeat_interleave(n, 0), cfg_scale=r.cfg_scale,
+                             condition=r.control[None].expand(n, -1, -1, -1), control_strength=r.control_strength,
+                             top_k=1))
+    engine = Engine(model, backend="inductor")
+    batch = Batch(engine, rs[0].shape, capacity=4)
+    got = run(batch, {0: [rs[0]], 2: [rs[1]], 5: [rs[2]]})
+    assert sorted(batch.runner.graphs.graphs) == [1, 4]
+    for i in range(3):
+        assert torch.equal(got[i], want[i]), i
+    sampled = [dataclasses.replace(r, top_k=50) for r in rs]
+    twice = [run(batch, {0: sampled[:1], 3: sampled[1:]}) for _ in range(2)]
+    assert all(torch.equal(twice[0][i], twice[1][i]) for i in range(3))
