@@ -168,14 +168,14 @@ class Service:
         model, _ = fast_engine.build_gpt(args, first, self.dtype)
         vq = fast_engine.build_vq(args, first)
         self.scheduler = Scheduler(max_queue=args.max_queue, keep=args.keep_jobs)
+        # each engine its own model (its own caches), copied before any engine fuses its projections
+        models = [model] + [copy.deepcopy(model).to(device) for device in self.devices[1:]]
         vqs = {}
-        for i, device in enumerate(self.devices):
-            m = model if i == 0 else copy.deepcopy(model).to(device)  # each engine its own caches
+        for device, m in zip(self.devices, models):
             if device not in vqs:
                 vqs[device] = fast_engine.vq_kernels(vq if device == first else copy.deepcopy(vq).to(device),
                                                      self.backend, device, args.plan)
-            engine = fast_engine.make_engine(args, m, self.backend)
-            self.scheduler.add_worker(engine, vqs[device], self.batch)
+            self.scheduler.add_worker(fast_engine.make_engine(args, m, self.backend), vqs[device], self.batch)
         self.text, self.text_lock = None, threading.Lock()  # T5 encodes one prompt at a time
         t5 = fast_engine.t5_folder(args)
         if t5 and self.margs.model_type == "t2i":
