@@ -41,9 +41,8 @@ def filter_logits(logits, temperature=1.0, top_k=0, top_p=1.0):
 def kth_largest_rows(logits, top_k):
     """(B, 1): the k-th largest value of each row for its own k, top_k (B, 1) (0: -inf, no filter), as kth_largest
     finds it for that k alone (the same value: a selection)."""
-    V = logits.shape[-1]
-    k = top_k.clamp(0, V)
-    values = torch.topk(logits, max(int(k.max()), 1), dim=-1).values  # sorted: the k-th is at k - 1
+    k = top_k.clamp(0, logits.shape[-1])
+    values = torch.sort(logits, dim=-1, descending=True).values  # the k-th at k - 1; no host sync for the largest k
     kth = values.gather(-1, (k - 1).clamp_min(0))
     return torch.where(k > 0, kth, float("-inf"))
 

@@ -92,7 +92,10 @@ class Job:
 
     def notify(self):
         for watcher in list(self.watchers):
-            watcher()
+            try:
+                watcher()
+            except RuntimeError:  # its event loop has closed (the server stopping): nobody listens there
+                pass
 
     def finish(self, status, error=None, images=None):
         self.status, self.error, self.images, self.finished = status, error, images, time.monotonic()

@@ -444,12 +444,17 @@ def create_app(service):
                     preview=f"{base}/preview.png" if job.preview is not None else None,
                     seconds=round((job.finished or time.monotonic()) - job.created, 3))
 
+    @contextlib.contextmanager
     def watch(job):
-        """An asyncio.Event set (from the worker's thread) whenever the job changes."""
+        """An asyncio.Event set (from the worker's thread) whenever the job changes, while the block runs."""
         loop, changed = asyncio.get_running_loop(), asyncio.Event()
-        job.watchers.append(lambda: loop.call_soon_threadsafe(changed.set))
+        watcher = lambda: loop.call_soon_threadsafe(changed.set)
+        job.watchers.append(watcher)
         changed.set()
-        return changed
+        try:
+            yield changed
+        finally:
+            job.watchers.remove(watcher)
 
     async def page(request):
         with open(PAGE, encoding="utf-8") as f:
@@ -503,48 +508,53 @@ def create_app(service):
 
     async def events(request):
         job = find(request)
-        changed = watch(job)
 
         async def stream():
             sent, finished = None, False
-            try:
-                while True:
-                    await changed.wait()
-                    changed.clear()
-                    now = status(job)
-                    if now != sent:
-                        kind = job.status if job.status in FINAL else "progress"
-                        yield f"event: {kind}\ndata: {json.dumps(now)}\n\n"
-                        sent = now
-                    if job.status in FINAL:
-                        finished = True
-                        return
-            finally:
-                if not finished:  # the client went away: its rows are freed
-                    scheduler.cancel(job)
+            with watch(job) as changed:
+                try:
+                    while True:
+                        await changed.wait()
+                        changed.clear()
+                        now = status(job)
+                        if now != sent:
+                            kind = job.status if job.status in FINAL else "progress"
+                            yield f"event: {kind}\ndata: {json.dumps(now)}\n\n"
+                            sent = now
+                        if job.status in FINAL:
+                            finished = True
+                            return
+                finally:
+                    if not finished:  # the client went away: its rows are freed
+                        scheduler.cancel(job)
 
         return StreamingResponse(stream(), media_type="text/event-stream", headers={"Cache-Control": "no-store"})
 
     async def generate(request):
         job = await submit(request)
-        changed = watch(job)
-        try:
-            while job.status not in FINAL:
-                try:
-                    await asyncio.wait_for(changed.wait(), timeout=0.25)
-                    changed.clear()
-                except asyncio.TimeoutError:
-                    pass
-                if job.status not in FINAL and await request.is_disconnected():
+        with watch(job) as changed:
+            try:
+                await wait_or_leave(request, job, changed)
+            finally:
+                if job.status not in FINAL:  # cancelled by the server's shutdown, or the client gone
                     scheduler.cancel(job)
-                    return Response(status_code=499)
-        finally:
-            if job.status not in FINAL:  # cancelled by the server's shutdown, or the client gone
-                scheduler.cancel(job)
+        if job.status not in FINAL:
+            return Response(status_code=499)  # nobody reads it: the client has gone
         out = status(job)
         if job.status == "done":
             out["images"] = [base64.b64encode(await run_in_threadpool(png, a)).decode() for a in job.images]
         return JSONResponse(out, status_code=200 if job.status == "done" else 500 if job.status == "failed" else 409)
+
+    async def wait_or_leave(request, job, changed):
+        """Until the job ends or its client disconnects."""
+        while job.status not in FINAL:
+            try:
+                await asyncio.wait_for(changed.wait(), timeout=0.25)
+                changed.clear()
+            except asyncio.TimeoutError:
+                pass
+            if job.status not in FINAL and await request.is_disconnected():
+                return
 
     routes = [Route("/", page), Route("/v1/info", handled(info)),
               Route("/v1/examples/{kind}.png", handled(example)),

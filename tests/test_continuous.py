@@ -119,6 +119,23 @@ def test_captured_steps_per_bucket(monkeypatch):
     assert batch.runner.buckets == (1, 2, 4) and sorted(set(captured)) == [1, 2, 4] and len(captured) == 3
 
 
+def test_per_row_settings_filter_each_row_as_it_would_be_alone():
+    """sampling.filter_logits with one setting per row (tensors) gives each row the bits its numbers give it alone:
+    top-k with ties at the k-th value, top-k 0 (none), top-p 1 (none), temperatures."""
+    from fast_inference.sampling import filter_logits
+
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(6, 50, generator=g)
+    logits[2, :10] = logits[2, 10]  # ties at the k-th value
+    settings = [(5, 1.0, 1.0), (0, 0.9, 0.7), (11, 1.0, 1.3), (1, 0.5, 1.0), (50, 0.95, 2.0), (0, 1.0, 1e-5)]
+    k, p, t = (torch.tensor([[s[i]] for s in settings]) for i in range(3))
+    rows = filter_logits(logits, t.float(), k, p.float())
+    for i, (top_k, top_p, temperature) in enumerate(settings):
+        alone = filter_logits(logits[i : i + 1], torch.tensor(temperature), top_k, top_p)
+        assert torch.equal(rows[i : i + 1], alone), i
+    assert torch.isinf(rows[0]).sum() == 45 and not torch.isinf(rows[5]).any()
+
+
 def test_the_plan_of_a_servers_steps():
     """A server's steps: inductor's compiled block where it compiles, one graph per bucket on CUDA, eager on the eager
     backend; the prefill eager with torch's RoPE (its rows inside the batch), no cache windows or text partial; and
