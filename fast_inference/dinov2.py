@@ -179,6 +179,6 @@ class Dinov2Adapter(nn.Module):
         self.model = Dinov2Model(size, pos_interp)
         self.out_dim = self.model.hidden
 
-    def forward(self, x):
-        # x in [-1, 1]; ControlAR applies no mean/std normalisation
-        return self.model(to_patch14(x, self.condition_type))[:, 1:]
+    def forward(self, x, condition_type=None):
+        # x in [-1, 1]; ControlAR applies no mean/std normalisation. condition_type: the resize's, if not the model's
+        return self.model(to_patch14(x, condition_type or self.condition_type))[:, 1:]

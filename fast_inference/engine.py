@@ -20,6 +20,7 @@ from dataclasses import replace
 import torch
 
 from fast_inference import plan as plans
+from fast_inference.continuous import ContinuousRunner
 from fast_inference.generate import prepare
 from fast_inference.graphs import Graphs, restore, snapshot
 from fast_inference.kernels import (attention_cuda, attention_triton, block_cuda, block_triton, draw_cuda, draw_triton,
@@ -406,6 +407,26 @@ class Engine:
             self.batch_passes += todo
             todo = -(-(r.num_tokens - int(r.n[:B].min())) // r.window)
         self.passes, self.passes_tokens = r.passes[:B].clone(), r.num_tokens - 1
+
+    def continuous(self, batch, num_tokens, prefix_len, num_controls, cfg):
+        """A server's batch of `batch` image slots whose rows sit at their own positions (continuous.py), wired as its
+        plan's own_positions entry says. It takes the model's caches: the engine's runner, if any, is dropped."""
+        self.runner, self.graphs, self.conditions = None, Graphs(), None
+        self.model.clear_caches()
+        s = replace(self.situation(batch, cfg, 1.0, True, prefix_len + num_tokens), own_positions=True)
+        p = self.plan = plans.make(s)
+        r = ContinuousRunner(self.model, p, num_tokens, prefix_len, num_controls)
+        own = p.own_positions
+        r.ctx = Context(ops=eager_ops(own.ops), block=self.compiled_block() if own.block == "compiled" else None)
+        if own.head == "compiled":
+            if self.compiled_logits is None:
+                self.compiled_logits = torch.compile(self.model.logits, fullgraph=True, dynamic=False)
+            r.head = self.compiled_logits
+        else:
+            r.head = functools.partial(self.model.logits, ops=eager_ops(own.ops))
+        # the prefill as fast_engine.py's: the same cache length read, so a request's first token is the same
+        r.prefill_ctx = Context(ops=eager_ops(p.prefill_ops), kv_len=min(-(-prefix_len // 8) * 8, self.model.max_seq))
+        return r
 
     # ---- generation ----------------------------------------------------------------------------
 

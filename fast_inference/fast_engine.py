@@ -577,16 +577,20 @@ def text_inputs(args, model, device):
         # T5 in the run's precision, as the official T5Embedder(torch_dtype=precision).
         encoder = text.T5Encoder(t5, device=device, dtype=model.tok_embeddings.weight.dtype,
                                  max_length=args.t5_feature_max_len)
-        if args.no_left_padding:
-            emb, mask = encoder.encode(prompts)
-            emb, mask = (emb * mask[..., None].to(emb.dtype))[:, :T], mask[:, :T]
-        else:
-            emb, mask = encoder.encode_left_padded(prompts)
-            emb, mask = left_fit(emb, T), left_fit(mask, T)
+        emb, mask = encode_prompts(encoder, prompts, T, not args.no_left_padding)
         del encoder
         text.check_t5_output(emb, t5)
         return emb, mask, prompts
     raise UserError("give a prompt: --prompt TEXT with --t5-path, --prompt-file, or --caption-emb FILE.npz")
+
+
+def encode_prompts(encoder, prompts, T, left_padding=True):
+    """T5's embeddings (P, T, C) and masks (P, T) of prompts, left padded to the prefix T (or T5's right padding)."""
+    if not left_padding:
+        emb, mask = encoder.encode(prompts)
+        return (emb * mask[..., None].to(emb.dtype))[:, :T], mask[:, :T]
+    emb, mask = encoder.encode_left_padded(prompts)
+    return left_fit(emb, T), left_fit(mask, T)
 
 
 def t5_folder(args):

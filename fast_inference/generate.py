@@ -25,9 +25,10 @@ class Prepared:
         return torch.cat([self.text_mask, rest], dim=1)
 
 
-def prepare(model, cond, condition, emb_masks=None, cfg_scale=1.0, control_strength=1.0):
-    """Everything the prefill needs, for B prompts (caption embeddings or labels) and B controls."""
-    features = model.encode_control(condition)
+def prepare(model, cond, condition, emb_masks=None, cfg_scale=1.0, control_strength=1.0, condition_type=None):
+    """Everything the prefill needs, for B prompts (caption embeddings or labels) and B controls. condition_type: the
+    control's, if not the model's (a server's request)."""
+    features = model.encode_control(condition, condition_type)
     use_cfg = cfg_scale > 1.0
     # Official quirk: control_strength only reaches the model when CFG is on.
     strength = control_strength if use_cfg else 1.0

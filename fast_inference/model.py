@@ -162,13 +162,16 @@ class Context:
     the filled cache and does rope_and_cache's work itself (fresh None: q is rotated and the step's key and value are
     in the cache). block: runs a block in place of the layer, block(layer, x, freqs, attend, input_pos[, control=]);
     block_adds_control: it adds the next block's control rows itself. kv_len: SDPA reads the first kv_len cache
-    positions only. inputs: step_inputs(input_pos, controls) made ahead, a control row already added into x None."""
+    positions only. inputs: step_inputs(input_pos, controls) made ahead, a control row already added into x None.
+    rows: the cache rows the batch's rows are (a request's prefill inside a server's batch, continuous.py), None for
+    the first B; torch's RoPE and SDPA only."""
     ops: EagerOps = TORCH_OPS
     attention: Optional[Callable] = None
     block: Optional[Callable] = None
     block_adds_control: bool = False
     kv_len: Optional[int] = None
     inputs: Optional[tuple] = None
+    rows: Optional[torch.Tensor] = None
 
 
 REFERENCE = Context()
@@ -317,9 +320,15 @@ class KVCache(nn.Module):
         # rows) as one partial, their values' sum and count (the engine's, after each prefill); None: it reads them
         self.text = None
 
-    def update(self, input_pos, k, v):
+    def update(self, input_pos, k, v, rows=None):
         """k and v (B, H, S, hd) written at input_pos: (S,) for every row, or (B, S) a row's own (rows at different
-        positions: speculative passes). A step may run on the first rows only (CFG switched off by cfg_interval)."""
+        positions: speculative passes). A step may run on the first rows only (CFG switched off by cfg_interval).
+        rows (B,): the cache rows to write instead (a request's prefill inside a server's batch); their copies are
+        returned."""
+        if rows is not None:
+            self.k_cache[rows[:, None], :, input_pos] = k.transpose(1, 2)
+            self.v_cache[rows[:, None], :, input_pos] = v.transpose(1, 2)
+            return self.k_cache[rows], self.v_cache[rows]
         k_cache, v_cache = self.k_cache[: k.shape[0]], self.v_cache[: k.shape[0]]
         if input_pos.dim() == 1:
             k_cache.index_copy_(2, input_pos, k)
@@ -425,10 +434,13 @@ class Transformer(nn.Module):
 
     # ---- conditioning -------------------------------------------------------------------------
 
-    def encode_control(self, condition):
-        """Control image (B,3,H,W) in [-1,1] -> adapter features (B, Nc, D)."""
+    def encode_control(self, condition, condition_type=None):
+        """Control image (B,3,H,W) in [-1,1] -> adapter features (B, Nc, D). condition_type: the resize mode's type
+        (t2i's DINOv2), if not the model's (a server's requests each name theirs)."""
         dtype = self.adapter_mlp.fc1.weight.dtype
-        return self.adapter_mlp(self.adapter(condition.to(dtype)))
+        if condition_type is None:
+            return self.adapter_mlp(self.adapter(condition.to(dtype)))
+        return self.adapter_mlp(self.adapter(condition.to(dtype), condition_type))
 
     def control_tokens(self, features, strength=1.0):
         """Adapter features -> the three control lists (3, B, Nc, D), scaled by control_strength."""
@@ -504,7 +516,7 @@ class Transformer(nn.Module):
                 elif rot is None:
                     q, k, v = ops.rope_and_cache(q, k, v, freqs, cache, input_pos)
                 else:
-                    q, k, v = rope_and_cache(q, k, v, rot, cache, input_pos)
+                    q, k, v = rope_and_cache(q, k, v, rot, cache, input_pos, ctx.rows)
                 return F.scaled_dot_product_attention(q, k[:, :, :n], v[:, :, :n], attn_mask=bias)
 
         def control_at(i):  # the control rows added before block i, or None
@@ -568,16 +580,17 @@ def precompute_freqs_cis_2d(args):
     return torch.cat([torch.zeros(args.prefix_len, half, 2, device="cpu"), table])
 
 
-def rope_and_cache(q, k, v, rot, cache, input_pos):
+def rope_and_cache(q, k, v, rot, cache, input_pos, rows=None):
     """The official order before attention: RoPE on q and k (B,S,H,hd) by rot = rotations(freqs), k and v
-    written to the cache at input_pos. -> q (B,H,S,hd) and the cache's first B rows of keys and values."""
+    written to the cache at input_pos. -> q (B,H,S,hd) and the cache's first B rows of keys and values (rows: those
+    cache rows, KVCache.update)."""
     qk = heads_together(q, k)
     if qk is None:
         q, k = apply_rotary_emb(q, rot), apply_rotary_emb(k, rot)
     else:
         q, k = apply_rotary_emb(qk, rot).split(q.shape[2], dim=2)
     q, k, v = (t.transpose(1, 2) for t in (q, k, v))
-    return (q, *cache.update(input_pos, k, v))
+    return (q, *cache.update(input_pos, k, v, rows))
 
 
 def heads_together(q, k):

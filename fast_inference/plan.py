@@ -81,6 +81,7 @@ class Situation:
     builds: Callable = field(default=lambda kernel, *key: True, compare=False)  # (CUDA C++ kernel, key) built?
     overrides: tuple = ()  # ((key, value), ...): OVERRIDES
     draft_window: int = 0  # speculative Jacobi passes over this many positions (speculative.py); 0: plain steps
+    own_positions: bool = False  # each row at its own position: a server's batch (continuous.py)
 
     @property
     def head_dim(self):
@@ -148,6 +149,19 @@ class JacobiPass:
 
 
 @dataclass(frozen=True)
+class OwnPositions:
+    """How a server's steps run (continuous.py): each image's rows at their own position, as requests join a running batch
+    and leave it. The one-query decode kernels (fused block, decode attention, inputs, draw) take one position for all
+    rows, so these steps run SDPA with each row's mask, as a speculative pass does; the draw stays out of the graph,
+    where each request's own generator makes its noise (its images those of fast_engine.py with the same seed)."""
+    block: str  # compiled (inductor's block) | model (eager blocks)
+    head: str  # compiled | model
+    ops: EagerOps  # the eager blocks' element-wise kernels (RoPE: torch's, per row)
+    graph: bool  # each bucket's step (blocks and head) one CUDA graph, captured by hand
+    buckets: tuple  # the image counts steps run at: the smallest that holds every occupied slot
+
+
+@dataclass(frozen=True)
 class Plan:
     situation: Situation
     step: str  # hand_graph | compiled_step | eager
@@ -170,6 +184,7 @@ class Plan:
     guided: Rows  # the steps' rows (both CFG halves)
     unguided: Optional[Rows]  # after cfg_interval: the conditional half (None without CFG)
     jacobi: Optional[JacobiPass] = None  # speculative passes instead of the steps (draft_window > 0)
+    own_positions: Optional[OwnPositions] = None  # a server's steps, rows at their own positions
 
     def rows(self, r):
         return self.guided if r == self.guided.rows else self.unguided
@@ -304,7 +319,11 @@ def make(s: Situation) -> Plan:
     guided = step_rows(s, want, s.rows, s.rows, block, cuda_block, attention, prefetch, draw)
     unguided = step_rows(s, want, s.batch, s.rows, block, cuda_block, attention, prefetch, draw) if s.cfg else None
     jacobi = jacobi_pass(s, block_scope, hand_capture, eager) if s.draft_window else None
-    return Plan(jacobi=jacobi, situation=s, step="hand_graph" if hand_capture else "compiled_step" if s.backend == "inductor"
+    if s.own_positions:  # a server's steps replace the plain ones; its prefills write rows inside the batch
+        own = own_positions(s, eager)
+        prefill, prefill_ops, text_sums, windows, prefetch = "eager", dataclasses.replace(eager, rope="torch"), \
+            "none", 1, "none"
+    return Plan(own_positions=own if s.own_positions else None, jacobi=jacobi, situation=s, step="hand_graph" if hand_capture else "compiled_step" if s.backend == "inductor"
                 and not block_scope else "eager", inputs=inputs, inputs_pdl=inputs == "triton" and s.pdl,
                 block=block, cuda_block=cuda_block, head=head, draw=draw, draw_pdl=draw == "triton" and s.pdl,
                 head_noise=head == "fused" and draw == "triton" and s.sample, prefetch=prefetch,
@@ -324,6 +343,21 @@ def jacobi_pass(s, block_scope, hand_capture, eager):
     return JacobiPass(window=s.draft_window, block="compiled" if compiled else "model",
                       head="compiled" if compiled else "model",
                       ops=EagerOps() if compiled else dataclasses.replace(eager, rope="torch"), graph=hand_capture)
+
+
+BUCKETS = (1, 2, 4, 8, 16, 32, 64)  # a server's step sizes: graphs captured at a few, idle slots computed up to the next
+
+
+def own_positions(s, eager):
+    """A server's steps: inductor's compiled block and head where it compiles (its steps' own), else the eager blocks
+    with the backend's ops and torch's per-row RoPE; one CUDA graph per bucket where the backend captures steps."""
+    if s.draft_window:
+        raise PlanError("a server decodes one token per step; speculative passes run from fast_engine.py")
+    compiled = s.backend == "inductor" and not s.int8  # inductor turns int8 projections into slow kernels
+    buckets = tuple(b for b in BUCKETS if b < s.batch) + (s.batch,)
+    return OwnPositions(block="compiled" if compiled else "model", head="compiled" if compiled else "model",
+                        ops=EagerOps() if compiled else dataclasses.replace(eager, rope="torch"),
+                        graph=s.cuda and s.backend != "eager", buckets=buckets)
 
 
 def block_pdl(s, rows):
@@ -579,6 +613,13 @@ def explain(p):
         [p.prefill] + f"; {ops(p.prefill_ops)}")
     if p.step_ops is not None:
         row("step ops", ops(p.step_ops))
+    if p.own_positions is not None:
+        o = p.own_positions
+        blocks = "compiled" if o.block == "compiled" else "eager"
+        runs = "a CUDA graph per step size" if o.graph else "op by op"
+        row("rows apart", f"each row at its own position (a server's batch): the {blocks} blocks and SDPA with each "
+            f"row's mask, {runs} ({'/'.join(map(str, o.buckets))} images); each request's draws from its own "
+            f"generator; {ops(o.ops)}")
     if p.jacobi is not None:
         j = p.jacobi
         row("speculative", f"Jacobi passes of {j.window} positions: {s.rows * j.window} rows through the "

@@ -16,20 +16,35 @@ def cfg_merge(logits, cfg_scale):
 
 
 def filter_logits(logits, temperature=1.0, top_k=0, top_p=1.0):
-    """Official top-k (ties with the k-th value survive) and top-p (first token over p kept)."""
+    """Official top-k (ties with the k-th value survive) and top-p (first token over p kept). Each setting is a number
+    for every row, or a tensor of one per row (B, 1) (a server's batch, whose requests each bring theirs: a row gets
+    the bits it would get alone)."""
     # A tensor temperature (the fast engine's, so a new value needs no recompile) is clamped alike.
     logits = logits / (temperature.clamp_min(1e-5) if torch.is_tensor(temperature) else max(temperature, 1e-5))
-    if top_k > 0:
+    if torch.is_tensor(top_k):
+        logits = logits.masked_fill(logits < kth_largest_rows(logits, top_k), float("-inf"))
+    elif top_k > 0:
         k = min(max(top_k, 1), logits.shape[-1])
         kth = kth_largest(logits, k)
         logits = logits.masked_fill(logits < kth, float("-inf"))
-    if top_p < 1.0:
+    if torch.is_tensor(top_p) or top_p < 1.0:
         sorted_logits, order = torch.sort(logits, descending=True, dim=-1)
         over = F.softmax(sorted_logits, dim=-1).cumsum(-1) > top_p
         # Shift right so the token that crosses the threshold stays; never drop the best token.
         over = torch.cat([torch.zeros_like(over[..., :1]), over[..., :-1]], dim=-1)
+        if torch.is_tensor(top_p):
+            over &= top_p < 1.0  # rows at 1 keep every token, as the number 1 skips the filter
         logits = logits.masked_fill(over.scatter(-1, order, over), float("-inf"))
     return logits
+
+
+def kth_largest_rows(logits, top_k):
+    """(B, 1): the k-th largest value of each row for its own k, top_k (B, 1) (0: -inf, no filter), as kth_largest
+    finds it for that k alone (the same value: a selection)."""
+    k = top_k.clamp(0, logits.shape[-1])
+    values = torch.sort(logits, dim=-1, descending=True).values  # the k-th at k - 1; no host sync for the largest k
+    kth = values.gather(-1, (k - 1).clamp_min(0))
+    return torch.where(k > 0, kth, float("-inf"))
 
 
 def kth_largest(logits, k):
@@ -42,11 +57,12 @@ def kth_largest(logits, k):
     return torch.topk(logits, k, dim=-1, sorted=False).values.amin(dim=-1, keepdim=True)
 
 
-def sample(logits, temperature=1.0, top_k=0, top_p=1.0, sample_logits=True, race=False):
+def sample(logits, temperature=1.0, top_k=0, top_p=1.0, sample_logits=True, race=False, noise=None):
     """Draw one token per row of logits (B, V) -> (B, 1) int64.
 
     race=False: torch.multinomial, the official draw. race=True: the sync-free exponential race
-    (same distribution, different random stream).
+    (same distribution, different random stream); noise: its Exp(1) draws (B, V), made by the caller from each row's
+    own generator (a server's requests), else from torch's.
     """
     logits = filter_logits(logits, temperature, top_k, top_p)
     if not sample_logits:
@@ -55,6 +71,8 @@ def sample(logits, temperature=1.0, top_k=0, top_p=1.0, sample_logits=True, race
         # argmax p_i / E_i = argmax (logit_i - log E_i): softmax's normaliser is the same for all i,
         # so the race needs no softmax at all.
         # A zero draw would turn a filtered -inf logit into NaN, which argmax would pick.
-        noise = torch.empty_like(logits).exponential_(1).clamp_min_(torch.finfo(logits.dtype).tiny)
+        if noise is None:
+            noise = torch.empty_like(logits).exponential_(1)
+        noise = noise.clamp_min(torch.finfo(logits.dtype).tiny)
         return torch.argmax(logits - torch.log(noise), dim=-1, keepdim=True)
     return torch.multinomial(F.softmax(logits, dim=-1), num_samples=1)

@@ -214,16 +214,18 @@ def left_pad(emb, mask):
     return emb * new_mask[..., None].to(emb.dtype), new_mask
 
 
-def load_caption_emb(path, cls_token_num=120):
+def load_caption_emb(path, cls_token_num=120, name=None):
     """An official extracted caption_emb/<i>.npz -> (emb (1,T,C) f32, mask (1,T) i64, prompt).
 
     The file stores T5's output cut to its v valid tokens; we left-pad it to T = cls_token_num
-    (the same layout left_pad gives a fresh T5 pass). v > T keeps the first T tokens.
+    (the same layout left_pad gives a fresh T5 pass). v > T keeps the first T tokens. path may be an open binary file
+    (a server's upload, never pickled), `name` what the messages call it.
     """
-    if not os.path.isfile(path):
+    source, path = path, name or path
+    if isinstance(source, (str, os.PathLike)) and not os.path.isfile(source):
         raise TextError(f"caption embedding file {path} not found; pass an extracted caption_emb/<i>.npz")
     try:
-        z = np.load(path, allow_pickle=False)
+        z = np.load(source, allow_pickle=False)
     except (ValueError, OSError, EOFError, zipfile.BadZipFile) as e:
         raise TextError(f"{path} is not a readable .npz archive ({e}); pass an extracted caption_emb/<i>.npz")
     if not isinstance(z, np.lib.npyio.NpzFile):

@@ -97,6 +97,6 @@ class ViTAdapter(nn.Module):
         self.model = ViTModel()
         self.out_dim = HIDDEN
 
-    def forward(self, x):
+    def forward(self, x, condition_type=None):  # the type changes nothing here (c2i takes the map as is)
         # no to_patch14: 256x256 -> 16x16 tokens directly; drop CLS
         return self.model(x)[:, 1:]

@@ -21,6 +21,10 @@ usage: tools/gpu_session.sh STEP...      (steps run in order; each writes OUT/<s
   jacobi  speculative Jacobi decoding: its GPU tests, the marginals against the plain engine (tools/jacobi_marginals.py),
           bench.py --speculative jacobi at n = 1, 8, 32 on flat random weights and at target entropies 1.5 and 3
           nats, then windows 8 and 32, the left and above drafts at n = 1 and coupled drafts at n = 1, 8 (3 nats)
+  serve   the server's tests on the GPU, then the server under load at GPT-XL shapes (random weights, 512 px): 32
+          clients, 200 requests, images/s and latency p50/p95, against fast_eval.py --batch 32 over the same inputs
+          and one image through fast_engine.py against a lone request, in one run (tools/load_serve.py --compare;
+          OUT/serve.json)
 
 OUT (default sample/gpu) receives the logs; PYTHON picks the interpreter.
 USAGE
@@ -139,9 +143,15 @@ step_jacobi() {
     "${bench[@]}" --batch-sizes 1,8 --ref-steps 0 --target-entropy 3 --draft-coupling gumbel --tag _jacobi_gumbel
 }
 
+step_serve() {
+    (cd "$root" && "$py" -m pytest -q -p no:cacheprovider tests/test_continuous.py tests/test_scheduler.py)
+    "$py" "$here/load_serve.py" --clients 32 --requests 200 --size 512 --compare --eval-batch 32 \
+        --json "$out/serve.json" -- --gpt-model GPT-XL
+}
+
 for step in "$@"; do
     case $step in
-        kernel | equiv | bench | cli | eval2 | gputests | ab | abbench | jacobi) "step_$step" 2>&1 | tee "$out/$step.log" ;;
+        kernel | equiv | bench | cli | eval2 | gputests | ab | abbench | jacobi | serve) "step_$step" 2>&1 | tee "$out/$step.log" ;;
         *) echo "error: unknown step '$step'" >&2; usage >&2; exit 2 ;;
     esac
 done

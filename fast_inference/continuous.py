@@ -1,0 +1,253 @@
+"""A server's batch: one shape's rows at their own positions, so that requests join at any step boundary and leave
+when their tokens are done (continuous batching, as vLLM serves LlamaGen).
+
+A slot is one image: its CFG rows side by side (row 2i the conditional, 2i + 1 the unconditional; row i without
+CFG), so the first b slots are the first rows and a step over them is a step at b images. A request takes
+consecutive slots. Joining runs its prefill into its rows of the running batch's caches (the model's Context.rows)
+and draws its first token; a step runs the blocks and the head over the first `bucket` slots, each row at its own
+position (the model's per-row positions, as a speculative pass), then the draw. Everything a slot's tokens depend on
+is its own: its prefix, control rows, text mask, positions, settings (cfg scale, temperature, top-k, top-p, one per
+slot, as sampling.py takes them) and its request's random stream, the Exp(1) noise its own generator makes, (n, V)
+per token as fast_engine.py's race draws it for n images: the same seed gives fast_engine.py's images, whatever
+shares the batch.
+"""
+from dataclasses import dataclass, replace
+from typing import Optional
+
+import torch
+
+from fast_inference.generate import prepare
+from fast_inference.graphs import Graphs
+from fast_inference.runner import ShapeRunner
+from fast_inference.sampling import cfg_merge, sample
+
+
+class ContinuousRunner(ShapeRunner):
+    """A shape's static buffers for `batch` image slots whose rows sit at their own positions; join, step, leave and
+    move run on the device without a host sync. The Engine wires its Context, head and graphs (Engine.continuous)."""
+
+    STATE = ("logits",)  # what a step's capture warm-up changes besides the caches (it rewrites the same keys)
+
+    def __init__(self, model, plan, num_tokens, prefix_len, num_controls):
+        super().__init__(model, plan, num_tokens, prefix_len, num_controls, top_k=0, keep_logits=False)
+        B, V, device = self.batch, model.args.vocab_size, self.out.device
+        self.halves = 2 if self.cfg else 1
+        R = B * self.halves
+        buf = lambda name, t: self.register_buffer(name, t, persistent=False)
+        buf("token", torch.zeros(R, 1, dtype=torch.long, device=device))  # each row's last token
+        buf("input_pos", torch.full((R, 1), prefix_len, dtype=torch.long, device=device))  # and its position
+        buf("live", torch.zeros(R, 1, dtype=torch.long, device=device))  # 1 where the row's request decodes
+        buf("cfg_scale", torch.ones(B, 1, device=device))
+        buf("temperature", torch.ones(B, 1, device=device))
+        buf("slot_top_k", torch.zeros(B, 1, dtype=torch.long, device=device))
+        buf("slot_top_p", torch.ones(B, 1, device=device))
+        buf("noise", torch.ones(B, V, device=device))  # each slot's Exp(1) draws, made by its request's generator
+        self.settings = [None] * B  # per slot on the host: (top_k, top_p), to take the filters' scalar paths
+        self.ctx = self.head = None  # the steps' Context and head (Engine.continuous)
+        self.graphs = Graphs() if plan.own_positions.graph else None
+        self.buckets = plan.own_positions.buckets
+
+    def rows_of(self, slot, n):
+        """The cache rows of slots slot..slot+n-1 in prepare()'s order: the conditional rows, then the unconditional."""
+        first = torch.arange(slot, slot + n, device=self.out.device) * self.halves
+        return first if self.halves == 1 else torch.cat([first, first + 1])
+
+    def captures(self, bucket):
+        """Whether a step at `bucket` captures its graph now (its first, where the plan captures steps)."""
+        return self.graphs is not None and bucket not in self.graphs
+
+    def bucket(self, slots):
+        """The step size holding the first `slots` slots."""
+        return next(b for b in self.buckets if b >= slots)
+
+    # ---- a request in and out -------------------------------------------------------------------------------------
+
+    def join(self, slot, p, settings, noise):
+        """Request into slots slot..slot+n-1: prepared inputs p (generate.Prepared, 2n rows under CFG), settings
+        (cfg_scale, temperature, top_k, top_p), noise (n, V) its first token's Exp(1) draws. Runs its prefill into its
+        rows of the caches and draws its first token into out[:, 0]."""
+        n = p.prefix.shape[0] // self.halves
+        rows, T = self.rows_of(slot, n), self.prefix_len
+        self.key_valid[rows] = p.key_valid(self.model.max_seq)
+        self.controls[:, rows] = p.controls
+        cfg_scale, temperature, top_k, top_p = settings
+        self.cfg_scale[slot : slot + n] = float(cfg_scale)
+        self.temperature[slot : slot + n] = max(float(temperature), 1e-5)
+        self.slot_top_k[slot : slot + n] = int(top_k)
+        self.slot_top_p[slot : slot + n] = float(top_p)
+        self.settings[slot : slot + n] = [(int(top_k), float(top_p))] * n
+        positions = torch.arange(T, device=rows.device)
+        logits = self.model(p.prefix, positions, self.key_valid[rows], self.controls[:, rows], last_only=True,
+                            ctx=replace(self.prefill_ctx, rows=rows))[:, -1]
+        token = self.draw(logits, slot, n, noise)
+        self.out[slot : slot + n, 0] = token[:, 0]
+        self.token[rows] = token.repeat(self.halves, 1)
+        self.input_pos[rows] = T  # token 0 goes in at the first image position
+        self.live[rows] = 1
+
+    def leave(self, slot, n):
+        """Slots slot..slot+n-1 idle: they stop advancing, at a position every step can still compute."""
+        rows = self.rows_of(slot, n)
+        self.live[rows] = 0
+        self.input_pos[rows] = self.prefix_len
+        self.settings[slot : slot + n] = [None] * n
+
+    def move(self, src, dst, n, upto):
+        """A request's n slots from src down to dst (dst < src; the ranges may overlap): caches up to position upto,
+        rows' and slots' buffers. The batch stays packed at its front, so steps run at the smallest bucket."""
+        a, b = self.rows_of(src, n), self.rows_of(dst, n)
+        for layer in self.model.layers:
+            cache = layer.attention.kv_cache
+            cache.k_cache[b, :, :upto] = cache.k_cache[a, :, :upto]
+            cache.v_cache[b, :, :upto] = cache.v_cache[a, :, :upto]
+        for t in (self.key_valid, self.token, self.input_pos, self.live):
+            t[b] = t[a]
+        self.controls[:, b] = self.controls[:, a]
+        for t in (self.out, self.cfg_scale, self.temperature, self.slot_top_k, self.slot_top_p):
+            t[dst : dst + n] = t[src : src + n].clone()
+        self.settings[dst : dst + n] = self.settings[src : src + n]
+
+    # ---- a step ---------------------------------------------------------------------------------------------------
+
+    def forward_fn(self, bucket):
+        """The blocks and the head over the first `bucket` slots, each row at its position: logits into `logits`. The
+        part a CUDA graph captures (the draw reads each request's generator, outside it)."""
+        R = bucket * self.halves
+
+        def forward():
+            x = self.model.tok_embeddings(self.token[:R])
+            h = self.model.blocks(x, self.input_pos[:R], self.key_valid[:R], self.controls[:, :R], last_only=True,
+                                  ctx=self.ctx)
+            self.logits[:R].copy_(self.head(h)[:, -1])
+
+        return forward
+
+    def step(self, bucket):
+        """One token for every live slot among the first `bucket` (their noise made first, in `noise`): the forward
+        (replayed from its graph where the plan captures one), the draw, tokens written, positions advanced."""
+        R = bucket * self.halves
+        if self.graphs is None:
+            self.forward_fn(bucket)()
+        elif bucket in self.graphs:
+            self.graphs.replay(bucket)
+        else:
+            self.graphs.capture(bucket, self.forward_fn(bucket), state=self)
+        logits = self.logits[:R]
+        if self.halves == 2:  # [conditional; unconditional], as prepare() orders them
+            logits = torch.cat([logits[0::2], logits[1::2]])
+        token = self.draw(logits, 0, bucket, self.noise[:bucket])
+        at = (self.input_pos[: R : self.halves] - self.prefix_len + 1).clamp(0, self.num_tokens - 1)
+        self.out[:bucket].scatter_(1, at, token)  # idle slots write their own rows only
+        self.token[:R] = token.repeat_interleave(self.halves, 0)
+        self.input_pos[:R] += self.live[:R]
+
+    def draw(self, logits, slot, n, noise):
+        """Logits (rows, V) of slots slot..slot+n-1, conditional rows first -> their tokens (n, 1): the CFG merge and
+        sampling.py's filters and race with each slot's settings and the given noise. Settings all slots share are
+        passed as numbers (the filters' one-setting paths; the same bits)."""
+        logits = logits.float()
+        if self.cfg:
+            logits = cfg_merge(logits, self.cfg_scale[slot : slot + n])
+        live = {s for s in self.settings[slot : slot + n] if s is not None}
+        top_k, top_p = live.pop() if len(live) == 1 else (self.slot_top_k[slot : slot + n],
+                                                          self.slot_top_p[slot : slot + n])
+        return sample(logits, self.temperature[slot : slot + n], top_k, top_p, race=True, noise=noise)
+
+
+@dataclass(eq=False)
+class Request:
+    """What a request's images depend on: its inputs and settings (serve.py checks them). cond: caption embeddings
+    (1, T, C) with mask (1, T), or a class label (1,) with mask None; control (3, H, W) in [-1, 1]."""
+    cond: torch.Tensor
+    mask: Optional[torch.Tensor]
+    control: torch.Tensor
+    condition_type: str = "hed"
+    num_images: int = 1
+    seed: int = 0
+    cfg_scale: float = 4.0
+    temperature: float = 1.0
+    top_k: int = 2000
+    top_p: float = 1.0
+    control_strength: float = 1.0
+
+    @property
+    def num_tokens(self):
+        return (self.control.shape[1] // 16) * (self.control.shape[2] // 16)
+
+    @property
+    def shape(self):
+        """What decides the batch it can join: the token grid and whether CFG doubles its rows."""
+        return self.control.shape[1], self.control.shape[2], self.cfg_scale > 1.0
+
+
+@dataclass(eq=False)
+class Entry:
+    """A request in a batch: its first slot, its tokens done (the first drawn at its prefill) and its generator."""
+    request: Request
+    slot: int
+    done: int
+    generator: torch.Generator
+
+
+class Batch:
+    """One engine's running batch of one shape: requests in consecutive slots packed at the front, each with its
+    own generator; admit at a step boundary, step, remove (the ones after it move down)."""
+
+    def __init__(self, engine, shape, capacity):
+        H, W, cfg = shape
+        tokens = (H // 16) * (W // 16)  # the control grid has as many tokens as the image
+        self.engine, self.shape, self.capacity = engine, shape, capacity
+        self.runner = engine.continuous(capacity, tokens, engine.model.args.prefix_len, tokens, cfg)
+        self.entries = []  # in slot order
+        self.used = 0
+
+    def fits(self, request):
+        return request.shape == self.shape and self.used + request.num_images <= self.capacity
+
+    @torch.no_grad()
+    def admit(self, request):
+        """Prefill a request into the next free slots and draw its first token -> its Entry."""
+        r, n, device = self.runner, request.num_images, self.runner.out.device
+        cond = request.cond.to(device).repeat_interleave(n, 0)  # as fast_engine.py: each prompt num_images times
+        mask = None if request.mask is None else request.mask.to(device).repeat_interleave(n, 0)
+        condition = request.control[None].to(device).expand(n, -1, -1, -1)
+        p = prepare(self.engine.model, cond, condition, mask, request.cfg_scale, request.control_strength,
+                    request.condition_type)
+        generator = torch.Generator(device).manual_seed(request.seed)  # fast_engine.py's torch.manual_seed(seed)
+        noise = torch.empty(n, r.noise.shape[1], device=device).exponential_(1, generator=generator)
+        r.join(self.used, p, (request.cfg_scale, request.temperature, request.top_k, request.top_p), noise)
+        entry = Entry(request, self.used, 1, generator)
+        self.entries.append(entry)
+        self.used += n
+        return entry
+
+    @torch.no_grad()
+    def step(self):
+        """One token for every request in the batch -> the entries whose tokens are all done (still in the batch)."""
+        r = self.runner
+        for e in self.entries:
+            r.noise[e.slot : e.slot + e.request.num_images].exponential_(1, generator=e.generator)
+        r.step(r.bucket(self.used))
+        for e in self.entries:
+            e.done += 1
+        return [e for e in self.entries if e.done >= e.request.num_tokens]
+
+    def captures(self):
+        """Whether the next step captures a CUDA graph (its bucket's first)."""
+        return self.runner.captures(self.runner.bucket(self.used))
+
+    def tokens(self, entry):
+        """A request's tokens (n, N), a copy."""
+        return self.runner.out[entry.slot : entry.slot + entry.request.num_images].clone()
+
+    @torch.no_grad()
+    def remove(self, entry):
+        """A request out (done or cancelled): the requests after it move down into its slots, the last n go idle."""
+        r, n = self.runner, entry.request.num_images
+        self.entries.remove(entry)
+        for e in self.entries:
+            if e.slot > entry.slot:
+                r.move(e.slot, e.slot - n, e.request.num_images, r.prefix_len + e.done)  # the filled positions
+                e.slot -= n
+        self.used -= n
+        r.leave(self.used, n)

@@ -1,0 +1,341 @@
+"""The server's scheduler: one bounded FIFO of jobs, and a worker thread per engine that turns them into one running
+batch (continuous.py's Batch) at a time.
+
+A worker admits, at each step boundary, the oldest jobs of its batch's shape while their images fit its free slots;
+a job leaves when its tokens are done (decoded by the VQ, its images kept as arrays) or when it is cancelled. Shapes
+(image size, CFG on or off) take turns fairly: a job of another shape at the head of the queue stops younger jobs from
+joining a busy batch (unless a worker is idle to take it), so that batch drains and the oldest job's shape goes next.
+Nothing here knows HTTP (serve.py); every error is the job's, the workers live on.
+"""
+import collections
+import contextlib
+import logging
+import threading
+import time
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+
+from fast_inference.continuous import Batch, Request
+from fast_inference.images import to_uint8
+
+log = logging.getLogger("fast_inference")
+FINAL = ("done", "failed", "cancelled")
+
+
+class DeviceWork:
+    """The process's GPU work from its threads (workers, decoders): a CUDA graph's capture excludes all the rest, as a
+    capture fails when another thread allocates or synchronises meanwhile; everything else is shared. (Readers and a
+    writer, the writer first: no new shared work starts while a capture waits.)"""
+
+    def __init__(self):
+        self.cond = threading.Condition()
+        self.shared_count, self.capturing = 0, False
+
+    @contextlib.contextmanager
+    def shared(self):
+        with self.cond:
+            while self.capturing:
+                self.cond.wait()
+            self.shared_count += 1
+        try:
+            yield
+        finally:
+            with self.cond:
+                self.shared_count -= 1
+                self.cond.notify_all()
+
+    @contextlib.contextmanager
+    def exclusive(self):
+        with self.cond:
+            while self.capturing:
+                self.cond.wait()
+            self.capturing = True
+            while self.shared_count:
+                self.cond.wait()
+        try:
+            yield
+        finally:
+            with self.cond:
+                self.capturing = False
+                self.cond.notify_all()
+
+
+class QueueFull(Exception):
+    """No room in the queue (or the server is stopping): nothing was accepted."""
+
+
+@dataclass(eq=False)
+class Job:
+    """A request and what became of it; the worker writes it, the server reads it (notify wakes its watchers)."""
+    request: Request
+    preview_every: int = 0  # a preview of the rows done every this many grid rows (0: none)
+    id: str = field(default_factory=lambda: uuid.uuid4().hex[:16])
+    status: str = "queued"  # queued | running | done | failed | cancelled
+    tokens_done: int = 0
+    images: Optional[list] = None  # uint8 (H, W, 3) arrays, when done
+    preview: Optional[object] = None  # uint8 (h, W, 3) of the rows done so far
+    error: Optional[str] = None
+    engine: Optional[int] = None
+    cancel_requested: bool = False
+    created: float = field(default_factory=time.monotonic)
+    started: Optional[float] = None
+    finished: Optional[float] = None
+    watchers: list = field(default_factory=list)
+
+    @property
+    def tokens_total(self):
+        return self.request.num_tokens
+
+    def notify(self):
+        for watcher in list(self.watchers):
+            try:
+                watcher()
+            except RuntimeError:  # its event loop has closed (the server stopping): nobody listens there
+                pass
+
+    def finish(self, status, error=None, images=None):
+        self.status, self.error, self.images, self.finished = status, error, images, time.monotonic()
+        self.notify()
+
+
+class Scheduler:
+    """The queue (at most max_queue jobs accepted and not finished), the finished jobs (the last `keep`), and the
+    workers; thread-safe."""
+
+    def __init__(self, max_queue=64, keep=256):
+        self.max_queue, self.keep = max_queue, keep
+        self.cond = threading.Condition()
+        self.pending = collections.deque()
+        self.jobs = collections.OrderedDict()  # id -> Job, finished ones dropped oldest first past `keep`
+        self.active = 0  # accepted, not finished
+        self.workers = []
+        self.accepting, self.stopping = True, False
+        self.gpu = DeviceWork()
+
+    def add_worker(self, engine, vq, capacity):
+        worker = Worker(self, len(self.workers), engine, vq, capacity)
+        self.workers.append(worker)
+        return worker
+
+    def start(self):
+        for w in self.workers:
+            w.thread.start()
+
+    @property
+    def capacity(self):
+        """The most images one job may ask for: the smallest batch of any worker."""
+        return min(w.capacity for w in self.workers)
+
+    def submit(self, job):
+        """Queue a job, or raise QueueFull (nothing accepted)."""
+        with self.cond:
+            if not self.accepting:
+                raise QueueFull("the server is shutting down")
+            if self.active >= self.max_queue:
+                raise QueueFull(f"the queue is full ({self.max_queue} jobs)")
+            self.active += 1
+            self.pending.append(job)
+            self.jobs[job.id] = job
+            self.cond.notify_all()
+
+    def get(self, job_id):
+        with self.cond:
+            return self.jobs.get(job_id)
+
+    def cancel(self, job):
+        """A queued job is cancelled at once, a running one at its worker's next step boundary."""
+        with self.cond:
+            if job.status in FINAL:
+                return
+            if job in self.pending:
+                self.pending.remove(job)
+                self._finished(job, "cancelled")
+            else:
+                job.cancel_requested = True
+        job.notify()
+
+    def finished(self, job, status, error=None, images=None):
+        with self.cond:
+            self._finished(job, status, error, images)
+
+    def _finished(self, job, status, error=None, images=None):
+        job.finish(status, error, images)
+        self.active -= 1
+        done = [k for k, j in self.jobs.items() if j.status in FINAL]
+        for k in done[: max(0, len(done) - self.keep)]:
+            del self.jobs[k]
+        self.cond.notify_all()
+
+    def next_job(self, worker, block):
+        """The next job worker should admit (None: none now). Blocks while block and there is none, until stopping."""
+        with self.cond:
+            while True:
+                job = self._take(worker)
+                if job is not None or not block or self.stopping:
+                    return job
+                self.cond.wait(timeout=0.5)
+
+    def _take(self, worker):
+        batch = worker.batch
+        idle = not worker.busy
+        for job in self.pending:
+            same = batch is not None and job.request.shape == batch.shape
+            if same and batch.fits(job.request):
+                break
+            if same:
+                return None  # first come first served within a shape: it waits for room
+            if idle:
+                break  # the oldest job of a new shape
+            if not any(w.batch is None or not w.busy for w in self.workers if w is not worker):
+                return None  # another shape waits at the head: this batch drains, it goes next
+        else:
+            return None
+        self.pending.remove(job)
+        job.status, job.started, job.engine = "running", time.monotonic(), worker.index
+        return job
+
+    def close(self, grace):
+        """Stop accepting; let what runs (and waits) finish for up to `grace` seconds, cancel the rest; stop the
+        workers."""
+        with self.cond:
+            self.accepting = False
+            deadline = time.monotonic() + grace
+            while self.active and time.monotonic() < deadline:
+                self.cond.wait(timeout=min(0.2, max(deadline - time.monotonic(), 0.01)))
+            left = list(self.pending) + [j for j in self.jobs.values() if j.status == "running"]
+        for job in left:
+            self.cancel(job)
+        with self.cond:
+            self.stopping = True
+            self.cond.notify_all()
+        for w in self.workers:
+            w.thread.join(timeout=60)
+
+
+class Worker:
+    """One engine's thread: admits jobs at step boundaries, steps its batch, finishes and cancels jobs."""
+
+    def __init__(self, scheduler, index, engine, vq, capacity):
+        self.scheduler, self.index, self.engine, self.vq, self.capacity = scheduler, index, engine, vq, capacity
+        self.batch, self.entries = None, {}  # Entry -> Job
+        self.steps = 0
+        self.thread = threading.Thread(target=self.run, name=f"engine-{index}", daemon=True)
+        # finished jobs' VQ decoding beside the steps (on the CPU it takes longer than a small image's steps)
+        self.decoder = ThreadPoolExecutor(1, thread_name_prefix=f"vq-{index}")
+        self.cuda = engine.device.type == "cuda"
+
+    def shared(self):
+        """GPU work beside other threads' (DeviceWork); nothing to order on the CPU."""
+        return self.scheduler.gpu.shared() if self.cuda else contextlib.nullcontext()
+
+    @property
+    def busy(self):
+        return bool(self.entries)
+
+    def run(self):
+        with torch.no_grad():
+            while True:
+                job = self.scheduler.next_job(self, block=not self.busy)
+                if job is not None:
+                    self.admit(job)
+                elif self.busy:
+                    self.step()
+                elif self.scheduler.stopping:
+                    self.decoder.shutdown(wait=True)
+                    return
+
+    def admit(self, job):
+        """A job into the batch (a new batch if its shape is another): its prefill and first token."""
+        request = job.request
+        try:
+            with self.shared():
+                if self.batch is None or self.batch.shape != request.shape:
+                    self.batch = None  # the old shape's caches and graphs go before the new ones are made
+                    self.batch = Batch(self.engine, request.shape, self.capacity)
+                entry = self.batch.admit(request)
+        except Exception as e:  # noqa: BLE001 (the job fails; the server serves the others)
+            self.fail([job], e, request)
+            if not self.entries:
+                self.batch = None
+            return
+        self.entries[entry] = job
+        self.progress(entry, job)
+
+    def step(self):
+        """Cancelled jobs out, one step, finished jobs out (decoded)."""
+        for entry, job in list(self.entries.items()):
+            if job.cancel_requested:
+                self.remove(entry)
+                self.scheduler.finished(job, "cancelled")
+        if not self.entries:
+            return
+        try:
+            capture = self.cuda and self.batch.captures()
+            with self.scheduler.gpu.exclusive() if capture else self.shared():
+                finished = self.batch.step()
+                self.steps += 1
+                for entry, job in self.entries.items():
+                    self.progress(entry, job)
+                for entry in finished:
+                    job, tokens = self.entries[entry], self.batch.tokens(entry)
+                    self.remove(entry)
+                    self.decoder.submit(self.finish, job, tokens)
+        except Exception as e:  # noqa: BLE001
+            jobs = list(self.entries.values())
+            self.entries, self.batch = {}, None
+            self.fail(jobs, e, jobs[0].request)
+
+    def remove(self, entry):
+        self.batch.remove(entry)
+        del self.entries[entry]
+
+    def finish(self, job, tokens):
+        """The decoder thread's: a done job's images, or its failure."""
+        try:
+            with torch.no_grad(), self.shared():
+                images = self.decode(tokens, job.request)
+        except Exception as e:  # noqa: BLE001
+            self.fail([job], e, job.request)
+            return
+        self.scheduler.finished(job, "done", images=images)
+
+    def progress(self, entry, job):
+        """Tokens done to the job; its watchers woken at each grid row done (and a preview every preview_every)."""
+        job.tokens_done = entry.done
+        width = job.request.control.shape[2] // 16
+        if entry.done % width and entry.done != job.tokens_total:
+            return
+        rows = entry.done // width
+        if job.preview_every and rows % job.preview_every == 0 and entry.done < job.tokens_total:
+            tokens = self.batch.tokens(entry)[:, : rows * width]
+            job.preview = self.decode(tokens, job.request, rows)[0]
+        job.notify()
+
+    def decode(self, tokens, request, rows=None):
+        """Tokens (n, rows x width) -> uint8 images (n, 16 rows, W, 3), as fast_engine.py decodes and saves them."""
+        H, W = request.control.shape[1:]
+        rows = H // 16 if rows is None else rows
+        shape = (tokens.shape[0], self.vq.quantize.embedding.weight.shape[1], rows, W // 16)
+        return list(to_uint8(self.vq.decode_code(tokens, shape)))
+
+    def fail(self, jobs, error, request):
+        message = describe_error(error, request, self.engine.device, self.capacity)
+        log.warning("engine %d: %s", self.index, message)
+        if isinstance(error, torch.cuda.OutOfMemoryError):
+            torch.cuda.empty_cache()
+        for job in jobs:
+            self.scheduler.finished(job, "failed", error=message)
+
+
+def describe_error(error, request, device, capacity):
+    """A failed job's message: out of memory in plain words (with what to change), else the error itself."""
+    H, W = request.control.shape[1:]
+    if isinstance(error, torch.cuda.OutOfMemoryError) or "out of memory" in str(error).lower():
+        return (f"out of memory on {device} for a batch of {capacity} images of {H}x{W}; ask for a smaller image "
+                f"(the server keeps serving others)")
+    return f"{type(error).__name__}: {error}"
+

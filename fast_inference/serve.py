@@ -1,0 +1,647 @@
+"""ControlAR as a long-running server: a JSON API and a web page over engines kept warm, many users' requests decoded
+as one batch (continuous batching: continuous.py; scheduling: scheduler.py).
+
+    python fast_inference/serve.py                            # the embedded demo model on http://127.0.0.1:8000
+    python fast_inference/serve.py --gpt-ckpt checkpoints/edge_base.safetensors --adapter-size base \
+        --vq-ckpt checkpoints/vq_ds16_t2i.pt --t5-path checkpoints/t5-ckpt/flan-t5-xl --port 8000
+
+The model flags are fast_engine.py's (checkpoints are chosen here, at start-up, never by a request); its sampling
+flags are the requests' defaults. One engine per visible GPU (--device cuda:0,cuda:1; on the CPU one, or
+--engines-per-device N). Needs `pip install -r requirements-serve.txt` (Starlette, uvicorn).
+
+API (JSON; every error is {"error": ..., "field": ...} with a 4xx status):
+  GET  /                        the web page
+  GET  /v1/info                 the model, the defaults and limits, the engines and the queue
+  GET  /v1/examples/TYPE.png    a built-in example control map (drawn, never read from disk)
+  POST /v1/control              {"control", "condition_type", "width", "height"} -> the control map as a PNG
+  POST /v1/jobs                 a request -> 202 {"id", ...}; 503 with Retry-After when the queue is full
+  GET  /v1/jobs/ID              its status: tokens done, images' URLs, error
+  GET  /v1/jobs/ID/events       Server-Sent Events: progress (tokens, rows, a preview's URL), then done/failed/
+                                cancelled; closing the stream before the end cancels the job
+  GET  /v1/jobs/ID/images/K.png its K-th image; /v1/jobs/ID/preview.png the rows done so far
+  DELETE /v1/jobs/ID            cancel
+  POST /v1/generate             a request, answered when done: {"id", "status", "images": [base64 PNG]}; a client
+                                that disconnects cancels it
+A request: {"control": {"example": "hed"} | {"image": BASE64, "is_map": false}, "condition_type", "prompt" |
+"caption_emb": BASE64 .npz | "class_label" (c2i), "cfg_scale", "top_k", "top_p", "temperature", "seed",
+"num_images", "control_strength", "width", "height", "preview_every" (grid rows; 0 none)}; all optional.
+"""
+import asyncio
+import base64
+import binascii
+import contextlib
+import copy
+import io
+import json
+import logging
+import math
+import os
+import signal
+import sys
+import threading
+import time
+from types import SimpleNamespace
+
+if __package__ in (None, ""):  # run as a script: make `fast_inference` importable
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import numpy as np
+import torch
+from PIL import Image
+
+from fast_inference import fast_engine
+from fast_inference.continuous import Request
+from fast_inference.demo_text import DemoTextEncoder
+from fast_inference.fast_engine import CONDITION_TYPES, RANGES, Parser, UserError
+from fast_inference.scenes import VOCABULARY
+from fast_inference.scheduler import FINAL, Job, QueueFull, Scheduler
+
+log = logging.getLogger("fast_inference")
+PAGE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "serve_page.html")
+SERVER_RANGES = dict(port=(0, 65535, None), batch=(1, 64, "images one engine decodes at once"),
+                     max_queue=(1, None, "jobs accepted and not finished"), max_body_mb=(1, 1024, None),
+                     max_side=(16, 16384, "pixels"), engines_per_device=(1, 16, None), shutdown_grace=(0, None, None),
+                     keep_jobs=(1, None, None))
+
+
+class BadRequest(Exception):
+    """A request's mistake: a 4xx answer naming the field (and what to send instead)."""
+
+    def __init__(self, field, message, status=400):
+        super().__init__(message)
+        self.field, self.status = field, status
+
+
+# ---- command line ------------------------------------------------------------------------------------------------
+
+def parse_args(argv=None):
+    p = Parser(description="ControlAR server: a JSON API and a web page over warm engines, requests batched")
+    fast_engine.add_model_args(p)
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
+    p.add_argument("--port", type=int, default=8000, help="port (0: any free one; default %(default)s)")
+    p.add_argument("--batch", type=int, default=None,
+                   help="images one engine decodes at once, requests joining and leaving (default 32 on a GPU, 8 on "
+                        "the CPU; at most 64)")
+    p.add_argument("--engines-per-device", type=int, default=1, help="engines (models) per device (default 1)")
+    p.add_argument("--max-queue", type=int, default=64,
+                   help="jobs accepted and not yet finished; past it a request gets 503 (default %(default)s)")
+    p.add_argument("--max-body-mb", type=int, default=16, help="largest request body in MiB (default %(default)s)")
+    p.add_argument("--max-side", type=int, default=2048,
+                   help="largest side of an uploaded image, in pixels (default %(default)s)")
+    p.add_argument("--keep-jobs", type=int, default=256, help="finished jobs kept for download (default %(default)s)")
+    p.add_argument("--shutdown-grace", type=float, default=30.0,
+                   help="seconds Ctrl-C / SIGTERM lets running jobs finish before cancelling them (default %(default)s)")
+    p.add_argument("--t5-model-type", default="flan-t5-xl", help="the model's folder under --t5-path")
+    p.add_argument("--t5-feature-max-len", type=int, default=120, help="T5 tokens per prompt (>= 1)")
+    p.add_argument("--no-left-padding", action="store_true", help="keep T5's right padding")
+    args = p.parse_args(argv)
+    args.prompt = args.prompt_file = args.caption_emb = args.condition_path = args.out = None  # a request's, not ours
+    args.save_tokens = args.save_samples = args.explain = None
+    args.t5_feature_dim, args.class_label, args.num_images, args.warmup = None, None, 1, 0
+    return args
+
+
+def check_args(args):
+    """What the server refuses before loading anything: one line naming the fix."""
+    fast_engine.check_ranges(args)
+    fast_engine.check_ranges(args, SERVER_RANGES)
+    if args.engine == "reference":
+        raise UserError("the server runs the fast engine; drop --engine reference")
+    if args.speculative != "none":
+        raise UserError("the server decodes one token per step; drop --speculative (fast_engine.py runs it)")
+    if args.cfg_interval != -1:
+        raise UserError("the server guides every token; drop --cfg-interval")
+    if args.condition_type not in CONDITION_TYPES:
+        raise UserError(f"unknown --condition-type {args.condition_type!r}; use one of {', '.join(CONDITION_TYPES)}")
+    for flag in ("gpt_ckpt", "vq_ckpt"):
+        path = getattr(args, flag)
+        if path is not None and not os.path.isfile(path):
+            raise UserError(f"--{flag.replace('_', '-')} {path} not found")
+    if args.condition_ckpt is not None and not os.path.exists(args.condition_ckpt):
+        raise UserError(f"--condition-ckpt {args.condition_ckpt} not found")
+    if args.t5_path is not None and not os.path.isdir(args.t5_path):
+        raise UserError(f"--t5-path {args.t5_path} is not a folder; pass the local flan-t5-xl folder")
+    for flag in ("image_H", "image_W"):
+        side = getattr(args, flag)
+        if side is not None and side % 16:
+            raise UserError(f"--{flag.replace('_', '-')} {side} is not a multiple of 16; use e.g. {-(-side // 16) * 16}")
+
+
+def devices(args):
+    """The engines' devices: --device as a comma list, default every visible GPU (else the CPU), each
+    --engines-per-device times."""
+    names = args.device.split(",") if args.device else (
+        [f"cuda:{i}" for i in range(torch.cuda.device_count())] or ["cpu"])
+    out = []
+    for name in names:
+        try:
+            device = torch.device(name.strip())
+        except RuntimeError:
+            raise UserError(f"unknown --device {name!r}; use cpu, cuda, cuda:N or a comma list of them") from None
+        if device.type == "cuda" and (not torch.cuda.is_available() or (device.index or 0) >= torch.cuda.device_count()):
+            raise UserError(f"--device {name}: no such CUDA GPU is visible; use --device cpu")
+        out += [device] * args.engines_per_device
+    return out
+
+
+# ---- the models ----------------------------------------------------------------------------------------------------
+
+class Service:
+    """Everything the server holds: the models on each device, the engines' scheduler, the text encoder."""
+
+    def __init__(self, args):
+        self.args = args
+        self.devices = devices(args)
+        first = self.devices[0]
+        cuda = first.type == "cuda"
+        self.dtype = fast_engine.precision_dtype(args.precision, cuda, cuda and torch.cuda.is_bf16_supported())
+        self.backend = fast_engine.default_backend(args, first)
+        if self.backend == "cudagraph" and not cuda:
+            raise UserError("--backend cudagraph needs a CUDA device; use --backend eager on the CPU")
+        self.demo = fast_engine.is_demo(args)
+        self.margs, self.image_size = fast_engine.model_args(args)
+        self.batch = args.batch or (32 if cuda else 8)
+        S = self.image_size  # the largest batch a device holds: its engines' batches at the full grid, under CFG
+        for device in set(self.devices):
+            fast_engine.check_memory(self.margs, S, S, self.batch * self.devices.count(device), 4.0, device,
+                                     self.dtype, "use a smaller --batch or fewer --engines-per-device")
+        torch.manual_seed(args.seed)  # random weights (the demo's) as fast_engine.py --seed makes them
+        model, _ = fast_engine.build_gpt(args, first, self.dtype)
+        vq = fast_engine.build_vq(args, first)
+        self.scheduler = Scheduler(max_queue=args.max_queue, keep=args.keep_jobs)
+        # each engine its own model (its own caches), copied before any engine fuses its projections
+        models = [model] + [copy.deepcopy(model).to(device) for device in self.devices[1:]]
+        vqs = {}
+        for device, m in zip(self.devices, models):
+            if device not in vqs:
+                vqs[device] = fast_engine.vq_kernels(vq if device == first else copy.deepcopy(vq).to(device),
+                                                     self.backend, device, args.plan)
+            self.scheduler.add_worker(fast_engine.make_engine(args, m, self.backend), vqs[device], self.batch)
+        self.text, self.text_lock = None, threading.Lock()  # T5 encodes one prompt at a time
+        t5 = fast_engine.t5_folder(args)
+        if fast_engine.uses_demo_text(args):  # the demo model's word encoder: no weights, on the CPU
+            self.text, self.t5_path = DemoTextEncoder(self.margs.caption_dim, self.margs.cls_token_num), None
+        elif t5 and self.margs.model_type == "t2i":
+            from fast_inference import text
+
+            self.text = text.T5Encoder(t5, device=first, dtype=self.dtype, max_length=args.t5_feature_max_len)
+            self.t5_path = t5
+        self.defaults = dict(cfg_scale=args.cfg_scale, top_k=args.top_k, top_p=args.top_p,
+                             temperature=args.temperature, control_strength=args.control_strength, seed=args.seed,
+                             num_images=1, condition_type=args.condition_type, preview_every=0)
+
+    def prompt_example(self):
+        """The page's placeholder: the demo scene's caption where the demo model's words are the text encoder."""
+        return fast_engine.demo_scene().caption if isinstance(self.text, DemoTextEncoder) else None
+
+    def info(self):
+        a = self.margs
+        return dict(model=fast_engine.describe(self.args, SimpleNamespace(args=a), self.demo), model_type=a.model_type,
+                    demo=self.demo, text_encoder=self.text is not None, prompt_example=self.prompt_example(),
+                    prompt_words=list(VOCABULARY) if isinstance(self.text, DemoTextEncoder) else None, condition_types=list(CONDITION_TYPES),
+                    image_size=self.image_size, grid_tokens=a.block_size, num_classes=a.num_classes,
+                    defaults=self.defaults, ranges={k: list(v[:2]) for k, v in REQUEST_RANGES.items()},
+                    limits=dict(max_images=self.scheduler.capacity, max_side=self.args.max_side,
+                                max_body_bytes=self.args.max_body_mb * 2**20, max_queue=self.args.max_queue),
+                    engines=[dict(device=str(w.engine.device), busy=w.busy, steps=w.steps)
+                             for w in self.scheduler.workers],
+                    queue=dict(active=self.scheduler.active, pending=len(self.scheduler.pending)),
+                    backend=self.backend, precision=str(self.dtype).replace("torch.", ""))
+
+
+# ---- requests ------------------------------------------------------------------------------------------------------
+
+REQUEST_RANGES = {k: RANGES[k] for k in ("cfg_scale", "top_k", "top_p", "temperature", "control_strength", "seed")}
+REQUEST_RANGES.update(num_images=(1, 64, None), preview_every=(0, None, "0 = no preview"),
+                      width=(16, None, "a multiple of 16"), height=(16, None, "a multiple of 16"))
+INTEGERS = ("top_k", "seed", "num_images", "preview_every", "width", "height", "class_label")
+KNOWN = set(REQUEST_RANGES) | {"control", "condition_type", "prompt", "caption_emb", "class_label"}
+
+
+def number(body, name, default):
+    """body[name] as a number in its range (an integer where it must be), else BadRequest naming it."""
+    value = body.get(name, default)
+    low, high, note = REQUEST_RANGES[name]
+    integer = name in INTEGERS
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    if ok and integer and value != int(value):
+        ok = False
+    if not ok or value < low or (high is not None and value > high):
+        kind = "a whole number" if integer else "a number"
+        raise BadRequest(name, f"{name} must be {kind} in {low}..{'' if high is None else high}"
+                         + (f" ({note})" if note else "") + f", got {value!r}")
+    return int(value) if integer else float(value)
+
+
+def decode_base64(value, name, limit):
+    if not isinstance(value, str) or not value:
+        raise BadRequest(name, f"{name} must be a base64 string")
+    if value.startswith("data:"):  # a data URL from a browser's FileReader
+        value = value.partition(",")[2]
+    try:
+        data = base64.b64decode(value, validate=True)
+    except (binascii.Error, ValueError):
+        raise BadRequest(name, f"{name} is not valid base64") from None
+    if len(data) > limit:
+        raise BadRequest(name, f"{name} is {len(data)} bytes; at most {limit}", 413)
+    return data
+
+
+def read_upload(data, max_side):
+    """An uploaded image's bytes -> uint8 RGB (H, W, 3): its size checked from the header before any pixel is decoded."""
+    try:
+        with Image.open(io.BytesIO(data)) as im:
+            W, H = im.size
+            if max(H, W) > max_side or min(H, W) < 1:
+                raise BadRequest("control", f"the control image is {W}x{H}; its sides must be at most {max_side} "
+                                 "pixels", 413)
+            return np.array(im.convert("RGB"))
+    except BadRequest:
+        raise
+    except Exception as e:  # noqa: BLE001 (PIL raises many kinds for a file that is not an image)
+        raise BadRequest("control", f"control.image is not an image PIL can read ({type(e).__name__}); send a PNG or "
+                         "JPEG") from None
+
+
+def side(body, name, default):
+    value = number(body, name, default)
+    if value % 16:
+        raise BadRequest(name, f"{name} {value} is not a multiple of 16; use e.g. {-(-value // 16) * 16}")
+    return value
+
+
+def control_map(service, body):
+    """The request's control map (3, H, W) in [-1, 1] on the CPU: a built-in example drawn at width x height (default
+    the model's image size), or the upload, resized as fast_engine.py resizes it, extracted as its type asks."""
+    from fast_inference import conditions
+
+    kind = body.get("condition_type", service.defaults["condition_type"])
+    if kind not in CONDITION_TYPES:
+        raise BadRequest("condition_type", f"unknown condition_type {kind!r}; use one of {', '.join(CONDITION_TYPES)}")
+    control = body.get("control", {"example": kind})
+    if not isinstance(control, dict) or ("example" in control) == ("image" in control):
+        raise BadRequest("control", 'control must be {"example": TYPE} or {"image": BASE64, "is_map": false}')
+    args, c2i = service.args, service.margs.model_type == "c2i"
+    if "example" in control:
+        example = control["example"]
+        if example not in CONDITION_TYPES:
+            raise BadRequest("control", f"unknown example {example!r}; use one of {', '.join(CONDITION_TYPES)}")
+        H = side(body, "height", args.image_H or service.image_size)
+        W = side(body, "width", args.image_W or service.image_size)
+        check_grid(service, H, W)
+        return conditions.extract_control(conditions.draw_example(example, H, W), kind, is_map=True), kind
+    is_map = control.get("is_map", False)
+    if not isinstance(is_map, bool):
+        raise BadRequest("control", "control.is_map must be true or false")
+    rgb = read_upload(decode_base64(control["image"], "control.image", args.max_body_mb * 2**20), args.max_side)
+    is_map = is_map or c2i
+    step = 32 if kind == "depth" and not is_map else 16  # fast_engine.target_shape's rounding
+    H = side(body, "height", args.image_H or -(-rgb.shape[0] // step) * step)
+    W = side(body, "width", args.image_W or -(-rgb.shape[1] // step) * step)
+    check_grid(service, H, W)
+    if (H, W) != rgb.shape[:2]:
+        rgb = conditions.resize_to(rgb, H, W)
+    ckpt = args.condition_ckpt if kind == args.condition_type else None
+    if not is_map and kind in ("hed", "lineart", "depth") and ckpt is None:
+        raise BadRequest("condition_type", f"this server has no {kind} annotator (start it with --condition-type "
+                         f"{kind} --condition-ckpt ...); send a ready map with control.is_map true")
+    try:
+        return conditions.extract_control(rgb, kind, ckpt=ckpt, is_map=is_map), kind
+    except conditions.ConditionError as e:
+        raise BadRequest("control", str(e)) from None
+
+
+def check_grid(service, H, W):
+    tokens, grid = (H // 16) * (W // 16), service.margs.block_size
+    if tokens > grid:
+        raise BadRequest("width", f"{H}x{W} needs {tokens} tokens but the model's grid has {grid} (at most "
+                         f"{service.image_size}x{service.image_size}); ask for a smaller width and height")
+
+
+def text_condition(service, body, seed):
+    """(cond, mask) of the request: a class label (c2i), an uploaded caption embedding, or the prompt through the
+    model's text encoder (T5, or the demo model's words; no prompt: the demo scene's caption, as fast_engine.py's)."""
+    from fast_inference import text
+
+    a = service.margs
+    if a.model_type == "c2i":
+        if "prompt" in body or "caption_emb" in body:
+            raise BadRequest("prompt", "this server's model is class-conditional (c2i); send class_label instead")
+        label = body.get("class_label", 0 if service.demo else None)
+        if label is None:
+            raise BadRequest("class_label", f"this c2i model needs class_label (0..{a.num_classes - 1})")
+        if not isinstance(label, int) or isinstance(label, bool) or not 0 <= label < a.num_classes:
+            raise BadRequest("class_label", f"class_label must be a whole number in 0..{a.num_classes - 1}")
+        return torch.tensor([label]), None
+    if "class_label" in body:
+        raise BadRequest("class_label", "this server's model is text-conditional (t2i); send prompt or caption_emb")
+    if "prompt" in body and "caption_emb" in body:
+        raise BadRequest("prompt", "send one of prompt and caption_emb")
+    T = a.cls_token_num
+    if "caption_emb" in body:
+        data = decode_base64(body["caption_emb"], "caption_emb", service.args.max_body_mb * 2**20)
+        try:
+            emb, mask, _ = text.load_caption_emb(io.BytesIO(data), T, name="caption_emb")
+        except text.TextError as e:
+            raise BadRequest("caption_emb", str(e)) from None
+        if emb.shape[2] != a.caption_dim:
+            raise BadRequest("caption_emb", f"caption_emb width {emb.shape[2]} != the model's caption_dim "
+                             f"{a.caption_dim}; use embeddings of the model's text encoder")
+        try:
+            text.check_values(emb, "caption_emb", "send values the model's precision holds", service.dtype)
+        except text.TextError as e:
+            raise BadRequest("caption_emb", str(e)) from None
+        return emb, mask
+    prompt = body.get("prompt")
+    if prompt is not None and (not isinstance(prompt, str) or len(prompt) > 2000):
+        raise BadRequest("prompt", "prompt must be a string of at most 2,000 characters")
+    if service.text is None:
+        if prompt:
+            raise BadRequest("prompt", "this server has no text encoder (start it with --t5-path); send caption_emb "
+                             "(an extracted .npz, base64) or leave prompt out")
+        raise BadRequest("prompt", "send caption_emb (an extracted .npz, base64): the server has no text encoder")
+    if isinstance(service.text, DemoTextEncoder):  # no prompt: the demo scene's caption, as fast_engine.py's
+        try:
+            return service.text.encode_left_padded(prompt or fast_engine.demo_scene().caption)
+        except text.TextError as e:
+            raise BadRequest("prompt", str(e)) from None
+    gpu = service.scheduler.gpu.shared() if service.devices[0].type == "cuda" else contextlib.nullcontext()
+    with service.text_lock, gpu:  # T5 on the first GPU: not while a worker captures a graph
+        emb, mask = fast_engine.encode_prompts(service.text, [prompt or "a high-quality image"], T,
+                                               not service.args.no_left_padding)
+    text.check_t5_output(emb, service.t5_path)
+    return emb.cpu(), mask.cpu()
+
+
+def make_request(service, body):
+    """A request body (a JSON object) -> (Request, preview_every), every field checked."""
+    if not isinstance(body, dict):
+        raise BadRequest("body", "the body must be a JSON object")
+    unknown = sorted(set(body) - KNOWN)
+    if unknown:
+        raise BadRequest(unknown[0], f"unknown field(s) {unknown}; known: {', '.join(sorted(KNOWN))}")
+    d = service.defaults
+    values = {k: number(body, k, d[k]) for k in ("cfg_scale", "top_k", "top_p", "temperature", "control_strength",
+                                                 "seed", "num_images", "preview_every")}
+    if values["num_images"] > service.scheduler.capacity:
+        raise BadRequest("num_images", f"num_images must be at most {service.scheduler.capacity} (the server's "
+                         "batch)")
+    control, kind = control_map(service, body)
+    cond, mask = text_condition(service, body, values["seed"])
+    preview = values.pop("preview_every")
+    return Request(cond=cond, mask=mask, control=control, condition_type=kind, **values), preview
+
+
+# ---- the web application -------------------------------------------------------------------------------------------
+
+def create_app(service):
+    from starlette.applications import Starlette
+    from starlette.concurrency import run_in_threadpool
+    from starlette.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
+    from starlette.routing import Route
+
+    scheduler, limit = service.scheduler, service.args.max_body_mb * 2**20
+
+    def error(e):
+        return JSONResponse({"error": str(e), "field": e.field}, status_code=e.status)
+
+    async def read_json(request):
+        size = request.headers.get("content-length")
+        if size is not None and (not size.isdigit() or int(size) > limit):
+            raise BadRequest("body", f"the body is larger than {limit} bytes (--max-body-mb)", 413)
+        data = bytearray()
+        async for chunk in request.stream():
+            data += chunk
+            if len(data) > limit:
+                raise BadRequest("body", f"the body is larger than {limit} bytes (--max-body-mb)", 413)
+        try:
+            return json.loads(bytes(data) or b"{}")
+        except (ValueError, UnicodeDecodeError) as e:
+            raise BadRequest("body", f"the body is not JSON ({e})") from None
+
+    async def submit(request):
+        body = await read_json(request)
+        req, preview = await run_in_threadpool(make_request, service, body)
+        job = Job(req, preview_every=preview)
+        try:
+            scheduler.submit(job)
+        except QueueFull as e:
+            raise BadRequest("queue", f"{e}; retry later", 503) from None
+        return job
+
+    def handled(fn):
+        async def handler(request):
+            try:
+                return await fn(request)
+            except BadRequest as e:
+                response = error(e)
+                if e.status == 503:
+                    response.headers["Retry-After"] = "1"
+                return response
+        return handler
+
+    def find(request):
+        job = scheduler.get(request.path_params["job"])
+        if job is None:
+            raise BadRequest("id", "no such job (unknown, or finished long ago and dropped)", 404)
+        return job
+
+    def status(job):
+        base = f"/v1/jobs/{job.id}"
+        n = job.request.num_images
+        return dict(id=job.id, status=job.status, tokens_done=job.tokens_done, tokens_total=job.tokens_total,
+                    num_images=n, engine=job.engine, error=job.error,
+                    images=[f"{base}/images/{k}.png" for k in range(n)] if job.status == "done" else [],
+                    preview=f"{base}/preview.png" if job.preview is not None else None,
+                    seconds=round((job.finished or time.monotonic()) - job.created, 3))
+
+    @contextlib.contextmanager
+    def watch(job):
+        """An asyncio.Event set (from the worker's thread) whenever the job changes, while the block runs."""
+        loop, changed = asyncio.get_running_loop(), asyncio.Event()
+        watcher = lambda: loop.call_soon_threadsafe(changed.set)
+        job.watchers.append(watcher)
+        changed.set()
+        try:
+            yield changed
+        finally:
+            job.watchers.remove(watcher)
+
+    async def page(request):
+        with open(PAGE, encoding="utf-8") as f:
+            return HTMLResponse(f.read())
+
+    async def info(request):
+        return JSONResponse(service.info())
+
+    async def example(request):
+        kind = request.path_params["kind"]
+        if kind not in CONDITION_TYPES:
+            raise BadRequest("kind", f"no example {kind!r}; use one of {', '.join(CONDITION_TYPES)}", 404)
+        from fast_inference.conditions import draw_example
+
+        size = service.args.image_H or service.image_size, service.args.image_W or service.image_size
+        return Response(await run_in_threadpool(lambda: png(draw_example(kind, *size))), media_type="image/png")
+
+    async def control(request):
+        body = await read_json(request)
+        if not isinstance(body, dict):
+            raise BadRequest("body", "the body must be a JSON object")
+        x, _ = await run_in_threadpool(control_map, service, body)
+        from fast_inference.images import to_uint8
+
+        return Response(await run_in_threadpool(png, to_uint8(x)), media_type="image/png")
+
+    async def create_job(request):
+        job = await submit(request)
+        return JSONResponse(status(job), status_code=202)
+
+    async def get_job(request):
+        return JSONResponse(status(find(request)))
+
+    async def cancel_job(request):
+        job = find(request)
+        scheduler.cancel(job)
+        return JSONResponse(status(job))
+
+    async def image(request):
+        job, k = find(request), request.path_params["k"]
+        if job.status != "done" or not 0 <= k < len(job.images):
+            raise BadRequest("k", f"no image {k} (the job is {job.status})", 404)
+        return Response(await run_in_threadpool(png, job.images[k]), media_type="image/png",
+                        headers={"Content-Disposition": f'inline; filename="{job.id}_{k}.png"'})
+
+    async def preview(request):
+        job = find(request)
+        if job.preview is None:
+            raise BadRequest("preview", "no preview yet (ask for one with preview_every)", 404)
+        return Response(await run_in_threadpool(png, job.preview), media_type="image/png")
+
+    async def events(request):
+        job = find(request)
+
+        async def stream():
+            sent, finished = None, False
+            with watch(job) as changed:
+                try:
+                    while True:
+                        await changed.wait()
+                        changed.clear()
+                        now = status(job)
+                        if now != sent:
+                            kind = job.status if job.status in FINAL else "progress"
+                            yield f"event: {kind}\ndata: {json.dumps(now)}\n\n"
+                            sent = now
+                        if job.status in FINAL:
+                            finished = True
+                            return
+                finally:
+                    if not finished:  # the client went away: its rows are freed
+                        scheduler.cancel(job)
+
+        return StreamingResponse(stream(), media_type="text/event-stream", headers={"Cache-Control": "no-store"})
+
+    async def generate(request):
+        job = await submit(request)
+        with watch(job) as changed:
+            try:
+                await wait_or_leave(request, job, changed)
+            finally:
+                if job.status not in FINAL:  # cancelled by the server's shutdown, or the client gone
+                    scheduler.cancel(job)
+        if job.status not in FINAL:
+            return Response(status_code=499)  # nobody reads it: the client has gone
+        out = status(job)
+        if job.status == "done":
+            out["images"] = [base64.b64encode(await run_in_threadpool(png, a)).decode() for a in job.images]
+        return JSONResponse(out, status_code=200 if job.status == "done" else 500 if job.status == "failed" else 409)
+
+    async def wait_or_leave(request, job, changed):
+        """Until the job ends or its client disconnects."""
+        while job.status not in FINAL:
+            try:
+                await asyncio.wait_for(changed.wait(), timeout=0.25)
+                changed.clear()
+            except asyncio.TimeoutError:
+                pass
+            if job.status not in FINAL and await request.is_disconnected():
+                return
+
+    routes = [Route("/", page), Route("/v1/info", handled(info)),
+              Route("/v1/examples/{kind}.png", handled(example)),
+              Route("/v1/control", handled(control), methods=["POST"]),
+              Route("/v1/jobs", handled(create_job), methods=["POST"]),
+              Route("/v1/jobs/{job}", handled(get_job)),
+              Route("/v1/jobs/{job}", handled(cancel_job), methods=["DELETE"]),
+              Route("/v1/jobs/{job}/events", handled(events)),
+              Route("/v1/jobs/{job}/images/{k:int}.png", handled(image)),
+              Route("/v1/jobs/{job}/preview.png", handled(preview)),
+              Route("/v1/generate", handled(generate), methods=["POST"]),
+              Route("/healthz", lambda request: JSONResponse({"ok": True}))]
+    return Starlette(routes=routes)
+
+
+def png(array):
+    buf = io.BytesIO()
+    Image.fromarray(np.ascontiguousarray(array)).save(buf, format="PNG")
+    return buf.getvalue()
+
+
+# ---- main ----------------------------------------------------------------------------------------------------------
+
+def serve(args):
+    try:
+        import uvicorn
+        import starlette  # noqa: F401
+    except ImportError:
+        raise UserError("the server needs Starlette and uvicorn: pip install -r requirements-serve.txt") from None
+    check_args(args)
+    import torch._dynamo
+
+    torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)  # a graph per step size
+    t0 = time.perf_counter()
+    service = Service(args)
+    app = create_app(service)
+    scheduler = service.scheduler
+
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig, frame):  # Ctrl-C / SIGTERM: accept nothing new, then uvicorn's graceful stop
+            scheduler.accepting = False
+            super().handle_exit(sig, frame)
+
+        @contextlib.contextmanager
+        def capture_signals(self):  # as uvicorn's, without raising the signal again at the end: a clean exit 0
+            old = {sig: signal.signal(sig, self.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM)}
+            try:
+                yield
+            finally:
+                for sig, handler in old.items():
+                    signal.signal(sig, handler)
+
+        async def startup(self, sockets=None):
+            await super().startup(sockets)
+            if self.servers:
+                host, port = self.servers[0].sockets[0].getsockname()[:2]
+                engines = ", ".join(str(w.engine.device) for w in scheduler.workers)
+                print(f"serving {service.info()['model']} on http://{host}:{port} ({len(scheduler.workers)} "
+                      f"engine(s): {engines}; batch {service.batch}; ready in {time.perf_counter() - t0:.1f}s)",
+                      flush=True)
+
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level="warning", lifespan="off",
+                            timeout_graceful_shutdown=args.shutdown_grace)
+    server = Server(config)
+    scheduler.start()
+    try:
+        server.run()
+    finally:
+        scheduler.close(grace=0 if server.force_exit else 1.0)
+    print("server stopped", flush=True)
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    fast_engine.cli_main(lambda: serve(args), args.debug, fast_engine.is_user_error)
+
+
+if __name__ == "__main__":
+    main()

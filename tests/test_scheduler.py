@@ -1,0 +1,155 @@
+"""The server's scheduler (scheduler.py): fair turns between shapes, first come first served within one, a bounded
+queue, and a job that runs out of memory failing alone while the worker serves the next (CPU, tiny model)."""
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from fast_inference.continuous import Request
+from fast_inference.engine import Engine
+from fast_inference.scheduler import Job, QueueFull, Scheduler
+from test_reference import tiny_inputs, tiny_model
+
+
+def job(side=64, images=1, cfg=4.0):
+    control = torch.zeros(3, side, side)
+    return Job(Request(cond=torch.zeros(1, 8, 32), mask=None, control=control, num_images=images, cfg_scale=cfg))
+
+
+def worker(scheduler, shape=None, free=0, busy=False):
+    """A stand-in worker: its batch's shape and free slots, busy or not."""
+    batch = None if shape is None else SimpleNamespace(shape=shape, fits=lambda r: r.shape == shape
+                                                       and r.num_images <= free)
+    w = SimpleNamespace(batch=batch, busy=busy, index=len(scheduler.workers), capacity=4)
+    scheduler.workers.append(w)
+    return w
+
+
+def queue(scheduler, *jobs):
+    for j in jobs:
+        scheduler.submit(j)
+    return jobs
+
+
+def test_shapes_take_turns_and_a_shape_is_first_come_first_served():
+    s = Scheduler(max_queue=10)
+    a = worker(s, shape=(64, 64, True), free=2, busy=True)
+    j1, k1, j2 = queue(s, job(), job(side=32), job())
+    assert s._take(a) is j1  # its shape, room for it
+    assert s._take(a) is None  # k1 (another shape) is older than j2: a's batch drains, k1 goes next
+    b = worker(s)  # an idle worker: it takes k1, so a may go on taking its shape
+    assert s._take(a) is j2 and s._take(b) is k1
+    assert [j.status for j in (j1, k1, j2)] == ["running"] * 3 and (j1.engine, k1.engine) == (0, 1)
+    big, small = queue(s, job(images=3), job())
+    assert s._take(a) is None  # the 3-image job waits for room; the 1-image job behind it does not jump it
+    s.workers.remove(b)
+    idle = worker(s, shape=(64, 64, True), free=4)
+    assert s._take(idle) is big and s._take(idle) is small
+
+
+def test_the_queue_is_bounded_and_a_queued_job_cancels_at_once():
+    s = Scheduler(max_queue=2)
+    first, second = queue(s, job(), job())
+    with pytest.raises(QueueFull):
+        s.submit(job())
+    assert len(s.pending) == 2 and s.active == 2  # nothing accepted past the bound
+    s.cancel(first)
+    assert first.status == "cancelled" and s.active == 1 and list(s.pending) == [second]
+    s.submit(job())
+    s.accepting = False
+    with pytest.raises(QueueFull, match="shutting down"):
+        s.submit(job())
+
+
+def test_a_capture_excludes_every_other_threads_gpu_work():
+    """DeviceWork: a capture waits for the shared work under way and no shared work starts during it (a CUDA graph's
+    capture fails if another thread allocates or synchronises meanwhile)."""
+    import threading
+    import time
+
+    from fast_inference.scheduler import DeviceWork
+
+    work, events = DeviceWork(), []
+
+    def shared(name, hold):
+        with work.shared():
+            events.append(f"{name}+")
+            time.sleep(hold)
+            events.append(f"{name}-")
+
+    def capture():
+        with work.exclusive():
+            events.append("capture+")
+            time.sleep(0.1)
+            events.append("capture-")
+
+    first = threading.Thread(target=shared, args=("a", 0.2))
+    first.start()
+    time.sleep(0.05)
+    c = threading.Thread(target=capture)
+    c.start()
+    time.sleep(0.05)
+    late = threading.Thread(target=shared, args=("b", 0))
+    late.start()
+    for t in (first, c, late):
+        t.join()
+    assert events == ["a+", "a-", "capture+", "capture-", "b+", "b-"]
+
+
+class NoDecoder:
+    """The VQ's interface, decoding to zeros (the real decoder is the server tests')."""
+    quantize = SimpleNamespace(embedding=SimpleNamespace(weight=torch.zeros(1, 8)))
+
+    @staticmethod
+    def decode_code(tokens, shape):
+        return torch.zeros(shape[0], 3, shape[2] * 16, shape[3] * 16)
+
+
+def test_out_of_memory_fails_that_job_and_the_worker_serves_on():
+    """A new shape whose batch does not fit the device's memory fails its job with a message saying what to change;
+    the worker then serves the next job, and a failing step fails its batch's jobs only."""
+    model = tiny_model()
+    engine = Engine(model, backend="eager")
+    build = engine.continuous
+
+    def continuous(batch, num_tokens, *rest):
+        if num_tokens == 16:  # 64x64
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        return build(batch, num_tokens, *rest)
+
+    engine.continuous = continuous
+    s = Scheduler(max_queue=8)
+    s.add_worker(engine, NoDecoder(), capacity=2)
+    cond, mask, condition = tiny_inputs(model, B=1)
+    make = lambda side: Job(Request(cond=cond, mask=mask, control=condition[0, :, :side, :side]))
+    s.start()
+    try:
+        too_big, fine = make(64), make(32)
+        s.submit(too_big)
+        s.submit(fine)
+        for j in (too_big, fine):
+            wait(j)
+        assert too_big.status == "failed" and "out of memory" in too_big.error and "64x64" in too_big.error
+        assert fine.status == "done" and fine.images[0].shape == (32, 32, 3) and fine.tokens_done == 4
+        w = s.workers[0]
+        w.batch.step = lambda: 1 / 0  # a step that fails
+        broken = make(32)
+        s.submit(broken)
+        wait(broken)
+        assert broken.status == "failed" and "ZeroDivisionError" in broken.error
+        after = make(32)
+        s.submit(after)
+        wait(after)
+        assert after.status == "done" and s.active == 0
+    finally:
+        s.close(grace=0)
+    assert not s.workers[0].thread.is_alive()
+
+
+def wait(job, timeout=60):
+    import time
+
+    deadline = time.time() + timeout
+    while job.status not in ("done", "failed", "cancelled"):
+        assert time.time() < deadline, job.status
+        time.sleep(0.01)
