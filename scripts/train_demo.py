@@ -27,6 +27,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import numpy as np
 import torch
 import torch.nn.functional as F
+from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from fast_inference import demo_text, scenes
@@ -62,6 +63,7 @@ PRESETS = {
                  gpt_steps=3, gpt_batch=4, gpt_lr=6e-4, pool=8, ema=0.9),
 }
 DROP = 0.1  # caption and control dropped together, for CFG
+UNUSED_AT_INFERENCE = ("condition_embeddings.weight", "condition_mlp.uncond_embedding")  # not stored
 COMMIT = 0.25  # LlamaGen's commitment weight
 RESTART_EVERY = 200  # VQ steps between restarts of unused codes
 FULL_EVERY = 4  # every 4th VQ step sees whole images (as many pixels as the other steps' random crops)
@@ -77,6 +79,8 @@ def parse_args(argv=None):
     p.add_argument("--vq-steps", type=int, default=None, help="default: the preset's")
     p.add_argument("--gpt-steps", type=int, default=None, help="default: the preset's")
     p.add_argument("--vq-from", default=None, help="folder of a trained vq.json + vq.safetensors, copied into --out")
+    p.add_argument("--gpt-from", default=None, help="folder of a trained gpt.json + gpt.safetensors to go on from "
+                   "(its weights start the model and its average; the optimiser and schedule start afresh)")
     p.add_argument("--time-limit", type=float, default=None, help="seconds per phase; stops early and saves")
     p.add_argument("--threads", type=int, default=None, help="CPU threads (default torch's); on cores shared with "
                    "other work use 1: OpenMP's threads spin waiting for a descheduled peer (30x slower seen)")
@@ -182,7 +186,8 @@ def train_vq(args, preset, device, log):
     write_json(preset["vq"], os.path.join(args.out, "vq.json"))
     vq = VQModel(cfg).to(device).to(memory_format=torch.contiguous_format).train()
     # (contiguous, not channels-last: vq.py's CUDA kernels, which have no backward, take only channels-last tensors)
-    steps, B, size = args.vq_steps or preset["vq_steps"], preset["vq_batch"], preset["size"]
+    steps = preset["vq_steps"] if args.vq_steps is None else args.vq_steps
+    B, size = preset["vq_batch"], preset["size"]
     # Adam at LlamaGen's 1e-4: at 2e-4 and above this VQ stalls on the scenes' flat colours
     opt = torch.optim.Adam(vq.parameters(), lr=preset["vq_lr"], betas=(0.9, 0.95))
     gen = torch.Generator().manual_seed(args.seed + 1)
@@ -375,10 +380,22 @@ def train_gpt(args, preset, device, log):
     with torch.device(device):
         model = Transformer(ModelArgs(**margs))
     init_gpt(model)
+    before = 0
+    if args.gpt_from:  # the stored weights (fp16); the keys dropped at saving, unused at inference, keep their init
+        path = os.path.join(args.gpt_from, "gpt.safetensors")
+        stored = load_file(path)
+        try:
+            result = model.load_state_dict({k: v.float() for k, v in stored.items()}, strict=False)
+        except RuntimeError as e:  # a shape differs
+            raise SystemExit(f"error: {path} is not this preset's model: {str(e).splitlines()[1].strip()}") from None
+        if result.unexpected_keys or set(result.missing_keys) - set(UNUSED_AT_INFERENCE):
+            raise SystemExit(f"error: {path} is not this preset's model; keys: {result}")
+        with safe_open(path, "pt") as f:
+            before = int(f.metadata().get("trained_steps", 0))
     model.train()
     ema = copy.deepcopy(model).eval().requires_grad_(False)
     encoder = demo_text.DemoTextEncoder(margs["caption_dim"], margs["cls_token_num"])
-    steps = args.gpt_steps or preset["gpt_steps"]
+    steps = preset["gpt_steps"] if args.gpt_steps is None else args.gpt_steps
     decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
     rest = [p for n, p in model.named_parameters() if p.dim() < 2]
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.05}, {"params": rest, "weight_decay": 0.0}],
@@ -410,9 +427,9 @@ def train_gpt(args, preset, device, log):
             log(phase="gpt", stopped_early_at=done, of=steps)
             break
     meta = {"text_encoder": demo_text.NAME, "text_seed": str(demo_text.SEED), "image_size": str(preset["size"]),
-            "data": "fast_inference/scenes.py", "trained_steps": str(done), "seed": str(args.seed)}
+            "data": "fast_inference/scenes.py", "trained_steps": str(before + done), "seed": str(args.seed)}
     save_fp16(ema, os.path.join(args.out, "gpt.safetensors"), metadata=meta,
-              drop=("condition_embeddings.weight", "condition_mlp.uncond_embedding"))  # unused at inference
+              drop=UNUSED_AT_INFERENCE)
     return done
 
 

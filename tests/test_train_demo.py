@@ -86,3 +86,18 @@ def test_training_is_seeded_and_its_files_load(tmp_path, capsys):
         fast_engine.main([str(x) for x in argv] + ["--prompt", "a red dog"])
     err = capsys.readouterr().err.strip()
     assert e.value.code == 2 and err.startswith("error: the demo model knows no 'dog'") and "triangle" in err
+
+
+def test_gpt_goes_on_from_a_trained_one(tmp_path):
+    """--gpt-from starts the GPT from stored weights (steps counted on), and refuses another preset's model."""
+    a, b, c = tmp_path / "a", tmp_path / "b", tmp_path / "c"
+    train(a)
+    train(b, "--phase", "gpt", "--vq-from", a, "--gpt-from", a, "--gpt-steps", 0)
+    assert same_tensors(a / "gpt.safetensors", b / "gpt.safetensors")  # no step: the weights it started from
+    assert read_metadata(b / "gpt.safetensors")["trained_steps"] == "3"
+    train(c, "--phase", "gpt", "--vq-from", a, "--gpt-from", a)
+    assert read_metadata(c / "gpt.safetensors")["trained_steps"] == "6"
+    assert not same_tensors(a / "gpt.safetensors", c / "gpt.safetensors")
+    with pytest.raises(SystemExit, match="not this preset's model"):
+        train_demo.main(["--preset", "cpu", "--phase", "gpt", "--vq-from", str(a), "--gpt-from", str(a),
+                         "--out", str(tmp_path / "d"), "--gpt-steps", "0"])
