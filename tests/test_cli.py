@@ -259,7 +259,7 @@ def test_plan_overrides_and_explain(capsys):
     err = err.strip().splitlines()
     assert code == 2 and len(err) == 1 and err[0].startswith("error:")
     assert "draw=fast: use one of torch, triton, cuda" in err[0]
-    code, out, _ = cli(capsys, "--explain", "sm_90", "--num-images", "2")
+    code, out, _ = cli(capsys, "--explain", "sm_90", "--num-images", "2", "--gpt-model", "GPT-XL")
     assert code == 0 and "2 image(s) under CFG, bfloat16 on sm_90" in out and re.search(r"gate_up +cuda, PDL early", out)
     code, out, _ = cli(capsys, "--explain", "cpu")
     assert code == 0 and "float32 on CPU" in out and "SDPA" in out

@@ -21,6 +21,11 @@ usage: tools/gpu_session.sh STEP...      (steps run in order; each writes OUT/<s
   jacobi  speculative Jacobi decoding: its GPU tests, the marginals against the plain engine (tools/jacobi_marginals.py),
           bench.py --speculative jacobi at n = 1, 8, 32 on flat random weights and at target entropies 1.5 and 3
           nats, then windows 8 and 32, the left and above drafts at n = 1 and coupled drafts at n = 1, 8 (3 nats)
+  demo    the demo model's GPU preset (scripts/train_demo.py --preset gpu), one phase per device call, by DEMO_PHASE:
+          vq (DEMO_VQ_STEPS, default 3000: ~8 min on an H100), gpt (DEMO_GPT_STEPS, default 1400, on DEMO_DIR's VQ),
+          more (DEMO_GPT_STEPS more from DEMO_DIR's GPT, --gpt-from); each writes OUT/demo/ with the weights cut in
+          15 MB parts (a returned file holds 16 MB at most: cat gpt.safetensors.part.* > gpt.safetensors), and the
+          GPT phases then run scripts/eval_demo.py on the result (OUT/demo_eval.json, OUT/demo_model.png)
   serve   the server's tests on the GPU, then the server under load at GPT-XL shapes (random weights, 512 px): 32
           clients, 200 requests, images/s and latency p50/p95, against fast_eval.py --batch 32 over the same inputs
           and one image through fast_engine.py against a lone request, in one run (tools/load_serve.py --compare;
@@ -149,9 +154,30 @@ step_serve() {
         --json "$out/serve.json" -- --gpt-model GPT-XL
 }
 
+step_demo() {
+    local dir=${DEMO_DIR:-$root/checkpoints/demo_gpu} phase=${DEMO_PHASE:?set DEMO_PHASE to vq, gpt or more} f
+    local train=("$py" "$root/scripts/train_demo.py" --preset gpu --device cuda --log-every 200)
+    mkdir -p "$out/demo"
+    case $phase in
+        vq) "${train[@]}" --phase vq --vq-steps "${DEMO_VQ_STEPS:-3000}" --out "$out/demo" ;;
+        gpt) "${train[@]}" --phase gpt --gpt-steps "${DEMO_GPT_STEPS:-1400}" --vq-from "$dir" --out "$out/demo" ;;
+        more) "${train[@]}" --phase gpt --gpt-steps "${DEMO_GPT_STEPS:-1400}" --vq-from "$dir" --gpt-from "$dir" \
+                  --out "$out/demo" ;;
+        *) echo "error: DEMO_PHASE $phase: use vq, gpt or more" >&2; return 2 ;;
+    esac || return
+    if [[ $phase != vq ]]; then
+        "$py" "$root/scripts/eval_demo.py" --device cuda --gpt-model "$out/demo/gpt.json" \
+            --gpt-ckpt "$out/demo/gpt.safetensors" --vq-model "$out/demo/vq.json" --vq-ckpt "$out/demo/vq.safetensors" \
+            --out "$out/demo_eval.json" --figure "$out/demo_model.png"
+    fi
+    for f in "$out"/demo/*.safetensors; do
+        if [[ $(stat -c %s "$f") -gt 15000000 ]]; then split -b 15M "$f" "$f.part." && rm "$f"; fi
+    done
+}
+
 for step in "$@"; do
     case $step in
-        kernel | equiv | bench | cli | eval2 | gputests | ab | abbench | jacobi | serve) "step_$step" 2>&1 | tee "$out/$step.log" ;;
+        kernel | equiv | bench | cli | eval2 | gputests | ab | abbench | jacobi | demo | serve) "step_$step" 2>&1 | tee "$out/$step.log" ;;
         *) echo "error: unknown step '$step'" >&2; usage >&2; exit 2 ;;
     esac
 done
