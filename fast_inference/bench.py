@@ -39,7 +39,7 @@ from fast_inference.fast_engine import (RANGES, Parser, UserError, check_memory,
 from fast_inference.generate import generate
 from fast_inference.model import ModelArgs, Transformer
 from fast_inference.quantize import MODES as QUANTIZE_MODES, quantize_int8
-from fast_inference.speculative import COUPLINGS, DRAFT_INITS
+from fast_inference.speculative import COUPLINGS, DEFAULT_COUPLING, DEFAULT_INIT, DRAFT_INITS
 
 
 # The numeric flags' ranges (fast_engine.RANGES' form), checked before anything runs.
@@ -74,8 +74,8 @@ def parse_args(argv=None):
                    help="jacobi: also time speculative Jacobi decoding (fast_engine.py --help), beside the plain engine")
     p.add_argument("--draft-window", type=int, default=16, help=ranged("draft_window", "positions a pass verifies",
                                                                        BENCH_RANGES))
-    p.add_argument("--draft-init", choices=list(DRAFT_INITS), default="random")
-    p.add_argument("--draft-coupling", choices=list(COUPLINGS), default="none")
+    p.add_argument("--draft-init", choices=list(DRAFT_INITS), default=DEFAULT_INIT)
+    p.add_argument("--draft-coupling", choices=list(COUPLINGS), default=DEFAULT_COUPLING)
     p.add_argument("--target-entropy", type=float, default=None,
                    help=ranged("target_entropy", "scale the output layer so that the sampled distributions' mean "
                                "entropy is this (random weights' are nearly flat: drafts are then rarely accepted)",

@@ -31,7 +31,7 @@ from fast_inference.kernels.pdl import EARLY
 from fast_inference.model import TORCH_OPS, Context, EagerOps
 from fast_inference.quantize import is_int8
 from fast_inference.runner import ShapeRunner
-from fast_inference.speculative import COUPLINGS, DRAFT_INITS, JacobiRunner
+from fast_inference.speculative import COUPLINGS, DEFAULT_COUPLING, DEFAULT_INIT, DRAFT_INITS, JacobiRunner
 
 log = logging.getLogger("fast_inference")
 
@@ -81,7 +81,7 @@ class Engine:
 
     def __init__(self, model, backend="inductor", compile_mode="reduce-overhead", cache_dir=None,
                  compile_prefill=False, compile_scope="block", fused_block=True, overrides=(), speculative="none",
-                 draft_window=16, draft_init="random", draft_coupling="none"):
+                 draft_window=16, draft_init=DEFAULT_INIT, draft_coupling=DEFAULT_COUPLING):
         self.model, self.backend, self.compile_mode = model, backend, compile_mode
         self.compile_scope, self.fused_block, self.compile_prefill = compile_scope, fused_block, compile_prefill
         self.device = model.output.weight.device

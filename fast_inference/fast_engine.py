@@ -33,7 +33,7 @@ from fast_inference.engine import BACKENDS, COMPILE_SCOPES, SPECULATIVE, Engine,
 from fast_inference.generate import generate
 from fast_inference.model import GPT_CONFIGS, ModelArgs, Transformer
 from fast_inference.quantize import MODES as QUANTIZE_MODES, quantize_int8
-from fast_inference.speculative import COUPLINGS, DRAFT_INITS
+from fast_inference.speculative import COUPLINGS, DEFAULT_COUPLING, DEFAULT_INIT, DRAFT_INITS
 
 log = logging.getLogger("fast_inference")
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -167,11 +167,11 @@ def add_model_args(p):
                         "image at once (several tokens per pass, the same distribution as one per step); fast engine, "
                         "inductor (block scope) or eager backend, guidance at every token")
     p.add_argument("--draft-window", type=int, default=16, help=ranged("draft_window", "positions a pass verifies"))
-    p.add_argument("--draft-init", choices=list(DRAFT_INITS), default="random",
+    p.add_argument("--draft-init", choices=list(DRAFT_INITS), default=DEFAULT_INIT,
                    help="the drafts of positions a pass has not reached yet: random (uniform, as SJD), left (the "
                         "token before, repeated) or above (the token one grid row up; square images, a window no wider "
                         "than the grid)")
-    p.add_argument("--draft-coupling", choices=list(COUPLINGS), default="none",
+    p.add_argument("--draft-coupling", choices=list(COUPLINGS), default=DEFAULT_COUPLING,
                    help="gumbel: redraw each position's draft with noise fixed per (image, position, token), as MC-SJD, "
                         "so that drafts move only where their distribution does (still lossless); none: fresh noise")
     p.add_argument("--plan", action="append", default=[], metavar="KEY=VALUE",

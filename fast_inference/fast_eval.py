@@ -364,7 +364,8 @@ def demo_split(args):
     under sample/demo_set/ (demo_set.py; scripts/make_synthetic_set.py --scenes writes larger splits)."""
     from fast_inference import demo_set
 
-    margs, H, W = image_shape(args)
+    margs, size = model_args(args)
+    H = args.image_H or args.image_W or size
     root = os.path.join(ROOT, "sample", "demo_set", f"test_{DEMO_SPLIT}_{H}px")
     print(f"demo: {DEMO_SPLIT} test scenes of the demo set in {root}")
     return demo_set.ensure_split(root, DEMO_SPLIT, H, margs.caption_dim)

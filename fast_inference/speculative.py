@@ -26,6 +26,8 @@ from fast_inference.sampling import cfg_merge, filter_logits
 # (q: one-hot); the token above, one grid row up, already accepted (q: one-hot; a window no wider than the grid)
 DRAFT_INITS = ("random", "left", "above")
 COUPLINGS = ("none", "gumbel")  # the redraws' noise: fresh per pass, or fixed per (image, position, token)
+# The defaults accept most: on the trained demo model and on GPT-XL at 3 nats (docs/PERF_NOTES.md, issue 70).
+DEFAULT_INIT, DEFAULT_COUPLING = "left", "gumbel"
 
 
 def probabilities(logits, guided, cfg_scale, temperature, top_k, top_p, sample_logits=True):

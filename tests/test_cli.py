@@ -588,7 +588,8 @@ def test_huge_image_size_is_refused_before_allocation(tmp_path, capsys):
 def test_sizes_beyond_the_free_memory_are_refused(tmp_path, capsys, monkeypatch):
     monkeypatch.setattr(fast_engine, "available_memory", lambda device: 2**20)
     code, _, err = cli(capsys, "--num-images", 4, "--out", tmp_path / "x.png")
-    assert code == 2 and "4 image(s) of 256x256" in err and "0.0 GiB free" in err and "--num-images" in err, err
+    size = fast_engine.model_args(fast_engine.parse_args([]))[1]  # the demo model's
+    assert code == 2 and f"4 image(s) of {size}x{size}" in err and "0.0 GiB free" in err and "--num-images" in err, err
 
 
 def test_memory_estimate_is_a_lower_bound():

@@ -22,6 +22,7 @@ import torch
 
 from fast_inference.bench import inputs, random_gpt_xl, scale_to_entropy
 from fast_inference.engine import Engine
+from fast_inference.speculative import DEFAULT_INIT
 
 
 def sample(engine, model, args, kw, seed):
@@ -50,7 +51,7 @@ def main():
     p.add_argument("--tokens", type=int, default=64)
     p.add_argument("--entropy", type=float, default=2.0)
     p.add_argument("--draft-window", type=int, default=16)
-    p.add_argument("--draft-init", default="random")
+    p.add_argument("--draft-init", default=DEFAULT_INIT)
     args = p.parse_args()
     model = random_gpt_xl()
     kw = dict(cfg_scale=4.0, top_k=2000, temperature=1.0, top_p=1.0)
