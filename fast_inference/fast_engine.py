@@ -499,9 +499,7 @@ def control_image(args, image_size, model_type="t2i"):
 
     if args.condition_path is None:  # demo (check_args enforced it): a test scene of the demo set
         H, W = args.image_H or image_size, args.image_W or image_size
-        rgb = demo_map(args.condition_type, max(H, W))
-        rgb = rgb if (H, W) == rgb.shape[:2] else conditions.resize_to(rgb, H, W)
-        return conditions.extract_control(rgb, args.condition_type, is_map=True)
+        return conditions.extract_control(demo_rgb(args.condition_type, H, W), args.condition_type, is_map=True)
     rgb = conditions.read_rgb(args.condition_path)
     H, W = rgb.shape[:2]
     is_map = args.condition_is_map or model_type == "c2i"
@@ -523,6 +521,14 @@ def demo_map(condition_type, size):
     from fast_inference import scenes
 
     return scenes.control([demo_scene()], condition_type, size)[0].permute(1, 2, 0).numpy()
+
+
+def demo_rgb(condition_type, H, W):
+    """uint8 (H, W, 3): the demo scene's control map of this type, drawn at the larger side and resized to H x W."""
+    from fast_inference import conditions
+
+    rgb = demo_map(condition_type, max(H, W))
+    return rgb if (H, W) == rgb.shape[:2] else conditions.resize_to(rgb, H, W)
 
 
 def demo_text_inputs(args, model, device):

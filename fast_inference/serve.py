@@ -94,7 +94,7 @@ def parse_args(argv=None):
     p.add_argument("--t5-model-type", default="flan-t5-xl", help="the model's folder under --t5-path")
     p.add_argument("--t5-feature-max-len", type=int, default=120, help="T5 tokens per prompt (>= 1)")
     p.add_argument("--no-left-padding", action="store_true", help="keep T5's right padding")
-    args = p.parse_args(argv)
+    args = fast_engine.use_demo_model(p.parse_args(argv))
     args.prompt = args.prompt_file = args.caption_emb = args.condition_path = args.out = None  # a request's, not ours
     args.save_tokens = args.save_samples = args.explain = None
     args.t5_feature_dim, args.class_label, args.num_images, args.warmup = None, None, 1, 0
@@ -199,7 +199,8 @@ class Service:
         return dict(model=fast_engine.describe(self.args, SimpleNamespace(args=a), self.demo), model_type=a.model_type,
                     demo=self.demo, text_encoder=self.text is not None, prompt_example=self.prompt_example(),
                     prompt_words=list(VOCABULARY) if isinstance(self.text, DemoTextEncoder) else None, condition_types=list(CONDITION_TYPES),
-                    image_size=self.image_size, grid_tokens=a.block_size, num_classes=a.num_classes,
+                    image_size=self.image_size, grid_tokens=a.block_size, caption_dim=a.caption_dim,
+                    num_classes=a.num_classes,
                     defaults=self.defaults, ranges={k: list(v[:2]) for k, v in REQUEST_RANGES.items()},
                     limits=dict(max_images=self.scheduler.capacity, max_side=self.args.max_side,
                                 max_body_bytes=self.args.max_body_mb * 2**20, max_queue=self.args.max_queue),
@@ -270,6 +271,13 @@ def side(body, name, default):
     return value
 
 
+def example_rgb(service, kind, H, W):
+    """uint8 (H, W, 3): a built-in example map, the demo scene's on the demo model (as fast_engine.py's), else drawn."""
+    from fast_inference import conditions
+
+    return fast_engine.demo_rgb(kind, H, W) if service.demo else conditions.draw_example(kind, H, W)
+
+
 def control_map(service, body):
     """The request's control map (3, H, W) in [-1, 1] on the CPU: a built-in example drawn at width x height (default
     the model's image size), or the upload, resized as fast_engine.py resizes it, extracted as its type asks."""
@@ -289,7 +297,7 @@ def control_map(service, body):
         H = side(body, "height", args.image_H or service.image_size)
         W = side(body, "width", args.image_W or service.image_size)
         check_grid(service, H, W)
-        return conditions.extract_control(conditions.draw_example(example, H, W), kind, is_map=True), kind
+        return conditions.extract_control(example_rgb(service, example, H, W), kind, is_map=True), kind
     is_map = control.get("is_map", False)
     if not isinstance(is_map, bool):
         raise BadRequest("control", "control.is_map must be true or false")
@@ -478,10 +486,8 @@ def create_app(service):
         kind = request.path_params["kind"]
         if kind not in CONDITION_TYPES:
             raise BadRequest("kind", f"no example {kind!r}; use one of {', '.join(CONDITION_TYPES)}", 404)
-        from fast_inference.conditions import draw_example
-
         size = service.args.image_H or service.image_size, service.args.image_W or service.image_size
-        return Response(await run_in_threadpool(lambda: png(draw_example(kind, *size))), media_type="image/png")
+        return Response(await run_in_threadpool(lambda: png(example_rgb(service, kind, *size))), media_type="image/png")
 
     async def control(request):
         body = await read_json(request)

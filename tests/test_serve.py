@@ -189,7 +189,8 @@ def test_upload_and_the_extracted_map(server):
                                                                     condition_type="canny"))
     assert status == 200 and len(out["images"]) == 1
     status, _, png = call(f"{server.url}/v1/examples/depth.png")
-    assert status == 200 and pixels(png).shape == (256, 256, 3)
+    size = call(f"{server.url}/v1/info")[2]["image_size"]
+    assert status == 200 and pixels(png).shape == (size, size, 3)
 
 
 def test_every_bad_request_is_a_4xx_naming_its_field(server):
@@ -230,7 +231,8 @@ def test_cancel_disconnect_and_a_full_queue(server):
     """DELETE cancels a job; closing its events stream or /v1/generate's connection cancels it too (its rows freed:
     the queue empties); past --max-queue a request gets 503 with Retry-After and nothing is accepted; every accepted
     job ends exactly once."""
-    long = dict(width=256, height=256)  # 256 tokens: seconds on the CPU
+    size = call(f"{server.url}/v1/info")[2]["image_size"]
+    long = dict(width=size, height=size, num_images=4)  # the model's whole grid, a batch of 4: a second on the CPU
     job = call(f"{server.url}/v1/jobs", "POST", long)[2]["id"]
     status, _, out = call(f"{server.url}/v1/jobs/{job}", "DELETE")
     assert status == 200 and wait_final(server.url, job)["status"] == "cancelled"
@@ -330,9 +332,11 @@ def test_sigterm_finishes_what_runs_and_exits_cleanly(server):
     """SIGTERM: the server stops accepting at once (a new request is refused), the running job finishes (its
     /v1/generate answered with its image), and the process exits 0. (Last: it stops the module's server.)"""
     result = {}
+    size = call(f"{server.url}/v1/info")[2]["image_size"]
 
     def generate():
-        result["answer"] = call(f"{server.url}/v1/generate", "POST", dict(width=256, height=256), timeout=120)
+        result["answer"] = call(f"{server.url}/v1/generate", "POST", dict(width=size, height=size, num_images=4),
+                                timeout=120)
 
     t = threading.Thread(target=generate)
     t.start()
@@ -349,7 +353,7 @@ def test_sigterm_finishes_what_runs_and_exits_cleanly(server):
     assert t.is_alive()  # the running job is still running
     t.join(timeout=120)
     status, _, out = result["answer"]
-    assert status == 200 and out["status"] == "done" and len(out["images"]) == 1
+    assert status == 200 and out["status"] == "done" and len(out["images"]) == 4
     assert server.proc.wait(timeout=60) == 0
     time.sleep(0.2)
     assert "server stopped" in "".join(server.log)

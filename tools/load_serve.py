@@ -91,11 +91,12 @@ def post(url, body, timeout):
 
 # ---- requests ------------------------------------------------------------------------------------------------------
 
-def make_inputs(folder, n, size):
-    """The synthetic split's first n samples as request bodies (seg maps as ready maps, caption embeddings)."""
+def make_inputs(folder, n, size, caption_dim):
+    """The synthetic split's first n samples as request bodies (seg maps as ready maps, caption embeddings of the
+    server model's width)."""
     from make_synthetic_set import write_split
 
-    write_split(folder, n, size=size)
+    write_split(folder, n, size=size, caption_dim=caption_dim)
     bodies = []
     for i in range(n):
         read = lambda sub, ext: base64.b64encode(open(os.path.join(folder, sub, f"{i}{ext}"), "rb").read()).decode()
@@ -187,11 +188,12 @@ def time_cli(model, folder, size):
 def main(argv=None):
     args = parse_args(argv)
     folder = tempfile.mkdtemp(prefix="load_split_")
-    bodies = make_inputs(folder, args.requests, args.size)
     proc = None
     if args.url is None:
         proc, args.url = start_server(args.model, args.server_args.split())
     try:
+        caption_dim = json.load(urllib.request.urlopen(args.url + "/v1/info"))["caption_dim"]
+        bodies = make_inputs(folder, args.requests, args.size, caption_dim)
         warm = args.clients if args.warmup is None else args.warmup
         post(args.url + "/v1/generate", bodies[0], args.timeout)
         run_clients(args.url, bodies[:warm], min(args.clients, max(warm, 1)), args.timeout)
