@@ -438,8 +438,6 @@ class Transformer(nn.Module):
         """Control image (B,3,H,W) in [-1,1] -> adapter features (B, Nc, D). condition_type: the resize mode's type
         (t2i's DINOv2), if not the model's (a server's requests each name theirs)."""
         dtype = self.adapter_mlp.fc1.weight.dtype
-        if condition_type is None:
-            return self.adapter_mlp(self.adapter(condition.to(dtype)))
         return self.adapter_mlp(self.adapter(condition.to(dtype), condition_type))
 
     def control_tokens(self, features, strength=1.0):

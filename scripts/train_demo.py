@@ -31,7 +31,6 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from fast_inference import demo_text, scenes
-from fast_inference.dinov2 import to_patch14
 from fast_inference.model import ModelArgs, Transformer, apply_rotary_emb, attention_mask, rotations
 from fast_inference.vq import VQConfig, VQModel
 
@@ -283,13 +282,13 @@ def teacher_forced_logits(model, prefix, text_mask, controls, tokens):
 
 def control_features(model, maps, types):
     """uint8 control maps (B, 3, S, S) of the given types -> adapter features (B, Nc, D): each type resized to the
-    14-px grid its own way (nearest for canny and seg, bicubic for the others, as to_patch14)."""
+    14-px grid its own way (nearest for canny and seg, bicubic for the others: the adapter's resize for that type)."""
     x = scenes.to_model_range(maps)
     order, parts = [], []
     for t in sorted(set(types)):
         rows = [i for i, u in enumerate(types) if u == t]
         order += rows
-        parts.append(model.adapter.model(to_patch14(x[rows], t))[:, 1:])
+        parts.append(model.adapter(x[rows], t))
     features = model.adapter_mlp(torch.cat(parts))
     return features[torch.argsort(torch.tensor(order, device=features.device))]
 

@@ -22,3 +22,14 @@ def pytest_collection_modifyitems(config, items):
 
 def pytest_sessionfinish(session, exitstatus):
     early.stop()
+
+
+@pytest.fixture
+def one_thread():
+    """One torch thread for the test (tiny shapes run fastest so), the setting restored after it."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

@@ -32,13 +32,7 @@ def write_split(root, n=N, size=64):
     make_synthetic_set.write_split(root, n, size, TINY["caption_dim"])
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny shapes: one thread is fastest, and the in-process runs then match the subprocess ones."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")  # the in-process runs then match the subprocess ones
 
 
 @pytest.fixture(scope="module")

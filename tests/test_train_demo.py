@@ -19,12 +19,7 @@ sys.path.insert(0, os.path.join(ROOT, "scripts"))
 import train_demo  # noqa: E402
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def test_teacher_forced_logits_are_the_models():
