@@ -96,3 +96,27 @@ def test_gpt_goes_on_from_a_trained_one(tmp_path):
     with pytest.raises(SystemExit, match="not this preset's model"):
         train_demo.main(["--preset", "cpu", "--phase", "gpt", "--vq-from", str(a), "--gpt-from", str(a),
                          "--out", str(tmp_path / "d"), "--gpt-steps", "0"])
+
+
+def test_a_run_stopped_and_resumed_is_the_run_never_stopped(tmp_path):
+    """--time-limit stops after a step and saves the run's state; --resume goes on (schedule, data order, random
+    states, average): the same weights as one uninterrupted run, and the log says where it resumed."""
+    a, b = tmp_path / "a", tmp_path / "b"
+    train(a, "--gpt-steps", 12)  # an average of decay 1/6 from step 2 on
+    train(b, "--phase", "gpt", "--vq-from", a, "--gpt-steps", 12, "--time-limit", 1e-9)
+    assert read_metadata(b / "gpt.safetensors")["trained_steps"] == "1"
+    for _ in range(11):
+        train(b, "--phase", "gpt", "--vq-from", a, "--resume", "--time-limit", 1e-9)
+    assert read_metadata(b / "gpt.safetensors")["trained_steps"] == "12"
+    assert same_tensors(a / "gpt.safetensors", b / "gpt.safetensors")
+    assert '"resumed_at": 11' in (b / "train_log.jsonl").read_text()
+    with pytest.raises(SystemExit, match="does not exist"):
+        train(tmp_path / "c", "--phase", "gpt", "--vq-from", a, "--resume")
+
+
+def test_a_short_runs_average_forgets_its_first_steps():
+    """The average's horizon is at most a tenth of the run (the GPU preset's 1,300-step run kept 56% of step 130)."""
+    gpu = train_demo.PRESETS["gpu"]
+    for steps in (100, 1300, 3000):
+        assert 1 / (1 - train_demo.ema_decay(gpu, steps)) <= steps / 10 + 1e-6
+    assert train_demo.ema_decay(gpu, 10**6) == gpu["ema"]
