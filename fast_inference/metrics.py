@@ -89,6 +89,21 @@ def binary_f1(pred, target):
     return 2 * tp / denom if denom else 0.0
 
 
+def tolerant_f1(pred, target, tol):
+    """Edge F1 with a distance tolerance, as edge benchmarks score (BSDS: tol = 0.0075 of the image diagonal): a
+    predicted edge pixel counts as right within tol px (Euclidean) of a target one, and a target pixel as found
+    within tol px of a predicted one. pred, target: {0, 1} maps (H, W); 0 when neither has a positive."""
+    pred, target = (torch.as_tensor(np.asarray(m) == 1)[None, None].float() for m in (pred, target))
+    r = int(tol)
+    yy, xx = torch.meshgrid(torch.arange(-r, r + 1), torch.arange(-r, r + 1), indexing="ij")
+    disk = ((yy**2 + xx**2) <= tol**2).float()[None, None]
+    near = lambda m: F.conv2d(m, disk, padding=r) > 0
+    hit_p, hit_t = (pred.bool() & near(target)).sum().item(), (target.bool() & near(pred)).sum().item()
+    n_p, n_t = pred.sum().item(), target.sum().item()
+    precision, recall = hit_p / n_p if n_p else 0.0, hit_t / n_t if n_t else 0.0
+    return 2 * precision * recall / (precision + recall) if precision + recall else 0.0
+
+
 def rmse(pred, target):
     return float(torch.sqrt(F.mse_loss(torch.as_tensor(pred).float(), torch.as_tensor(target).float())))
 

@@ -46,6 +46,25 @@ def test_ms_ssim_refuses_small_images():
         metrics.ms_ssim(torch.rand(1, 1, 160, 400), torch.rand(1, 1, 160, 400))
 
 
+def test_tolerant_f1_counts_edges_within_the_tolerance():
+    """A line moved by 2 px: strict F1 0, F1 1 at tolerance 2 (Euclidean), 0 at 1.9; a diagonal step of (2, 2) is
+    2.83 px away; half a line: every predicted pixel right, the
+    target's found up to 3 px past the half's end."""
+    line = np.zeros((32, 32), int)
+    line[10, 4:28] = 1
+    moved = np.roll(line, 2, axis=0)
+    assert metrics.binary_f1(moved, line) == 0.0
+    assert metrics.tolerant_f1(moved, line, 2) == 1.0 and metrics.tolerant_f1(moved, line, 1.9) == 0.0
+    dot, diagonal = np.zeros((32, 32), int), np.zeros((32, 32), int)
+    dot[10, 10] = diagonal[12, 12] = 1
+    assert metrics.tolerant_f1(diagonal, dot, 2.8) == 0.0 and metrics.tolerant_f1(diagonal, dot, 2.9) == 1.0
+    half = line.copy()
+    half[10, 16:] = 0
+    recall = 15 / 24  # the kept 12 px and the 3 px beyond their end
+    assert metrics.tolerant_f1(half, line, 3) == pytest.approx(2 * recall / (1 + recall))
+    assert metrics.tolerant_f1(np.zeros((8, 8)), np.zeros((8, 8)), 3) == 0.0
+
+
 def test_f1_and_rmse_on_known_values():
     assert metrics.binary_f1([1, 1, 0, 0, 1], [1, 0, 1, 0, 1]) == pytest.approx(4 / 6)  # tp 2, fp 1, fn 1
     assert metrics.binary_f1([0, 0], [0, 0]) == 0.0
