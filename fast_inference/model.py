@@ -486,7 +486,9 @@ class Transformer(nn.Module):
         """Float32 logits of the blocks over embeddings x (B,S,D) at absolute positions input_pos (S,), of the last
         position only if last_only (the only one sampling uses). key_valid (B, max_seq) bool: which cache positions a
         query may see besides itself (the text mask for the prefix, True elsewhere). controls (3, B, Nc, D): the
-        control lists (step_inputs picks the rows). ctx: how the blocks run (the fast engine's Context)."""
+        control lists (step_inputs picks the rows). ctx: how the blocks run (the fast engine's Context). A model
+        without caches (none set up, or clear_caches) runs the whole sequence at once and stores nothing: training's
+        forward, with autograd."""
         return self.logits(self.blocks(x, input_pos, key_valid, controls, last_only, ctx), ctx.ops)
 
     def blocks(self, x, input_pos, key_valid, controls=None, last_only=False, ctx=REFERENCE):
@@ -581,14 +583,14 @@ def precompute_freqs_cis_2d(args):
 def rope_and_cache(q, k, v, rot, cache, input_pos, rows=None):
     """The official order before attention: RoPE on q and k (B,S,H,hd) by rot = rotations(freqs), k and v
     written to the cache at input_pos. -> q (B,H,S,hd) and the cache's first B rows of keys and values (rows: those
-    cache rows, KVCache.update)."""
+    cache rows, KVCache.update). Without a cache (training: the whole sequence at once) k and v are returned."""
     qk = heads_together(q, k)
     if qk is None:
         q, k = apply_rotary_emb(q, rot), apply_rotary_emb(k, rot)
     else:
         q, k = apply_rotary_emb(qk, rot).split(q.shape[2], dim=2)
     q, k, v = (t.transpose(1, 2) for t in (q, k, v))
-    return (q, *cache.update(input_pos, k, v, rows))
+    return (q, k, v) if cache is None else (q, *cache.update(input_pos, k, v, rows))
 
 
 def heads_together(q, k):

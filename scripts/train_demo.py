@@ -31,7 +31,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from fast_inference import demo_text, scenes
-from fast_inference.model import ModelArgs, Transformer, apply_rotary_emb, attention_mask, rotations
+from fast_inference.model import ModelArgs, Transformer
 from fast_inference.vq import VQConfig, VQModel
 
 # Control types and how often the GPT sees each (canny, the measured one, most).
@@ -249,37 +249,13 @@ def load_vq(out, device):
 
 # ---- the GPT ---------------------------------------------------------------------------------------
 
-def rms(norm, x):
-    """RMSNorm as model.RMSNorm computes it, in plain torch (autograd everywhere)."""
-    xf = x.float()
-    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + norm.eps)).type_as(x) * norm.weight
-
-
 def teacher_forced_logits(model, prefix, text_mask, controls, tokens):
-    """The model's forward over a whole sequence, as its prefill runs it, in plain torch: prefix (B, T, D), text
-    mask (B, T) bool, control lists (3, B, N, D), image tokens (B, N) -> logits (B, N, V) float32 predicting them.
-    Control token j is added where token j is predicted (position T - 1 + j), before blocks 0, L, 2L."""
-    B, T, D = prefix.shape
-    N = tokens.shape[1]
+    """The model's own forward over a whole sequence (no caches): prefix (B, T, D), text mask (B, T) bool, control
+    lists (3, B, N, D), image tokens (B, N) -> logits (B, N, V) float32 predicting them."""
+    T = prefix.shape[1]
     x = torch.cat([prefix, model.tok_embeddings(tokens[:, :-1])], 1)  # positions 0 .. T + N - 2
-    pos = torch.arange(T + N - 1, device=x.device)
-    rot = rotations(model.freqs_cis[pos])
-    key_valid = torch.cat([text_mask, text_mask.new_ones(B, N - 1)], 1)
-    mask = attention_mask(key_valid, pos)
-    picked = F.pad(controls, (0, 0, T - 1, 0))  # (3, B, T + N - 1, D): zeros before position T - 1
-    H, L = model.args.n_head, model.args.layer_internal
-    for i, layer in enumerate(model.layers):
-        if i % L == 0:
-            x = x + picked[min(i // L, 2)]
-        a = layer.attention
-        q, k, v = (t.view(B, -1, H, D // H) for t in a.wqkv(rms(layer.attention_norm, x)).split(D, -1))
-        q, k = apply_rotary_emb(q, rot), apply_rotary_emb(k, rot)
-        y = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask)
-        x = x + a.wo(y.transpose(1, 2).reshape(B, -1, D))
-        ff = layer.feed_forward
-        h = rms(layer.ffn_norm, x)
-        x = x + ff.w2(F.silu(ff.w1(h)) * ff.w3(h))
-    return model.output(rms(model.norm, x[:, T - 1:])).float()
+    key_valid = torch.cat([text_mask, text_mask.new_ones(tokens.shape[0], tokens.shape[1] - 1)], 1)
+    return model(x, torch.arange(x.shape[1], device=x.device), key_valid, controls)[:, T - 1:]
 
 
 def control_features(model, maps, types):

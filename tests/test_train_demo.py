@@ -23,8 +23,8 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def test_teacher_forced_logits_are_the_models():
-    """The training forward (plain torch, whole sequence) gives the logits of the model's own forward, whose
-    prefill and decode steps the engines run: same control positions, text mask, RoPE rows."""
+    """Training runs the model's own forward without caches (whole sequence, autograd): the logits of its cached
+    prefill, which the engines run: same control positions, text mask, RoPE rows."""
     torch.manual_seed(0)
     model = Transformer(ModelArgs(dim=64, n_layer=6, n_head=2, caption_dim=16, cls_token_num=20, vocab_size=64,
                                   block_size=16, adapter_size="tiny")).eval()
@@ -35,15 +35,17 @@ def test_teacher_forced_logits_are_the_models():
     batch = scenes.scenes(range(2))
     control = scenes.to_model_range(scenes.control(batch, "canny", 64))
     tokens = torch.randint(0, 64, (2, 16))
+    p = prepare(model, emb, control, mask)
+    got = train_demo.teacher_forced_logits(model, p.prefix, p.text_mask, p.controls, tokens)  # no caches yet
+    got.logsumexp(-1).mean().backward()
+    assert all(layer.attention.wqkv.weight.grad.abs().max() > 0 for layer in model.layers)
     with torch.no_grad():
-        p = prepare(model, emb, control, mask)
         T = p.prefix.shape[1]
         model.setup_caches(2, T + 16, torch.float32)
         x = torch.cat([p.prefix, model.tok_embeddings(tokens[:, :-1])], 1)
         want = model(x, torch.arange(T + 15), p.key_valid(model.max_seq), p.controls)[:, T - 1:]
-        got = train_demo.teacher_forced_logits(model, p.prefix, p.text_mask, p.controls, tokens)
         features = train_demo.control_features(model, scenes.control(batch, "canny", 64), ["canny", "canny"])
-    assert (got - want).abs().max() < 1e-5
+    assert (got.detach() - want).abs().max() < 1e-5
     assert torch.allclose(features, model.encode_control(control), atol=1e-6)
 
 
