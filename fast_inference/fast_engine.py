@@ -707,12 +707,16 @@ def default_out(args, model_type, demo):
     return os.path.join(ROOT, "sample", "example", name)
 
 
-def save_outputs(args, out, images, control, tokens):
-    """The grid (control map, then the samples), then per-sample PNGs and the tokens; each atomic."""
-    from fast_inference.images import save_image
+def save_outputs(args, out, images, control, tokens, caption=None):
+    """The grid (control map, then the samples), then per-sample PNGs and the tokens; each atomic. With a caption
+    (the demo) the grid is a figure: cells enlarged, the caption written below."""
+    from fast_inference.images import save_figure, save_image
 
     grid = torch.cat([control[None].to(images.device, images.dtype), images])
-    save_image(grid, out, nrow=4, padding=2)
+    if caption is None:
+        save_image(grid, out, nrow=4, padding=2)
+    else:
+        save_figure(grid, out, caption, nrow=4, padding=2)
     if args.save_samples:
         for i, img in enumerate(images):
             save_image(img, os.path.join(args.save_samples, f"{i}.png"))
@@ -804,7 +808,7 @@ def run(args):
     images = vq.decode_code(tokens, (tokens.shape[0], vq.quantize.embedding.weight.shape[1], H // 16, W // 16))
     sync(device)
     t_vq = time.perf_counter() - t0
-    save_outputs(args, out, images, control, tokens)
+    save_outputs(args, out, images, control, tokens, caption=" | ".join(prompts) if demo else None)
     times = dict(imports=t_start - PROCESS_START, models=t_models, control=t_control, text=t_text, generate=t_gen, vq=t_vq,
                  total=time.perf_counter() - PROCESS_START)
     report(engine, times, tokens)

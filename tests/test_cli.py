@@ -486,7 +486,14 @@ def test_demo(tmp_path):
     assert r.returncode == 0, r.stderr
     assert "demo model" in r.stdout and "prompt: 'a " in r.stdout and "decode" in r.stdout and "VQ decode" in r.stdout
     side = int(json.load(open(os.path.join(fast_engine.DEMO_DIR, "gpt.json")))["block_size"] ** 0.5) * 16
-    assert Image.open(out).size == (2 * (side + 2) + 2, side + 4)  # control map + one sample
+    k = -(-384 // side)  # a figure: the control map and the sample enlarged k times, the caption below them
+    figure = np.array(Image.open(out).convert("RGB"))
+    (H, W), grid_h = figure.shape[:2], (side + 4) * k
+    assert W == (2 * (side + 2) + 2) * k and H > grid_h + 14
+    strip = figure[grid_h:]
+    assert (strip == 255).all(-1).mean() > 0.8 and (strip < 100).all(-1).any()  # white, with dark writing
+    cell = figure[2 * k:(side + 2) * k, (side + 4) * k:(2 * side + 4) * k]
+    assert (cell[::k, ::k].repeat(k, 0).repeat(k, 1) == cell).all()  # each sample pixel a k x k block
     for kind in ("canny", "hed", "lineart", "depth", "seg"):
         assert Image.open(os.path.join(ROOT, "condition", "example", f"{kind}.png")).size == (512, 512)
 
