@@ -365,8 +365,11 @@ def measure(args, sizes):
     grid = args.image_size // 16
     margs = bench_model_args(args)
     try:
+        # the VQ decodes only the end-to-end images, at n = 1
         check_memory(margs, args.image_size, args.image_size, max(sizes), args.cfg_scale, device, dtype,
-                     "use smaller --batch-sizes or --image-size")
+                     "use smaller --batch-sizes or --image-size", int8=args.quantize == "int8",
+                     window=args.draft_window if args.speculative != "none" else 0, coupling=args.draft_coupling,
+                     decoded=int(1 in sizes and args.e2e_runs > 0))
     except UserError as e:
         fail(e)
     with torch.device(device):

@@ -45,9 +45,9 @@ from fast_inference import conditions, data, metrics
 from fast_inference import plan as plans
 from fast_inference.engine import Engine, vq_kernels
 from fast_inference.fast_engine import (ROOT, Parser, UserError, add_model_args, build_gpt, build_vq,
-                                        check_draft_grid, check_memory, check_ranges, check_speculative,
+                                        check_draft_grid, check_ranges, check_speculative,
                                         check_writable, cli_main, is_demo, is_user_error, make_engine, model_args,
-                                        pick_device, sample_tokens, use_demo_model)
+                                        pick_device, run_memory, sample_tokens, use_demo_model)
 from fast_inference.images import save_image, save_png_uint8
 
 
@@ -473,7 +473,7 @@ def image_shape(args, device, dtype):
     H, W = args.image_H or image_size, args.image_W or image_size
     if H <= 0 or W <= 0 or H % 16 or W % 16 or (H // 16) * (W // 16) > margs.block_size:
         raise UserError(f"image size {H}x{W} must be multiples of 16 within the model's grid (--image-size {image_size})")
-    check_memory(margs, H, W, args.batch, args.cfg_scale, device, dtype, "use a smaller --batch or --image-size")
+    run_memory(args, margs, H, W, args.batch, device, dtype, "use a smaller --batch or --image-size")
     check_draft_grid(args, H, W)
     return margs, H, W
 
