@@ -296,6 +296,8 @@ def check_args(args):
         bench_model_args(args)
     except ValueError as e:
         raise UserError(f"--gpt-model {args.gpt_model}: {e}") from None
+    if os.sep in args.tag or (os.altsep and os.altsep in args.tag):
+        raise UserError(f"--tag {args.tag!r} names a folder; --tag is a file-name suffix, the folder is --out-dir")
     if os.path.exists(args.out_dir) and not os.path.isdir(args.out_dir):
         raise UserError(f"--out-dir {args.out_dir} is a file; give a folder")
     check_writable(os.path.join(args.out_dir, "bench.json"))

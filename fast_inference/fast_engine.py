@@ -389,9 +389,18 @@ def check_args(args):
         raise UserError(f"--save-tokens {args.save_tokens} is a directory; give a file name like tokens.npy")
     if args.save_samples and os.path.isfile(args.save_samples):
         raise UserError(f"--save-samples {args.save_samples} is a file; give a directory")
+    check_format("--out", args.out, ".png", "a PNG")
+    check_format("--save-tokens", args.save_tokens, ".npy", "a NumPy .npy")
     for path in (args.out, args.save_tokens, args.save_samples and os.path.join(args.save_samples, "0.png")):
         if path:
             check_writable(path)
+
+
+def check_format(flag, path, ext, what):
+    """An output file named with the extension of the one format it is written in (no image.jpg holding a PNG)."""
+    if path and not path.lower().endswith(ext):
+        stem = os.path.splitext(path)[0] if os.path.splitext(path)[1] else path
+        raise UserError(f"{flag} {path}: it is written as {what} file only; name it {stem}{ext}")
 
 
 def check_demo(args):

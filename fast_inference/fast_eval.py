@@ -639,9 +639,21 @@ def user_mistake(e):
     return isinstance(e, data.DataError) or is_user_error(e)
 
 
+def metrics_only(args):
+    """--metrics-only: the metrics of a folder of this --condition-type (its settings.json), no run writing it."""
+    made = read_json(os.path.join(args.sample_dir, "settings.json")).get("condition_type")
+    if made not in (None, args.condition_type):
+        raise UserError(f"--condition-type {args.condition_type} but {args.sample_dir} holds {made} samples (its "
+                        f"settings.json); pass --condition-type {made}")
+    with contextlib.ExitStack() as held:
+        if os.path.isdir(args.sample_dir):  # a missing folder: run_metrics says so
+            held.callback(os.close, lock_sample_dir(args.sample_dir, job_id(1)))
+        run_metrics(args)
+
+
 def run(args):
     if args.metrics_only:
-        return run_metrics(args)
+        return metrics_only(args)
     with contextlib.ExitStack() as held:
         names, rank, world = generate_split(args, held)
         if rank != 0:

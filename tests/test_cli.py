@@ -631,3 +631,12 @@ def test_speculative_flags(files, tmp_path, capsys):
     expect_error(capsys, tmp_path, argv + ["--backend", "cudagraph"], "--backend inductor with --compile-scope block")
     expect_error(capsys, tmp_path, argv + ["--draft-window", 0], "--draft-window 0 is out of range")
     expect_error(capsys, tmp_path, argv + ["--draft-init", "above"], "--draft-init above needs a square image")
+
+
+@pytest.mark.parametrize("flag, name, fixed", [("--out", "grid.jpg", "grid.png"), ("--out", "grid.webp", "grid.png"),
+                                               ("--out", "grid", "grid.png"), ("--save-tokens", "t.txt", "t.npy")])
+def test_an_output_named_in_a_format_not_written_is_refused(files, tmp_path, capsys, flag, name, fixed):
+    """--out is only ever a PNG and --save-tokens a .npy: another name is refused before any work, naming the fix."""
+    argv = t2i_argv(files, tmp_path)
+    argv = replace(argv, "--out", tmp_path / name) if flag == "--out" else [*argv, flag, tmp_path / name]
+    expect_error(capsys, tmp_path, argv, f"{flag} {tmp_path / name}", f"name it {tmp_path / fixed}")
