@@ -80,7 +80,8 @@ def load_failure(path, e):
 def cause(e):
     """What torch says went wrong: the last line of its weights-only failures (which open with advice to load
     unsafely), else the first."""
-    lines = [s.strip() for s in str(e).splitlines() if s.strip() and not s.strip().startswith("Check the documentation")]
+    lines = [s.strip() for s in str(e).splitlines() if s.strip()]
+    lines = [s for s in lines if not s.startswith("Check the documentation")]
     return (lines[-1] if "Weights only load failed" in str(e) else lines[0]) if lines else type(e).__name__
 
 
@@ -92,8 +93,8 @@ def refusal(path, e):
     unsafe = sorted((n for n in names or () if n not in allowed_globals()), key=lambda n: n.startswith("torch."))
     if unsafe:
         return (f"{path} is refused: it pickles {unsafe[0]}, so loading it would run code from the file (safe loading "
-                "runs none); if you trust the file, re-save its state dict as .safetensors (safetensors.torch.save_file) "
-                "on a machine where you do")
+                "runs none); if you trust the file, re-save its state dict as .safetensors "
+                "(safetensors.torch.save_file) on a machine where you do")
     if names:
         return (f"{path} names nothing that runs code, but safe loading cannot read its pickle ({cause(e)}); re-save "
                 "it with torch.save's default protocol, or as .safetensors (safetensors.torch.save_file)")

@@ -629,7 +629,7 @@ def run_metrics(args):
     device = pick_device(args)[0]
     fid_ref = args.fid_ref or (os.path.join(args.data_path, "image") if args.data_path else None)
     metrics.evaluate(args.sample_dir, args.condition_type, device, args.condition_ckpt, args.pred_dir,
-                     args.seg_dataset, fid_ref)
+                     args.seg_dataset, fid_ref, keep_measured=True)
 
 
 def user_mistake(e):

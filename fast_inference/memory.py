@@ -150,7 +150,8 @@ def cgroup_left():
         return None
     left, folder = None, os.path.join("/sys/fs/cgroup", path.lstrip("/"))
     while folder.startswith("/sys/fs/cgroup"):
-        limit, used = read_number(os.path.join(folder, "memory.max")), read_number(os.path.join(folder, "memory.current"))
+        limit = read_number(os.path.join(folder, "memory.max"))
+        used = read_number(os.path.join(folder, "memory.current"))
         if limit is not None and used is not None:
             left = limit - used if left is None else min(left, limit - used)
         if folder == "/sys/fs/cgroup":

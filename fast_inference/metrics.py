@@ -224,8 +224,9 @@ CONTROL_METRIC = {"hed": "ssim", "lineart": "ssim", "canny": "f1", "depth": "rms
 
 
 def evaluate(sample_dir, condition_type, device="cpu", condition_ckpt=None, pred_dir=None, seg_dataset="ade20k",
-             fid_ref=None):
-    """Run the measures of this condition type and FID; print them and write metrics.json."""
+             fid_ref=None, keep_measured=False):
+    """Run the measures of this condition type and FID; print them and write metrics.json (keep_measured: never
+    replacing a metric measured before on the same images with a skip, check_kept)."""
     names = output_names(sample_dir)
     control = CONTROL_METRIC[condition_type]
     runs = {
@@ -242,7 +243,8 @@ def evaluate(sample_dir, condition_type, device="cpu", condition_ckpt=None, pred
         except Skipped as e:
             result["skipped"][metric] = str(e)
             print(f"{metric}: skipped, {e}")
-    check_kept(os.path.join(sample_dir, "metrics.json"), result)
+    if keep_measured:
+        check_kept(os.path.join(sample_dir, "metrics.json"), result)
     write_json(result, os.path.join(sample_dir, "metrics.json"))
     return result
 

@@ -151,9 +151,9 @@ def test_metrics_only_never_overwrites_what_the_folder_holds(tmp_path, capsys):
     assert "holds canny samples" in err and "pass --condition-type canny" in err
     err = refused("--condition-type", "canny", "--fid-ref", str(tmp_path / "nowhere"))
     assert "holds fid 12.5000 measured before, which this run skips" in err and "move" in err
-    holder = subprocess.Popen([sys.executable, "-c", "import fcntl, os, sys, time; fd = os.open(sys.argv[1], os.O_RDWR | "
-                               "os.O_CREAT); fcntl.lockf(fd, fcntl.LOCK_EX); print('locked', flush=True); time.sleep(60)",
-                               str(tmp_path / ".lock")], stdout=subprocess.PIPE, text=True)
+    hold = ("import fcntl, os, sys, time; fd = os.open(sys.argv[1], os.O_RDWR | os.O_CREAT); "
+            "fcntl.lockf(fd, fcntl.LOCK_EX); print('locked', flush=True); time.sleep(60)")
+    holder = subprocess.Popen([sys.executable, "-c", hold, str(tmp_path / ".lock")], stdout=subprocess.PIPE, text=True)
     try:
         assert holder.stdout.readline().strip() == "locked"
         assert "is being written by another fast_eval.py run" in refused("--condition-type", "canny")
