@@ -239,8 +239,9 @@ CONTROL_METRIC = {"hed": "ssim", "lineart": "ssim", "canny": "f1", "depth": "rms
 
 
 def evaluate(sample_dir, condition_type, device="cpu", condition_ckpt=None, pred_dir=None, seg_dataset="ade20k",
-             fid_ref=None):
-    """Run the measures of this condition type and FID; print them and write metrics.json."""
+             fid_ref=None, keep_measured=False):
+    """Run the measures of this condition type and FID; print them and write metrics.json (keep_measured: never
+    replacing a metric measured before on the same images with a skip, check_kept)."""
     names = output_names(sample_dir)
     control = CONTROL_METRIC[condition_type]
     runs = {
@@ -257,8 +258,25 @@ def evaluate(sample_dir, condition_type, device="cpu", condition_ckpt=None, pred
         except Skipped as e:
             result["skipped"][metric] = str(e)
             print(f"{metric}: skipped, {e}")
+    if keep_measured:
+        check_kept(os.path.join(sample_dir, "metrics.json"), result)
     write_json(result, os.path.join(sample_dir, "metrics.json"))
     return result
+
+
+def check_kept(path, result):
+    """Refuse to replace a metric measured before on the same images with a skip (what it needs was not given)."""
+    try:
+        with open(path) as f:
+            before = json.load(f)
+    except (OSError, ValueError):
+        return
+    if (before.get("condition_type"), before.get("num_images")) != (result["condition_type"], result["num_images"]):
+        return  # other images: the old values no longer hold
+    for metric, reason in result["skipped"].items():
+        if isinstance(before.get(metric), (int, float)):
+            raise DataError(f"{path} holds {metric} {before[metric]:.4f} measured before, which this run skips "
+                            f"({reason}); give it what it needs, or move {path} away to replace it")
 
 
 def write_json(obj, path):

@@ -570,6 +570,8 @@ def precompute_freqs_cis_2d(args):
     """
     half = args.head_dim // 2
     grid = math.isqrt(args.block_size)
+    if torch.get_default_device().type == "meta":  # a model built for its shapes (memory.py): nothing computed
+        return torch.empty(args.prefix_len + grid * grid, half, 2, device="meta")
     freqs = 1.0 / (args.rope_base ** (torch.arange(0, half, 2, device="cpu")[: half // 2].float() / half))
     t = torch.arange(grid, dtype=torch.float32, device="cpu")
     angles = torch.outer(t, freqs)  # (G, hd/4)

@@ -593,20 +593,10 @@ def test_huge_image_size_is_refused_before_allocation(tmp_path, capsys):
 
 
 def test_sizes_beyond_the_free_memory_are_refused(tmp_path, capsys, monkeypatch):
-    monkeypatch.setattr(fast_engine, "available_memory", lambda device: 2**20)
+    monkeypatch.setattr(fast_engine.memory, "available", lambda device: (2**20, f"{device} has 0.0 GiB free"))
     code, _, err = cli(capsys, "--num-images", 4, "--out", tmp_path / "x.png")
     size = fast_engine.model_args(fast_engine.parse_args([]))[1]  # the demo model's
     assert code == 2 and f"4 image(s) of {size}x{size}" in err and "0.0 GiB free" in err and "--num-images" in err, err
-
-
-def test_memory_estimate_is_a_lower_bound():
-    """The weights part never exceeds what a built model holds (a refusal must never be a false alarm)."""
-    margs = ModelArgs(**T2I, block_size=16, cls_token_num=8)
-    model = Transformer(margs)
-    held = sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
-    assert fast_engine.memory_needed(margs, 16, 16, 0, 1.0, torch.float32) <= held
-    more = fast_engine.memory_needed(margs, 64, 64, 2, 4.0, torch.float32)
-    assert more - fast_engine.memory_needed(margs, 64, 64, 0, 4.0, torch.float32) >= 2 * 2 * 128 * 64 * 64 * 4
 
 
 def test_random_transformer_is_not_called_real_tokens(files):
@@ -648,3 +638,12 @@ def test_speculative_flags(files, tmp_path, capsys):
     expect_error(capsys, tmp_path, argv + ["--backend", "cudagraph"], "--backend inductor with --compile-scope block")
     expect_error(capsys, tmp_path, argv + ["--draft-window", 0], "--draft-window 0 is out of range")
     expect_error(capsys, tmp_path, argv + ["--draft-init", "above"], "--draft-init above needs a square image")
+
+
+@pytest.mark.parametrize("flag, name, fixed", [("--out", "grid.jpg", "grid.png"), ("--out", "grid.webp", "grid.png"),
+                                               ("--out", "grid", "grid.png"), ("--save-tokens", "t.txt", "t.npy")])
+def test_an_output_named_in_a_format_not_written_is_refused(files, tmp_path, capsys, flag, name, fixed):
+    """--out is only ever a PNG and --save-tokens a .npy: another name is refused before any work, naming the fix."""
+    argv = t2i_argv(files, tmp_path)
+    argv = replace(argv, "--out", tmp_path / name) if flag == "--out" else [*argv, flag, tmp_path / name]
+    expect_error(capsys, tmp_path, argv, f"{flag} {tmp_path / name}", f"name it {tmp_path / fixed}")
