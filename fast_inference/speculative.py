@@ -16,9 +16,12 @@ distribution does. Still lossless: a position's noise decides an accepted token 
 that position, and nothing before then depends on it (the distributions there are computed from earlier positions),
 so each draft is still a fresh draw from its q; the residual draws and the accept tests keep fresh randomness.
 """
+from dataclasses import replace
+
 import torch
 import torch.nn.functional as F
 
+from fast_inference.kernels.attention_triton import chain_masks
 from fast_inference.runner import ShapeRunner
 from fast_inference.sampling import cfg_merge, filter_logits
 
@@ -120,7 +123,9 @@ class JacobiRunner(ShapeRunner):
         buf("passes", torch.zeros(B, dtype=torch.long, device=device))
         buf("steps", torch.arange(window, device=device))
         buf("noise_seed", torch.zeros((), dtype=torch.long, device=device))  # position_noise's, per generate()
-        self.pass_ctx, self.pass_head = None, None  # the passes' Context and head (wired by the Engine)
+        buf("masks", chain_masks(window, device))  # the window kernel's: query j sees the window's keys 0..j
+        # the passes' Context and head, and the window kernel's inputs or None (wired by the Engine)
+        self.pass_ctx, self.pass_head, self.pass_inputs = None, None, None
 
     def start(self):
         """After the prefill's first token: every image at one token, its window of initial drafts."""
@@ -164,10 +169,16 @@ class JacobiRunner(ShapeRunner):
         tokens = torch.cat([self.last[:, None], self.drafts[:, : L - 1]], 1)
         # image position n - 1 + j sits at T + n - 1 + j; past the image (its outputs unused), at its last position
         pos = (T + self.n[:, None] - 1 + self.steps).clamp(max=T + N - 1)
-        if self.cfg:
-            tokens, pos = torch.cat([tokens, tokens]), torch.cat([pos, pos])
-        h = self.model.blocks(self.model.tok_embeddings(tokens), pos, self.key_valid, self.controls,
-                              ctx=self.pass_ctx)
+        rows = (lambda t: torch.cat([t, t])) if self.cfg else (lambda t: t)
+        ctx = self.pass_ctx
+        if self.pass_inputs is None:
+            x = self.model.tok_embeddings(rows(tokens))
+        else:  # the embeddings, RoPE rows and control rows of each image's positions in one kernel
+            x, inputs = self.pass_inputs(self.model, tokens, pos, self.controls, self.cfg)
+            ctx = replace(ctx, inputs=inputs)
+        if ctx.attention is not None:  # the window kernel: each image's filled keys before its window, a chain
+            ctx = replace(ctx, window=(rows(T + self.n - 1), self.masks.expand(x.shape[0], L)))
+        h = self.model.blocks(x, rows(pos), self.key_valid, self.controls, ctx=ctx)
         p = probabilities(self.pass_head(h), self.cfg, self.cfg_scale, self.temperature, self.top_k, self.top_p,
                           self.sample_logits)
         self.advance(p)

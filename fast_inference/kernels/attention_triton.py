@@ -459,6 +459,11 @@ if triton is not None:
                  y.to(OUT.dtype.element_ty), mask=(offs_l < window)[:, None])
 
 
+def window_fits(head_dim, window):
+    """window_attention takes heads of a power-of-two size >= 16 (tl.dot's least) and windows of <= MAX_WINDOW."""
+    return head_dim >= 16 and head_dim & (head_dim - 1) == 0 and 1 <= window <= MAX_WINDOW
+
+
 def window_config(dtype, head_dim, lp):
     """The window form's (BLOCK, warps, merge warps): WINDOW_CONFIG, its tile halved for every doubling of the
     float32 tiles past bf16 at GPT-XL's head dim (float32 at 32 queries spilled)."""

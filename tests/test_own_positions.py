@@ -1,0 +1,125 @@
+"""The window kernels (attention_triton.window_attention, inputs_triton.window_inputs) wired into the two callers whose
+rows sit at their own positions: the speculative pass (speculative.py, L = window) and the server's step
+(continuous.py, L = 1), where the plan takes them (plan.WINDOW_KERNELS, the window_* overrides). On the CPU the
+Triton interpreter runs them: greedy tokens of a pass equal the reference's, and a server's requests get the plain
+engine's tokens; on a CUDA device (`-k cuda`) the pass's fp32 greedy tokens equal the plain engine's at GPT-XL's
+width, through inductor's compiled block and the captured pass."""
+import dataclasses
+
+import pytest
+import torch
+
+import early
+import interpret
+from fast_inference import plan
+
+pytest.importorskip("triton")
+
+
+def test_the_plan_keeps_them_off_until_measured_and_takes_the_overrides():
+    hopper = plan.Situation(device="cuda", capability=(9, 0), dtype=torch.bfloat16, draft_window=16)
+    p = plan.make(hopper)
+    assert (p.jacobi.attention, p.jacobi.inputs) == ("triton" if plan.WINDOW_KERNELS else "sdpa",
+                                                      "triton" if plan.WINDOW_KERNELS else "model")
+    on = (("window_attention", "triton"), ("window_inputs", "triton"))
+    p = plan.make(dataclasses.replace(hopper, overrides=on))
+    assert (p.jacobi.attention, p.jacobi.inputs) == ("triton", "triton")
+    assert "Triton window attention" in plan.explain(p) and "window_inputs" in plan.explain(p)
+    server = plan.make(dataclasses.replace(hopper, overrides=on, draft_window=0, own_positions=True)).own_positions
+    assert (server.attention, server.inputs) == ("triton", "triton")
+    assert "Triton window attention" in plan.explain_server(dataclasses.replace(hopper, overrides=on))
+    off = plan.make(dataclasses.replace(hopper, overrides=(("window_attention", "sdpa"),)))
+    assert off.jacobi.attention == "sdpa"
+    for where in (dict(device="cpu", capability=None), dict(backend="cudagraph", draft_window=0, own_positions=True),
+                  dict(dim=80 * 20)):  # no Triton on CUDA, the cudagraph backend, a head dim of 80
+        with pytest.raises(plan.PlanError, match="window_attention=triton needs"):
+            plan.make(dataclasses.replace(hopper, overrides=on, **where))
+
+
+SCRIPT = r"""
+import interpret  # first: the interpreter without its re-patching per call (tests/interpret.py)
+import dataclasses
+import torch
+from fast_inference import engine as engine_module, plan
+from fast_inference.continuous import Batch
+from fast_inference.engine import Engine
+from fast_inference.generate import generate
+from fast_inference.kernels import attention_triton, inputs_triton
+from test_continuous import alone, requests, run
+from test_reference import tiny_inputs, tiny_model
+
+make = plan.make
+
+
+def with_window_kernels(s):
+    # the plan of the situation with the window kernels taken, as a CUDA device with Triton would (the interpreter
+    # runs them here); the pass and the server's steps on the eager backend
+    p = make(s)
+    if p.jacobi is not None:
+        p = dataclasses.replace(p, jacobi=dataclasses.replace(p.jacobi, attention="triton", inputs="triton"))
+    if p.own_positions is not None:
+        own = dataclasses.replace(p.own_positions, attention="triton", inputs="triton")
+        p = dataclasses.replace(p, own_positions=own)
+    return p
+
+
+engine_module.plans.make = with_window_kernels
+checked = 0
+# the pass: greedy tokens equal the reference's, windows shorter and longer than what is left of the image
+model = tiny_model(cls=8, seed=3)
+cond, mask, condition = tiny_inputs(model)
+kw = dict(emb_masks=mask, condition=condition, cfg_scale=4.0, control_strength=0.8, top_k=1)
+n = model.args.block_size
+ref = generate(model, cond, n, **kw)
+for window in (4, 16):
+    engine = Engine(model, backend="eager", speculative="jacobi", draft_window=window)
+    got = engine.generate(cond, n, **kw)
+    r = engine.runner
+    assert r.pass_ctx.attention is attention_triton.window_attention and r.pass_inputs is inputs_triton.window_inputs
+    assert torch.equal(got, ref), (window, got, ref)
+    checked += 1
+# the server: requests joining a running batch at other positions get the plain engine's tokens
+model = tiny_model()
+rs = requests(model)[:3]
+want = [alone(model, r) for r in rs]
+batch = Batch(Engine(model, backend="eager"), rs[0].shape, capacity=4)
+assert batch.runner.ctx.attention is attention_triton.window_attention
+assert batch.runner.inputs_fn is inputs_triton.window_inputs
+got = run(batch, {0: rs[:2], 3: [rs[2]]})
+for i in range(3):
+    assert torch.equal(got[i], want[i]), i
+    checked += 1
+print("ok", checked)
+"""
+
+
+def test_pass_and_server_step_on_window_kernels_in_interpreter():
+    """Jacobi passes of 4 and 16 positions (the 16-token image: a window past its end) give the reference's greedy
+    tokens through the window kernels; three requests joining a server's batch at steps 0, 0 and 3 get the plain
+    engine's tokens (their own seeds and settings)."""
+    out = early.result(SCRIPT, interpret.ENV)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.split()[-2:] == ["ok", "5"], out.stdout
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("window", [4, 16])
+def test_pass_on_window_kernels_gives_the_plain_engines_greedy_tokens_on_cuda(window):
+    """fp32 at GPT-XL's width (1,280, 20 heads, 2 blocks), 256 tokens, 2 images: the speculative engine with the
+    window kernels (inductor's compiled block, the pass captured) against the plain engine, greedy."""
+    from fast_inference.engine import Engine
+    from test_reference import tiny_inputs, tiny_model
+
+    model = tiny_model(dim=1280, n_head=20, n_layer=2, block_size=256, seed=5).to("cuda")
+    cond, mask, condition = (t.to("cuda") for t in tiny_inputs(model))
+    kw = dict(emb_masks=mask, condition=condition, cfg_scale=4.0, top_k=1)
+    want = Engine(model, backend="inductor").generate(cond, 256, **kw)
+    engine = Engine(model, backend="inductor", speculative="jacobi", draft_window=window,
+                    overrides=("window_attention=triton", "window_inputs=triton"))
+    got = engine.generate(cond, 256, **kw)
+    assert (engine.plan.jacobi.attention, engine.plan.jacobi.inputs) == ("triton", "triton")
+    assert torch.equal(got, want)
+    assert torch.equal(engine.generate(cond, 256, **kw), want)  # replayed
+
+
+EARLY = {"test_pass_and_server_step_on_window_kernels_in_interpreter": (SCRIPT, interpret.ENV)}
