@@ -216,7 +216,9 @@ class Engine:
         """The speculative pass's blocks and head (inductor's compiled block and head, or the eager model's), and the
         window kernels where the plan takes them."""
         ops = eager_ops(j.ops)
-        r.pass_ctx = Context(ops=ops, block=self.compiled_block() if j.block == "compiled" else None,
+        block = (functools.partial(fused_block, rows=j.rows) if j.block == "fused" else
+                 self.compiled_block() if j.block == "compiled" else None)
+        r.pass_ctx = Context(ops=ops, block=block, block_adds_control=j.block == "fused",
                              attention=attention_triton.window_attention if j.attention == "triton" else None)
         r.pass_inputs = inputs_triton.window_inputs if j.inputs == "triton" else None
         if j.head == "compiled":

@@ -502,8 +502,11 @@ class Transformer(nn.Module):
 
             def attend(q, k, v, freqs, cache):
                 # each row's keys and values written at its positions, then its queries against its filled keys
-                # and the window's, as the window's masks say
-                if rot is None:
+                # and the window's, as the window's masks say; k None: q rotated and the keys written (the fused
+                # block's QKV kernel)
+                if k is None:
+                    q = q.transpose(1, 2)
+                elif rot is None:
                     q, _, _ = ops.rope_and_cache(q, k, v, freqs, cache, input_pos)
                 else:
                     q, _, _ = rope_and_cache(q, k, v, rot, cache, input_pos)

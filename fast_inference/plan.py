@@ -144,12 +144,14 @@ class JacobiPass:
     one-query decode kernels (fused block, decode attention, inputs, draw) do not serve it; SDPA with the mask does, or
     the window kernels (attention and inputs, each row's L queries at their own positions) where the plan takes them."""
     window: int  # L: the last accepted token and L - 1 drafts per image
-    block: str  # compiled (inductor's block, the compiled steps' own) | model (eager blocks)
+    block: str  # compiled (inductor's block, the compiled steps' own) | model (eager blocks) | fused (the fused
+    # block's Triton kernels at the pass's rows, each query's RoPE and cache write in QKV: `rows`)
     head: str  # compiled | model
     ops: EagerOps  # the eager blocks' element-wise kernels (RoPE: torch's, per row)
     graph: bool  # the whole pass one CUDA graph, captured by hand
     attention: str = "sdpa"  # sdpa (each row's mask over the cache) | triton (attention_triton.window_attention)
     inputs: str = "model"  # model (the embedding; RoPE and control rows gathered by the model) | triton (window_inputs)
+    rows: Optional[Rows] = None  # the fused block's projections at the pass's rows (block fused)
 
 
 @dataclass(frozen=True)
@@ -215,6 +217,7 @@ OVERRIDES = dict(
     merge_pdl=("on", "off"),
     window_attention=("sdpa", "triton"),  # a pass's and a server step's attention (WINDOW_KERNELS)
     window_inputs=("model", "triton"),  # ... and their inputs
+    window_block=("compiled", "fused"),  # a pass's block: inductor's, or the fused kernels at its rows (with the above)
 )
 
 
@@ -343,7 +346,7 @@ def make(s: Situation) -> Plan:
 
 
 def window_kernels(s, want):
-    """(attention, inputs) of rows at their own positions, L queries each (a pass, a server's step): the window
+    """(attention, inputs, a pass's block) of rows at their own positions, L queries each (a pass, a server's step): the window
     kernels where Triton runs on CUDA (not the cudagraph backend) and they fit, off by default (WINDOW_KERNELS) and
     taken by the overrides window_attention=triton, window_inputs=triton; else SDPA with each row's mask and the
     model's inputs."""
@@ -358,7 +361,7 @@ def window_kernels(s, want):
     if inputs == "triton" and not ok:
         raise PlanError("plan override window_inputs=triton needs Triton on a CUDA device (not the cudagraph backend); "
                         "use window_inputs=model")
-    return attention, inputs
+    return attention, inputs, want.get("window_block", "compiled")
 
 
 def jacobi_pass(s, block_scope, hand_capture, eager, window):
@@ -369,10 +372,22 @@ def jacobi_pass(s, block_scope, hand_capture, eager, window):
     if s.draft_window < 2:
         raise PlanError(f"--draft-window {s.draft_window}: a pass needs at least 2 positions")
     compiled = block_scope and not s.int8  # inductor turns int8 projections into slow kernels (as the steps)
-    return JacobiPass(window=s.draft_window, block="compiled" if compiled else "model",
-                      head="compiled" if compiled else "model",
+    block, rows = "compiled" if compiled else "model", None
+    if window[2] == "fused":
+        if not (compiled and window[0] == "triton" and block_triton.fits(s.head_dim, dot=True)):
+            raise PlanError("plan override window_block=fused needs the inductor backend's block scope on a CUDA device "
+                            "with Triton, float weights, a head dim the fused block takes and window_attention=triton")
+        block, rows = "fused", pass_rows(s.rows * s.draft_window)
+    return JacobiPass(window=s.draft_window, block=block, head="compiled" if compiled else "model",
                       ops=EagerOps() if compiled else dataclasses.replace(eager, rope="torch"), graph=hand_capture,
-                      attention=window[0], inputs=window[1])
+                      attention=window[0], inputs=window[1], rows=rows)
+
+
+def pass_rows(rows):
+    """The fused block's projections at a pass's rows: Triton's (block_cuda's QKV takes one position for every row),
+    GEMV or dot by GEMV_ROWS, without PDL (the window attention between them launches without it)."""
+    impl = "triton_gemv" if rows <= GEMV_ROWS else "triton_dot"
+    return Rows(rows=rows, projections=tuple((name, Projection(impl)) for name in PROJECTIONS), attention="triton")
 
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 64)  # a server's step sizes: graphs captured at a few, idle slots computed up to the next
@@ -648,8 +663,10 @@ def explain(p):
         row("rows apart", describe_own_positions(p.own_positions))
     if p.jacobi is not None:
         j = p.jacobi
+        blocks = (f"fused (Triton {j.rows.projection('qkv').impl.split('_')[1]})" if j.block == "fused" else
+                  "compiled" if j.block == "compiled" else "eager")
         row("speculative", f"Jacobi passes of {j.window} positions: {s.rows * j.window} rows through the "
-            f"{'compiled' if j.block == 'compiled' else 'eager'} blocks and {WINDOW_WORDS[j.attention]}, inputs "
+            f"{blocks} blocks and {WINDOW_WORDS[j.attention]}, inputs "
             f"{INPUT_WORDS[j.inputs]}, {'one CUDA graph' if j.graph else 'op by op'}; {describe_ops(j.ops)}")
     row("VQ norms", p.vq_norm)
     return "\n".join(lines)

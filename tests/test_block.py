@@ -287,7 +287,9 @@ for dt, D, F, hd, int8 in (("bf16", 1280, 3584, 64, False), ("bf16", 4096, 11008
                   options)
         pairs, kw, options = args("qkv", dtype, rows, D, 2, int8)
         kw.pop("K")
-        build(db._qkv_kernel, qkv, dict(kw, D=D, HD=hd, BP=min(pairs, hd // 2)), options)
+        build(db._qkv_kernel, qkv, dict(kw, D=D, HD=hd, BP=min(pairs, hd // 2), WINDOW=0), options)
+        if rows > plan.GEMV_ROWS:  # a pass's rows at their own positions (the dot path)
+            build(db._qkv_kernel, qkv, dict(kw, D=D, HD=hd, BP=min(pairs, hd // 2), WINDOW=4), options)
         bn, kw, options = args("gate_up", dtype, rows, D, 2, int8)
         build(db._gate_up_kernel, gu, dict(kw, BN=bn), options)
     if D == 1280 and not int8:  # down(): w2 with its residual add in the compiled block, counting, under PDL

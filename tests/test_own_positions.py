@@ -44,11 +44,17 @@ from fast_inference import engine as engine_module, plan
 from fast_inference.continuous import Batch
 from fast_inference.engine import Engine
 from fast_inference.generate import generate
+import functools
 from fast_inference.kernels import attention_triton, inputs_triton
+from fast_inference.kernels.block import fused_block
+from fast_inference.model import Context
 from test_continuous import alone, requests, run
 from test_reference import tiny_inputs, tiny_model
 
 make = plan.make
+
+
+FUSED = False  # the pass's block: the fused block's kernels at its rows
 
 
 def with_window_kernels(s):
@@ -56,7 +62,8 @@ def with_window_kernels(s):
     # runs them here); the pass and the server's steps on the eager backend
     p = make(s)
     if p.jacobi is not None:
-        p = dataclasses.replace(p, jacobi=dataclasses.replace(p.jacobi, attention="triton", inputs="triton"))
+        fused = dict(block="fused", rows=plan.pass_rows(s.rows * s.draft_window)) if FUSED else {}
+        p = dataclasses.replace(p, jacobi=dataclasses.replace(p.jacobi, attention="triton", inputs="triton", **fused))
     if p.own_positions is not None:
         own = dataclasses.replace(p.own_positions, attention="triton", inputs="triton")
         p = dataclasses.replace(p, own_positions=own)
@@ -71,13 +78,47 @@ cond, mask, condition = tiny_inputs(model)
 kw = dict(emb_masks=mask, condition=condition, cfg_scale=4.0, control_strength=0.8, top_k=1)
 n = model.args.block_size
 ref = generate(model, cond, n, **kw)
-for window in (4, 16):
+for window, FUSED in ((4, False), (16, False), (4, True)):
     engine = Engine(model, backend="eager", speculative="jacobi", draft_window=window)
     got = engine.generate(cond, n, **kw)
     r = engine.runner
     assert r.pass_ctx.attention is attention_triton.window_attention and r.pass_inputs is inputs_triton.window_inputs
+    assert (getattr(r.pass_ctx.block, "func", None) is fused_block) == FUSED
     assert torch.equal(got, ref), (window, got, ref)
     checked += 1
+# the fused block at a pass's rows (2 images under CFG x 4 queries, dot path), each row at its own ragged positions,
+# a window past the image's end: the blocks' output and the caches as the model's own blocks with SDPA
+B, L, N = 2, 4, model.args.block_size
+T = model.args.cls_token_num
+model.setup_caches(2 * B, T + N, torch.float32)
+g = torch.Generator().manual_seed(7)
+for layer in model.layers:
+    for c in (layer.attention.kv_cache.k_cache, layer.attention.kv_cache.v_cache):
+        c.copy_(torch.randn(c.shape, generator=g))
+saved = [(l.attention.kv_cache.k_cache.clone(), l.attention.kv_cache.v_cache.clone()) for l in model.layers]
+n_img = torch.tensor([5, N - 2])  # the second image's window runs past its end
+pos = (T + n_img[:, None] - 1 + torch.arange(L)).clamp(max=T + N - 1)
+pos = torch.cat([pos, pos])
+x = torch.randn(2 * B, L, model.args.dim, generator=g)
+key_valid = torch.ones(2 * B, model.max_seq, dtype=torch.bool)
+key_valid[:, :T] = torch.rand(2 * B, T, generator=g) > 0.5
+controls = torch.randn(3, 2 * B, N, model.args.dim, generator=g)
+want = model.blocks(x, pos, key_valid, controls)
+want_caches = [(l.attention.kv_cache.k_cache.clone(), l.attention.kv_cache.v_cache.clone()) for l in model.layers]
+for layer, (k, v) in zip(model.layers, saved):
+    layer.attention.kv_cache.k_cache.copy_(k)
+    layer.attention.kv_cache.v_cache.copy_(v)
+masks = attention_triton.chain_masks(L).expand(2 * B, L)
+ctx = Context(block=functools.partial(fused_block, rows=plan.pass_rows(2 * B * L)), block_adds_control=True,
+              attention=attention_triton.window_attention, window=(pos[:, 0].contiguous(), masks))
+got = model.blocks(x, pos, key_valid, controls, ctx=ctx)
+inside = (pos < T + N - 1)[..., None]  # queries whose key no later one of the window overwrites
+worst = (got - want).abs().masked_fill(~inside, 0).max().item()
+for (k, v), (wk, wv) in zip([(l.attention.kv_cache.k_cache, l.attention.kv_cache.v_cache) for l in model.layers],
+                            want_caches):
+    worst = max(worst, (k - wk)[:, :, : T + N - 1].abs().max().item(), (v - wv)[:, :, : T + N - 1].abs().max().item())
+assert worst < 1e-4, worst
+checked += 1
 # the server: requests joining a running batch at other positions get the plain engine's tokens
 model = tiny_model()
 rs = requests(model)[:3]
@@ -95,11 +136,13 @@ print("ok", checked)
 
 def test_pass_and_server_step_on_window_kernels_in_interpreter():
     """Jacobi passes of 4 and 16 positions (the 16-token image: a window past its end) give the reference's greedy
-    tokens through the window kernels; three requests joining a server's batch at steps 0, 0 and 3 get the plain
-    engine's tokens (their own seeds and settings)."""
+    tokens through the window kernels, and passes of 4 through the fused block's kernels at the pass's rows too; the
+    fused block at 2 images x 4 ragged queries under CFG gives the model's blocks' output and caches (within 1e-4);
+    three requests joining a server's batch at steps 0, 0 and 3 get the plain engine's tokens (their own seeds and
+    settings)."""
     out = early.result(SCRIPT, interpret.ENV)
     assert out.returncode == 0, out.stderr[-3000:]
-    assert out.stdout.split()[-2:] == ["ok", "5"], out.stdout
+    assert out.stdout.split()[-2:] == ["ok", "7"], out.stdout
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
