@@ -90,6 +90,7 @@ for window, FUSED in ((4, False), (16, False), (4, True)):
 # a window past the image's end: the blocks' output and the caches as the model's own blocks with SDPA
 B, L, N = 2, 4, model.args.block_size
 T = model.args.cls_token_num
+model.fuse_projections()  # as the Engine does
 model.setup_caches(2 * B, T + N, torch.float32)
 g = torch.Generator().manual_seed(7)
 for layer in model.layers:
