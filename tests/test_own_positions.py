@@ -147,10 +147,11 @@ def test_pass_and_server_step_on_window_kernels_in_interpreter():
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-@pytest.mark.parametrize("window", [4, 16])
-def test_pass_on_window_kernels_gives_the_plain_engines_greedy_tokens_on_cuda(window):
+@pytest.mark.parametrize("window,block", [(4, "compiled"), (16, "compiled"), (16, "fused")])
+def test_pass_on_window_kernels_gives_the_plain_engines_greedy_tokens_on_cuda(window, block):
     """fp32 at GPT-XL's width (1,280, 20 heads, 2 blocks), 256 tokens, 2 images: the speculative engine with the
-    window kernels (inductor's compiled block, the pass captured) against the plain engine, greedy."""
+    window kernels (inductor's compiled block or the fused block's kernels, the pass captured) against the plain
+    engine, greedy."""
     from fast_inference.engine import Engine
     from test_reference import tiny_inputs, tiny_model
 
@@ -159,11 +160,41 @@ def test_pass_on_window_kernels_gives_the_plain_engines_greedy_tokens_on_cuda(wi
     kw = dict(emb_masks=mask, condition=condition, cfg_scale=4.0, top_k=1)
     want = Engine(model, backend="inductor").generate(cond, 256, **kw)
     engine = Engine(model, backend="inductor", speculative="jacobi", draft_window=window,
-                    overrides=("window_attention=triton", "window_inputs=triton"))
+                    overrides=("window_attention=triton", "window_inputs=triton", f"window_block={block}"))
     got = engine.generate(cond, 256, **kw)
-    assert (engine.plan.jacobi.attention, engine.plan.jacobi.inputs) == ("triton", "triton")
+    assert (engine.plan.jacobi.attention, engine.plan.jacobi.inputs, engine.plan.jacobi.block) == (
+        "triton", "triton", block)
     assert torch.equal(got, want)
     assert torch.equal(engine.generate(cond, 256, **kw), want)  # replayed
 
 
 EARLY = {"test_pass_and_server_step_on_window_kernels_in_interpreter": (SCRIPT, interpret.ENV)}
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_server_steps_on_window_kernels_give_the_plain_engines_tokens_on_cuda():
+    """fp32 at GPT-XL's width: requests joining a server's batch on the window kernels (captured steps per bucket) get
+    the plain engine's greedy tokens."""
+    from fast_inference.continuous import Batch, Request
+    from fast_inference.engine import Engine
+    from test_reference import tiny_inputs, tiny_model
+
+    model = tiny_model(dim=1280, n_head=20, n_layer=2, block_size=64, seed=6).to("cuda")
+    cond, mask, condition = (t.to("cuda") for t in tiny_inputs(model, B=2))
+    rs = [Request(cond=cond[b : b + 1], mask=mask[b : b + 1], control=condition[b], seed=b, top_k=1) for b in (0, 1)]
+    want = [Engine(model).generate(r.cond, r.num_tokens, emb_masks=r.mask, cfg_scale=r.cfg_scale,
+                                   condition=r.control[None], top_k=1) for r in rs]
+    engine = Engine(model, overrides=("window_attention=triton", "window_inputs=triton"))
+    batch = Batch(engine, rs[0].shape, capacity=2)
+    assert (engine.plan.own_positions.attention, engine.plan.own_positions.inputs) == ("triton", "triton")
+    entries = [batch.admit(rs[0])]
+    for _ in range(5):  # the second request joins 5 steps later, at other positions
+        batch.step()
+    entries.append(batch.admit(rs[1]))
+    done = {}
+    while len(done) < 2:
+        for e in batch.step():
+            done[entries.index(e)] = batch.tokens(e)
+            batch.remove(e)
+    for i in range(2):
+        assert torch.equal(done[i].cpu(), want[i].cpu()), i

@@ -26,6 +26,12 @@ usage: tools/gpu_session.sh STEP...      (steps run in order; each writes OUT/<s
           more (DEMO_GPT_STEPS more from DEMO_DIR's GPT, --gpt-from); each writes OUT/demo/ with the weights cut in
           15 MB parts (a returned file holds 16 MB at most: cat gpt.safetensors.part.* > gpt.safetensors), and the
           GPT phases then run scripts/eval_demo.py on the result (OUT/demo_eval.json, OUT/demo_model.png)
+  ownpos  the window kernels (rows at their own positions, issue 75) in one call (< 8 min of an H100): their CUDA
+          tests (tests/test_window_attention.py, tests/test_own_positions.py -k cuda), float32 greedy tokens of a
+          speculative run on them against the plain engine at GPT-XL shapes (tools/window_greedy.py, the compiled
+          and the fused block), then bench.py --speculative jacobi --target-entropy 3 at n = 1, 8 (the plain engine
+          in each run) with the window kernels off, on, and on with the fused block (OWNPOS_SIZES, default 1,8);
+          OWNPOS_MARGINALS=1 adds tools/jacobi_marginals.py on the window kernels
   serve   the server's tests on the GPU, then the server under load at GPT-XL shapes (random weights, 512 px): 32
           clients, 200 requests, images/s and latency p50/p95, against fast_eval.py --batch 32 over the same inputs
           and one image through fast_engine.py against a lone request, in one run (tools/load_serve.py --compare;
@@ -148,6 +154,25 @@ step_jacobi() {
     "${bench[@]}" --batch-sizes 1,8 --ref-steps 0 --target-entropy 3 --draft-coupling gumbel --tag _jacobi_gumbel
 }
 
+step_ownpos() {
+    # a failing check is reported, and the timings still run: one device call
+    (cd "$root" && "$py" -m pytest -q -p no:cacheprovider tests/test_window_attention.py tests/test_own_positions.py \
+        -k cuda) || echo "== FAILED: the window kernels' CUDA tests"
+    local on="window_attention=triton,window_inputs=triton"
+    "$py" "$here/window_greedy.py" --images 2 --plans "$on" "$on,window_block=fused" \
+        || echo "== FAILED: greedy tokens on the window kernels differ from the plain engine's"
+    local bench=("$py" "$root/fast_inference/bench.py" --random-weights --speculative jacobi --target-entropy 3
+                 --in-process --batch-sizes "${OWNPOS_SIZES:-1,8}" --ref-steps 0 --e2e-runs 0 --out-dir "$out")
+    "${bench[@]}" --tag _ownpos_off
+    "${bench[@]}" --plan window_attention=triton --plan window_inputs=triton --tag _ownpos_on
+    "${bench[@]}" --plan window_attention=triton --plan window_inputs=triton --plan window_block=fused \
+        --tag _ownpos_fused
+    if [[ -n ${OWNPOS_MARGINALS:-} ]]; then
+        "$py" "$here/jacobi_marginals.py" --images 512 --tokens 64 --entropy 2.0 --plan window_attention=triton \
+            --plan window_inputs=triton
+    fi
+}
+
 step_serve() {
     (cd "$root" && "$py" -m pytest -q -p no:cacheprovider tests/test_continuous.py tests/test_scheduler.py)
     "$py" "$here/load_serve.py" --clients 32 --requests 200 --size 512 --compare --eval-batch 32 \
@@ -177,7 +202,8 @@ step_demo() {
 
 for step in "$@"; do
     case $step in
-        kernel | equiv | bench | cli | eval2 | gputests | ab | abbench | jacobi | demo | serve) "step_$step" 2>&1 | tee "$out/$step.log" ;;
+        kernel | equiv | bench | cli | eval2 | gputests | ab | abbench | jacobi | ownpos | demo | serve)
+            "step_$step" 2>&1 | tee "$out/$step.log" ;;
         *) echo "error: unknown step '$step'" >&2; usage >&2; exit 2 ;;
     esac
 done
