@@ -482,6 +482,8 @@ def tiling(name, x, weight, tiles, pdl, dot, progress=None):
     rows, bk, warps, stages, split = (DOT_CONFIG_INT8 if weight.dtype == torch.int8 else DOT_CONFIG)[name]
     if x.element_size() > 2:  # float32 (tests): a quarter of the chunk, an eighth in the pair kernels, or they spill
         bk = max(16, bk // (4 * tiles))
+    if tiles == 2 and R > 16:  # the pair kernels at a pass's rows (plan.pass_rows): half the chunk (256 at 32 rows
+        bk = max(16, bk // 2)  # spilled 16 B in qkv and gate/up)
     return rows, dict(kw, DOT=True, RP=max(16, p2(R)), PW=16, BK=bk, num_warps=warps, num_stages=stages,
                       SPLIT=min(split, triton.cdiv(K, bk)))
 
