@@ -184,9 +184,8 @@ for dt, hd, text in itertools.product(("*bf16", "*fp32"), (64, 128), (False, Tru
            "L_OUT": "*fp32", "ACC_OUT": "*fp32", **{n: "i32" for n in ints}}
     for LP in (16, 32):
         block, warps, merge_warps = da.window_config(torch.float32 if dt == "*fp32" else torch.bfloat16, hd, LP)
-        prec = "ieee" if dt == "*fp32" else "tf32"
         build(da._window_partial_kernel, sig, dict(SCALE=hd**-0.5, BLOCK=block, HEAD_DIM=hd, LP=LP, TEXT=text,
-                                                   PREC=prec), {"num_warps": warps})
+                                                   IEEE=dt == "*fp32"), {"num_warps": warps})
         merge = {"M": "*fp32", "L": "*fp32", "ACC": "*fp32", "OUT": dt, "TEXT_SUM": "*fp32", "TEXT_COUNT": "*fp32",
                  "stride_or": "i32", "stride_oh": "i32", "stride_ol": "i32", "n_heads": "i32", "n_splits": "i32",
                  "window": "i32"}

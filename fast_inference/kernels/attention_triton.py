@@ -378,11 +378,20 @@ MAX_WINDOW = 64  # a query's mask is one int64
 if triton is not None:
 
     @triton.jit
+    def _dot(a, b, IEEE: tl.constexpr):
+        """a @ b summed in float32; IEEE: float32 inputs multiplied exactly (the tests' float32 models), not as tf32."""
+        if IEEE:
+            out = tl.dot(a, b, input_precision="ieee")
+        else:
+            out = tl.dot(a, b)
+        return out
+
+    @triton.jit
     def _window_partial_kernel(Q, K, V, KEY_VALID, SEQLENS, MASKS, M_OUT, L_OUT, ACC_OUT, stride_qr, stride_qh,
                                stride_ql, stride_kr, stride_kh, stride_kn, stride_vr, stride_vh, stride_vn,
                                stride_valid, stride_mr, n_heads, n_splits, n_keys, text_len, window,
                                SCALE: tl.constexpr, BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr, LP: tl.constexpr,
-                               TEXT: tl.constexpr, PREC: tl.constexpr):
+                               TEXT: tl.constexpr, IEEE: tl.constexpr):
         """Program (row r x head h, split s): keys text_len + s*BLOCK .. + BLOCK - 1 against r's `window` queries ->
         a partial (max, sum, weighted values) per query at M_OUT/L_OUT/ACC_OUT[(rh * n_splits + s) * LP + j]."""
         rh = tl.program_id(0)
@@ -405,7 +414,7 @@ if triton is not None:
             q = tl.load(Q + r * stride_qr + h * stride_qh + offs_l[:, None] * stride_ql + offs_d[None, :],
                         mask=(offs_l < window)[:, None], other=0.0)
             # the products in the inputs' dtype, summed in float32, then scaled (a constexpr: stays float32)
-            scores = tl.dot(q, tl.trans(k), input_precision=PREC) * SCALE  # (LP, BLOCK)
+            scores = _dot(q, tl.trans(k), IEEE) * SCALE  # (LP, BLOCK)
             past = keys < start
             if not TEXT:  # with the text as a partial, every key from text_len on is attendable
                 past = past & (tl.load(KEY_VALID + r * stride_valid + keys, mask=past, other=0) != 0)
@@ -416,7 +425,7 @@ if triton is not None:
             scores = tl.where(visible, scores, float("-inf"))
             m = tl.max(scores, 1)  # -inf for a query that sees nothing here
             p = tl.exp(scores - tl.where(m == float("-inf"), 0.0, m)[:, None])
-            acc = tl.dot(p.to(v.dtype), v, input_precision=PREC)  # (LP, HEAD_DIM)
+            acc = _dot(p.to(v.dtype), v, IEEE)  # (LP, HEAD_DIM)
             tl.store(M_OUT + out + offs_l, m)
             tl.store(L_OUT + out + offs_l, tl.sum(p, 1))
             tl.store(ACC_OUT + (out + offs_l)[:, None] * HEAD_DIM + offs_d[None, :], acc)
@@ -501,12 +510,12 @@ def window_attention(q, k_cache, v_cache, key_valid, seqlens, masks, text=None, 
     m = torch.empty(R * H, n_splits, LP, device=q.device, dtype=torch.float32)
     l = torch.empty_like(m)
     acc = torch.empty(R * H, n_splits, LP, hd, device=q.device, dtype=torch.float32)
-    prec = "ieee" if q.dtype == torch.float32 else "tf32"
     stride_mr = masks.stride(0) if masks.dim() == 2 else 0
     _window_partial_kernel[(R * H, n_splits)](
         q, k_cache, v_cache, key_valid, seqlens, masks, m, l, acc, *q.stride()[:3], *k_cache.stride()[:3],
         *v_cache.stride()[:3], key_valid.stride(0), stride_mr, H, n_splits, N, text_len, L, SCALE=hd**-0.5,
-        BLOCK=block, HEAD_DIM=hd, LP=LP, TEXT=text is not None, PREC=prec, num_warps=num_warps)
+        BLOCK=block, HEAD_DIM=hd, LP=LP, TEXT=text is not None, IEEE=q.dtype == torch.float32,
+        num_warps=num_warps)
     out = torch.empty(R, L, H, hd, device=q.device, dtype=q.dtype).transpose(1, 2)
     _window_merge_kernel[(R * H,)](m, l, acc, out, text_sum, text_count, *out.stride()[:3], H, n_splits, L,
                                    HEAD_DIM=hd, LP=LP, TEXT=text is not None, num_warps=merge_warps)
