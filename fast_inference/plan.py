@@ -46,6 +46,7 @@ WHOLE_ROWS = range(64, 97)  # the attention's one-program-per-(row, head) form (
 CUDA_LOOP_ROWS = 4  # attention_cuda stages whole slices up to here, loops over them above (#76-#78)
 CACHE_WINDOWS = 8  # SDPA without a decode attention kernel reads one of 8 static windows of the cache (ebb74cb)
 WINDOW_KERNELS = False  # rows at their own positions (a pass, a server's step) take SDPA until measured on a GPU (#75)
+PASS_FUSED_ROWS = 32  # window_block=fused up to here (the dot path's rows in registers, built for sm_90 unspilled)
 
 # Where one operation keeps two kernels, and why (the cudagraph backend is the mission's backend without Triton):
 #   attention  Triton (split-KV, whole) | CUDA C++ without Triton (n = 1 1.46 -> 1.34 ms/step over SDPA, #69, #77)
@@ -346,10 +347,10 @@ def make(s: Situation) -> Plan:
 
 
 def window_kernels(s, want):
-    """(attention, inputs, a pass's block) of rows at their own positions, L queries each (a pass, a server's step): the window
-    kernels where Triton runs on CUDA (not the cudagraph backend) and they fit, off by default (WINDOW_KERNELS) and
-    taken by the overrides window_attention=triton, window_inputs=triton; else SDPA with each row's mask and the
-    model's inputs."""
+    """(attention, inputs, a pass's block) of rows at their own positions, L queries each (a pass, a server's step):
+    the window kernels where Triton runs on CUDA (not the cudagraph backend) and they fit, off by default
+    (WINDOW_KERNELS) and taken by the overrides window_attention=triton, window_inputs=triton (window_block=fused:
+    jacobi_pass); else SDPA with each row's mask and the model's inputs."""
     ok = s.triton and s.cuda and s.backend != "cudagraph"
     fits = ok and attention_triton.window_fits(s.head_dim, max(s.draft_window, 1))
     attention = want.get("window_attention", "triton" if WINDOW_KERNELS and fits else "sdpa")
@@ -375,9 +376,11 @@ def jacobi_pass(s, block_scope, hand_capture, eager, window):
     block, rows = "compiled" if compiled else "model", None
     if window[2] == "fused":
         if not (compiled and window[0] == "triton" and block_triton.fits(s.head_dim, dot=True)):
-            raise PlanError("plan override window_block=fused needs the inductor backend's block scope on a CUDA device "
-                            "with Triton, float weights, a head dim the fused block takes and window_attention=triton")
-        block, rows = "fused", pass_rows(s.rows * s.draft_window)
+            raise PlanError("plan override window_block=fused needs the inductor backend's block scope on a CUDA "
+                            "device with Triton, float weights, a head dim the fused block takes and "
+                            "window_attention=triton")
+        if s.rows * s.draft_window <= PASS_FUSED_ROWS:
+            block, rows = "fused", pass_rows(s.rows * s.draft_window)
     return JacobiPass(window=s.draft_window, block=block, head="compiled" if compiled else "model",
                       ops=EagerOps() if compiled else dataclasses.replace(eager, rope="torch"), graph=hand_capture,
                       attention=window[0], inputs=window[1], rows=rows)

@@ -30,6 +30,13 @@ def test_the_plan_keeps_them_off_until_measured_and_takes_the_overrides():
     assert "Triton window attention" in plan.explain_server(dataclasses.replace(hopper, overrides=on))
     off = plan.make(dataclasses.replace(hopper, overrides=(("window_attention", "sdpa"),)))
     assert off.jacobi.attention == "sdpa"
+    fused = on + (("window_block", "fused"),)
+    p = plan.make(dataclasses.replace(hopper, overrides=fused))  # 2 x 1 image x 16 queries: the fused block
+    assert p.jacobi.block == "fused" and p.jacobi.rows.rows == 32 and "fused (Triton dot)" in plan.explain(p)
+    p = plan.make(dataclasses.replace(hopper, overrides=fused, batch=8))  # 256 rows: the compiled block
+    assert p.jacobi.block == "compiled" and p.jacobi.rows is None
+    with pytest.raises(plan.PlanError, match="window_block=fused needs"):
+        plan.make(dataclasses.replace(hopper, overrides=(("window_block", "fused"),)))
     for where in (dict(device="cpu", capability=None), dict(backend="cudagraph", draft_window=0, own_positions=True),
                   dict(dim=80 * 20)):  # no Triton on CUDA, the cudagraph backend, a head dim of 80
         with pytest.raises(plan.PlanError, match="window_attention=triton needs"):

@@ -56,7 +56,7 @@ def fused_block(layer, x, freqs, attend, input_pos, rows, prefetcher=None, contr
     if window:  # (B, H, L, hd) laid out (B, L, H, hd): a query's heads side by side
         y = attend(q.view(B, L, *q.shape[1:2], -1), None, None, freqs, attn.kv_cache).transpose(1, 2)
     else:
-        y = attend(q.transpose(1, 2), None, None, freqs, attn.kv_cache)  # (R, H, 1, hd): its rows are heads side by side
+        y = attend(q.transpose(1, 2), None, None, freqs, attn.kv_cache)  # (R, H, 1, hd): a row's heads side by side
     h = _linear(p.projection("wo"), "wo", y.reshape(R, D), attn.wo, x, progress)
     a = _gate_up(p.projection("gate_up"), h, layer, progress)
     then = None if control is None else control.reshape(R, D)
