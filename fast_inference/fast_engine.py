@@ -695,6 +695,7 @@ def explain(args):
         overrides=tuple(dict(plans.environment_overrides() + plans.parse_overrides(args.plan)).items()),
         draft_window=args.draft_window if args.speculative == "jacobi" else 0)
     print(plans.explain(plans.make(s)))
+    print(plans.explain_server(s))  # and a server's steps (serve.py), rows at their own positions
 
 
 def sample_tokens(args, model, engine, cond, mask, condition, num_tokens):

@@ -164,7 +164,10 @@ class Context:
     block_adds_control: it adds the next block's control rows itself. kv_len: SDPA reads the first kv_len cache
     positions only. inputs: step_inputs(input_pos, controls) made ahead, a control row already added into x None.
     rows: the cache rows the batch's rows are (a request's prefill inside a server's batch, continuous.py), None for
-    the first B; torch's RoPE and SDPA only."""
+    the first B; torch's RoPE and SDPA only. window: (seqlens (B,), masks (B, S) int64) for rows at their own
+    positions (input_pos (B, S)): each row's filled keys before its S queries and the queries' bitmasks of the window's
+    keys; attention is then a window kernel, attention(q, k_cache, v_cache, key_valid, seqlens, masks, text=) after
+    the ops' RoPE and cache write (attention_triton.window_attention)."""
     ops: EagerOps = TORCH_OPS
     attention: Optional[Callable] = None
     block: Optional[Callable] = None
@@ -172,6 +175,7 @@ class Context:
     kv_len: Optional[int] = None
     inputs: Optional[tuple] = None
     rows: Optional[torch.Tensor] = None
+    window: Optional[tuple] = None
 
 
 REFERENCE = Context()
@@ -495,7 +499,21 @@ class Transformer(nn.Module):
         """The last block's output (B, S or 1, D): forward without the head."""
         freqs, picked = self.step_inputs(input_pos, controls) if ctx.inputs is None else ctx.inputs
         ops = ctx.ops
-        if ctx.attention is not None and x.shape[1] == 1:
+        if ctx.attention is not None and ctx.window is not None:
+            rot = rotations(freqs) if ops.rope_and_cache is None else None
+
+            def attend(q, k, v, freqs, cache):
+                # each row's keys and values written at its positions, then its queries against its filled keys
+                # and the window's, as the window's masks say; k None: q rotated and the keys written (the fused
+                # block's QKV kernel)
+                if k is None:
+                    q = q.transpose(1, 2)
+                elif rot is None:
+                    q, _, _ = ops.rope_and_cache(q, k, v, freqs, cache, input_pos)
+                else:
+                    q, _, _ = rope_and_cache(q, k, v, rot, cache, input_pos)
+                return ctx.attention(q, cache.k_cache, cache.v_cache, key_valid, *ctx.window, text=cache.text)
+        elif ctx.attention is not None and x.shape[1] == 1:
             def attend(q, k, v, freqs, cache):
                 # The kernel rotates q and k and writes k and v; k None: q is rotated and the step's key
                 # and value are in the cache already (the fused block's QKV kernel).

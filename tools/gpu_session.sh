@@ -27,6 +27,13 @@ usage: tools/gpu_session.sh STEP...      (steps run in order; each writes OUT/<s
           which lasts while the machine is warm); returns OUT/demo/ (the log, the weights cut in 15 MB parts:
           cat gpt.safetensors.part.* > gpt.safetensors) and with DEMO_EVAL=1 scripts/eval_demo.py's measures
           (OUT/demo_eval.json, OUT/demo_model.png)
+  ownpos  the window kernels (rows at their own positions, issue 75) in one call (< 8 min of an H100): their CUDA
+          tests (tests/test_window_attention.py, tests/test_own_positions.py -k cuda), float32 greedy tokens of a
+          speculative run on them against the plain engine at GPT-XL shapes (tools/window_greedy.py, the compiled
+          and the fused block), then bench.py --speculative jacobi --target-entropy 3 at n = 1, 8 (the plain engine
+          in each run) with the window kernels off, on, and on with the fused block (OWNPOS_SIZES, default 1,8);
+          OWNPOS_PARTS (default "tests greedy bench") to split it, OWNPOS_TOKENS the greedy run's tokens (256);
+          OWNPOS_MARGINALS=1 adds tools/jacobi_marginals.py on the window kernels
   serve   the server's tests on the GPU, then the server under load at GPT-XL shapes (random weights, 512 px): 32
           clients, 200 requests, images/s and latency p50/p95, against fast_eval.py --batch 32 over the same inputs
           and one image through fast_engine.py against a lone request, in one run (tools/load_serve.py --compare;
@@ -149,6 +156,32 @@ step_jacobi() {
     "${bench[@]}" --batch-sizes 1,8 --ref-steps 0 --target-entropy 3 --draft-coupling gumbel --tag _jacobi_gumbel
 }
 
+step_ownpos() {
+    # OWNPOS_PARTS picks the parts (default all three: tests greedy bench), to split the step over two calls if one
+    # runs long; a failing check is reported and the timings still run
+    local parts=" ${OWNPOS_PARTS:-tests greedy bench} " on="window_attention=triton,window_inputs=triton"
+    if [[ $parts == *" tests "* ]]; then
+        (cd "$root" && "$py" -m pytest -q -p no:cacheprovider tests/test_window_attention.py \
+            tests/test_own_positions.py -k cuda) || echo "== FAILED: the window kernels' CUDA tests"
+    fi
+    if [[ $parts == *" greedy "* ]]; then
+        "$py" "$here/window_greedy.py" --images 2 --tokens "${OWNPOS_TOKENS:-256}" --plans "$on" \
+            "$on,window_block=fused" || echo "== FAILED: greedy tokens on the window kernels differ from the plain's"
+    fi
+    if [[ $parts == *" bench "* ]]; then
+        local bench=("$py" "$root/fast_inference/bench.py" --random-weights --speculative jacobi --target-entropy 3
+                     --in-process --batch-sizes "${OWNPOS_SIZES:-1,8}" --ref-steps 0 --e2e-runs 0 --out-dir "$out")
+        "${bench[@]}" --tag _ownpos_off
+        "${bench[@]}" --plan window_attention=triton --plan window_inputs=triton --tag _ownpos_on
+        "${bench[@]}" --plan window_attention=triton --plan window_inputs=triton --plan window_block=fused \
+            --tag _ownpos_fused
+    fi
+    if [[ -n ${OWNPOS_MARGINALS:-} ]]; then
+        "$py" "$here/jacobi_marginals.py" --images 512 --tokens 64 --entropy 2.0 --plan window_attention=triton \
+            --plan window_inputs=triton
+    fi
+}
+
 step_serve() {
     (cd "$root" && "$py" -m pytest -q -p no:cacheprovider tests/test_continuous.py tests/test_scheduler.py)
     "$py" "$here/load_serve.py" --clients 32 --requests 200 --size 512 --compare --eval-batch 32 \
@@ -182,7 +215,8 @@ step_demo() {
 
 for step in "$@"; do
     case $step in
-        kernel | equiv | bench | cli | eval2 | gputests | ab | abbench | jacobi | demo | serve) "step_$step" 2>&1 | tee "$out/$step.log" ;;
+        kernel | equiv | bench | cli | eval2 | gputests | ab | abbench | jacobi | ownpos | demo | serve)
+            "step_$step" 2>&1 | tee "$out/$step.log" ;;
         *) echo "error: unknown step '$step'" >&2; usage >&2; exit 2 ;;
     esac
 done
