@@ -81,6 +81,7 @@ class Situation:
     builds: Callable = field(default=lambda kernel, *key: True, compare=False)  # (CUDA C++ kernel, key) built?
     overrides: tuple = ()  # ((key, value), ...): OVERRIDES
     draft_window: int = 0  # speculative Jacobi passes over this many positions (speculative.py); 0: plain steps
+    draft_tree: tuple = ()  # (width, depth): each pass a draft tree (draft_tree.py); (): the window's chain
     own_positions: bool = False  # each row at its own position: a server's batch (continuous.py)
 
     @property
@@ -142,6 +143,7 @@ class JacobiPass:
     """How a speculative pass runs (speculative.py): 2 x images x window query rows at their own positions, so the
     one-query decode kernels (fused block, decode attention, inputs, draw) do not serve it; SDPA with the mask does."""
     window: int  # L: the last accepted token and L - 1 drafts per image
+    nodes: int  # query rows per image: L, or a draft tree's nodes (draft_tree.py), which take as many spare cache slots
     block: str  # compiled (inductor's block, the compiled steps' own) | model (eager blocks)
     head: str  # compiled | model
     ops: EagerOps  # the eager blocks' element-wise kernels (RoPE: torch's, per row)
@@ -340,7 +342,16 @@ def jacobi_pass(s, block_scope, hand_capture, eager):
     if s.draft_window < 2:
         raise PlanError(f"--draft-window {s.draft_window}: a pass needs at least 2 positions")
     compiled = block_scope and not s.int8  # inductor turns int8 projections into slow kernels (as the steps)
-    return JacobiPass(window=s.draft_window, block="compiled" if compiled else "model",
+    nodes = s.draft_window
+    if s.draft_tree:
+        width, depth = s.draft_tree
+        if not (width >= 1 and 1 <= depth < s.draft_window):
+            raise PlanError(f"--draft-tree {width}x{depth}: a width of at least 1 and a depth of 1 to --draft-window - 1")
+        nodes += (width - 1) * depth  # tree_size (draft_tree.py), not imported: the plan imports no runner
+        if nodes > 63:
+            raise PlanError(f"--draft-tree {width}x{depth} with --draft-window {s.draft_window}: {nodes} rows per image, "
+                            f"the window's mask holds 63; use a smaller window or tree")
+    return JacobiPass(window=s.draft_window, nodes=nodes, block="compiled" if compiled else "model",
                       head="compiled" if compiled else "model",
                       ops=EagerOps() if compiled else dataclasses.replace(eager, rope="torch"), graph=hand_capture)
 
@@ -622,7 +633,8 @@ def explain(p):
             f"generator; {ops(o.ops)}")
     if p.jacobi is not None:
         j = p.jacobi
-        row("speculative", f"Jacobi passes of {j.window} positions: {s.rows * j.window} rows through the "
+        tree = f" in a {s.draft_tree[0]}x{s.draft_tree[1]} draft tree of {j.nodes} nodes" if s.draft_tree else ""
+        row("speculative", f"Jacobi passes of {j.window} positions{tree}: {s.rows * j.nodes} rows through the "
             f"{'compiled' if j.block == 'compiled' else 'eager'} blocks and SDPA, "
             f"{'one CUDA graph' if j.graph else 'op by op'}; {ops(j.ops)}")
     row("VQ norms", p.vq_norm)
