@@ -20,6 +20,9 @@ import torch
 from fast_inference.speculative import JacobiRunner, position_noise, probabilities
 
 
+DEFAULT_TREE = ()  # none: the measured default (docs/PERF_NOTES.md, issue 78)
+
+
 @dataclass(frozen=True)
 class Tree:
     """A draft tree's nodes in pass order: node 0 the last accepted token, 1..L-1 the chain, then the branches."""
@@ -35,6 +38,17 @@ class Tree:
 def tree_size(window, width, depth):
     """The nodes of a width x depth tree over a window of L: the chain's L and (width - 1) branches of depth."""
     return window + (width - 1) * depth
+
+
+def parse_tree(text):
+    """--draft-tree's value: "none" -> (), "WxD" -> (W, D) (a W x D tree, make_tree)."""
+    if text == "none":
+        return ()
+    width, _, depth = text.partition("x")
+    if not (width.isdigit() and depth.isdigit()):
+        raise ValueError(f"--draft-tree {text!r}: give WxD (candidates of the first draft x their depth), e.g. 4x3, "
+                         f"or none")
+    return int(width), int(depth)
 
 
 def make_tree(window, width, depth):
