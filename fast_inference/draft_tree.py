@@ -20,6 +20,8 @@ import torch
 from fast_inference.speculative import JacobiRunner, position_noise, probabilities
 
 
+# The tokens a tree's candidates take first after the draft (TreeRunner.neighbours): measured (docs/PERF_NOTES.md)
+NEIGHBOURS = ("left", "above")
 DEFAULT_TREE = ()  # none: the measured default (docs/PERF_NOTES.md, issue 78)
 
 
@@ -72,11 +74,14 @@ def ancestry(tree):
     return masks
 
 
-def candidates(q, drafts, noise, width):
-    """(images, L, width) tokens per window position: the draft, then the width - 1 tokens after it in the race of q
-    (images, L, V) with the position's noise (images, L, V): the likeliest winners where the position's distribution
-    moves a little."""
+def candidates(q, drafts, noise, width, first=()):
+    """(images, L, width) tokens per window position: the draft, the tokens `first` ((images, L) each, in order:
+    a position's neighbours), then the tokens after them in the race of q (images, L, V) with the position's noise
+    (images, L, V): the likeliest winners where the position's distribution moves a little. Distinct tokens."""
     score = (q.clamp_min(1e-30).log() - noise.clamp_min(torch.finfo(noise.dtype).tiny).log())
+    top = torch.finfo(score.dtype).max
+    for i, tokens in reversed(list(enumerate(first))):  # the draft's rank last: a neighbour equal to it stays below
+        score = score.scatter(-1, tokens[..., None], top / 2 ** (i + 1))
     score = score.scatter(-1, drafts[..., None], float("inf"))
     return score.topk(width, dim=-1).indices
 
@@ -149,7 +154,20 @@ class TreeRunner(JacobiRunner):
     def renew_candidates(self):
         """The window's candidates (candidates()) from its drafts and their q."""
         noise = position_noise(self.noise_seed, self.n[:, None] + self.steps, self.q.shape[-1])
-        self.cands.copy_(candidates(self.q, self.drafts, noise, self.width_candidates))
+        self.cands.copy_(candidates(self.q, self.drafts, noise, self.width_candidates, self.neighbours()))
+
+    def neighbours(self):
+        """The candidates each window position takes first after its draft (NEIGHBOURS): the token to its left (the
+        draft before it, the last accepted token at the first), the accepted token one grid row up (else the draft)."""
+        out = []
+        for name in NEIGHBOURS:
+            if name == "left":
+                out.append(torch.cat([self.last[:, None], self.drafts[:, :-1]], 1))
+            elif self.width is not None:  # above: image position i - width where accepted
+                at = self.n[:, None] + self.steps - self.width
+                known = (at >= 0) & (at < self.n[:, None])
+                out.append(torch.where(known, self.out.gather(1, at.clamp(0, self.num_tokens - 1)), self.drafts))
+        return out
 
     def jacobi_pass(self):
         """One pass over the tree's nodes: each its own row and cache slot, its depth's position and ancestry."""

@@ -334,6 +334,18 @@ def test_window_mask_of_a_chain_is_the_causal_mask():
     assert torch.equal(window_mask(key_valid, start, torch.tensor(chain).expand(3, S)), attention_mask(key_valid, pos))
 
 
+def test_candidates_are_the_draft_its_neighbours_then_the_race():
+    """A position's candidates: its draft first, then its neighbours in order (one equal to the draft or to each other
+    counted once), then the race of q with the position's noise; all distinct."""
+    q = torch.tensor([[[0.1, 0.2, 0.3, 0.4, 0.0, 0.0]]])
+    noise = torch.ones(1, 1, 6)
+    draft, left, above = torch.tensor([[5]]), torch.tensor([[0]]), torch.tensor([[0]])
+    assert draft_tree.candidates(q, draft, noise, 4, (left, above)).tolist() == [[[5, 0, 3, 2]]]
+    assert draft_tree.candidates(q, draft, noise, 3, (draft, torch.tensor([[1]]))).tolist() == [[[5, 1, 3]]]
+    noise[..., 3] = 100.0  # token 3 loses the race: log 0.4 - log 100 is below log 0.1 - log 1
+    assert draft_tree.candidates(q, torch.tensor([[2]]), noise, 3).tolist() == [[[2, 1, 0]]]
+
+
 def test_tree_walk_takes_the_branch_holding_each_target():
     """make_tree's nodes, their ancestry, and walk's path on a hand-made pass: a 3 x 2 tree over a window of 4."""
     tree = draft_tree.make_tree(4, 3, 2)
