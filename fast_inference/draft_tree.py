@@ -4,12 +4,13 @@ A window's chain fails most at its first draft: that draft was redrawn from a di
 the last pass rejected before it. A W x D tree gives that position W candidates (the chain's draft and the W - 1
 runners-up of the same race: the largest log q - log E after it), each followed by D - 1 more drafts of the chain
 (the main one by all L - 1), all in one pass: each node its own query row and cache slot, RoPE'd at its depth's
-position, seeing its ancestors only (Context.window: one 64-bit word of ancestry per row).
+position, seeing its ancestors only (Context.window: one 64-bit word of ancestry per row). A branch the walk enters
+gives up to D tokens more than the chain's pass (its last node's target included).
 
 Exact for pathwise passes only, and pathwise-exact there: a node's target (its race with the position's fixed noise)
 is the sequential sampler's token wherever the node's ancestors are the image's tokens, so walking from the root into
 the child that holds each target, and keeping the targets along the walk, keeps the image the function of the noise
-that the chain gives; a branch only adds passes saved. (Trees under the ratio test stay out: docs/PERF_NOTES.md.)
+that the chain gives; a tree changes only how many passes an image takes. (Trees under the ratio test stay out: docs/PERF_NOTES.md.)
 After the pass the kept path's keys and values move to their positions' slots (compact), so the next pass reads the
 cache as after a chain.
 """
@@ -20,8 +21,6 @@ import torch
 from fast_inference.speculative import JacobiRunner, position_noise, probabilities
 
 
-# The tokens a tree's candidates take first after the draft (TreeRunner.neighbours): measured (docs/PERF_NOTES.md)
-NEIGHBOURS = ("left", "above")
 DEFAULT_TREE = ()  # none: the measured default (docs/PERF_NOTES.md, issue 78)
 
 
@@ -74,36 +73,37 @@ def ancestry(tree):
     return masks
 
 
-def candidates(q, drafts, noise, width, first=()):
-    """(images, L, width) tokens per window position: the draft, the tokens `first` ((images, L) each, in order:
-    a position's neighbours), then the tokens after them in the race of q (images, L, V) with the position's noise
-    (images, L, V): the likeliest winners where the position's distribution moves a little. Distinct tokens."""
+def candidates(q, drafts, noise, width):
+    """(images, L, width) tokens per window position: the draft, then the width - 1 tokens after it in the race of q
+    (images, L, V) with the position's noise (images, L, V): the likeliest winners where the position's distribution
+    moves a little (better than the left and above tokens next: docs/PERF_NOTES.md). Distinct tokens."""
     score = (q.clamp_min(1e-30).log() - noise.clamp_min(torch.finfo(noise.dtype).tiny).log())
-    top = torch.finfo(score.dtype).max
-    for i, tokens in reversed(list(enumerate(first))):  # the draft's rank last: a neighbour equal to it stays below
-        score = score.scatter(-1, tokens[..., None], top / 2 ** (i + 1))
-    score = score.scatter(-1, drafts[..., None], float("inf"))
-    return score.topk(width, dim=-1).indices
+    return score.scatter(-1, drafts[..., None], float("inf")).topk(width, dim=-1).indices
 
 
-def walk(tree, tokens, target):
-    """The path a pass keeps per image: from the root, into the child whose token (tokens (images, S)) is its
-    parent's target (images, S), while one is. -> line (images, L): the node at each depth (past the walk's end, the
-    chain below its last node: whose distributions give the next window), count (images,): the targets kept (the
-    walk's nodes)."""
-    B, L = tokens.shape[0], max(tree.depth) + 1
-    child = torch.zeros(tree.size, tree.size, dtype=torch.bool, device=tokens.device)  # [parent, child]
-    first = torch.full((tree.size,), -1, dtype=torch.long, device=tokens.device)  # the rank-0 child
+def links(tree, device=None):
+    """The tree's edges as tensors: child (S, S) bool, [parent, child]; first (S,): each node's rank-0 child, -1 none."""
+    child = torch.zeros(tree.size, tree.size, dtype=torch.bool)
+    first = torch.full((tree.size,), -1, dtype=torch.long)
     for node, up in enumerate(tree.parent):
         if up >= 0:
             child[up, node] = True
             if tree.rank[node] == 0:
                 first[up] = node
+    return child.to(device), first.to(device)
+
+
+def walk(child, first, tokens, target, window):
+    """The path a pass keeps per image over a tree's links (child, first) and window: from the root, into the child
+    whose token (tokens (images, S)) is its parent's target (images, S), while one is. -> line (images, window): the
+    node at each depth (past the walk's end, the chain below its last node, whose distributions give the next window),
+    count (images,): the targets kept (the walk's nodes)."""
+    B = tokens.shape[0]
     rows = torch.arange(B, device=tokens.device)
     at = torch.zeros(B, dtype=torch.long, device=tokens.device)
     alive = torch.ones(B, dtype=torch.bool, device=tokens.device)
     line, count = [at], torch.ones(B, dtype=torch.long, device=tokens.device)
-    for d in range(1, L):
+    for d in range(1, window):
         match = child[at] & (tokens == target[rows, at][:, None])
         alive = alive & match.any(-1)
         below = torch.where(first[at] >= 0, first[at], d)  # the chain: node d is the main chain's at depth d
@@ -130,6 +130,8 @@ def compact(caches, start, line, count):
 class TreeRunner(JacobiRunner):
     """JacobiRunner's passes with a draft tree (pathwise coupling only): each image's window as the tree's nodes."""
 
+    STATE = JacobiRunner.STATE + ("cands",)
+
     def __init__(self, model, plan, num_tokens, prefix_len, num_controls, top_k, keep_logits, init, width,
                  coupling, tree_shape):
         if coupling != "pathwise":
@@ -144,8 +146,9 @@ class TreeRunner(JacobiRunner):
         buf("rank", torch.tensor(self.tree.rank, device=device))
         buf("ancestry", torch.tensor(ancestry(self.tree), device=device))
         buf("cands", torch.zeros(self.batch, self.window, tree_shape[0], dtype=torch.long, device=device))
-
-    STATE = JacobiRunner.STATE + ("cands",)
+        child, first = links(self.tree, device)
+        buf("child", child)
+        buf("first", first)
 
     def start(self):
         super().start()
@@ -154,20 +157,7 @@ class TreeRunner(JacobiRunner):
     def renew_candidates(self):
         """The window's candidates (candidates()) from its drafts and their q."""
         noise = position_noise(self.noise_seed, self.n[:, None] + self.steps, self.q.shape[-1])
-        self.cands.copy_(candidates(self.q, self.drafts, noise, self.width_candidates, self.neighbours()))
-
-    def neighbours(self):
-        """The candidates each window position takes first after its draft (NEIGHBOURS): the token to its left (the
-        draft before it, the last accepted token at the first), the accepted token one grid row up (else the draft)."""
-        out = []
-        for name in NEIGHBOURS:
-            if name == "left":
-                out.append(torch.cat([self.last[:, None], self.drafts[:, :-1]], 1))
-            elif self.width is not None:  # above: image position i - width where accepted
-                at = self.n[:, None] + self.steps - self.width
-                known = (at >= 0) & (at < self.n[:, None])
-                out.append(torch.where(known, self.out.gather(1, at.clamp(0, self.num_tokens - 1)), self.drafts))
-        return out
+        self.cands.copy_(candidates(self.q, self.drafts, noise, self.width_candidates))
 
     def jacobi_pass(self):
         """One pass over the tree's nodes: each its own row and cache slot, its depth's position and ancestry."""
@@ -189,7 +179,7 @@ class TreeRunner(JacobiRunner):
         """The walk over this pass's node distributions p (images, S, V): the kept path's targets written and its
         cache slots compacted; the next window from the path's line (walk), and its candidates."""
         target = self.draw(p, self.n[:, None] + self.depth)
-        line, count = walk(self.tree, tokens, target)
+        line, count = walk(self.child, self.first, tokens, target, self.window)
         count = count * (self.n < self.num_tokens)
         compact([layer.attention.kv_cache for layer in self.model.layers], start, line, count)
         dist = p.gather(1, line[..., None].expand(-1, -1, p.shape[-1]))

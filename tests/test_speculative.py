@@ -334,14 +334,12 @@ def test_window_mask_of_a_chain_is_the_causal_mask():
     assert torch.equal(window_mask(key_valid, start, torch.tensor(chain).expand(3, S)), attention_mask(key_valid, pos))
 
 
-def test_candidates_are_the_draft_its_neighbours_then_the_race():
-    """A position's candidates: its draft first, then its neighbours in order (one equal to the draft or to each other
-    counted once), then the race of q with the position's noise; all distinct."""
+def test_candidates_are_the_draft_then_the_race():
+    """A position's candidates: its draft first, then the race of q with the position's noise; all distinct."""
     q = torch.tensor([[[0.1, 0.2, 0.3, 0.4, 0.0, 0.0]]])
     noise = torch.ones(1, 1, 6)
-    draft, left, above = torch.tensor([[5]]), torch.tensor([[0]]), torch.tensor([[0]])
-    assert draft_tree.candidates(q, draft, noise, 4, (left, above)).tolist() == [[[5, 0, 3, 2]]]
-    assert draft_tree.candidates(q, draft, noise, 3, (draft, torch.tensor([[1]]))).tolist() == [[[5, 1, 3]]]
+    assert draft_tree.candidates(q, torch.tensor([[5]]), noise, 4).tolist() == [[[5, 3, 2, 1]]]
+    assert draft_tree.candidates(q, torch.tensor([[2]]), noise, 3).tolist() == [[[2, 3, 1]]]
     noise[..., 3] = 100.0  # token 3 loses the race: log 0.4 - log 100 is below log 0.1 - log 1
     assert draft_tree.candidates(q, torch.tensor([[2]]), noise, 3).tolist() == [[[2, 1, 0]]]
 
@@ -356,7 +354,7 @@ def test_tree_walk_takes_the_branch_holding_each_target():
                            [9, 1, 2, 3, 5, 2, 6, 2],   # root target 1: the chain to its end
                            [9, 1, 2, 3, 5, 2, 6, 2]])  # root target 7: no child holds it
     target = torch.tensor([[5, 0, 0, 0, 2, 3, 0, 0], [1, 2, 3, 0, 0, 0, 0, 0], [7, 0, 0, 0, 0, 0, 0, 0]])
-    line, count = draft_tree.walk(tree, tokens, target)
+    line, count = draft_tree.walk(*draft_tree.links(tree), tokens, target, 4)
     assert line.tolist() == [[0, 4, 5, 3], [0, 1, 2, 3], [0, 1, 2, 3]] and count.tolist() == [3, 4, 1]
 
 
