@@ -24,14 +24,15 @@ def greedy_case():
     return model, cond, model.args.block_size, kw
 
 
-@pytest.mark.parametrize("backend,init,window,coupling", [
-    ("eager", "random", 3, "none"), ("eager", "left", 4, "none"), ("eager", "above", 4, "none"),
-    ("eager", "random", 4, "gumbel"), ("inductor", "random", 4, "none")])
-def test_greedy_tokens_equal_reference(backend, init, window, coupling):
+@pytest.mark.parametrize("backend,init,window,coupling,tree", [
+    ("eager", "random", 3, "none", ()), ("eager", "left", 4, "none", ()), ("eager", "above", 4, "none", ()),
+    ("eager", "random", 4, "gumbel", ()), ("inductor", "random", 4, "none", ()), ("eager", "left", 4, "pathwise", ()),
+    ("eager", "left", 4, "pathwise", (4, 3))])
+def test_greedy_tokens_equal_reference(backend, init, window, coupling, tree):
     model, cond, n, kw = greedy_case()
     ref = generate(model, cond, n, **kw)
     engine = Engine(model, backend=backend, speculative="jacobi", draft_window=window, draft_init=init,
-                    draft_coupling=coupling)
+                    draft_coupling=coupling, draft_tree=tree)
     assert torch.equal(engine.generate(cond, n, **kw), ref)
     stats = engine.last_speculation
     assert len(stats["passes"]) == 2 and all(-(-(n - 1) // window) <= p <= n - 1 for p in stats["passes"])
@@ -371,21 +372,30 @@ def test_what_the_pass_cannot_run_is_refused():
         engine.generate(cond, n, **kw)
     with pytest.raises(ValueError, match="cfg_interval -1"):
         Engine(model, backend="eager", speculative="jacobi").generate(cond, n, **dict(kw, cfg_interval=3))
+    with pytest.raises(ValueError, match="pathwise' only"):
+        Engine(model, backend="eager", speculative="jacobi", draft_tree=(4, 3))
+    tree = dict(backend="eager", speculative="jacobi", draft_coupling="pathwise")
+    with pytest.raises(PlanError, match="a depth of 1 to --draft-window - 1"):
+        Engine(model, draft_window=4, draft_tree=(2, 4), **tree)
+    with pytest.raises(PlanError, match="65 rows per image, the window's mask holds 63"):
+        Engine(model, draft_window=32, draft_tree=(12, 3), **tree)
 
 
 # ---- on a GPU: the captured pass -----------------------------------------------------------------------------------
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-@pytest.mark.parametrize("backend", ["inductor", "eager"])
-def test_captured_pass_greedy_on_cuda(backend):
+@pytest.mark.parametrize("backend,tree", [("inductor", ()), ("eager", ()), ("inductor", (4, 3))])
+def test_captured_pass_greedy_on_cuda(backend, tree):
     """GPT-XL's width (2 blocks, float32 so that no near tie turns): the pass captured as one CUDA graph (inductor)
-    or run op by op (eager) gives the reference's greedy tokens, for 3 images whose rows accept different counts."""
+    or run op by op (eager) gives the reference's greedy tokens, for 3 images whose rows accept different counts; a
+    draft tree's pass (pathwise) too."""
     model = tiny_model(dim=1280, n_head=20, n_layer=2, seed=4).cuda()
     cond, mask, condition = (t.cuda() for t in tiny_inputs(model, B=3, valid=(3, 8, 5)))
     kw = dict(emb_masks=mask, condition=condition, cfg_scale=4.0, control_strength=0.8, top_k=1)
     n = model.args.block_size
     ref = generate(model, cond, n, **kw)
-    engine = Engine(model, backend=backend, speculative="jacobi", draft_window=4)
+    engine = Engine(model, backend=backend, speculative="jacobi", draft_window=4, draft_tree=tree,
+                    draft_coupling="pathwise" if tree else speculative.DEFAULT_COUPLING)
     for _ in range(2):  # the first captures, the second replays
         assert torch.equal(engine.generate(cond, n, **kw), ref)
     assert (("pass",) in engine.graphs) == (backend == "inductor")

@@ -21,6 +21,9 @@ usage: tools/gpu_session.sh STEP...      (steps run in order; each writes OUT/<s
   jacobi  speculative Jacobi decoding: its GPU tests, the marginals against the plain engine (tools/jacobi_marginals.py),
           bench.py --speculative jacobi at n = 1, 8, 32 on flat random weights and at target entropies 1.5 and 3
           nats, then windows 8 and 32, the left and above drafts at n = 1 and coupled drafts at n = 1, 8 (3 nats)
+  trees   pathwise passes and draft trees (issue 78): the GPU tests, then bench.py at n = 1, 8, 32 and 3 nats for the
+          gumbel chain (the default), the pathwise chain and 4x3 trees at windows 16 and 32, and at 1.5 nats the
+          chain and the 32-window tree: each pass's ms at its rows beside the plain step's
   demo    the demo model's GPU preset (scripts/train_demo.py --preset gpu), one phase per device call, by DEMO_PHASE:
           vq (DEMO_VQ_STEPS, default 3000: ~8 min on an H100), gpt (DEMO_GPT_STEPS, default 1400, on DEMO_DIR's VQ),
           more (DEMO_GPT_STEPS more from DEMO_DIR's GPT, --gpt-from); each writes OUT/demo/ with the weights cut in
@@ -148,6 +151,19 @@ step_jacobi() {
     "${bench[@]}" --batch-sizes 1,8 --ref-steps 0 --target-entropy 3 --draft-coupling gumbel --tag _jacobi_gumbel
 }
 
+step_trees() {
+    (cd "$root" && "$py" -m pytest -q -p no:cacheprovider tests/test_speculative.py -k cuda)
+    local bench=("$py" "$root/fast_inference/bench.py" --random-weights --speculative jacobi --e2e-runs 0 --out-dir "$out"
+                 --batch-sizes 1,8,32 --ref-steps 0)
+    "${bench[@]}" --target-entropy 3 --tag _trees_chain16
+    "${bench[@]}" --target-entropy 3 --draft-coupling pathwise --tag _trees_path16
+    "${bench[@]}" --target-entropy 3 --draft-coupling pathwise --draft-tree 4x3 --tag _trees_path16_4x3
+    "${bench[@]}" --target-entropy 3 --draft-coupling pathwise --draft-window 32 --draft-tree 4x3 --tag _trees_path32_4x3
+    "${bench[@]}" --target-entropy 1.5 --tag _trees_chain16_h1.5
+    "${bench[@]}" --target-entropy 1.5 --draft-coupling pathwise --draft-window 32 --draft-tree 4x3 \
+        --tag _trees_path32_4x3_h1.5
+}
+
 step_serve() {
     (cd "$root" && "$py" -m pytest -q -p no:cacheprovider tests/test_continuous.py tests/test_scheduler.py)
     "$py" "$here/load_serve.py" --clients 32 --requests 200 --size 512 --compare --eval-batch 32 \
@@ -177,7 +193,7 @@ step_demo() {
 
 for step in "$@"; do
     case $step in
-        kernel | equiv | bench | cli | eval2 | gputests | ab | abbench | jacobi | demo | serve) "step_$step" 2>&1 | tee "$out/$step.log" ;;
+        kernel | equiv | bench | cli | eval2 | gputests | ab | abbench | jacobi | trees | demo | serve) "step_$step" 2>&1 | tee "$out/$step.log" ;;
         *) echo "error: unknown step '$step'" >&2; usage >&2; exit 2 ;;
     esac
 done

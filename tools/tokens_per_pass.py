@@ -1,10 +1,10 @@
 """Tokens per speculative pass at GPT-XL's shape with random weights, on any device: a shortened run where no GPU is
 lent (issue 78). Only acceptance is measured here, not time (bench.py times passes, on a GPU).
 
-    python tools/tokens_per_pass.py --entropy 3 --tokens 64 --images 2 16:gumbel:none 16:pathwise:4x3
+    python tools/tokens_per_pass.py --entropy 3 --tokens 32 --images 1 16:gumbel:none 16:pathwise:4x3
 
 Random GPT-XL t2i for 512 px images (float32 on the CPU, bf16 on CUDA), its output layer scaled to --entropy nats
-(bench.scale_to_entropy, cfg 4, top-k 2000), then each configuration WINDOW:COUPLING:TREE (left drafts) samples the
+(bench.scale_to_entropy over the first --tokens tokens, cfg 4, top-k 2000), then each configuration WINDOW:COUPLING:TREE (left drafts) samples the
 first --tokens image tokens of --images images (bench.inputs, seed 0) and prints its tokens per pass.
 """
 import argparse
@@ -42,7 +42,8 @@ def main():
     kw = dict(cfg_scale=4.0, top_k=2000, temperature=1.0, top_p=1.0)
     t0 = time.perf_counter()
     with torch.no_grad():
-        scale, entropy = scale_to_entropy(model, args.entropy, argparse.Namespace(image_size=512), kw, args.device)
+        scale, entropy = scale_to_entropy(model, args.entropy, argparse.Namespace(image_size=512), kw, args.device,
+                                          steps=args.tokens, rounds=2)  # over the tokens the run covers
     print(f"GPT-XL random on {args.device}, output x {scale:.3g} (mean entropy {entropy:.2f} nats, "
           f"{time.perf_counter() - t0:.0f} s) | {args.images} images x {args.tokens} tokens, left drafts", flush=True)
     print("| L | coupling | tree | rows per image | tokens per pass | passes per image | s |\n|---|---|---|---|---|---|---|")
