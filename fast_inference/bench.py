@@ -301,6 +301,8 @@ def check_args(args):
         bench_model_args(args)
     except ValueError as e:
         raise UserError(f"--gpt-model {args.gpt_model}: {e}") from None
+    if os.sep in args.tag or (os.altsep and os.altsep in args.tag):
+        raise UserError(f"--tag {args.tag!r} names a folder; --tag is a file-name suffix, the folder is --out-dir")
     if os.path.exists(args.out_dir) and not os.path.isdir(args.out_dir):
         raise UserError(f"--out-dir {args.out_dir} is a file; give a folder")
     check_writable(os.path.join(args.out_dir, "bench.json"))
@@ -370,8 +372,11 @@ def measure(args, sizes):
     grid = args.image_size // 16
     margs = bench_model_args(args)
     try:
+        # the VQ decodes only the end-to-end images, at n = 1
         check_memory(margs, args.image_size, args.image_size, max(sizes), args.cfg_scale, device, dtype,
-                     "use smaller --batch-sizes or --image-size")
+                     "use smaller --batch-sizes or --image-size", int8=args.quantize == "int8",
+                     window=args.draft_window if args.speculative != "none" else 0, coupling=args.draft_coupling,
+                     decoded=int(1 in sizes and args.e2e_runs > 0))
     except UserError as e:
         fail(e)
     with torch.device(device):

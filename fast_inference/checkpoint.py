@@ -6,7 +6,11 @@ strictly and say exactly what is wrong and which flag most likely fixes it.
 import argparse
 import contextlib
 import os
+import pickle
+import pickletools
 import re
+import warnings
+import zipfile
 
 import torch
 
@@ -36,8 +40,11 @@ def read_state_dict(path, key_order=("model", "module", "state_dict")):
             raise CheckpointError(f"{path} is not a readable safetensors file ({e}); download it again") from None
     try:
         # Official DDP checkpoints also pickle the training run's argparse Namespace.
-        with torch.serialization.safe_globals([argparse.Namespace]):
+        with torch.serialization.safe_globals(SAFE_EXTRA), warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="Detected pickle protocol")  # a refusal below says it in one line
             ckpt = torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as e:  # the safe loader refused the pickle: the pickle itself says why
+        raise CheckpointError(refusal(path, e)) from None
     except Exception as e:
         raise CheckpointError(load_failure(path, e)) from None
     if isinstance(ckpt, dict):
@@ -62,21 +69,88 @@ def read_metadata(path):
         return {}
 
 
-def load_failure(path, e):
-    """One line for a torch.load failure: a pickle that would run code (safe loading refuses it), or a broken file.
+SAFE_EXTRA = [argparse.Namespace]  # what we let the safe loader take beyond torch's own allowlist
 
-    torch words the refusal by version: "Unsupported global: GLOBAL x" (classes outside its allowlist; every
-    global before 2.6), "Trying to load unsupported GLOBAL x whose module m is blocked" (2.6+: os, subprocess...),
-    "Unsupported class x" (1.13-2.0)."""
-    m = re.search(r"(?:[Uu]nsupported (?:global: )?GLOBAL|Unsupported class) (\S+)", str(e))
-    if m:
-        return (f"{path} is refused: it pickles {m.group(1).rstrip('.,')}, so loading it would run code from the file "
-                "(safe loading runs none); if you trust the file, re-save its state dict as .safetensors "
+
+def load_failure(path, e):
+    """One line for a checkpoint torch.load cannot read."""
+    return f"{path} is not a readable torch checkpoint ({cause(e)}); download it again"
+
+
+def cause(e):
+    """What torch says went wrong: the last line of its weights-only failures (which open with advice to load
+    unsafely), else the first."""
+    lines = [s.strip() for s in str(e).splitlines() if s.strip()]
+    lines = [s for s in lines if not s.startswith("Check the documentation")]
+    return (lines[-1] if "Weights only load failed" in str(e) else lines[0]) if lines else type(e).__name__
+
+
+def refusal(path, e):
+    """One line for a pickle the safe loader refused, from the globals the pickle names (read by pickletools, which
+    runs nothing), not from torch's wording: one outside the safe loader's allowlist would run code; with none, the
+    safe loader could not read a safe pickle (an unusual protocol); no pickle at all is a broken file."""
+    names = pickled_globals(path)
+    unsafe = sorted((n for n in names or () if n not in allowed_globals()), key=lambda n: n.startswith("torch."))
+    if unsafe:
+        return (f"{path} is refused: it pickles {unsafe[0]}, so loading it would run code from the file (safe loading "
+                "runs none); if you trust the file, re-save its state dict as .safetensors "
                 "(safetensors.torch.save_file) on a machine where you do")
-    lines = [s.strip() for s in str(e).splitlines() if s.strip() and not s.strip().startswith("Check the documentation")]
-    # torch's weights-only failures open with advice to load unsafely; their cause is the last line.
-    cause = (lines[-1] if "Weights only load failed" in str(e) else lines[0]) if lines else type(e).__name__
-    return f"{path} is not a readable torch checkpoint ({cause}); download it again"
+    if names:
+        return (f"{path} names nothing that runs code, but safe loading cannot read its pickle ({cause(e)}); re-save "
+                "it with torch.save's default protocol, or as .safetensors (safetensors.torch.save_file)")
+    return load_failure(path, e)
+
+
+def allowed_globals():
+    """"module.name" of every global the safe loader takes: torch's allowlist and ours."""
+    from torch import _weights_only_unpickler as unpickler
+
+    allowed = getattr(unpickler, "_get_allowed_globals", dict)()
+    ours = [*torch.serialization.get_safe_globals(), *SAFE_EXTRA]
+    return {*allowed, *(f"{g.__module__}.{g.__qualname__}" for g in ours if hasattr(g, "__qualname__"))}
+
+
+def pickled_globals(path, max_pickles=5):
+    """The globals ("module.name") the pickles of a torch checkpoint name (a zip's data.pkl, or the legacy format's
+    pickles in a row), in order; None if no pickle is there. pickletools only reads opcodes: nothing is imported."""
+    try:
+        if zipfile.is_zipfile(path):
+            with zipfile.ZipFile(path) as z:
+                member = next((n for n in z.namelist() if n.endswith("data.pkl")), None)
+                if member is None:
+                    return None
+                with z.open(member) as f:
+                    return opcode_globals(f, 1)
+        with open(path, "rb") as f:
+            return opcode_globals(f, max_pickles)
+    except (OSError, zipfile.BadZipFile):
+        return None
+
+
+def opcode_globals(f, max_pickles):
+    """The globals named by up to max_pickles pickles read from f; None if the first is not a pickle. STACK_GLOBAL
+    takes its names from the two values pushed before it, which may come back from the memo."""
+    names, parsed = [], 0
+    for _ in range(max_pickles):
+        recent, memo = [], {}
+        try:
+            for op, arg, _ in pickletools.genops(f):
+                if op.name in ("GLOBAL", "INST"):
+                    names.append(arg.replace(" ", "."))
+                elif op.name == "STACK_GLOBAL":
+                    names.append(".".join(str(v) for v in recent[-2:]))
+                if op.name == "MEMOIZE":
+                    memo[len(memo)] = recent[-1] if recent else None
+                elif op.name in ("PUT", "BINPUT", "LONG_BINPUT"):
+                    memo[arg] = recent[-1] if recent else None
+                elif op.name in ("GET", "BINGET", "LONG_BINGET"):
+                    recent.append(memo.get(arg))
+                elif op.stack_after:
+                    recent.append(arg if isinstance(arg, str) else None)
+        except ValueError:  # not a pickle (or the storages after the legacy format's pickles)
+            break
+        parsed += 1
+    return names if parsed else None
 
 
 def unwrap(state_dict):

@@ -42,8 +42,9 @@ class ContinuousRunner(ShapeRunner):
         buf("slot_top_k", torch.zeros(B, 1, dtype=torch.long, device=device))
         buf("slot_top_p", torch.ones(B, 1, device=device))
         buf("noise", torch.ones(B, V, device=device))  # each slot's Exp(1) draws, made by its request's generator
+        buf("one_query", torch.ones(1, dtype=torch.long, device=device))  # the window kernel's mask: its own key
         self.settings = [None] * B  # per slot on the host: (top_k, top_p), to take the filters' scalar paths
-        self.ctx = self.head = None  # the steps' Context and head (Engine.continuous)
+        self.ctx = self.head = None  # the steps' Context and head (Engine.continuous); inputs_fn: window_inputs
         self.graphs = Graphs() if plan.own_positions.graph else None
         self.buckets = plan.own_positions.buckets
 
@@ -115,9 +116,16 @@ class ContinuousRunner(ShapeRunner):
         R = bucket * self.halves
 
         def forward():
-            x = self.model.tok_embeddings(self.token[:R])
+            ctx = self.ctx
+            if self.inputs_fn is None:
+                x = self.model.tok_embeddings(self.token[:R])
+            else:  # each row's embedding, RoPE row and control rows in one kernel (window_inputs)
+                x, inputs = self.inputs_fn(self.model, self.token[:R], self.input_pos[:R], self.controls, False)
+                ctx = replace(ctx, inputs=inputs)
+            if ctx.attention is not None:  # the window kernel, one query per row: its position is its filled keys
+                ctx = replace(ctx, window=(self.input_pos[:R].view(R), self.one_query.expand(R, 1)))
             h = self.model.blocks(x, self.input_pos[:R], self.key_valid[:R], self.controls[:, :R], last_only=True,
-                                  ctx=self.ctx)
+                                  ctx=ctx)
             self.logits[:R].copy_(self.head(h)[:, -1])
 
         return forward

@@ -166,14 +166,18 @@ class TreeRunner(JacobiRunner):
         at = ((self.depth[1:] - 1) * self.cands.shape[-1] + self.rank[1:]).expand(B, -1)  # node -> its candidate
         tokens = torch.cat([self.last[:, None], self.cands.flatten(1).gather(1, at)], 1)
         pos = (T + self.n[:, None] - 1 + self.depth).clamp(max=T + N - 1)
-        start, masks = T + self.n - 1, self.ancestry.expand(B, S)
-        if self.cfg:
-            tokens, pos, start, masks = (torch.cat([t, t]) for t in (tokens, pos, start, masks))
-        ctx = replace(self.pass_ctx, window=(start, masks))
-        h = self.model.blocks(self.model.tok_embeddings(tokens), pos, self.key_valid, self.controls, ctx=ctx)
+        rows = (lambda t: torch.cat([t, t])) if self.cfg else (lambda t: t)
+        start = rows(T + self.n - 1)
+        ctx = replace(self.pass_ctx, window=(start, self.ancestry.expand(start.shape[0], S)))
+        if self.pass_inputs is None:
+            x = self.model.tok_embeddings(rows(tokens))
+        else:  # the window inputs kernel: embeddings, RoPE and control rows at the nodes' positions
+            x, inputs = self.pass_inputs(self.model, tokens, pos, self.controls, self.cfg)
+            ctx = replace(ctx, inputs=inputs)
+        h = self.model.blocks(x, rows(pos), self.key_valid, self.controls, ctx=ctx)
         p = probabilities(self.pass_head(h), self.cfg, self.cfg_scale, self.temperature, self.top_k, self.top_p,
                           self.sample_logits)
-        self.advance_tree(p, tokens[:B], start)
+        self.advance_tree(p, tokens, start)
 
     def advance_tree(self, p, tokens, start):
         """The walk over this pass's node distributions p (images, S, V): the kept path's targets written and its

@@ -219,9 +219,14 @@ class Engine:
             self._wire_pass(r, p.jacobi)
 
     def _wire_pass(self, r, j):
-        """The speculative pass's blocks and head: inductor's compiled block and head, or the eager model's."""
+        """The speculative pass's blocks and head (inductor's compiled block and head, or the eager model's), and the
+        window kernels where the plan takes them."""
         ops = eager_ops(j.ops)
-        r.pass_ctx = Context(ops=ops, block=self.compiled_block() if j.block == "compiled" else None)
+        block = (functools.partial(fused_block, rows=j.rows) if j.block == "fused" else
+                 self.compiled_block() if j.block == "compiled" else None)
+        r.pass_ctx = Context(ops=ops, block=block, block_adds_control=j.block == "fused",
+                             attention=attention_triton.window_attention if j.attention == "triton" else None)
+        r.pass_inputs = inputs_triton.window_inputs if j.inputs == "triton" else None
         if j.head == "compiled":
             if self.compiled_logits is None:
                 self.compiled_logits = torch.compile(self.model.logits, fullgraph=True, dynamic=False)
@@ -423,7 +428,9 @@ class Engine:
         p = self.plan = plans.make(s)
         r = ContinuousRunner(self.model, p, num_tokens, prefix_len, num_controls)
         own = p.own_positions
-        r.ctx = Context(ops=eager_ops(own.ops), block=self.compiled_block() if own.block == "compiled" else None)
+        r.ctx = Context(ops=eager_ops(own.ops), block=self.compiled_block() if own.block == "compiled" else None,
+                        attention=attention_triton.window_attention if own.attention == "triton" else None)
+        r.inputs_fn = inputs_triton.window_inputs if own.inputs == "triton" else None
         if own.head == "compiled":
             if self.compiled_logits is None:
                 self.compiled_logits = torch.compile(self.model.logits, fullgraph=True, dynamic=False)

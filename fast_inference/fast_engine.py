@@ -26,6 +26,7 @@ if __package__ in (None, ""):  # run as a script: make `fast_inference` importab
 import numpy as np
 import torch
 
+from fast_inference import memory
 from fast_inference import plan as plans
 from fast_inference.checkpoint import (CheckpointError, fit_null_caption, gpt_fix_hint, load_weights, no_init,
                                        read_state_dict)
@@ -394,9 +395,18 @@ def check_args(args):
         raise UserError(f"--save-tokens {args.save_tokens} is a directory; give a file name like tokens.npy")
     if args.save_samples and os.path.isfile(args.save_samples):
         raise UserError(f"--save-samples {args.save_samples} is a file; give a directory")
+    check_format("--out", args.out, ".png", "a PNG")
+    check_format("--save-tokens", args.save_tokens, ".npy", "a NumPy .npy")
     for path in (args.out, args.save_tokens, args.save_samples and os.path.join(args.save_samples, "0.png")):
         if path:
             check_writable(path)
+
+
+def check_format(flag, path, ext, what):
+    """An output file named with the extension of the one format it is written in (no image.jpg holding a PNG)."""
+    if path and not path.lower().endswith(ext):
+        stem = os.path.splitext(path)[0] if os.path.splitext(path)[1] else path
+        raise UserError(f"{flag} {path}: it is written as {what} file only; name it {stem}{ext}")
 
 
 def check_demo(args):
@@ -461,35 +471,34 @@ def check_grid(margs, H, W, image_size):
                         f"(--image-size {image_size}); use a larger --image-size or a smaller image")
 
 
-def memory_needed(margs, H, W, images, cfg_scale, dtype):
-    """A lower bound of the bytes a run holds at once: the transformer as built (float32, then cast) with its RoPE
-    table, the KV caches, and two of the VQ decoder's full-resolution maps (128 float32 channels) per image."""
-    a, d = margs, margs.dim
-    params = a.n_layer * (4 * d * d + 3 * d * a.ffn_hidden) + 3 * a.vocab_size * d + a.block_size * d
-    rope = (a.prefix_len + a.block_size) * a.head_dim * 4
-    rows = images * (2 if cfg_scale > 1 else 1)
-    kv = a.n_layer * 2 * rows * (a.prefix_len + (H // 16) * (W // 16)) * d * torch.finfo(dtype).bits // 8
-    return 4 * params + rope + kv + 2 * images * 128 * H * W * 4
+def vq_config(args):
+    """The VQConfig of --vq-model and the codebook flags, from a VQ built on the meta device (nothing allocated)."""
+    with torch.device("meta"):
+        return vq_constructor(args)().cfg
 
 
-def available_memory(device):
-    """Bytes this run may use: the GPU's free memory, or the host's MemAvailable + SwapFree (None: unknown)."""
-    if device.type == "cuda":
-        return torch.cuda.mem_get_info(device)[0]
-    try:
-        with open("/proc/meminfo") as f:
-            info = {line.split(":")[0]: int(line.split()[1]) * 1024 for line in f}
-        return info["MemAvailable"] + info.get("SwapFree", 0)
-    except (OSError, KeyError, ValueError, IndexError):
-        return None
+def check_memory(margs, H, W, images, cfg_scale, device, dtype, fix, vq_cfg=None, int8=False, window=0,
+                 coupling=DEFAULT_COUPLING, decoded=None):
+    """Refuse before any large allocation a size the device, or the process's own limits, cannot hold (the
+    allocator's traceback otherwise). memory.needed counts what the run holds at least: the model, the KV caches of
+    images (x2 under CFG) and a speculative pass of `window` positions or the VQ decoding of `decoded` images (default
+    all of them), one chunk at a time."""
+    from fast_inference.vq import VQConfig
 
-
-def check_memory(margs, H, W, images, cfg_scale, device, dtype, fix):
-    """Refuse before any allocation a size the device cannot hold (the allocator's traceback otherwise)."""
-    need, have = memory_needed(margs, H, W, images, cfg_scale, dtype), available_memory(device)
+    shapes = memory.Shapes(H, W, images, cfg_scale > 1.0, dtype, int8=int8, window=window, coupling=coupling,
+                           decoded=images if decoded is None else decoded)
+    need = memory.needed(margs, vq_cfg or VQConfig(), shapes)
+    have, where = memory.available(device)
     if have is not None and need > have:
         raise UserError(f"{images} image(s) of {H}x{W} on a grid of {margs.block_size} tokens need at least "
-                        f"{need / 2**30:.1f} GiB but {device} has {have / 2**30:.1f} GiB free; {fix}")
+                        f"{need / 2**30:.1f} GiB but {where}; {fix}")
+
+
+def run_memory(args, margs, H, W, images, device, dtype, fix):
+    """check_memory for a run of the sampling flags: int8 weights, a speculative pass, the VQ of --vq-model."""
+    window = args.draft_window if args.speculative != "none" else 0
+    check_memory(margs, H, W, images, args.cfg_scale, device, dtype, fix, vq_cfg=vq_config(args),
+                 int8=args.quantize == "int8", window=window, coupling=args.draft_coupling)
 
 
 def check_writable(path):
@@ -558,6 +567,11 @@ def demo_text_inputs(args, model, device):
         prompts = [demo_scene().caption]
     emb, mask = DemoTextEncoder(model.args.caption_dim, model.args.cls_token_num).encode_left_padded(prompts)
     return emb.to(device), mask.to(device), prompts
+
+
+def prompt_count(args):
+    """The prompts the run will encode: --prompt-file's lines, else one."""
+    return len(read_prompt_file(args.prompt_file)) if args.prompt_file else 1
 
 
 def read_prompt_file(path):
@@ -699,6 +713,7 @@ def explain(args):
         draft_window=args.draft_window if args.speculative == "jacobi" else 0,
         draft_tree=args.draft_tree if args.speculative == "jacobi" else ())
     print(plans.explain(plans.make(s)))
+    print(plans.explain_server(s))  # and a server's steps (serve.py), rows at their own positions
 
 
 def sample_tokens(args, model, engine, cond, mask, condition, num_tokens):
@@ -725,12 +740,16 @@ def default_out(args, model_type, demo):
     return os.path.join(ROOT, "sample", "example", name)
 
 
-def save_outputs(args, out, images, control, tokens):
-    """The grid (control map, then the samples), then per-sample PNGs and the tokens; each atomic."""
-    from fast_inference.images import save_image
+def save_outputs(args, out, images, control, tokens, caption=None):
+    """The grid (control map, then the samples), then per-sample PNGs and the tokens; each atomic. With a caption
+    (the demo) the grid is a figure: cells enlarged, the caption written below."""
+    from fast_inference.images import save_figure, save_image
 
     grid = torch.cat([control[None].to(images.device, images.dtype), images])
-    save_image(grid, out, nrow=4, padding=2)
+    if caption is None:
+        save_image(grid, out, nrow=4, padding=2)
+    else:
+        save_figure(grid, out, caption, nrow=4, padding=2)
     if args.save_samples:
         for i, img in enumerate(images):
             save_image(img, os.path.join(args.save_samples, f"{i}.png"))
@@ -780,8 +799,8 @@ def run(args):
     check_writable(out)
     H, W = planned_shape(args, image_size, model_type)
     check_grid(margs, H, W, image_size)
-    check_memory(margs, H, W, args.num_images, args.cfg_scale, device, dtype,
-                 "use a smaller --image-size, --image-H/--image-W or --num-images")
+    run_memory(args, margs, H, W, prompt_count(args) * args.num_images, device, dtype,
+               "use a smaller --image-size, --image-H/--image-W or --num-images")
     t0 = time.perf_counter()
     model, image_size = build_gpt(args, device, dtype)
     t_models = time.perf_counter() - t0
@@ -822,7 +841,7 @@ def run(args):
     images = vq.decode_code(tokens, (tokens.shape[0], vq.quantize.embedding.weight.shape[1], H // 16, W // 16))
     sync(device)
     t_vq = time.perf_counter() - t0
-    save_outputs(args, out, images, control, tokens)
+    save_outputs(args, out, images, control, tokens, caption=" | ".join(prompts) if demo else None)
     times = dict(imports=t_start - PROCESS_START, models=t_models, control=t_control, text=t_text, generate=t_gen, vq=t_vq,
                  total=time.perf_counter() - PROCESS_START)
     report(engine, times, tokens)

@@ -45,9 +45,9 @@ from fast_inference import conditions, data, metrics
 from fast_inference import plan as plans
 from fast_inference.engine import Engine, vq_kernels
 from fast_inference.fast_engine import (ROOT, Parser, UserError, add_model_args, build_gpt, build_vq,
-                                        check_draft_grid, check_memory, check_ranges, check_speculative,
+                                        check_draft_grid, check_ranges, check_speculative,
                                         check_writable, cli_main, is_demo, is_user_error, make_engine, model_args,
-                                        pick_device, sample_tokens, use_demo_model)
+                                        pick_device, run_memory, sample_tokens, use_demo_model)
 from fast_inference.images import save_image, save_png_uint8
 
 
@@ -474,7 +474,7 @@ def image_shape(args, device, dtype):
     H, W = args.image_H or image_size, args.image_W or image_size
     if H <= 0 or W <= 0 or H % 16 or W % 16 or (H // 16) * (W // 16) > margs.block_size:
         raise UserError(f"image size {H}x{W} must be multiples of 16 within the model's grid (--image-size {image_size})")
-    check_memory(margs, H, W, args.batch, args.cfg_scale, device, dtype, "use a smaller --batch or --image-size")
+    run_memory(args, margs, H, W, args.batch, device, dtype, "use a smaller --batch or --image-size")
     check_draft_grid(args, H, W)
     return margs, H, W
 
@@ -630,7 +630,7 @@ def run_metrics(args):
     device = pick_device(args)[0]
     fid_ref = args.fid_ref or (os.path.join(args.data_path, "image") if args.data_path else None)
     metrics.evaluate(args.sample_dir, args.condition_type, device, args.condition_ckpt, args.pred_dir,
-                     args.seg_dataset, fid_ref)
+                     args.seg_dataset, fid_ref, keep_measured=True)
 
 
 def user_mistake(e):
@@ -640,9 +640,21 @@ def user_mistake(e):
     return isinstance(e, data.DataError) or is_user_error(e)
 
 
+def metrics_only(args):
+    """--metrics-only: the metrics of a folder of this --condition-type (its settings.json), no run writing it."""
+    made = read_json(os.path.join(args.sample_dir, "settings.json")).get("condition_type")
+    if made not in (None, args.condition_type):
+        raise UserError(f"--condition-type {args.condition_type} but {args.sample_dir} holds {made} samples (its "
+                        f"settings.json); pass --condition-type {made}")
+    with contextlib.ExitStack() as held:
+        if os.path.isdir(args.sample_dir):  # a missing folder: run_metrics says so
+            held.callback(os.close, lock_sample_dir(args.sample_dir, job_id(1)))
+        run_metrics(args)
+
+
 def run(args):
     if args.metrics_only:
-        return run_metrics(args)
+        return metrics_only(args)
     with contextlib.ExitStack() as held:
         names, rank, world = generate_split(args, held)
         if rank != 0:

@@ -87,6 +87,34 @@ def save_image(x, path, nrow=8, padding=2):
     atomic_save(Image.fromarray(arr), path)
 
 
+def save_figure(x, path, caption, nrow=8, padding=2, min_side=384):
+    """save_image's grid for people to look at: each pixel repeated k times (the samples' pixels unchanged, only
+    larger) so that a cell is at least min_side px, and the caption written on a strip below it."""
+    from PIL import ImageDraw, ImageFont
+
+    grid = make_grid(normalize(to_rgb(x)), nrow=nrow, padding=padding, pad_value=0.0)
+    k = max(1, -(-min_side // x.shape[-1]))
+    img = Image.fromarray(quantize01(grid).permute(1, 2, 0).contiguous().numpy())
+    img = img.resize((img.width * k, img.height * k), Image.NEAREST)
+    font = ImageFont.load_default(size=max(14, min_side // 16))
+    draw = ImageDraw.Draw(img)
+    lines, line = [], ""
+    for word in caption.split():  # wrapped to the grid's width
+        if line and draw.textlength(f"{line} {word}", font=font) > img.width - 20:
+            lines.append(line)
+            line = word
+        else:
+            line = f"{line} {word}".strip()
+    lines.append(line)
+    step = font.size + 6
+    figure = Image.new("RGB", (img.width, img.height + step * len(lines) + 12), "white")
+    figure.paste(img)
+    draw = ImageDraw.Draw(figure)
+    for i, text in enumerate(lines):
+        draw.text((10, img.height + 6 + i * step), text, fill="black", font=font)
+    atomic_save(figure, path)
+
+
 def save_png_uint8(arr, path):
     """Write a raw uint8 array as-is: (H, W) -> mode 'L', (H, W, 3) -> 'RGB'."""
     arr = np.ascontiguousarray(np.asarray(arr, dtype=np.uint8))

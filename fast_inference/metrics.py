@@ -89,6 +89,21 @@ def binary_f1(pred, target):
     return 2 * tp / denom if denom else 0.0
 
 
+def tolerant_f1(pred, target, tol):
+    """Edge F1 with a distance tolerance, as edge benchmarks score (BSDS: tol = 0.0075 of the image diagonal): a
+    predicted edge pixel counts as right within tol px (Euclidean) of a target one, and a target pixel as found
+    within tol px of a predicted one. pred, target: {0, 1} maps (H, W); 0 when neither has a positive."""
+    pred, target = (torch.as_tensor(np.asarray(m) == 1)[None, None].float() for m in (pred, target))
+    r = int(tol)
+    yy, xx = torch.meshgrid(torch.arange(-r, r + 1), torch.arange(-r, r + 1), indexing="ij")
+    disk = ((yy**2 + xx**2) <= tol**2).float()[None, None]
+    near = lambda m: F.conv2d(m, disk, padding=r) > 0
+    hit_p, hit_t = (pred.bool() & near(target)).sum().item(), (target.bool() & near(pred)).sum().item()
+    n_p, n_t = pred.sum().item(), target.sum().item()
+    precision, recall = hit_p / n_p if n_p else 0.0, hit_t / n_t if n_t else 0.0
+    return 2 * precision * recall / (precision + recall) if precision + recall else 0.0
+
+
 def rmse(pred, target):
     return float(torch.sqrt(F.mse_loss(torch.as_tensor(pred).float(), torch.as_tensor(target).float())))
 
@@ -224,8 +239,9 @@ CONTROL_METRIC = {"hed": "ssim", "lineart": "ssim", "canny": "f1", "depth": "rms
 
 
 def evaluate(sample_dir, condition_type, device="cpu", condition_ckpt=None, pred_dir=None, seg_dataset="ade20k",
-             fid_ref=None):
-    """Run the measures of this condition type and FID; print them and write metrics.json."""
+             fid_ref=None, keep_measured=False):
+    """Run the measures of this condition type and FID; print them and write metrics.json (keep_measured: never
+    replacing a metric measured before on the same images with a skip, check_kept)."""
     names = output_names(sample_dir)
     control = CONTROL_METRIC[condition_type]
     runs = {
@@ -242,8 +258,25 @@ def evaluate(sample_dir, condition_type, device="cpu", condition_ckpt=None, pred
         except Skipped as e:
             result["skipped"][metric] = str(e)
             print(f"{metric}: skipped, {e}")
+    if keep_measured:
+        check_kept(os.path.join(sample_dir, "metrics.json"), result)
     write_json(result, os.path.join(sample_dir, "metrics.json"))
     return result
+
+
+def check_kept(path, result):
+    """Refuse to replace a metric measured before on the same images with a skip (what it needs was not given)."""
+    try:
+        with open(path) as f:
+            before = json.load(f)
+    except (OSError, ValueError):
+        return
+    if (before.get("condition_type"), before.get("num_images")) != (result["condition_type"], result["num_images"]):
+        return  # other images: the old values no longer hold
+    for metric, reason in result["skipped"].items():
+        if isinstance(before.get(metric), (int, float)):
+            raise DataError(f"{path} holds {metric} {before[metric]:.4f} measured before, which this run skips "
+                            f"({reason}); give it what it needs, or move {path} away to replace it")
 
 
 def write_json(obj, path):

@@ -164,10 +164,12 @@ class Context:
     block_adds_control: it adds the next block's control rows itself. kv_len: SDPA reads the first kv_len cache
     positions only. inputs: step_inputs(input_pos, controls) made ahead, a control row already added into x None.
     rows: the cache rows the batch's rows are (a request's prefill inside a server's batch, continuous.py), None for
-    the first B; torch's RoPE and SDPA only. window: (start (B,), ancestry (B, S) int64): a draft tree's S rows
-    (draft_tree.py), row j written at cache slot start + j, seeing the cache before start (as key_valid says) and the
-    window's slots whose bits ancestry[:, j] sets (window_mask), instead of input_pos's slots and the causal mask;
-    torch's SDPA only."""
+    the first B; torch's RoPE and SDPA only. window: (seqlens (B,), masks (B, S) int64) for rows at their own
+    positions (input_pos (B, S)): each row's filled keys before its S queries and the queries' bitmasks of the window's
+    keys, window key m at cache slot seqlens + m (window_slots: a draft tree's rows, draft_tree.py, share positions
+    but not slots); the rows' keys are written there, and attention is a window kernel, attention(q, k_cache, v_cache,
+    key_valid, seqlens, masks, text=) after the ops' RoPE and cache write (attention_triton.window_attention), or
+    without one SDPA with window_mask."""
     ops: EagerOps = TORCH_OPS
     attention: Optional[Callable] = None
     block: Optional[Callable] = None
@@ -490,14 +492,32 @@ class Transformer(nn.Module):
         """Float32 logits of the blocks over embeddings x (B,S,D) at absolute positions input_pos (S,), of the last
         position only if last_only (the only one sampling uses). key_valid (B, max_seq) bool: which cache positions a
         query may see besides itself (the text mask for the prefix, True elsewhere). controls (3, B, Nc, D): the
-        control lists (step_inputs picks the rows). ctx: how the blocks run (the fast engine's Context)."""
+        control lists (step_inputs picks the rows). ctx: how the blocks run (the fast engine's Context). A model
+        without caches (none set up, or clear_caches) runs the whole sequence at once and stores nothing: training's
+        forward, with autograd."""
         return self.logits(self.blocks(x, input_pos, key_valid, controls, last_only, ctx), ctx.ops)
 
     def blocks(self, x, input_pos, key_valid, controls=None, last_only=False, ctx=REFERENCE):
         """The last block's output (B, S or 1, D): forward without the head."""
         freqs, picked = self.step_inputs(input_pos, controls) if ctx.inputs is None else ctx.inputs
         ops = ctx.ops
-        if ctx.attention is not None and x.shape[1] == 1:
+        if ctx.attention is not None and ctx.window is not None:
+            rot = rotations(freqs) if ops.rope_and_cache is None else None
+            # the window's slots; past the cache (a chain's rows past the image: outputs unused) its last slot
+            slots = window_slots(*ctx.window).clamp(max=key_valid.shape[1] - 1)
+
+            def attend(q, k, v, freqs, cache):
+                # each row's keys and values written at its window slots, then its queries against its filled keys
+                # and the window's, as the window's masks say; k None: q rotated and the keys written (the fused
+                # block's QKV kernel)
+                if k is None:
+                    q = q.transpose(1, 2)
+                elif rot is None:
+                    q, _, _ = ops.rope_and_cache(q, k, v, freqs, cache, slots)
+                else:
+                    q, _, _ = rope_and_cache(q, k, v, rot, cache, slots)
+                return ctx.attention(q, cache.k_cache, cache.v_cache, key_valid, *ctx.window, text=cache.text)
+        elif ctx.attention is not None and x.shape[1] == 1:
             def attend(q, k, v, freqs, cache):
                 # The kernel rotates q and k and writes k and v; k None: q is rotated and the step's key
                 # and value are in the cache already (the fused block's QKV kernel).
@@ -591,6 +611,8 @@ def precompute_freqs_cis_2d(args):
     """
     half = args.head_dim // 2
     grid = math.isqrt(args.block_size)
+    if torch.get_default_device().type == "meta":  # a model built for its shapes (memory.py): nothing computed
+        return torch.empty(args.prefix_len + grid * grid, half, 2, device="meta")
     freqs = 1.0 / (args.rope_base ** (torch.arange(0, half, 2, device="cpu")[: half // 2].float() / half))
     t = torch.arange(grid, dtype=torch.float32, device="cpu")
     angles = torch.outer(t, freqs)  # (G, hd/4)
@@ -604,14 +626,14 @@ def precompute_freqs_cis_2d(args):
 def rope_and_cache(q, k, v, rot, cache, input_pos, rows=None):
     """The official order before attention: RoPE on q and k (B,S,H,hd) by rot = rotations(freqs), k and v
     written to the cache at input_pos. -> q (B,H,S,hd) and the cache's first B rows of keys and values (rows: those
-    cache rows, KVCache.update)."""
+    cache rows, KVCache.update). Without a cache (training: the whole sequence at once) k and v are returned."""
     qk = heads_together(q, k)
     if qk is None:
         q, k = apply_rotary_emb(q, rot), apply_rotary_emb(k, rot)
     else:
         q, k = apply_rotary_emb(qk, rot).split(q.shape[2], dim=2)
     q, k, v = (t.transpose(1, 2) for t in (q, k, v))
-    return (q, *cache.update(input_pos, k, v, rows))
+    return (q, k, v) if cache is None else (q, *cache.update(input_pos, k, v, rows))
 
 
 def heads_together(q, k):

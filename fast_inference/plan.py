@@ -45,6 +45,8 @@ WHOLE_ROWS = range(64, 97)  # the attention's one-program-per-(row, head) form (
 # 32 rows, 2.132 -> 2.410, and from 112: #48, #54)
 CUDA_LOOP_ROWS = 4  # attention_cuda stages whole slices up to here, loops over them above (#76-#78)
 CACHE_WINDOWS = 8  # SDPA without a decode attention kernel reads one of 8 static windows of the cache (ebb74cb)
+WINDOW_KERNELS = False  # rows at their own positions (a pass, a server's step) take SDPA until measured on a GPU (#75)
+PASS_FUSED_ROWS = 32  # window_block=fused up to here (the dot path's rows in registers, built for sm_90 unspilled)
 
 # Where one operation keeps two kernels, and why (the cudagraph backend is the mission's backend without Triton):
 #   attention  Triton (split-KV, whole) | CUDA C++ without Triton (n = 1 1.46 -> 1.34 ms/step over SDPA, #69, #77)
@@ -141,26 +143,34 @@ class EagerOps:
 @dataclass(frozen=True)
 class JacobiPass:
     """How a speculative pass runs (speculative.py): 2 x images x window query rows at their own positions, so the
-    one-query decode kernels (fused block, decode attention, inputs, draw) do not serve it; SDPA with the mask does."""
+    one-query decode kernels (fused block, decode attention, inputs, draw) do not serve it; SDPA with the mask does, or
+    the window kernels (attention and inputs, each row's L queries at their own positions) where the plan takes them."""
     window: int  # L: the last accepted token and L - 1 drafts per image
     nodes: int  # query rows per image: L, or a draft tree's nodes (draft_tree.py), which take as many spare cache slots
-    block: str  # compiled (inductor's block, the compiled steps' own) | model (eager blocks)
+    block: str  # compiled (inductor's block, the compiled steps' own) | model (eager blocks) | fused (the fused
+    # block's Triton kernels at the pass's rows, each query's RoPE and cache write in QKV: `rows`)
     head: str  # compiled | model
     ops: EagerOps  # the eager blocks' element-wise kernels (RoPE: torch's, per row)
     graph: bool  # the whole pass one CUDA graph, captured by hand
+    attention: str = "sdpa"  # sdpa (each row's mask over the cache) | triton (attention_triton.window_attention)
+    inputs: str = "model"  # model (the embedding; RoPE and control rows gathered by the model) | triton (window_inputs)
+    rows: Optional[Rows] = None  # the fused block's projections at the pass's rows (block fused)
 
 
 @dataclass(frozen=True)
 class OwnPositions:
     """How a server's steps run (continuous.py): each image's rows at their own position, as requests join a running batch
     and leave it. The one-query decode kernels (fused block, decode attention, inputs, draw) take one position for all
-    rows, so these steps run SDPA with each row's mask, as a speculative pass does; the draw stays out of the graph,
+    rows, so these steps run SDPA with each row's mask (or the window kernels), as a speculative pass does; the draw
+    stays out of the graph,
     where each request's own generator makes its noise (its images those of fast_engine.py with the same seed)."""
     block: str  # compiled (inductor's block) | model (eager blocks)
     head: str  # compiled | model
     ops: EagerOps  # the eager blocks' element-wise kernels (RoPE: torch's, per row)
     graph: bool  # each bucket's step (blocks and head) one CUDA graph, captured by hand
     buckets: tuple  # the image counts steps run at: the smallest that holds every occupied slot
+    attention: str = "sdpa"  # as JacobiPass's, at a window of one query per row
+    inputs: str = "model"
 
 
 @dataclass(frozen=True)
@@ -208,6 +218,9 @@ OVERRIDES = dict(
     vq_norm=("torch", "triton"),
     down_pdl=("on", "off"),
     merge_pdl=("on", "off"),
+    window_attention=("sdpa", "triton"),  # a pass's and a server step's attention (WINDOW_KERNELS)
+    window_inputs=("model", "triton"),  # ... and their inputs
+    window_block=("compiled", "fused"),  # a pass's block: inductor's, or the fused kernels at its rows (with the above)
 )
 
 
@@ -320,9 +333,10 @@ def make(s: Situation) -> Plan:
     text_sums = "none" if not text else "triton" if attention == "triton" else "torch"
     guided = step_rows(s, want, s.rows, s.rows, block, cuda_block, attention, prefetch, draw)
     unguided = step_rows(s, want, s.batch, s.rows, block, cuda_block, attention, prefetch, draw) if s.cfg else None
-    jacobi = jacobi_pass(s, block_scope, hand_capture, eager) if s.draft_window else None
+    window = window_kernels(s, want) if s.draft_window or s.own_positions else None
+    jacobi = jacobi_pass(s, block_scope, hand_capture, eager, window) if s.draft_window else None
     if s.own_positions:  # a server's steps replace the plain ones; its prefills write rows inside the batch
-        own = own_positions(s, eager)
+        own = own_positions(s, eager, window)
         prefill, prefill_ops, text_sums, windows, prefetch = "eager", dataclasses.replace(eager, rope="torch"), \
             "none", 1, "none"
     return Plan(own_positions=own if s.own_positions else None, jacobi=jacobi, situation=s, step="hand_graph" if hand_capture else "compiled_step" if s.backend == "inductor"
@@ -334,7 +348,26 @@ def make(s: Situation) -> Plan:
                 vq_norm=vq_norm(s.backend, s.cuda, s.triton, want), guided=guided, unguided=unguided)
 
 
-def jacobi_pass(s, block_scope, hand_capture, eager):
+def window_kernels(s, want):
+    """(attention, inputs, a pass's block) of rows at their own positions, L queries each (a pass, a server's step):
+    the window kernels where Triton runs on CUDA (not the cudagraph backend) and they fit, off by default
+    (WINDOW_KERNELS) and taken by the overrides window_attention=triton, window_inputs=triton (window_block=fused:
+    jacobi_pass); else SDPA with each row's mask and the model's inputs."""
+    ok = s.triton and s.cuda and s.backend != "cudagraph"
+    fits = ok and attention_triton.window_fits(s.head_dim, max(pass_nodes(s), 1))
+    attention = want.get("window_attention", "triton" if WINDOW_KERNELS and fits else "sdpa")
+    inputs = want.get("window_inputs", "triton" if WINDOW_KERNELS and ok else "model")
+    if attention == "triton" and not fits:
+        raise PlanError("plan override window_attention=triton needs Triton on a CUDA device (not the cudagraph "
+                        f"backend), a power-of-two head dim of at least 16 and a window of at most "
+                        f"{attention_triton.MAX_WINDOW}; use window_attention=sdpa")
+    if inputs == "triton" and not ok:
+        raise PlanError("plan override window_inputs=triton needs Triton on a CUDA device (not the cudagraph backend); "
+                        "use window_inputs=model")
+    return attention, inputs, want.get("window_block", "compiled")
+
+
+def jacobi_pass(s, block_scope, hand_capture, eager, window):
     """The speculative pass: through inductor's compiled block and head in one captured graph on the inductor
     backend (block scope), eager on the eager backend; the cudagraph backend (CUDA C++ one-query kernels) has none."""
     if s.backend == "cudagraph" or (s.backend == "inductor" and not block_scope):
@@ -342,24 +375,44 @@ def jacobi_pass(s, block_scope, hand_capture, eager):
     if s.draft_window < 2:
         raise PlanError(f"--draft-window {s.draft_window}: a pass needs at least 2 positions")
     compiled = block_scope and not s.int8  # inductor turns int8 projections into slow kernels (as the steps)
-    nodes = s.draft_window
+    nodes = pass_nodes(s)
     if s.draft_tree:
         width, depth = s.draft_tree
         if not (width >= 1 and 1 <= depth < s.draft_window):
             raise PlanError(f"--draft-tree {width}x{depth}: a width of at least 1 and a depth of 1 to --draft-window - 1")
-        nodes += (width - 1) * depth  # tree_size (draft_tree.py), not imported: the plan imports no runner
         if nodes > 63:
             raise PlanError(f"--draft-tree {width}x{depth} with --draft-window {s.draft_window}: {nodes} rows per image, "
                             f"the window's mask holds 63; use a smaller window or tree")
-    return JacobiPass(window=s.draft_window, nodes=nodes, block="compiled" if compiled else "model",
-                      head="compiled" if compiled else "model",
-                      ops=EagerOps() if compiled else dataclasses.replace(eager, rope="torch"), graph=hand_capture)
+    block, rows = "compiled" if compiled else "model", None
+    if window[2] == "fused":
+        if not (compiled and window[0] == "triton" and block_triton.fits(s.head_dim, dot=True)) or s.draft_tree:
+            raise PlanError("plan override window_block=fused needs the inductor backend's block scope on a CUDA "
+                            "device with Triton, float weights, a head dim the fused block takes, "
+                            "window_attention=triton and no draft tree (its QKV writes each key at its position)")
+        if s.rows * s.draft_window <= PASS_FUSED_ROWS:
+            block, rows = "fused", pass_rows(s.rows * s.draft_window)
+    return JacobiPass(window=s.draft_window, nodes=nodes, block=block, head="compiled" if compiled else "model",
+                      ops=EagerOps() if compiled else dataclasses.replace(eager, rope="torch"), graph=hand_capture,
+                      attention=window[0], inputs=window[1], rows=rows)
+
+
+def pass_nodes(s):
+    """A pass's query rows per image: the window, and a draft tree's branches (draft_tree.tree_size; the plan imports
+    no runner)."""
+    return s.draft_window + ((s.draft_tree[0] - 1) * s.draft_tree[1] if s.draft_tree else 0)
+
+
+def pass_rows(rows):
+    """The fused block's projections at a pass's rows: Triton's (block_cuda's QKV takes one position for every row),
+    GEMV or dot by GEMV_ROWS, without PDL (the window attention between them launches without it)."""
+    impl = "triton_gemv" if rows <= GEMV_ROWS else "triton_dot"
+    return Rows(rows=rows, projections=tuple((name, Projection(impl)) for name in PROJECTIONS), attention="triton")
 
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 64)  # a server's step sizes: graphs captured at a few, idle slots computed up to the next
 
 
-def own_positions(s, eager):
+def own_positions(s, eager, window):
     """A server's steps: inductor's compiled block and head where it compiles (its steps' own), else the eager blocks
     with the backend's ops and torch's per-row RoPE; one CUDA graph per bucket where the backend captures steps."""
     if s.draft_window:
@@ -368,7 +421,8 @@ def own_positions(s, eager):
     buckets = tuple(b for b in BUCKETS if b < s.batch) + (s.batch,)
     return OwnPositions(block="compiled" if compiled else "model", head="compiled" if compiled else "model",
                         ops=EagerOps() if compiled else dataclasses.replace(eager, rope="torch"),
-                        graph=s.cuda and s.backend != "eager", buckets=buckets)
+                        graph=s.cuda and s.backend != "eager", buckets=buckets, attention=window[0],
+                        inputs=window[1])
 
 
 def block_pdl(s, rows):
@@ -618,27 +672,47 @@ def explain(p):
     row("text partial", p.text_sums)
     if p.windows > 1:
         row("cache windows", str(p.windows))
-    ops = lambda o: f"RMSNorm {o.rms_norm}, SiLU x up {o.silu_mul}, RoPE + cache {o.rope}"
+    ops = describe_ops
     row("prefill", {"eager": "eager", "eager_graph": "eager, a CUDA graph from the shape's second image",
                     "compiled_block": "the compiled block", "compiled_whole": "torch.compile of the whole prefill"}
         [p.prefill] + f"; {ops(p.prefill_ops)}")
     if p.step_ops is not None:
         row("step ops", ops(p.step_ops))
     if p.own_positions is not None:
-        o = p.own_positions
-        blocks = "compiled" if o.block == "compiled" else "eager"
-        runs = "a CUDA graph per step size" if o.graph else "op by op"
-        row("rows apart", f"each row at its own position (a server's batch): the {blocks} blocks and SDPA with each "
-            f"row's mask, {runs} ({'/'.join(map(str, o.buckets))} images); each request's draws from its own "
-            f"generator; {ops(o.ops)}")
+        row("rows apart", describe_own_positions(p.own_positions))
     if p.jacobi is not None:
         j = p.jacobi
+        blocks = (f"fused (Triton {j.rows.projection('qkv').impl.split('_')[1]})" if j.block == "fused" else
+                  "compiled" if j.block == "compiled" else "eager")
         tree = f" in a {s.draft_tree[0]}x{s.draft_tree[1]} draft tree of {j.nodes} nodes" if s.draft_tree else ""
         row("speculative", f"Jacobi passes of {j.window} positions{tree}: {s.rows * j.nodes} rows through the "
-            f"{'compiled' if j.block == 'compiled' else 'eager'} blocks and SDPA, "
-            f"{'one CUDA graph' if j.graph else 'op by op'}; {ops(j.ops)}")
+            f"{blocks} blocks and {WINDOW_WORDS[j.attention]}, inputs "
+            f"{INPUT_WORDS[j.inputs]}, {'one CUDA graph' if j.graph else 'op by op'}; {describe_ops(j.ops)}")
     row("VQ norms", p.vq_norm)
     return "\n".join(lines)
+
+
+WINDOW_WORDS = dict(sdpa="SDPA with each row's mask", triton="the Triton window attention (each row's keys once)")
+INPUT_WORDS = dict(model="by the model's ops", triton="in one Triton kernel (window_inputs)")
+
+
+def describe_ops(o):
+    return f"RMSNorm {o.rms_norm}, SiLU x up {o.silu_mul}, RoPE + cache {o.rope}"
+
+
+def describe_own_positions(o):
+    """The server step's line of explain."""
+    blocks = "compiled" if o.block == "compiled" else "eager"
+    runs = "a CUDA graph per step size" if o.graph else "op by op"
+    return (f"each row at its own position (a server's batch): the {blocks} blocks and {WINDOW_WORDS[o.attention]}, "
+            f"inputs {INPUT_WORDS[o.inputs]}, {runs} ({'/'.join(map(str, o.buckets))} images); each request's draws "
+            f"from its own generator; {describe_ops(o.ops)}")
+
+
+def explain_server(s):
+    """The server's steps (serve.py) in the situation of s, as explain's line: what `--explain` adds for them."""
+    o = make(dataclasses.replace(s, own_positions=True, draft_window=0)).own_positions
+    return f"  {'server steps':<14}{describe_own_positions(o)}"
 
 
 # The README's table: one model (GPT-XL t2i 512 px) under CFG, each backend on each device class, by images.

@@ -57,6 +57,7 @@ from fast_inference.scenes import VOCABULARY
 from fast_inference.scheduler import FINAL, Job, QueueFull, Scheduler
 
 log = logging.getLogger("fast_inference")
+DRAIN_BYTES = 64 * 2**20  # a refused body is read and dropped up to this size; past it the connection is closed
 PAGE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "serve_page.html")
 SERVER_RANGES = dict(port=(0, 65535, None), batch=(1, 64, "images one engine decodes at once"),
                      max_queue=(1, None, "jobs accepted and not finished"), max_body_mb=(1, 1024, None),
@@ -404,6 +405,7 @@ def make_request(service, body):
 
 def create_app(service):
     from starlette.applications import Starlette
+    from starlette.requests import ClientDisconnect
     from starlette.concurrency import run_in_threadpool
     from starlette.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
     from starlette.routing import Route
@@ -415,13 +417,21 @@ def create_app(service):
 
     async def read_json(request):
         size = request.headers.get("content-length")
-        if size is not None and (not size.isdigit() or int(size) > limit):
+        over = size is not None and (not size.isdigit() or int(size) > limit)
+        data, seen = bytearray(), 0
+        try:
+            async for chunk in request.stream():
+                seen += len(chunk)
+                over = over or seen > limit
+                if not over:
+                    data += chunk
+                elif seen > DRAIN_BYTES:
+                    break
+        except ClientDisconnect:
+            if not over:
+                raise
+        if over:  # refused after reading to the end: a client still sending would fail before reading the answer
             raise BadRequest("body", f"the body is larger than {limit} bytes (--max-body-mb)", 413)
-        data = bytearray()
-        async for chunk in request.stream():
-            data += chunk
-            if len(data) > limit:
-                raise BadRequest("body", f"the body is larger than {limit} bytes (--max-body-mb)", 413)
         try:
             return json.loads(bytes(data) or b"{}")
         except (ValueError, UnicodeDecodeError) as e:

@@ -24,9 +24,12 @@ computed from the image's own tokens, so the image is that function of the noise
 windows and trees change only how many passes it takes), and the noise is independent of everything else. No accept
 test, no residual: a draft is kept where it is the race's winner, and the one after the last kept draft is exact too.
 """
+from dataclasses import replace
+
 import torch
 import torch.nn.functional as F
 
+from fast_inference.kernels.attention_triton import chain_masks
 from fast_inference.runner import ShapeRunner
 from fast_inference.sampling import cfg_merge, filter_logits
 
@@ -53,35 +56,50 @@ def probabilities(logits, guided, cfg_scale, temperature, top_k, top_p, sample_l
 def race(probs):
     """One index per row of probs (..., V), with probability probs (not normalised: proportional): the exponential
     race, argmax(log probs - log E), E ~ Exp(1); zeros are never drawn."""
-    noise = torch.empty_like(probs).exponential_(1).clamp_min_(torch.finfo(probs.dtype).tiny)
-    return (probs.log() - noise.log()).argmax(-1)
+    noise = torch.empty_like(probs).exponential_(1).clamp_min_(torch.finfo(probs.dtype).tiny).log_()
+    return probs.log().sub_(noise).argmax(-1)  # in place: one (images, L, V) tensor fewer
 
 
 def hash32(x):
     """A 32-bit integer hash (Wellons' lowbias32) of int64 tensors holding values in [0, 2**32), in int64 arithmetic:
-    each multiply split in 16-bit halves so that nothing overflows."""
-    def times(x, c):
-        return (x * (c & 0xFFFF) + (((x * (c >> 16)) & 0xFFFF) << 16)) & 0xFFFFFFFF
+    each multiply split in 16-bit halves so that nothing overflows; in place on its own copy (over (images, L, V) keys
+    one temporary at a time)."""
+    def times(x, c):  # x * c mod 2**32
+        high = x * (c >> 16)
+        high &= 0xFFFF
+        high <<= 16
+        x *= c & 0xFFFF
+        x += high
+        x &= 0xFFFFFFFF
+        return x
 
     x = x ^ (x >> 16)
     x = times(x, 0x7FEB352D)
-    x = x ^ (x >> 15)
+    x ^= x >> 15
     x = times(x, 0x846CA68B)
-    return x ^ (x >> 16)
+    x ^= x >> 16
+    return x
+
+
+def position_keys(seed, positions, vocab_size):
+    """32-bit keys (images, L, V), int64, fixed by (seed (), image, image position (images, L), token)."""
+    rows = torch.arange(positions.shape[0], device=positions.device)[:, None, None]
+    tokens = torch.arange(vocab_size, device=positions.device)
+    return hash32(hash32(hash32(seed ^ rows) ^ positions[..., None]) ^ tokens)
 
 
 def position_noise(seed, positions, vocab_size):
     """Exp(1) noise (images, L, V) fixed by (seed (), image, image position (images, L), token): the same in every
-    pass of one generate() call; its 32-bit uniforms are (hash + 0.5) / 2**32."""
-    rows = torch.arange(positions.shape[0], device=positions.device)[:, None, None]
-    tokens = torch.arange(vocab_size, device=positions.device)
-    key = hash32(hash32(hash32(seed ^ rows) ^ positions[..., None]) ^ tokens)
-    return -torch.log((key.to(torch.float64) + 0.5) / 2.0**32).to(torch.float32)
+    pass of one generate() call; its uniforms are the keys' top 23 bits, ((key >> 9) + 0.5) / 2**23, exact in
+    float32 and inside (0, 1) (no float64 tensor: 8 bytes per (image, position, token) fewer)."""
+    key = position_keys(seed, positions, vocab_size)
+    key >>= 9
+    return key.to(torch.float32).add_(0.5).mul_(2.0**-23).log_().neg_()
 
 
 def coupled_race(probs, noise):
     """race() with the given Exp(1) noise (..., V) instead of fresh draws."""
-    return (probs.log() - noise.clamp_min(torch.finfo(noise.dtype).tiny).log()).argmax(-1)
+    return probs.log().sub_(noise.clamp_min(torch.finfo(noise.dtype).tiny).log_()).argmax(-1)
 
 
 def accepted_count(p, q, drafts, u):
@@ -135,7 +153,9 @@ class JacobiRunner(ShapeRunner):
         buf("passes", torch.zeros(B, dtype=torch.long, device=device))
         buf("steps", torch.arange(window, device=device))
         buf("noise_seed", torch.zeros((), dtype=torch.long, device=device))  # position_noise's, per generate()
-        self.pass_ctx, self.pass_head = None, None  # the passes' Context and head (wired by the Engine)
+        buf("masks", chain_masks(window, device))  # the window kernel's: query j sees the window's keys 0..j
+        # the passes' Context and head, and the window kernel's inputs or None (wired by the Engine)
+        self.pass_ctx, self.pass_head, self.pass_inputs = None, None, None
 
     def start(self):
         """After the prefill's first token: every image at one token, its window of initial drafts."""
@@ -151,19 +171,19 @@ class JacobiRunner(ShapeRunner):
         """Initial drafts (images, L) and their q (images, L, V) of a window starting at image position n, whose
         first `kept` drafts are `drafts`' (redrawn from the pass): DRAFT_INITS."""
         B, L, V = self.batch, self.window, self.q.shape[-1]
-        uniform = torch.full((B, L, V), 1.0 / V, device=n.device)
-        anywhere = (torch.randint(0, V, (B, L), device=n.device) if self.coupling == "none" else
-                    self.draw(uniform, n[:, None] + self.steps))  # a uniform draft at each slot
-        if self.init == "random":
-            return anywhere, uniform
         if self.init == "left":  # the token before the first initial draft, repeated
             before = torch.where(kept > 0, drafts.gather(1, (kept - 1).clamp(min=0)[:, None])[:, 0], self.last)
-            tokens = before[:, None].expand(B, L)
-        else:  # above: image position i - width, accepted (the window is no wider than the grid); none in row 0
-            at = n[:, None] + self.steps - self.width
-            tokens = torch.where(at >= 0, self.out.gather(1, at.clamp(min=0)), anywhere)
-            return tokens, torch.where((at >= 0)[..., None], F.one_hot(tokens, V).float(), uniform)
-        return tokens, F.one_hot(tokens, V).float()
+            return before[:, None].expand(B, L), F.one_hot(before, V).float()[:, None].expand(B, L, V)
+        uniform = torch.full((B, L, V), 1.0 / V, device=n.device)
+        # a uniform draft at each slot; coupled: the race over a uniform q, won by the largest key (the least noise)
+        anywhere = (torch.randint(0, V, (B, L), device=n.device) if self.coupling == "none" else
+                    position_keys(self.noise_seed, n[:, None] + self.steps, V).argmax(-1))
+        if self.init == "random":
+            return anywhere, uniform
+        # above: image position i - width, accepted (the window is no wider than the grid); none in row 0
+        at = n[:, None] + self.steps - self.width
+        tokens = torch.where(at >= 0, self.out.gather(1, at.clamp(min=0)), anywhere)
+        return tokens, torch.where((at >= 0)[..., None], F.one_hot(tokens, V).float(), uniform)
 
     def draw(self, probs, positions):
         """One draft per image and window slot from probs (images, L, V), at image positions (images, L): fresh race
@@ -179,10 +199,16 @@ class JacobiRunner(ShapeRunner):
         tokens = torch.cat([self.last[:, None], self.drafts[:, : L - 1]], 1)
         # image position n - 1 + j sits at T + n - 1 + j; past the image (its outputs unused), at its last position
         pos = (T + self.n[:, None] - 1 + self.steps).clamp(max=T + N - 1)
-        if self.cfg:
-            tokens, pos = torch.cat([tokens, tokens]), torch.cat([pos, pos])
-        h = self.model.blocks(self.model.tok_embeddings(tokens), pos, self.key_valid, self.controls,
-                              ctx=self.pass_ctx)
+        rows = (lambda t: torch.cat([t, t])) if self.cfg else (lambda t: t)
+        ctx = self.pass_ctx
+        if self.pass_inputs is None:
+            x = self.model.tok_embeddings(rows(tokens))
+        else:  # the embeddings, RoPE rows and control rows of each image's positions in one kernel
+            x, inputs = self.pass_inputs(self.model, tokens, pos, self.controls, self.cfg)
+            ctx = replace(ctx, inputs=inputs)
+        if ctx.attention is not None:  # the window kernel: each image's filled keys before its window, a chain
+            ctx = replace(ctx, window=(rows(T + self.n - 1), self.masks.expand(x.shape[0], L)))
+        h = self.model.blocks(x, rows(pos), self.key_valid, self.controls, ctx=ctx)
         p = probabilities(self.pass_head(h), self.cfg, self.cfg_scale, self.temperature, self.top_k, self.top_p,
                           self.sample_logits)
         self.advance(p)
@@ -215,7 +241,7 @@ class JacobiRunner(ShapeRunner):
         self.last.copy_(self.out.gather(1, (n_next - 1)[:, None])[:, 0])
         inside, redrawn, q = next_window(dist, count, redraw)
         init_tokens, init_q = self.initial(n_next, (L - count).clamp(min=0), redrawn)
-        self.drafts.copy_(torch.where(inside, redrawn, init_tokens))
-        self.q.copy_(torch.where(inside[..., None], q, init_q))
+        torch.where(inside, redrawn, init_tokens, out=self.drafts)
+        torch.where(inside[..., None], q, init_q, out=self.q)  # no (images, L, V) tensor to copy from
         self.passes.add_(live.to(torch.long))
         self.n.copy_(n_next)

@@ -277,6 +277,10 @@ class Quantizer(nn.Module):
 
 
 class VQModel(nn.Module):
+    # decode at most this many output pixels per chunk: the 128-ch full-resolution activations are 512 B/pixel each,
+    # so 4 images of 512^2 is ~0.5 GB per tensor (memory.py counts one chunk)
+    max_decode_pixels = 4 * 512 * 512
+
     def __init__(self, cfg: VQConfig = None):
         super().__init__()
         self.cfg = cfg = cfg or VQConfig()
@@ -285,9 +289,6 @@ class VQModel(nn.Module):
         self.quantize = Quantizer(cfg)
         self.quant_conv = conv1(cfg.z_channels, cfg.codebook_embed_dim)
         self.post_quant_conv = conv1(cfg.codebook_embed_dim, cfg.z_channels)
-        # decode at most this many output pixels per chunk: the 128-ch full-resolution
-        # activations are 512 B/pixel each, so 4 images of 512^2 is ~0.5 GB per tensor
-        self.max_decode_pixels = 4 * 512 * 512
         # Channels-last convolutions: cuDNN's NHWC kernels run without transposing every activation in and out
         # (512 px on an H200: 15.4 -> 13.5 ms per image, 38.9 -> 34.4 ms for 4). load_weights copies into
         # these tensors, so the layout stays.
@@ -300,6 +301,11 @@ class VQModel(nn.Module):
             if isinstance(m, (GroupNorm, ResBlock, Upsample)):
                 m.kernels = kernels
         return self
+
+    @classmethod
+    def images_per_chunk(cls, H, W, max_pixels=None):
+        """Images of H x W pixels decode_code decodes at once."""
+        return max(1, (max_pixels or cls.max_decode_pixels) // (H * W))
 
     @property
     def downsample(self):
@@ -318,14 +324,16 @@ class VQModel(nn.Module):
             side = int(round(n ** 0.5))
             shape = (b, self.cfg.codebook_embed_dim, side, side)
         _, c, h, w = shape
-        per = max(1, self.max_decode_pixels // (h * w * self.downsample ** 2))
+        per = self.images_per_chunk(h * self.downsample, w * self.downsample, self.max_decode_pixels)
         outs = []
         for i in range(0, b, per):
             idx = indices[i:i + per]
+            if b > per:  # every chunk of `per` images (the last padded): a convolution's sums vary with the batch
+                idx = torch.cat([idx, idx[-1:].expand(per - idx.shape[0], -1)])
             z = self.quantize.lookup(idx, (idx.shape[0], c, h, w))
             z = z.contiguous(memory_format=torch.channels_last)
             outs.append(self.decoder(self.post_quant_conv(z)).float())
-        return torch.cat(outs).contiguous()
+        return torch.cat(outs)[:b].contiguous()
 
 
 def VQ_16(**kw):

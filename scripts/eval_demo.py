@@ -7,8 +7,10 @@
   vq_psnr           PSNR (dB) of the VQ's reconstructions of --num scenes (encode, decode, uint8 as a saved PNG)
   vq_canny_f1       Canny F1 of those reconstructions against the scene's canny map (the ceiling of control_f1)
   control_f1        Canny F1 between each generated image and its own canny control (the project's canny metric)
-  mismatched_f1     the same images against another scene's control; control is followed when control_f1 >= 0.5
-                    and >= 2x this
+  mismatched_f1     the same images against another scene's control
+  control_f1_tol, mismatched_f1_tol   the same two with edges matched within edge_tolerance_px (BSDS's 0.0075 of
+                    the diagonal, 2.7 px at 256 px); control is followed when control_f1_tol >= 0.5 and >= 2x
+                    mismatched_f1_tol
   colour_scenes     fraction of scenes whose every named shape has its named colour: the mean colour of the
                     generated pixels inside the shape (eroded 2 px) is nearest, among the palette, to the named one
   colour_shapes     the same per shape; background_colour: the same for the background's pixels
@@ -33,7 +35,7 @@ import torch.nn.functional as F
 from fast_inference import fast_engine, scenes
 from fast_inference.demo_text import DemoTextEncoder
 from fast_inference.images import save_image
-from fast_inference.metrics import binary_f1
+from fast_inference.metrics import binary_f1, tolerant_f1
 
 PALETTE = torch.tensor(list(scenes.PALETTE.values()), dtype=torch.float32)
 
@@ -72,10 +74,17 @@ def generate(margs, model, engine, vq, batch, controls, seed, device):
     return to_uint8(vq.decode_code(tokens)).cpu(), tokens.cpu()
 
 
-def f1s(images, controls):
-    """Per image: Canny F1 of each image against each control map (both uint8 (B, 3, S, S))."""
+def f1s(images, controls, tol=0):
+    """Per image: Canny F1 of each image against each control map (both uint8 (B, 3, S, S)); tol > 0: within tol
+    px (tolerant_f1)."""
     edges = scenes.canny(images)
-    return [binary_f1(e.numpy(), (c[0] == 255).numpy()) for e, c in zip(edges, controls)]
+    score = (lambda e, c: tolerant_f1(e, c, tol)) if tol else binary_f1
+    return [score(e.numpy(), (c[0] == 255).numpy()) for e, c in zip(edges, controls)]
+
+
+def tolerance(size):
+    """BSDS's edge-matching distance, 0.0075 of the image diagonal: 2.7 px at 256 px, 1.4 at 128."""
+    return 0.0075 * math.hypot(size, size)
 
 
 def colour_checks(images, batch, size):
@@ -120,7 +129,7 @@ def vq_metrics(vq, size, n, device, batch=32):
 @torch.no_grad()
 def sample_metrics(args, model, engine, vq, size, device):
     """The control and colour metrics of --num scenes sampled by one engine (seeded per batch)."""
-    own, other, scene_ok, shape_ok, bg_ok, passes = [], [], [], [], [], []
+    own, other, own_tol, other_tol, scene_ok, shape_ok, bg_ok, passes = [], [], [], [], [], [], [], []
     n = args.num
     for start in range(0, n, args.batch):
         idx = list(range(start, min(n, start + args.batch)))
@@ -128,14 +137,18 @@ def sample_metrics(args, model, engine, vq, size, device):
         controls = scenes.control(batch, "canny", size)
         images, _ = generate(args.model, model, engine, vq, batch, controls, args.model.seed * 1000 + start, device)
         own += f1s(images, controls)
+        own_tol += f1s(images, controls, tolerance(size))
         passes += engine.last_speculation.get("passes", []) if engine is not None else []
         mismatched = scenes.control(scenes.scenes([(i + 1) % n for i in idx], "test"), "canny", size)
         other += f1s(images, mismatched)
+        other_tol += f1s(images, mismatched, tolerance(size))
         for ok, shapes, bg in colour_checks(images, batch, size):
             scene_ok.append(ok)
             shape_ok += shapes
             bg_ok.append(bg)
-    result = dict(control_f1=mean_se(own), mismatched_f1=mean_se(other), colour_scenes=mean_se(scene_ok),
+    result = dict(control_f1=mean_se(own), mismatched_f1=mean_se(other), control_f1_tol=mean_se(own_tol),
+                  mismatched_f1_tol=mean_se(other_tol), edge_tolerance_px=round(tolerance(size), 2),
+                  colour_scenes=mean_se(scene_ok),
                   colour_shapes=mean_se(shape_ok), background_colour=mean_se(bg_ok))
     if passes:  # --speculative jacobi: passes per image; tokens per pass leave out the first, drawn by the prefill
         tokens = ((size // 16) ** 2 - 1) * n

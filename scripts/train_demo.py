@@ -31,7 +31,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from fast_inference import demo_text, scenes
-from fast_inference.model import ModelArgs, Transformer, apply_rotary_emb, attention_mask, rotations
+from fast_inference.model import ModelArgs, Transformer
 from fast_inference.vq import VQConfig, VQModel
 
 # Control types and how often the GPT sees each (canny, the measured one, most).
@@ -81,6 +81,8 @@ def parse_args(argv=None):
     p.add_argument("--gpt-from", default=None, help="folder of a trained gpt.json + gpt.safetensors to go on from "
                    "(its weights start the model and its average; the optimiser and schedule start afresh)")
     p.add_argument("--time-limit", type=float, default=None, help="seconds per phase; stops early and saves")
+    p.add_argument("--resume", action="store_true", help="go on with the GPT run whose state --out holds "
+                   "(gpt_state.pt: weights, average, optimiser, schedule, data order), up to its --gpt-steps")
     p.add_argument("--threads", type=int, default=None, help="CPU threads (default torch's); on cores shared with "
                    "other work use 1: OpenMP's threads spin waiting for a descheduled peer (30x slower seen)")
     p.add_argument("--log-every", type=int, default=50)
@@ -247,37 +249,13 @@ def load_vq(out, device):
 
 # ---- the GPT ---------------------------------------------------------------------------------------
 
-def rms(norm, x):
-    """RMSNorm as model.RMSNorm computes it, in plain torch (autograd everywhere)."""
-    xf = x.float()
-    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + norm.eps)).type_as(x) * norm.weight
-
-
 def teacher_forced_logits(model, prefix, text_mask, controls, tokens):
-    """The model's forward over a whole sequence, as its prefill runs it, in plain torch: prefix (B, T, D), text
-    mask (B, T) bool, control lists (3, B, N, D), image tokens (B, N) -> logits (B, N, V) float32 predicting them.
-    Control token j is added where token j is predicted (position T - 1 + j), before blocks 0, L, 2L."""
-    B, T, D = prefix.shape
-    N = tokens.shape[1]
+    """The model's own forward over a whole sequence (no caches): prefix (B, T, D), text mask (B, T) bool, control
+    lists (3, B, N, D), image tokens (B, N) -> logits (B, N, V) float32 predicting them."""
+    T = prefix.shape[1]
     x = torch.cat([prefix, model.tok_embeddings(tokens[:, :-1])], 1)  # positions 0 .. T + N - 2
-    pos = torch.arange(T + N - 1, device=x.device)
-    rot = rotations(model.freqs_cis[pos])
-    key_valid = torch.cat([text_mask, text_mask.new_ones(B, N - 1)], 1)
-    mask = attention_mask(key_valid, pos)
-    picked = F.pad(controls, (0, 0, T - 1, 0))  # (3, B, T + N - 1, D): zeros before position T - 1
-    H, L = model.args.n_head, model.args.layer_internal
-    for i, layer in enumerate(model.layers):
-        if i % L == 0:
-            x = x + picked[min(i // L, 2)]
-        a = layer.attention
-        q, k, v = (t.view(B, -1, H, D // H) for t in a.wqkv(rms(layer.attention_norm, x)).split(D, -1))
-        q, k = apply_rotary_emb(q, rot), apply_rotary_emb(k, rot)
-        y = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask)
-        x = x + a.wo(y.transpose(1, 2).reshape(B, -1, D))
-        ff = layer.feed_forward
-        h = rms(layer.ffn_norm, x)
-        x = x + ff.w2(F.silu(ff.w1(h)) * ff.w3(h))
-    return model.output(rms(model.norm, x[:, T - 1:])).float()
+    key_valid = torch.cat([text_mask, text_mask.new_ones(tokens.shape[0], tokens.shape[1] - 1)], 1)
+    return model(x, torch.arange(x.shape[1], device=x.device), key_valid, controls)[:, T - 1:]
 
 
 def control_features(model, maps, types):
@@ -333,19 +311,29 @@ def gpt_args(preset, vq_cfg):
     return dict(preset["gpt"], vocab_size=vq_cfg["codebook_size"], block_size=grid * grid, condition_type="canny")
 
 
-def token_source(args, preset, vq, device):
-    """indices -> (B, N) tokens of those train scenes: from a pool encoded once (the CPU preset) or encoded now."""
+def token_pool(preset, vq, device):
+    """The pool's tokens (pool, N) int16, encoded once; None for a preset that encodes each batch's scenes now."""
     size, pool = preset["size"], preset["pool"]
-
-    def encode(indices):
-        with torch.no_grad():
-            return vq.encode(images(indices, size, device)[2])
-
     if not pool:
-        return encode
+        return None
     chunk = 256 if device.type == "cuda" else 64
-    table = torch.cat([encode(range(i, min(i + chunk, pool))) for i in range(0, pool, chunk)])
-    return lambda indices: table[torch.as_tensor(list(indices), device=table.device)]
+    with torch.no_grad():
+        return torch.cat([vq.encode(images(range(i, min(i + chunk, pool)), size, device)[2]).short()
+                          for i in range(0, pool, chunk)])
+
+
+def tokens_of(indices, table, preset, vq, device):
+    """(B, N) tokens of those train scenes: from the pool, or encoded now."""
+    if table is not None:
+        return table[torch.as_tensor(list(indices), device=table.device)].long()
+    with torch.no_grad():
+        return vq.encode(images(indices, preset["size"], device)[2])
+
+
+def ema_decay(preset, steps):
+    """The preset's average, with a horizon 1 / (1 - decay) of at most a tenth of the run: a short run's average
+    must not still hold the model of its first steps."""
+    return min(preset["ema"], 1 - 10 / max(steps, 10))
 
 
 def gpt_step_batch(step, preset, rng):
@@ -380,6 +368,8 @@ def train_gpt(args, preset, device, log):
         model = Transformer(ModelArgs(**margs))
     init_gpt(model)
     before = 0
+    if args.gpt_from and args.resume:
+        raise SystemExit("error: --resume goes on with --out's own run; leave out --gpt-from")
     if args.gpt_from:  # the stored weights (fp16); the keys dropped at saving, unused at inference, keep their init
         path = os.path.join(args.gpt_from, "gpt.safetensors")
         stored = load_file(path)
@@ -401,35 +391,68 @@ def train_gpt(args, preset, device, log):
                             lr=preset["gpt_lr"], betas=(0.9, 0.95))
     rng = np.random.RandomState(args.seed + 2)
     t0 = time.perf_counter()
-    tokens_of = token_source(args, preset, vq, device)
+    state_path, start = os.path.join(args.out, "gpt_state.pt"), 0
+    if args.resume:
+        start, steps, table = resume(state_path, model, ema, opt, rng, device)
+        log(phase="gpt", resumed_at=start, of=steps)
+    else:
+        table = token_pool(preset, vq, device)
     log(phase="gpt", tokens_ready_seconds=round(time.perf_counter() - t0, 1))
     val = val_batch(preset, vq, device)
-    done = 0
-    for step in range(steps):
+    done = start
+    for step in range(start, steps):
         for g in opt.param_groups:
             g["lr"] = lr_at(step, steps, preset["gpt_lr"])
         indices, types, drop = gpt_step_batch(step, preset, rng)
-        loss = gpt_loss(model, encoder, vq, indices, types, drop, tokens_of(indices), preset, device)
+        loss = gpt_loss(model, encoder, vq, indices, types, drop, tokens_of(indices, table, preset, vq, device),
+                        preset, device)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
-        update_ema(ema, model, preset["ema"] if step > steps // 10 else 0.0)
+        update_ema(ema, model, ema_decay(preset, steps) if step > steps // 10 else 0.0)
         done = step + 1
         if done % args.log_every == 0 or done == steps:
             fields = dict(phase="gpt", step=done, loss=loss.item(), lr=opt.param_groups[0]["lr"])
             if done % (4 * args.log_every) == 0 or done == steps:
                 with torch.no_grad():
                     fields["val_loss_ema"] = gpt_loss(ema, encoder, vq, *val, preset, device, split="val").item()
+                    fields["val_loss"] = gpt_loss(model, encoder, vq, *val, preset, device, split="val").item()
             log(**fields, seconds=round(time.perf_counter() - t0, 1))
-        if args.time_limit and time.perf_counter() - t0 > args.time_limit:
+        if args.time_limit and time.perf_counter() - t0 > args.time_limit and done < steps:
             log(phase="gpt", stopped_early_at=done, of=steps)
             break
+    save_state(state_path, model, ema, opt, rng, done, steps, table)
     meta = {"text_encoder": demo_text.NAME, "text_seed": str(demo_text.SEED), "image_size": str(preset["size"]),
-            "data": "fast_inference/scenes.py", "trained_steps": str(before + done), "seed": str(args.seed)}
+            "data": "fast_inference/scenes.py", "trained_steps": str(before + done), "seed": str(args.seed),
+            "planned_steps": str(before + steps)}
     save_fp16(ema, os.path.join(args.out, "gpt.safetensors"), metadata=meta,
               drop=UNUSED_AT_INFERENCE)
     return done
+
+
+def save_state(path, model, ema, opt, rng, done, steps, table):
+    """What --resume needs to go on as if never stopped: weights, average, optimiser, schedule, random states."""
+    state = dict(model=model.state_dict(), ema=ema.state_dict(), opt=opt.state_dict(), step=done, steps=steps,
+                 numpy_rng=rng.get_state(), torch_rng=torch.get_rng_state(), table=table,
+                 cuda_rng=torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None)
+    torch.save(state, path + ".tmp")
+    os.replace(path + ".tmp", path)
+
+
+def resume(path, model, ema, opt, rng, device):
+    """Load --out's gpt_state.pt into the run -> (next step, planned steps, token pool)."""
+    if not os.path.exists(path):
+        raise SystemExit(f"error: --resume: {path} does not exist; start the run without --resume")
+    state = torch.load(path, map_location=device, weights_only=False)  # our own file, written by save_state
+    model.load_state_dict(state["model"])
+    ema.load_state_dict(state["ema"])
+    opt.load_state_dict(state["opt"])
+    rng.set_state(state["numpy_rng"])
+    torch.set_rng_state(state["torch_rng"].cpu())
+    if state["cuda_rng"] is not None and device.type == "cuda":
+        torch.cuda.set_rng_state_all([s.cpu() for s in state["cuda_rng"]])
+    return state["step"], state["steps"], state["table"]
 
 
 @torch.no_grad()

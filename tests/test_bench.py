@@ -157,3 +157,26 @@ def test_output_scaled_to_a_target_entropy(target):
     p = torch.softmax(filter_logits(torch.cat([cfg_merge(l, 4.0) for l in logits]), 1.0, 100), -1)
     measured = -(p * p.log().nan_to_num(neginf=0.0)).sum(-1).mean().item()
     assert measured == pytest.approx(entropy, abs=1e-4) and entropy == pytest.approx(target, abs=0.15)
+
+
+def test_a_tag_that_names_a_folder_is_a_usage_error(monkeypatch, tmp_path, capsys):
+    """--tag is a suffix of the files' names: one with a folder in it would fail after the whole run."""
+    calls = fake_children(monkeypatch)
+    err = usage_error(capsys, ["--random-weights", "--tag", "runs/a", "--out-dir", str(tmp_path / "out")])
+    assert "--tag 'runs/a' names a folder" in err and "--out-dir" in err
+    assert not calls and not (tmp_path / "out").exists()
+
+
+def test_the_memory_check_counts_the_vq_only_where_bench_decodes(monkeypatch):
+    """The VQ decodes one image, end to end at n = 1 only: n = 128 counts none (GPT-XL 512 px fits an 80 GB card)."""
+    seen = []
+
+    def check(*a, **k):
+        seen.append((a[3], k["decoded"]))
+        raise bench.UserError("checked")
+
+    monkeypatch.setattr(bench, "check_memory", check)
+    for n in (128, 1):
+        with pytest.raises(SystemExit):
+            bench.measure(bench.parse_args(["--random-weights", "--batch-sizes", str(n), "--in-process"]), [n])
+    assert seen == [(128, 0), (1, 1)]

@@ -287,9 +287,24 @@ for dt, D, F, hd, int8 in (("bf16", 1280, 3584, 64, False), ("bf16", 4096, 11008
                   options)
         pairs, kw, options = args("qkv", dtype, rows, D, 2, int8)
         kw.pop("K")
-        build(db._qkv_kernel, qkv, dict(kw, D=D, HD=hd, BP=min(pairs, hd // 2)), options)
+        build(db._qkv_kernel, qkv, dict(kw, D=D, HD=hd, BP=min(pairs, hd // 2), WINDOW=0), options)
+        if rows > plan.GEMV_ROWS:  # a pass's rows at their own positions (the dot path)
+            build(db._qkv_kernel, qkv, dict(kw, D=D, HD=hd, BP=min(pairs, hd // 2), WINDOW=4), options)
         bn, kw, options = args("gate_up", dtype, rows, D, 2, int8)
         build(db._gate_up_kernel, gu, dict(kw, BN=bn), options)
+    if D == 1280 and not int8:  # a pass's fused block at 2 x 1 image x 16 queries (plan.pass_rows: no PDL)
+        for name, K, tiles in (("qkv", D, 2), ("wo", D, 1), ("gate_up", D, 2), ("w2", F, 1)):
+            bn, kw, options = args(name, dtype, 32, K, tiles, int8)
+            kw.update(PDL=0, BUMP=False)
+            options["launch_pdl"] = False
+            if name == "qkv":
+                kw.pop("K")
+                build(db._qkv_kernel, qkv, dict(kw, D=D, HD=hd, BP=min(bn, hd // 2), WINDOW=16), options)
+            elif name == "gate_up":
+                build(db._gate_up_kernel, gu, dict(kw, BN=bn), options)
+            else:
+                kw.pop("EPS")
+                build(db._linear_kernel, lin, dict(kw, BN=bn, THEN=name == "w2"), options)
     if D == 1280 and not int8:  # down(): w2 with its residual add in the compiled block, counting, under PDL
         for rows in (32, 64):
             bn, kw, options = args("w2", dtype, rows, F, 1, int8)

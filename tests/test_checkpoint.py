@@ -9,7 +9,7 @@ import torch
 import torch.nn as nn
 from safetensors.torch import save_file
 
-from fast_inference.checkpoint import (CheckpointError, fit_null_caption, gpt_fix_hint, load_failure, load_weights,
+from fast_inference.checkpoint import (CheckpointError, fit_null_caption, gpt_fix_hint, load_weights,
                                        no_init, read_state_dict)
 from fast_inference.model import ModelArgs, Transformer
 
@@ -217,12 +217,36 @@ def test_a_pickle_that_would_run_code_is_refused_plainly(tmp_path):
     assert f"pickles {os.system.__module__}.system" in msg and "would run code" in msg and "refused" in msg
     assert "weights_only` set to `False`" not in msg and "download it again" not in msg and "\n" not in msg
     assert not marker.exists()
-    # The older wordings of the same refusal (torch <= 2.5, and 1.13-2.0).
-    for old in ("Weights only load failed. WeightsUnpickler error: Unsupported global: GLOBAL posix.system was not "
-                "an allowed global by default.", "Weights only load failed. WeightsUnpickler error: Unsupported class "
-                "posix.system"):
-        msg = load_failure("x.pt", pickle.UnpicklingError(old))
-        assert msg.startswith("x.pt is refused: it pickles posix.system, so loading it would run code"), msg
+
+
+@pytest.mark.parametrize("protocol", [2, 4, 5])
+@pytest.mark.parametrize("writer", ["torch.save", "pickle.dump"])
+def test_the_refusal_is_read_from_the_pickle_not_from_torchs_wording(tmp_path, writer, protocol):
+    """torch 2.13 refuses a protocol 4+ pickle at its first opcode ("Unsupported operand 149"), before it reaches the
+    global: the pickle's own opcodes say it would run code, whatever torch's words, for torch's files and plain ones."""
+    marker, path = tmp_path / "ran", tmp_path / "evil.pt"
+    payload = {"model": small_module().state_dict(), "payload": RunsCode(marker)}
+    if writer == "torch.save":
+        torch.save(payload, path, pickle_protocol=protocol)
+    else:
+        with open(path, "wb") as f:
+            pickle.dump(payload, f, protocol=protocol)
+    with pytest.raises(CheckpointError) as e:
+        read_state_dict(str(path))
+    msg = str(e.value)
+    assert msg == (f"{path} is refused: it pickles {os.system.__module__}.system, so loading it would run code from "
+                   "the file (safe loading runs none); if you trust the file, re-save its state dict as .safetensors "
+                   "(safetensors.torch.save_file) on a machine where you do")
+    assert not marker.exists()
+
+
+def test_a_safe_pickle_the_safe_loader_cannot_read_is_not_called_code_or_broken(tmp_path):
+    torch.save({"model": small_module().state_dict()}, tmp_path / "p4.pt", pickle_protocol=4)
+    try:
+        read_state_dict(str(tmp_path / "p4.pt"))  # a torch that reads protocol 4 safely
+    except CheckpointError as e:
+        assert "names nothing that runs code" in str(e) and "default protocol" in str(e), e
+        assert "would run code" not in str(e) and "download it again" not in str(e)
 
 
 def test_a_broken_pickle_names_its_cause_not_torchs_unsafe_advice(tmp_path):

@@ -489,7 +489,14 @@ def test_demo(tmp_path):
     assert r.returncode == 0, r.stderr
     assert "demo model" in r.stdout and "prompt: 'a " in r.stdout and "decode" in r.stdout and "VQ decode" in r.stdout
     side = int(json.load(open(os.path.join(fast_engine.DEMO_DIR, "gpt.json")))["block_size"] ** 0.5) * 16
-    assert Image.open(out).size == (2 * (side + 2) + 2, side + 4)  # control map + one sample
+    k = -(-384 // side)  # a figure: the control map and the sample enlarged k times, the caption below them
+    figure = np.array(Image.open(out).convert("RGB"))
+    (H, W), grid_h = figure.shape[:2], (side + 4) * k
+    assert W == (2 * (side + 2) + 2) * k and H > grid_h + 14
+    strip = figure[grid_h:]
+    assert (strip == 255).all(-1).mean() > 0.8 and (strip < 100).all(-1).any()  # white, with dark writing
+    cell = figure[2 * k:(side + 2) * k, (side + 4) * k:(2 * side + 4) * k]
+    assert (cell[::k, ::k].repeat(k, 0).repeat(k, 1) == cell).all()  # each sample pixel a k x k block
     for kind in ("canny", "hed", "lineart", "depth", "seg"):
         assert Image.open(os.path.join(ROOT, "condition", "example", f"{kind}.png")).size == (512, 512)
 
@@ -589,20 +596,10 @@ def test_huge_image_size_is_refused_before_allocation(tmp_path, capsys):
 
 
 def test_sizes_beyond_the_free_memory_are_refused(tmp_path, capsys, monkeypatch):
-    monkeypatch.setattr(fast_engine, "available_memory", lambda device: 2**20)
+    monkeypatch.setattr(fast_engine.memory, "available", lambda device: (2**20, f"{device} has 0.0 GiB free"))
     code, _, err = cli(capsys, "--num-images", 4, "--out", tmp_path / "x.png")
     size = fast_engine.model_args(fast_engine.parse_args([]))[1]  # the demo model's
     assert code == 2 and f"4 image(s) of {size}x{size}" in err and "0.0 GiB free" in err and "--num-images" in err, err
-
-
-def test_memory_estimate_is_a_lower_bound():
-    """The weights part never exceeds what a built model holds (a refusal must never be a false alarm)."""
-    margs = ModelArgs(**T2I, block_size=16, cls_token_num=8)
-    model = Transformer(margs)
-    held = sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
-    assert fast_engine.memory_needed(margs, 16, 16, 0, 1.0, torch.float32) <= held
-    more = fast_engine.memory_needed(margs, 64, 64, 2, 4.0, torch.float32)
-    assert more - fast_engine.memory_needed(margs, 64, 64, 0, 4.0, torch.float32) >= 2 * 2 * 128 * 64 * 64 * 4
 
 
 def test_random_transformer_is_not_called_real_tokens(files):
@@ -645,3 +642,12 @@ def test_speculative_flags(files, tmp_path, capsys):
     expect_error(capsys, tmp_path, argv + ["--draft-window", 0], "--draft-window 0 is out of range")
     expect_error(capsys, tmp_path, argv + ["--draft-init", "above"], "--draft-init above needs a square image")
     expect_error(capsys, tmp_path, argv + ["--draft-tree", "4x3"], "exact with --draft-coupling pathwise only")
+
+
+@pytest.mark.parametrize("flag, name, fixed", [("--out", "grid.jpg", "grid.png"), ("--out", "grid.webp", "grid.png"),
+                                               ("--out", "grid", "grid.png"), ("--save-tokens", "t.txt", "t.npy")])
+def test_an_output_named_in_a_format_not_written_is_refused(files, tmp_path, capsys, flag, name, fixed):
+    """--out is only ever a PNG and --save-tokens a .npy: another name is refused before any work, naming the fix."""
+    argv = t2i_argv(files, tmp_path)
+    argv = replace(argv, "--out", tmp_path / name) if flag == "--out" else [*argv, flag, tmp_path / name]
+    expect_error(capsys, tmp_path, argv, f"{flag} {tmp_path / name}", f"name it {tmp_path / fixed}")

@@ -46,6 +46,25 @@ def test_ms_ssim_refuses_small_images():
         metrics.ms_ssim(torch.rand(1, 1, 160, 400), torch.rand(1, 1, 160, 400))
 
 
+def test_tolerant_f1_counts_edges_within_the_tolerance():
+    """A line moved by 2 px: strict F1 0, F1 1 at tolerance 2 (Euclidean), 0 at 1.9; a diagonal step of (2, 2) is
+    2.83 px away; half a line: every predicted pixel right, the
+    target's found up to 3 px past the half's end."""
+    line = np.zeros((32, 32), int)
+    line[10, 4:28] = 1
+    moved = np.roll(line, 2, axis=0)
+    assert metrics.binary_f1(moved, line) == 0.0
+    assert metrics.tolerant_f1(moved, line, 2) == 1.0 and metrics.tolerant_f1(moved, line, 1.9) == 0.0
+    dot, diagonal = np.zeros((32, 32), int), np.zeros((32, 32), int)
+    dot[10, 10] = diagonal[12, 12] = 1
+    assert metrics.tolerant_f1(diagonal, dot, 2.8) == 0.0 and metrics.tolerant_f1(diagonal, dot, 2.9) == 1.0
+    half = line.copy()
+    half[10, 16:] = 0
+    recall = 15 / 24  # the kept 12 px and the 3 px beyond their end
+    assert metrics.tolerant_f1(half, line, 3) == pytest.approx(2 * recall / (1 + recall))
+    assert metrics.tolerant_f1(np.zeros((8, 8)), np.zeros((8, 8)), 3) == 0.0
+
+
 def test_f1_and_rmse_on_known_values():
     assert metrics.binary_f1([1, 1, 0, 0, 1], [1, 0, 1, 0, 1]) == pytest.approx(4 / 6)  # tp 2, fp 1, fn 1
     assert metrics.binary_f1([0, 0], [0, 0]) == 0.0
@@ -125,3 +144,38 @@ def test_hed_ssim_over_a_folder(tmp_path):
         save_image(edge[0], str(sample_dir / "annotations" / f"{i:06d}.png"))  # as fast_eval writes them
     result = metrics.evaluate(str(sample_dir), "hed", condition_ckpt=str(tmp_path / "hed.pth"))
     assert result["ssim"] > 0.99
+
+
+def test_metrics_only_never_overwrites_what_the_folder_holds(tmp_path, capsys):
+    """A metrics-only run refuses in one line, leaving metrics.json as it was: another --condition-type than the
+    folder's samples, a metric measured before that it would skip, a folder a generation run is writing."""
+    import subprocess
+    import sys
+
+    rgb = [conditions.draw_example("seg", 64, 64, seed=s) for s in (0, 1)]
+    write_outputs(tmp_path, rgb, [np.zeros((64, 64, 3), np.uint8)] * 2)
+    (tmp_path / "settings.json").write_text(json.dumps({"condition_type": "canny"}))
+    before = {"condition_type": "canny", "num_images": 2, "skipped": {}, "f1": 0.5, "fid": 12.5}
+    (tmp_path / "metrics.json").write_text(json.dumps(before))
+
+    def refused(*extra):
+        with pytest.raises(SystemExit) as e:
+            fast_eval.main(["--metrics-only", "--sample-dir", str(tmp_path), "--device", "cpu", *extra])
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and err.count("\n") == 1 and err.startswith("error: "), err
+        assert json.load(open(tmp_path / "metrics.json")) == before
+        return err
+
+    err = refused("--condition-type", "hed")
+    assert "holds canny samples" in err and "pass --condition-type canny" in err
+    err = refused("--condition-type", "canny", "--fid-ref", str(tmp_path / "nowhere"))
+    assert "holds fid 12.5000 measured before, which this run skips" in err and "move" in err
+    hold = ("import fcntl, os, sys, time; fd = os.open(sys.argv[1], os.O_RDWR | os.O_CREAT); "
+            "fcntl.lockf(fd, fcntl.LOCK_EX); print('locked', flush=True); time.sleep(60)")
+    holder = subprocess.Popen([sys.executable, "-c", hold, str(tmp_path / ".lock")], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        assert "is being written by another fast_eval.py run" in refused("--condition-type", "canny")
+    finally:
+        holder.kill()
+        holder.wait()

@@ -24,11 +24,19 @@ usage: tools/gpu_session.sh STEP...      (steps run in order; each writes OUT/<s
   trees   pathwise passes and draft trees (issue 78): the GPU tests, then bench.py at n = 1, 8, 32 and 3 nats for the
           gumbel chain (the default), the pathwise chain and 4x3 trees at windows 16 and 32, and at 1.5 nats the
           chain and the 32-window tree: each pass's ms at its rows beside the plain step's
-  demo    the demo model's GPU preset (scripts/train_demo.py --preset gpu), one phase per device call, by DEMO_PHASE:
-          vq (DEMO_VQ_STEPS, default 3000: ~8 min on an H100), gpt (DEMO_GPT_STEPS, default 1400, on DEMO_DIR's VQ),
-          more (DEMO_GPT_STEPS more from DEMO_DIR's GPT, --gpt-from); each writes OUT/demo/ with the weights cut in
-          15 MB parts (a returned file holds 16 MB at most: cat gpt.safetensors.part.* > gpt.safetensors), and the
-          GPT phases then run scripts/eval_demo.py on the result (OUT/demo_eval.json, OUT/demo_model.png)
+  demo    the demo model's GPU preset (scripts/train_demo.py --preset gpu) in device calls of DEMO_SECONDS (default
+          480) of training each, by DEMO_PHASE: vq (DEMO_VQ_STEPS, default 3000), gpt (a new run of DEMO_GPT_STEPS,
+          default 2800, on the VQ in DEMO_VQ), resume (goes on with the run in DEMO_RUN, default /root/demo_run,
+          which lasts while the machine is warm); returns OUT/demo/ (the log, the weights cut in 15 MB parts:
+          cat gpt.safetensors.part.* > gpt.safetensors) and with DEMO_EVAL=1 scripts/eval_demo.py's measures
+          (OUT/demo_eval.json, OUT/demo_model.png)
+  ownpos  the window kernels (rows at their own positions, issue 75) in one call (< 8 min of an H100): their CUDA
+          tests (tests/test_window_attention.py, tests/test_own_positions.py -k cuda), float32 greedy tokens of a
+          speculative run on them against the plain engine at GPT-XL shapes (tools/window_greedy.py, the compiled
+          and the fused block), then bench.py --speculative jacobi --target-entropy 3 at n = 1, 8 (the plain engine
+          in each run) with the window kernels off, on, and on with the fused block (OWNPOS_SIZES, default 1,8);
+          OWNPOS_PARTS (default "tests greedy bench") to split it, OWNPOS_TOKENS the greedy run's tokens (256);
+          OWNPOS_MARGINALS=1 adds tools/jacobi_marginals.py on the window kernels
   serve   the server's tests on the GPU, then the server under load at GPT-XL shapes (random weights, 512 px): 32
           clients, 200 requests, images/s and latency p50/p95, against fast_eval.py --batch 32 over the same inputs
           and one image through fast_engine.py against a lone request, in one run (tools/load_serve.py --compare;
@@ -164,6 +172,32 @@ step_trees() {
         --tag _trees_path32_4x3_h1.5
 }
 
+step_ownpos() {
+    # OWNPOS_PARTS picks the parts (default all three: tests greedy bench), to split the step over two calls if one
+    # runs long; a failing check is reported and the timings still run
+    local parts=" ${OWNPOS_PARTS:-tests greedy bench} " on="window_attention=triton,window_inputs=triton"
+    if [[ $parts == *" tests "* ]]; then
+        (cd "$root" && "$py" -m pytest -q -p no:cacheprovider tests/test_window_attention.py \
+            tests/test_own_positions.py -k cuda) || echo "== FAILED: the window kernels' CUDA tests"
+    fi
+    if [[ $parts == *" greedy "* ]]; then
+        "$py" "$here/window_greedy.py" --images 2 --tokens "${OWNPOS_TOKENS:-256}" --plans "$on" \
+            "$on,window_block=fused" || echo "== FAILED: greedy tokens on the window kernels differ from the plain's"
+    fi
+    if [[ $parts == *" bench "* ]]; then
+        local bench=("$py" "$root/fast_inference/bench.py" --random-weights --speculative jacobi --target-entropy 3
+                     --in-process --batch-sizes "${OWNPOS_SIZES:-1,8}" --ref-steps 0 --e2e-runs 0 --out-dir "$out")
+        "${bench[@]}" --tag _ownpos_off
+        "${bench[@]}" --plan window_attention=triton --plan window_inputs=triton --tag _ownpos_on
+        "${bench[@]}" --plan window_attention=triton --plan window_inputs=triton --plan window_block=fused \
+            --tag _ownpos_fused
+    fi
+    if [[ -n ${OWNPOS_MARGINALS:-} ]]; then
+        "$py" "$here/jacobi_marginals.py" --images 512 --tokens 64 --entropy 2.0 --plan window_attention=triton \
+            --plan window_inputs=triton
+    fi
+}
+
 step_serve() {
     (cd "$root" && "$py" -m pytest -q -p no:cacheprovider tests/test_continuous.py tests/test_scheduler.py)
     "$py" "$here/load_serve.py" --clients 32 --requests 200 --size 512 --compare --eval-batch 32 \
@@ -171,29 +205,34 @@ step_serve() {
 }
 
 step_demo() {
-    local dir=${DEMO_DIR:-$root/checkpoints/demo_gpu} phase=${DEMO_PHASE:?set DEMO_PHASE to vq, gpt or more} f
-    local train=("$py" "$root/scripts/train_demo.py" --preset gpu --device cuda --log-every 200)
-    mkdir -p "$out/demo"
+    # The run's state stays in DEMO_RUN, outside OUT: it lasts while the machine is warm, so the next call resumes.
+    local run=${DEMO_RUN:-/root/demo_run} phase=${DEMO_PHASE:?set DEMO_PHASE to vq, gpt or resume} f
+    local train=("$py" "$root/scripts/train_demo.py" --preset gpu --device cuda --log-every 100 --out "$run"
+                 --time-limit "${DEMO_SECONDS:-480}")
+    mkdir -p "$run" "$out/demo"
     case $phase in
-        vq) "${train[@]}" --phase vq --vq-steps "${DEMO_VQ_STEPS:-3000}" --out "$out/demo" ;;
-        gpt) "${train[@]}" --phase gpt --gpt-steps "${DEMO_GPT_STEPS:-1400}" --vq-from "$dir" --out "$out/demo" ;;
-        more) "${train[@]}" --phase gpt --gpt-steps "${DEMO_GPT_STEPS:-1400}" --vq-from "$dir" --gpt-from "$dir" \
-                  --out "$out/demo" ;;
-        *) echo "error: DEMO_PHASE $phase: use vq, gpt or more" >&2; return 2 ;;
+        vq) "${train[@]}" --phase vq --vq-steps "${DEMO_VQ_STEPS:-3000}" ;;
+        gpt) "${train[@]}" --phase gpt --gpt-steps "${DEMO_GPT_STEPS:-2800}" --vq-from "${DEMO_VQ:?set DEMO_VQ to a trained VQ folder}" ;;
+        resume) "${train[@]}" --phase gpt --resume ;;
+        *) echo "error: DEMO_PHASE $phase: use vq, gpt or resume" >&2; return 2 ;;
     esac || return
-    if [[ $phase != vq ]]; then
-        "$py" "$root/scripts/eval_demo.py" --device cuda --gpt-model "$out/demo/gpt.json" \
-            --gpt-ckpt "$out/demo/gpt.safetensors" --vq-model "$out/demo/vq.json" --vq-ckpt "$out/demo/vq.safetensors" \
-            --out "$out/demo_eval.json" --figure "$out/demo_model.png"
-    fi
-    for f in "$out"/demo/*.safetensors; do
-        if [[ $(stat -c %s "$f") -gt 15000000 ]]; then split -b 15M "$f" "$f.part." && rm "$f"; fi
+    cp "$run/train_log.jsonl" "$out/demo/"
+    for f in "$run"/*.safetensors; do  # a returned file holds 16 MB at most; the VQ comes back from its own phase only
+        if [[ $phase == vq || $f != */vq.safetensors ]]; then split -b 15M "$f" "$out/demo/$(basename "$f").part."; fi
     done
+    if [[ $phase == vq ]]; then cp "$run/vq.json" "$out/demo/"; return; fi
+    cp "$run/gpt.json" "$out/demo/"
+    if [[ ${DEMO_EVAL:-0} == 1 ]]; then
+        "$py" "$root/scripts/eval_demo.py" --device cuda --gpt-model "$run/gpt.json" --gpt-ckpt "$run/gpt.safetensors" \
+            --vq-model "$run/vq.json" --vq-ckpt "$run/vq.safetensors" --out "$out/demo_eval.json" \
+            --figure "$out/demo_model.png"
+    fi
 }
 
 for step in "$@"; do
     case $step in
-        kernel | equiv | bench | cli | eval2 | gputests | ab | abbench | jacobi | trees | demo | serve) "step_$step" 2>&1 | tee "$out/$step.log" ;;
+        kernel | equiv | bench | cli | eval2 | gputests | ab | abbench | jacobi | trees | ownpos | demo | serve)
+            "step_$step" 2>&1 | tee "$out/$step.log" ;;
         *) echo "error: unknown step '$step'" >&2; usage >&2; exit 2 ;;
     esac
 done

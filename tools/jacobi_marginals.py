@@ -52,6 +52,8 @@ def main():
     p.add_argument("--entropy", type=float, default=2.0)
     p.add_argument("--draft-window", type=int, default=16)
     p.add_argument("--draft-init", default=DEFAULT_INIT)
+    p.add_argument("--plan", action="append", default=[], metavar="KEY=VALUE",
+                   help="plan overrides of the speculative engine (e.g. window_attention=triton)")
     args = p.parse_args()
     model = random_gpt_xl()
     kw = dict(cfg_scale=4.0, top_k=2000, temperature=1.0, top_p=1.0)
@@ -59,9 +61,10 @@ def main():
         scale, entropy = scale_to_entropy(model, args.entropy, argparse.Namespace(image_size=512), kw, "cuda")
     print(f"{torch.cuda.get_device_name()} | GPT-XL bf16, output x {scale:.3g} (mean entropy {entropy:.2f} nats) | "
           f"{args.images} images x {args.tokens} tokens at n = {args.batch} | jacobi L={args.draft_window} "
-          f"({args.draft_init})", flush=True)
+          f"({args.draft_init}{', ' + ', '.join(args.plan) if args.plan else ''})", flush=True)
     plain = Engine(model)
-    jacobi = Engine(model, speculative="jacobi", draft_window=args.draft_window, draft_init=args.draft_init)
+    jacobi = Engine(model, speculative="jacobi", draft_window=args.draft_window, draft_init=args.draft_init,
+                    overrides=args.plan)
     a, b = sample(plain, model, args, kw, 1), sample(jacobi, model, args, kw, 2)
     stats = [chi_square(a[:, j], b[:, j]) for j in range(args.tokens)]
     over = [j for j, (s, bound) in enumerate(stats) if s > bound]

@@ -71,7 +71,7 @@ def triton_cubins(rows=2):
         kw = dict(kw, QUANT=False, BUMP=False)
         del kw["PROGRESS"]
         if name == "qkv":
-            kw.update(EPS=1e-5, D=D, HD=64, BP=min(bn, 32))
+            kw.update(EPS=1e-5, D=D, HD=64, BP=min(bn, 32), WINDOW=0)
         else:
             kw.update(K=K, BN=bn, THEN=False)
         signature = dict(sig["qkv" if name == "qkv" else "linear"], **{k: "constexpr" for k in kw})

@@ -364,3 +364,159 @@ def layer_text_sums(caches, key_valid, table=None):
 def config_for(rows):
     """The split form's (BLOCK, warps, merge warps) at `rows` rows (CONFIGS)."""
     return next(config for bound, config in CONFIGS if bound is None or rows <= bound)
+
+
+# ---- the window form: L >= 1 queries per row, each row at its own position ---------------------------------------
+# Row r holds seqlens[r] filled keys before its window (cache_seqlens, as FlashAttention's flash_attn_with_kvcache);
+# its window's L keys sit at cache positions seqlens[r] .. seqlens[r] + L - 1, and query j sees the filled keys that
+# key_valid lets it and window key i where bit i of masks[r, j] is set (a chain: bits 0..j; a draft tree: its
+# ancestors). Each program reads one tile of a row's keys for all L queries (two tensor-core dots), so the keys are
+# read once per pass whatever L is. A query must see at least one key (its own bit).
+WINDOW_CONFIG = (64, 4, 4)  # (BLOCK, warps, merge warps): a first guess, to be measured on a GPU (issue 75)
+MAX_WINDOW = 64  # a query's mask is one int64
+
+if triton is not None:
+
+    @triton.jit
+    def _dot(a, b, IEEE: tl.constexpr):
+        """a @ b summed in float32; IEEE: float32 inputs multiplied exactly (the tests' float32 models), not as tf32."""
+        if IEEE:
+            out = tl.dot(a, b, input_precision="ieee")
+        else:
+            out = tl.dot(a, b)
+        return out
+
+    @triton.jit
+    def _window_partial_kernel(Q, K, V, KEY_VALID, SEQLENS, MASKS, M_OUT, L_OUT, ACC_OUT, stride_qr, stride_qh,
+                               stride_ql, stride_kr, stride_kh, stride_kn, stride_vr, stride_vh, stride_vn,
+                               stride_valid, stride_mr, n_heads, n_splits, n_keys, text_len, window,
+                               SCALE: tl.constexpr, BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr, LP: tl.constexpr,
+                               TEXT: tl.constexpr, IEEE: tl.constexpr):
+        """Program (row r x head h, split s): keys text_len + s*BLOCK .. + BLOCK - 1 against r's `window` queries ->
+        a partial (max, sum, weighted values) per query at M_OUT/L_OUT/ACC_OUT[(rh * n_splits + s) * LP + j]."""
+        rh = tl.program_id(0)
+        split = tl.program_id(1)
+        r = rh // n_heads
+        h = rh % n_heads
+        start = tl.load(SEQLENS + r)  # the filled keys before the window
+        end = tl.minimum(start + window, n_keys)  # one past the window's last key inside the cache
+        lo = text_len + split * BLOCK
+        out = (rh * n_splits + split) * LP
+        offs_l = tl.arange(0, LP)
+        offs_d = tl.arange(0, HEAD_DIM)
+        if lo < end:
+            keys = lo + tl.arange(0, BLOCK)
+            inside = keys < end
+            k = tl.load(K + r * stride_kr + h * stride_kh + keys[:, None] * stride_kn + offs_d[None, :],
+                        mask=inside[:, None], other=0.0)
+            v = tl.load(V + r * stride_vr + h * stride_vh + keys[:, None] * stride_vn + offs_d[None, :],
+                        mask=inside[:, None], other=0.0)
+            q = tl.load(Q + r * stride_qr + h * stride_qh + offs_l[:, None] * stride_ql + offs_d[None, :],
+                        mask=(offs_l < window)[:, None], other=0.0)
+            # the products in the inputs' dtype, summed in float32, then scaled (a constexpr: stays float32)
+            scores = _dot(q, tl.trans(k), IEEE) * SCALE  # (LP, BLOCK)
+            past = keys < start
+            if not TEXT:  # with the text as a partial, every key from text_len on is attendable
+                past = past & (tl.load(KEY_VALID + r * stride_valid + keys, mask=past, other=0) != 0)
+            bits = tl.load(MASKS + r * stride_mr + offs_l, mask=offs_l < window, other=0)  # (LP,) int64
+            i = tl.minimum(tl.maximum(keys - start, 0), 63)  # the window key's index (clamped where it is none)
+            seen = ((bits[:, None] >> i[None, :].to(tl.int64)) & 1) != 0
+            visible = past[None, :] | (seen & ((keys >= start) & inside)[None, :])
+            scores = tl.where(visible, scores, float("-inf"))
+            m = tl.max(scores, 1)  # -inf for a query that sees nothing here
+            p = tl.exp(scores - tl.where(m == float("-inf"), 0.0, m)[:, None])
+            acc = _dot(p.to(v.dtype), v, IEEE)  # (LP, HEAD_DIM)
+            tl.store(M_OUT + out + offs_l, m)
+            tl.store(L_OUT + out + offs_l, tl.sum(p, 1))
+            tl.store(ACC_OUT + (out + offs_l)[:, None] * HEAD_DIM + offs_d[None, :], acc)
+        else:  # past the window: a partial that weighs nothing
+            tl.store(M_OUT + out + offs_l, tl.full((LP,), float("-inf"), tl.float32))
+            tl.store(L_OUT + out + offs_l, tl.zeros((LP,), tl.float32))
+            tl.store(ACC_OUT + (out + offs_l)[:, None] * HEAD_DIM + offs_d[None, :],
+                     tl.zeros((LP, HEAD_DIM), tl.float32))
+
+    @triton.jit
+    def _window_merge_kernel(M, L, ACC, OUT, TEXT_SUM, TEXT_COUNT, stride_or, stride_oh, stride_ol, n_heads, n_splits,
+                             window, HEAD_DIM: tl.constexpr, LP: tl.constexpr, TEXT: tl.constexpr):
+        """Program (row x head): its splits' partials merged per query (an online softmax over the splits, from the
+        text's partial where given), the output at OUT[r, h, j] for its `window` queries."""
+        rh = tl.program_id(0)
+        r = rh // n_heads
+        h = rh % n_heads
+        offs_l = tl.arange(0, LP)
+        offs_d = tl.arange(0, HEAD_DIM)
+        m = tl.full((LP,), float("-inf"), tl.float32)
+        l = tl.zeros((LP,), tl.float32)
+        acc = tl.zeros((LP, HEAD_DIM), tl.float32)
+        if TEXT:
+            text_m, text_l, text_acc = _text_partial(TEXT_SUM, TEXT_COUNT, r, rh, offs_d, HEAD_DIM)
+            m = tl.zeros((LP,), tl.float32) + text_m
+            l = l + text_l
+            acc = acc + text_acc[None, :]
+        for s in range(n_splits):
+            at = (rh * n_splits + s) * LP + offs_l
+            ms = tl.load(M + at)
+            top = tl.maximum(m, ms)
+            top = tl.where(top == float("-inf"), 0.0, top)
+            w_old = tl.exp(m - top)
+            w_new = tl.exp(ms - top)
+            l = l * w_old + tl.load(L + at) * w_new
+            acc = acc * w_old[:, None] + tl.load(ACC + at[:, None] * HEAD_DIM + offs_d[None, :]) * w_new[:, None]
+            m = tl.maximum(m, ms)
+        y = acc / l[:, None]
+        tl.store(OUT + r * stride_or + h * stride_oh + offs_l[:, None] * stride_ol + offs_d[None, :],
+                 y.to(OUT.dtype.element_ty), mask=(offs_l < window)[:, None])
+
+
+def window_fits(head_dim, window):
+    """window_attention takes heads of a power-of-two size >= 16 (tl.dot's least) and windows of <= MAX_WINDOW."""
+    return head_dim >= 16 and head_dim & (head_dim - 1) == 0 and 1 <= window <= MAX_WINDOW
+
+
+def window_config(dtype, head_dim, lp):
+    """The window form's (BLOCK, warps, merge warps): WINDOW_CONFIG, its tile halved for every doubling of the
+    float32 tiles past bf16 at GPT-XL's head dim (float32 at 32 queries spilled)."""
+    block, warps, merge_warps = WINDOW_CONFIG
+    scale = (4 if dtype == torch.float32 else 2) * head_dim * lp // (2 * 64 * 16)
+    while scale > 2 and block > 16:
+        block, scale = block // 2, scale // 2
+    return block, warps, merge_warps
+
+
+def chain_masks(window, device=None):
+    """The window mask of a chain (a Jacobi pass; a plain step at window 1): query j sees window keys 0..j, (window,)
+    int64."""
+    if not 1 <= window <= MAX_WINDOW:
+        raise ValueError(f"a window of {window} queries: use 1 to {MAX_WINDOW}")
+    return torch.tensor([(1 << j + 1) - 1 if j < 63 else -1 for j in range(window)], dtype=torch.int64, device=device)
+
+
+def window_attention(q, k_cache, v_cache, key_valid, seqlens, masks, text=None, config=None):
+    """q (R,H,L,hd) rotated, the window's keys and values already in the caches (>= R,H,N,hd) at positions
+    seqlens[r] .. seqlens[r] + L - 1 (those past N are none); key_valid (R, >= N) bool, which filled keys the row
+    may attend; seqlens (R,) int64, the filled keys before each row's window; masks (R, L) int64 (a row stride of 0
+    shares one): bit i of masks[r, j], query j sees window key i. text: None or (sums, counts, T) as
+    decode_attention's: the first T keys are zero and stand for them. -> (R,H,L,hd), laid out (R,L,H,hd) in memory
+    (the output projection's rows). config: (BLOCK, warps, merge warps), window_config's by default."""
+    R, H, L, hd = q.shape
+    N = k_cache.shape[2]
+    if L > MAX_WINDOW or masks.shape[-1] != L or masks.dtype != torch.int64 or seqlens.dtype != torch.int64:
+        raise ValueError(f"window_attention: {L} queries (at most {MAX_WINDOW}), int64 seqlens and masks of L")
+    assert seqlens.stride(0) == 1 and masks.stride(-1) == 1 and q.stride(3) == 1
+    text_sum, text_count, text_len = (q, q, 0) if text is None else text  # unused pointers without it
+    LP = max(16, triton.next_power_of_2(L))  # tl.dot's least rows
+    block, num_warps, merge_warps = config or window_config(q.dtype, hd, LP)
+    n_splits = triton.cdiv(N - text_len, block)
+    m = torch.empty(R * H, n_splits, LP, device=q.device, dtype=torch.float32)
+    l = torch.empty_like(m)
+    acc = torch.empty(R * H, n_splits, LP, hd, device=q.device, dtype=torch.float32)
+    stride_mr = masks.stride(0) if masks.dim() == 2 else 0
+    _window_partial_kernel[(R * H, n_splits)](
+        q, k_cache, v_cache, key_valid, seqlens, masks, m, l, acc, *q.stride()[:3], *k_cache.stride()[:3],
+        *v_cache.stride()[:3], key_valid.stride(0), stride_mr, H, n_splits, N, text_len, L, SCALE=hd**-0.5,
+        BLOCK=block, HEAD_DIM=hd, LP=LP, TEXT=text is not None, IEEE=q.dtype == torch.float32,
+        num_warps=num_warps)
+    out = torch.empty(R, L, H, hd, device=q.device, dtype=q.dtype).transpose(1, 2)
+    _window_merge_kernel[(R * H,)](m, l, acc, out, text_sum, text_count, *out.stride()[:3], H, n_splits, L,
+                                   HEAD_DIM=hd, LP=LP, TEXT=text is not None, num_warps=merge_warps)
+    return out

@@ -8,13 +8,15 @@ from fast_inference.kernels import block_cuda, block_triton
 from fast_inference.kernels.block_triton import row_scales
 
 
-def _qkv(p, x, layer, freqs, input_pos, cache, progress):
+def _qkv(p, x, layer, freqs, input_pos, cache, progress, window=0):
     attn = layer.attention
     if p.impl == "cuda":
+        assert not window, "block_cuda's QKV takes one position for every row"
         return block_cuda.qkv_rope(x, layer.attention_norm, attn.wqkv.weight, freqs, input_pos, cache.k_cache,
                                    cache.v_cache, attn.n_head, p.pdl, progress)
     return block_triton.qkv_rope(x, layer.attention_norm, attn.wqkv.weight, row_scales(attn.wqkv), freqs, input_pos,
-                                 cache.k_cache, cache.v_cache, attn.n_head, p.pdl, p.impl == "triton_dot", progress)
+                                 cache.k_cache, cache.v_cache, attn.n_head, p.pdl, p.impl == "triton_dot", progress,
+                                 window)
 
 
 def _linear(p, name, x, linear, residual, progress, then=None):
@@ -33,20 +35,29 @@ def _gate_up(p, x, layer, progress):
 
 def fused_block(layer, x, freqs, attend, input_pos, rows, prefetcher=None, control=None):
     """TransformerBlock.forward(x, freqs, attend) for x (R, 1, D), usable as the model's Context.block; + control
-    (R, 1, D), the next block's control rows, if given (the model passes them: Context.block_adds_control).
+    (R, 1, D), the next block's control rows, if given (the model passes them: Context.block_adds_control). Rows at
+    their own positions (input_pos (B, L), a pass's or a server's; freqs (B, L, hd/2, 2)): x (B, L, D), its B x L
+    queries the projections' rows, attend a window kernel (model.Context.window).
 
     rows: the plan's Rows of these steps (its projections' implementations and launches; attend launches as it says
     too). prefetcher (prefetch_triton.Prefetcher): its count is bumped by each of the 4 projections as it starts."""
     p = rows
-    R, _, D = x.shape
+    B, L, D = x.shape
+    R = B * L
     assert R == rows.rows
-    x = x.view(R, D)
+    window = L if input_pos.dim() == 2 else 0
+    x = x.reshape(R, D)
+    if window:  # each query's own position and RoPE row
+        input_pos, freqs = input_pos.reshape(R), freqs.reshape(R, *freqs.shape[2:])
     progress = None if prefetcher is None else prefetcher.progress
     attn = layer.attention
-    q = _qkv(p.projection("qkv"), x, layer, freqs, input_pos, attn.kv_cache, progress)
-    # q rotated, the step's key and value in the cache: attend's other arguments go unused
-    y = attend(q.transpose(1, 2), None, None, freqs, attn.kv_cache)  # (R, H, 1, hd): its rows are heads side by side
-    h = _linear(p.projection("wo"), "wo", y.view(R, D), attn.wo, x, progress)
+    q = _qkv(p.projection("qkv"), x, layer, freqs, input_pos, attn.kv_cache, progress, window)
+    # q rotated, the step's keys and values in the cache: attend's other arguments go unused
+    if window:  # (B, H, L, hd) laid out (B, L, H, hd): a query's heads side by side
+        y = attend(q.view(B, L, *q.shape[1:2], -1), None, None, freqs, attn.kv_cache).transpose(1, 2)
+    else:
+        y = attend(q.transpose(1, 2), None, None, freqs, attn.kv_cache)  # (R, H, 1, hd): a row's heads side by side
+    h = _linear(p.projection("wo"), "wo", y.reshape(R, D), attn.wo, x, progress)
     a = _gate_up(p.projection("gate_up"), h, layer, progress)
     then = None if control is None else control.reshape(R, D)
-    return _linear(p.projection("w2"), "w2", a, layer.feed_forward.w2, h, progress, then).view(R, 1, D)
+    return _linear(p.projection("w2"), "w2", a, layer.feed_forward.w2, h, progress, then).view(B, L, D)

@@ -379,10 +379,12 @@ if triton is not None:
     def _qkv_kernel(X, NW, W, S, FREQS, POS, Q, KC, VC, PART, COUNT, PROGRESS, R, stride_cr, stride_ch, stride_cn,
                     EPS: tl.constexpr, D: tl.constexpr, PW: tl.constexpr, HD: tl.constexpr, RP: tl.constexpr,
                     BP: tl.constexpr, BK: tl.constexpr, DOT: tl.constexpr, PDL: tl.constexpr, PREC: tl.constexpr,
-                    SPLIT: tl.constexpr, QUANT: tl.constexpr, BUMP: tl.constexpr):
+                    SPLIT: tl.constexpr, QUANT: tl.constexpr, BUMP: tl.constexpr, WINDOW: tl.constexpr):
         """RMSNorm(X) @ Wqkv.T, RoPE on q and k, q to Q (R, D), k and v into the caches at POS.
 
-        A program owns BP adjacent (even, odd) column pairs of one head, so the rotation is local."""
+        A program owns BP adjacent (even, odd) column pairs of one head, so the rotation is local. WINDOW > 0: rows at
+        their own positions, WINDOW queries per cache row: row r is query r % WINDOW of cache row r // WINDOW, at
+        position POS[r] with its own RoPE row FREQS[r]."""
         bump(PROGRESS, BUMP)
         first = tl.program_id(0) * BP * 2  # first column: BP pairs never straddle a head (HD / 2 % BP == 0)
         section, h = first // D, first % D // HD  # section 0, 1, 2: q, k, v
@@ -390,17 +392,26 @@ if triton is not None:
         all_ok = col >= 0
         dt = Q.dtype.element_ty
         d = col % HD
-        if not DOT:  # GEMV: before the wait (the previous step wrote it)
+        if not DOT and WINDOW == 0:  # GEMV: before the wait (the previous step wrote it)
             pos = tl.load(POS, cache_modifier=".cg")
         ye, yo, live, _ = _project(X, NW, W, S, PART, COUNT, col, col + 1, all_ok, R, X, col, all_ok, EPS, D, PW, RP,
                                    BP, BK, True, True, DOT, PDL, PREC, SPLIT, QUANT, 0, dt)
         offs_r = tl.arange(0, RP)
         r_ok = offs_r < live
-        if DOT:  # after it: ahead of the wait, n = 8 ran 0.3-0.6% slower
+        cache_r = offs_r[:, None]
+        if WINDOW > 0:  # each row's own position (after the wait: the step's inputs wrote them)
+            pos = tl.load(POS + offs_r, mask=r_ok, other=0)[:, None]
+            cache_r = cache_r // WINDOW
+        elif DOT:  # after it: ahead of the wait, n = 8 ran 0.3-0.6% slower
             pos = tl.load(POS)
         if section < 2:  # rotate pair j = d / 2 by this position's (cos, sin), in float32 as the model
-            c = tl.load(FREQS + d)[None, :]
-            s = tl.load(FREQS + d + 1)[None, :]
+            if WINDOW > 0:
+                f = offs_r[:, None] * HD + d[None, :]  # row r's RoPE row: HD / 2 pairs of (cos, sin)
+                c = tl.load(FREQS + f, mask=r_ok[:, None], other=0.0)
+                s = tl.load(FREQS + f + 1, mask=r_ok[:, None], other=0.0)
+            else:
+                c = tl.load(FREQS + d)[None, :]
+                s = tl.load(FREQS + d + 1)[None, :]
             ye, yo = ye * c - yo * s, yo * c + ye * s
         ok = r_ok[:, None] & all_ok[None, :]
         if section == 0:
@@ -408,7 +419,7 @@ if triton is not None:
             tl.store(q, ye.to(dt), mask=ok)
             tl.store(q + 1, yo.to(dt), mask=ok)
         else:
-            at = offs_r[:, None] * stride_cr + h * stride_ch + pos * stride_cn + d[None, :]
+            at = cache_r * stride_cr + h * stride_ch + pos * stride_cn + d[None, :]
             if section == 1:
                 tl.store(KC + at, ye.to(dt), mask=ok)
                 tl.store(KC + at + 1, yo.to(dt), mask=ok)
@@ -471,6 +482,8 @@ def tiling(name, x, weight, tiles, pdl, dot, progress=None):
     rows, bk, warps, stages, split = (DOT_CONFIG_INT8 if weight.dtype == torch.int8 else DOT_CONFIG)[name]
     if x.element_size() > 2:  # float32 (tests): a quarter of the chunk, an eighth in the pair kernels, or they spill
         bk = max(16, bk // (4 * tiles))
+    if tiles == 2 and R > 16:  # the pair kernels at a pass's rows (plan.pass_rows): half the chunk (256 at 32 rows
+        bk = max(16, bk // 2)  # spilled 16 B in qkv and gate/up)
     return rows, dict(kw, DOT=True, RP=max(16, p2(R)), PW=16, BK=bk, num_warps=warps, num_stages=stages,
                       SPLIT=min(split, triton.cdiv(K, bk)))
 
@@ -529,8 +542,9 @@ def linear(x, weight, scales=None, residual=None, name="wo", pdl=False, dot=Fals
 
 
 def qkv_rope(x, norm, weight, scales, freqs, input_pos, k_cache, v_cache, n_head, pdl=False, dot=False,
-             progress=None):
-    """q (R, H, 1, hd); k and v written into the caches at input_pos."""
+             progress=None, window=0):
+    """q (R, H, 1, hd); k and v written into the caches at input_pos. window > 0: rows at their own positions,
+    input_pos (R,) and freqs (R, hd/2, 2) a row's own, `window` rows per cache row (row r in cache row r // window)."""
     R, D = x.shape
     hd = D // n_head
     pairs, kw = tiling("qkv", x, weight, 2, pdl, dot, progress)  # each pair is two weight rows
@@ -540,7 +554,7 @@ def qkv_rope(x, norm, weight, scales, freqs, input_pos, k_cache, v_cache, n_head
     _qkv_kernel[grid](
         x, norm.weight, weight, _or(scales, x), freqs, input_pos, q, k_cache, v_cache, part, counts, R=R,
         stride_cr=k_cache.stride(0), stride_ch=k_cache.stride(1), stride_cn=k_cache.stride(2), EPS=norm.eps, D=D,
-        HD=hd, BP=bp, QUANT=scales is not None, **kw)
+        HD=hd, BP=bp, QUANT=scales is not None, WINDOW=window, **kw)
     return q
 
 

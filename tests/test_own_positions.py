@@ -1,0 +1,207 @@
+"""The window kernels (attention_triton.window_attention, inputs_triton.window_inputs) wired into the two callers whose
+rows sit at their own positions: the speculative pass (speculative.py, L = window) and the server's step
+(continuous.py, L = 1), where the plan takes them (plan.WINDOW_KERNELS, the window_* overrides). On the CPU the
+Triton interpreter runs them: greedy tokens of a pass equal the reference's, and a server's requests get the plain
+engine's tokens; on a CUDA device (`-k cuda`) the pass's fp32 greedy tokens equal the plain engine's at GPT-XL's
+width, through inductor's compiled block and the captured pass."""
+import dataclasses
+
+import pytest
+import torch
+
+import early
+import interpret
+from fast_inference import plan
+
+pytest.importorskip("triton")
+
+
+def test_the_plan_keeps_them_off_until_measured_and_takes_the_overrides():
+    hopper = plan.Situation(device="cuda", capability=(9, 0), dtype=torch.bfloat16, draft_window=16)
+    p = plan.make(hopper)
+    assert (p.jacobi.attention, p.jacobi.inputs) == ("triton" if plan.WINDOW_KERNELS else "sdpa",
+                                                      "triton" if plan.WINDOW_KERNELS else "model")
+    on = (("window_attention", "triton"), ("window_inputs", "triton"))
+    p = plan.make(dataclasses.replace(hopper, overrides=on))
+    assert (p.jacobi.attention, p.jacobi.inputs) == ("triton", "triton")
+    assert "Triton window attention" in plan.explain(p) and "window_inputs" in plan.explain(p)
+    server = plan.make(dataclasses.replace(hopper, overrides=on, draft_window=0, own_positions=True)).own_positions
+    assert (server.attention, server.inputs) == ("triton", "triton")
+    assert "Triton window attention" in plan.explain_server(dataclasses.replace(hopper, overrides=on))
+    off = plan.make(dataclasses.replace(hopper, overrides=(("window_attention", "sdpa"),)))
+    assert off.jacobi.attention == "sdpa"
+    fused = on + (("window_block", "fused"),)
+    p = plan.make(dataclasses.replace(hopper, overrides=fused))  # 2 x 1 image x 16 queries: the fused block
+    assert p.jacobi.block == "fused" and p.jacobi.rows.rows == 32 and "fused (Triton dot)" in plan.explain(p)
+    p = plan.make(dataclasses.replace(hopper, overrides=fused, batch=8))  # 256 rows: the compiled block
+    assert p.jacobi.block == "compiled" and p.jacobi.rows is None
+    with pytest.raises(plan.PlanError, match="window_block=fused needs"):
+        plan.make(dataclasses.replace(hopper, overrides=(("window_block", "fused"),)))
+    for where in (dict(device="cpu", capability=None), dict(backend="cudagraph", draft_window=0, own_positions=True),
+                  dict(dim=80 * 20)):  # no Triton on CUDA, the cudagraph backend, a head dim of 80
+        with pytest.raises(plan.PlanError, match="window_attention=triton needs"):
+            plan.make(dataclasses.replace(hopper, overrides=on, **where))
+
+
+SCRIPT = r"""
+import interpret  # first: the interpreter without its re-patching per call (tests/interpret.py)
+import dataclasses
+import torch
+from fast_inference import engine as engine_module, plan
+from fast_inference.continuous import Batch
+from fast_inference.engine import Engine
+from fast_inference.generate import generate
+import functools
+from fast_inference.kernels import attention_triton, inputs_triton
+from fast_inference.kernels.block import fused_block
+from fast_inference.model import Context
+from test_continuous import alone, requests, run
+from test_reference import tiny_inputs, tiny_model
+
+make = plan.make
+
+
+FUSED = False  # the pass's block: the fused block's kernels at its rows
+
+
+def with_window_kernels(s):
+    # the plan of the situation with the window kernels taken, as a CUDA device with Triton would (the interpreter
+    # runs them here); the pass and the server's steps on the eager backend
+    p = make(s)
+    if p.jacobi is not None:
+        fused = dict(block="fused", rows=plan.pass_rows(s.rows * s.draft_window)) if FUSED else {}
+        p = dataclasses.replace(p, jacobi=dataclasses.replace(p.jacobi, attention="triton", inputs="triton", **fused))
+    if p.own_positions is not None:
+        own = dataclasses.replace(p.own_positions, attention="triton", inputs="triton")
+        p = dataclasses.replace(p, own_positions=own)
+    return p
+
+
+engine_module.plans.make = with_window_kernels
+checked = 0
+# the pass: greedy tokens equal the reference's, windows shorter and longer than what is left of the image
+model = tiny_model(cls=8, seed=3)
+cond, mask, condition = tiny_inputs(model)
+kw = dict(emb_masks=mask, condition=condition, cfg_scale=4.0, control_strength=0.8, top_k=1)
+n = model.args.block_size
+ref = generate(model, cond, n, **kw)
+for window, FUSED in ((4, False), (16, False), (4, True)):
+    engine = Engine(model, backend="eager", speculative="jacobi", draft_window=window)
+    got = engine.generate(cond, n, **kw)
+    r = engine.runner
+    assert r.pass_ctx.attention is attention_triton.window_attention and r.pass_inputs is inputs_triton.window_inputs
+    assert (getattr(r.pass_ctx.block, "func", None) is fused_block) == FUSED
+    assert torch.equal(got, ref), (window, got, ref)
+    checked += 1
+# the fused block at a pass's rows (2 images under CFG x 4 queries, dot path), each row at its own ragged positions,
+# a window past the image's end: the blocks' output and the caches as the model's own blocks with SDPA
+B, L, N = 2, 4, model.args.block_size
+T = model.args.cls_token_num
+model.fuse_projections()  # as the Engine does
+model.setup_caches(2 * B, T + N, torch.float32)
+g = torch.Generator().manual_seed(7)
+for layer in model.layers:
+    for c in (layer.attention.kv_cache.k_cache, layer.attention.kv_cache.v_cache):
+        c.copy_(torch.randn(c.shape, generator=g))
+saved = [(l.attention.kv_cache.k_cache.clone(), l.attention.kv_cache.v_cache.clone()) for l in model.layers]
+n_img = torch.tensor([5, N - 2])  # the second image's window runs past its end
+pos = (T + n_img[:, None] - 1 + torch.arange(L)).clamp(max=T + N - 1)
+pos = torch.cat([pos, pos])
+x = torch.randn(2 * B, L, model.args.dim, generator=g)
+key_valid = torch.ones(2 * B, model.max_seq, dtype=torch.bool)
+key_valid[:, :T] = torch.rand(2 * B, T, generator=g) > 0.5
+controls = torch.randn(3, 2 * B, N, model.args.dim, generator=g)
+want = model.blocks(x, pos, key_valid, controls)
+want_caches = [(l.attention.kv_cache.k_cache.clone(), l.attention.kv_cache.v_cache.clone()) for l in model.layers]
+for layer, (k, v) in zip(model.layers, saved):
+    layer.attention.kv_cache.k_cache.copy_(k)
+    layer.attention.kv_cache.v_cache.copy_(v)
+masks = attention_triton.chain_masks(L).expand(2 * B, L)
+ctx = Context(block=functools.partial(fused_block, rows=plan.pass_rows(2 * B * L)), block_adds_control=True,
+              attention=attention_triton.window_attention, window=(pos[:, 0].contiguous(), masks))
+got = model.blocks(x, pos, key_valid, controls, ctx=ctx)
+inside = (pos < T + N - 1)[..., None]  # queries whose key no later one of the window overwrites
+worst = (got - want).abs().masked_fill(~inside, 0).max().item()
+for (k, v), (wk, wv) in zip([(l.attention.kv_cache.k_cache, l.attention.kv_cache.v_cache) for l in model.layers],
+                            want_caches):
+    worst = max(worst, (k - wk)[:, :, : T + N - 1].abs().max().item(), (v - wv)[:, :, : T + N - 1].abs().max().item())
+assert worst < 1e-4, worst
+checked += 1
+# the server: requests joining a running batch at other positions get the plain engine's tokens
+model = tiny_model()
+rs = requests(model)[:3]
+want = [alone(model, r) for r in rs]
+batch = Batch(Engine(model, backend="eager"), rs[0].shape, capacity=4)
+assert batch.runner.ctx.attention is attention_triton.window_attention
+assert batch.runner.inputs_fn is inputs_triton.window_inputs
+got = run(batch, {0: rs[:2], 3: [rs[2]]})
+for i in range(3):
+    assert torch.equal(got[i], want[i]), i
+    checked += 1
+print("ok", checked)
+"""
+
+
+def test_pass_and_server_step_on_window_kernels_in_interpreter():
+    """Jacobi passes of 4 and 16 positions (the 16-token image: a window past its end) give the reference's greedy
+    tokens through the window kernels, and passes of 4 through the fused block's kernels at the pass's rows too; the
+    fused block at 2 images x 4 ragged queries under CFG gives the model's blocks' output and caches (within 1e-4);
+    three requests joining a server's batch at steps 0, 0 and 3 get the plain engine's tokens (their own seeds and
+    settings)."""
+    out = early.result(SCRIPT, interpret.ENV)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.split()[-2:] == ["ok", "7"], out.stdout
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("window,block", [(4, "compiled"), (16, "compiled"), (16, "fused")])
+def test_pass_on_window_kernels_gives_the_plain_engines_greedy_tokens_on_cuda(window, block):
+    """fp32 at GPT-XL's width (1,280, 20 heads, 2 blocks), 256 tokens, 2 images: the speculative engine with the
+    window kernels (inductor's compiled block or the fused block's kernels, the pass captured) against the plain
+    engine, greedy."""
+    from fast_inference.engine import Engine
+    from test_reference import tiny_inputs, tiny_model
+
+    model = tiny_model(dim=1280, n_head=20, n_layer=2, block_size=256, seed=5).to("cuda")
+    cond, mask, condition = (t.to("cuda") for t in tiny_inputs(model))
+    kw = dict(emb_masks=mask, condition=condition, cfg_scale=4.0, top_k=1)
+    want = Engine(model, backend="inductor").generate(cond, 256, **kw)
+    engine = Engine(model, backend="inductor", speculative="jacobi", draft_window=window,
+                    overrides=("window_attention=triton", "window_inputs=triton", f"window_block={block}"))
+    got = engine.generate(cond, 256, **kw)
+    assert (engine.plan.jacobi.attention, engine.plan.jacobi.inputs, engine.plan.jacobi.block) == (
+        "triton", "triton", block)
+    assert torch.equal(got, want)
+    assert torch.equal(engine.generate(cond, 256, **kw), want)  # replayed
+
+
+EARLY = {"test_pass_and_server_step_on_window_kernels_in_interpreter": (SCRIPT, interpret.ENV)}
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_server_steps_on_window_kernels_give_the_plain_engines_tokens_on_cuda():
+    """fp32 at GPT-XL's width: requests joining a server's batch on the window kernels (captured steps per bucket) get
+    the plain engine's greedy tokens."""
+    from fast_inference.continuous import Batch, Request
+    from fast_inference.engine import Engine
+    from test_reference import tiny_inputs, tiny_model
+
+    model = tiny_model(dim=1280, n_head=20, n_layer=2, block_size=64, seed=6).to("cuda")
+    cond, mask, condition = (t.to("cuda") for t in tiny_inputs(model, B=2))
+    rs = [Request(cond=cond[b : b + 1], mask=mask[b : b + 1], control=condition[b], seed=b, top_k=1) for b in (0, 1)]
+    want = [Engine(model).generate(r.cond, r.num_tokens, emb_masks=r.mask, cfg_scale=r.cfg_scale,
+                                   condition=r.control[None], top_k=1) for r in rs]
+    engine = Engine(model, overrides=("window_attention=triton", "window_inputs=triton"))
+    batch = Batch(engine, rs[0].shape, capacity=2)
+    assert (engine.plan.own_positions.attention, engine.plan.own_positions.inputs) == ("triton", "triton")
+    entries = [batch.admit(rs[0])]
+    for _ in range(5):  # the second request joins 5 steps later, at other positions
+        batch.step()
+    entries.append(batch.admit(rs[1]))
+    done = {}
+    while len(done) < 2:
+        for e in batch.step():
+            done[entries.index(e)] = batch.tokens(e)
+            batch.remove(e)
+    for i in range(2):
+        assert torch.equal(done[i].cpu(), want[i].cpu()), i
