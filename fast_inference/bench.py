@@ -35,10 +35,11 @@ import torch
 from fast_inference import plan as plans
 from fast_inference.engine import BACKENDS, COMPILE_SCOPES, SPECULATIVE, Engine, vq_kernels
 from fast_inference.fast_engine import (RANGES, Parser, UserError, check_memory, check_ranges, check_writable,
-                                        official_tf32, ranged)
+                                        official_tf32, ranged, tree_arg)
 from fast_inference.generate import generate
 from fast_inference.model import ModelArgs, Transformer
 from fast_inference.quantize import MODES as QUANTIZE_MODES, quantize_int8
+from fast_inference.draft_tree import DEFAULT_TREE
 from fast_inference.speculative import COUPLINGS, DEFAULT_COUPLING, DEFAULT_INIT, DRAFT_INITS
 
 
@@ -76,6 +77,8 @@ def parse_args(argv=None):
                                                                        BENCH_RANGES))
     p.add_argument("--draft-init", choices=list(DRAFT_INITS), default=DEFAULT_INIT)
     p.add_argument("--draft-coupling", choices=list(COUPLINGS), default=DEFAULT_COUPLING)
+    p.add_argument("--draft-tree", type=tree_arg, default=DEFAULT_TREE, metavar="WxD|none",
+                   help="a draft tree per pass (fast_engine.py --help; --draft-coupling pathwise)")
     p.add_argument("--target-entropy", type=float, default=None,
                    help=ranged("target_entropy", "scale the output layer so that the sampled distributions' mean "
                                "entropy is this (random weights' are nearly flat: drafts are then rarely accepted)",
@@ -191,7 +194,7 @@ def bench_speculative(engine, B, N, args, kw, device):
     return dict(tok_s=B * N / d, decode_s=d, pass_ms=d / spec["batch_passes"] * 1e3, compile_s=compile_s,
                 passes_per_image=sum(spec["passes"]) / B, tokens_per_pass=spec["tokens_per_pass"],
                 batch_passes=spec["batch_passes"], window=args.draft_window, init=args.draft_init,
-                coupling=args.draft_coupling)
+                coupling=args.draft_coupling, tree="x".join(map(str, args.draft_tree)) or "none")
 
 
 def scale_to_entropy(model, target, args, kw, device, steps=64, rounds=3):
@@ -286,6 +289,8 @@ def check_args(args):
     if args.speculative != "none" and (args.backend == "cudagraph" or args.compile_scope == "step"):
         raise UserError("--speculative jacobi runs on --backend inductor with --compile-scope block, or on --backend "
                         "eager")
+    if args.speculative != "none" and args.draft_tree and args.draft_coupling != "pathwise":
+        raise UserError("--draft-tree is exact with --draft-coupling pathwise only; add it, or --draft-tree none")
     if args.speculative != "none" and args.draft_init == "above" and args.image_size // 16 < args.draft_window:
         raise UserError(f"--draft-init above needs --image-size >= {16 * args.draft_window} (--draft-window x 16)")
     if not args.random_weights and not args.gpt_ckpt:
@@ -400,7 +405,7 @@ def measure(args, sizes):
         fast_model, backend=args.backend, compile_mode=args.compile_mode, compile_prefill=args.compile_prefill,
         compile_scope=args.compile_scope, fused_block=not args.no_fused_block, overrides=args.plan,
         speculative=args.speculative, draft_window=args.draft_window, draft_init=args.draft_init,
-        draft_coupling=args.draft_coupling)
+        draft_coupling=args.draft_coupling, draft_tree=args.draft_tree)
     rows, e2e, e2e_runs = [], None, None  # end to end is timed with n = 1 only
     scope = ""
     if args.backend == "inductor":

@@ -31,6 +31,7 @@ from fast_inference.kernels.pdl import EARLY
 from fast_inference.model import TORCH_OPS, Context, EagerOps
 from fast_inference.quantize import is_int8
 from fast_inference.runner import ShapeRunner
+from fast_inference.draft_tree import TreeRunner
 from fast_inference.speculative import COUPLINGS, DEFAULT_COUPLING, DEFAULT_INIT, DRAFT_INITS, JacobiRunner
 
 log = logging.getLogger("fast_inference")
@@ -77,11 +78,12 @@ class Engine:
     """Generate with the fast path; `generate` takes the same arguments as generate.generate. overrides: plan
     overrides ("key=value" strings, plan.OVERRIDES), on top of CONTROLAR_PLAN's. speculative "jacobi": lossless
     speculative Jacobi passes of draft_window positions (speculative.py) instead of one token per step, the window's
-    initial drafts by draft_init (speculative.DRAFT_INITS), their redraws' noise by draft_coupling (COUPLINGS)."""
+    initial drafts by draft_init (speculative.DRAFT_INITS), their redraws' noise by draft_coupling (COUPLINGS);
+    draft_tree (width, depth): each pass a draft tree of the window (draft_tree.py, pathwise coupling), () a chain."""
 
     def __init__(self, model, backend="inductor", compile_mode="reduce-overhead", cache_dir=None,
                  compile_prefill=False, compile_scope="block", fused_block=True, overrides=(), speculative="none",
-                 draft_window=16, draft_init=DEFAULT_INIT, draft_coupling=DEFAULT_COUPLING):
+                 draft_window=16, draft_init=DEFAULT_INIT, draft_coupling=DEFAULT_COUPLING, draft_tree=()):
         self.model, self.backend, self.compile_mode = model, backend, compile_mode
         self.compile_scope, self.fused_block, self.compile_prefill = compile_scope, fused_block, compile_prefill
         self.device = model.output.weight.device
@@ -92,6 +94,9 @@ class Engine:
                              f"one of {SPECULATIVE}, of {DRAFT_INITS} and of {COUPLINGS}")
         self.draft_window = draft_window if speculative == "jacobi" else 0
         self.draft_init, self.draft_coupling = draft_init, draft_coupling
+        self.draft_tree = tuple(draft_tree) if speculative == "jacobi" else ()
+        if self.draft_tree and draft_coupling != "pathwise":
+            raise ValueError(f"a draft tree is exact with draft coupling 'pathwise' only, not {draft_coupling!r}")
         self.overrides = tuple(dict(plans.environment_overrides() + plans.parse_overrides(overrides)).items())
         if model.layers[0].feed_forward.w13 is None:
             model.fuse_projections()
@@ -121,7 +126,7 @@ class Engine:
             batch=batch, dim=a.dim, n_head=a.n_head, ffn_hidden=a.ffn_hidden, vocab_size=a.vocab_size,
             max_seq=max_seq, text_prefix=not self.model.freqs_cis[: a.prefix_len].any(),
             builds=functools.partial(self.builds_on, self.device), overrides=self.overrides,
-            draft_window=self.draft_window)
+            draft_window=self.draft_window, draft_tree=self.draft_tree)
 
     @staticmethod
     def builds_on(device, kernel, *key):
@@ -172,8 +177,9 @@ class Engine:
         if p.jacobi is None:
             r = ShapeRunner(self.model, p, num_tokens, prefix_len, num_controls, top_k, keep_logits)
         else:
-            r = JacobiRunner(self.model, p, num_tokens, prefix_len, num_controls, top_k, keep_logits,
-                             self.draft_init, grid_width(num_tokens), self.draft_coupling)
+            runner, extra = (TreeRunner, (self.draft_tree,)) if self.draft_tree else (JacobiRunner, ())
+            r = runner(self.model, p, num_tokens, prefix_len, num_controls, top_k, keep_logits, self.draft_init,
+                       grid_width(num_tokens), self.draft_coupling, *extra)
         self._wire(r, p)
         self._compile(r, p)
         self.runner = r

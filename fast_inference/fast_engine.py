@@ -34,6 +34,7 @@ from fast_inference.engine import BACKENDS, COMPILE_SCOPES, SPECULATIVE, Engine,
 from fast_inference.generate import generate
 from fast_inference.model import GPT_CONFIGS, ModelArgs, Transformer
 from fast_inference.quantize import MODES as QUANTIZE_MODES, quantize_int8
+from fast_inference.draft_tree import DEFAULT_TREE, parse_tree
 from fast_inference.speculative import COUPLINGS, DEFAULT_COUPLING, DEFAULT_INIT, DRAFT_INITS
 
 log = logging.getLogger("fast_inference")
@@ -174,7 +175,12 @@ def add_model_args(p):
                         "than the grid)")
     p.add_argument("--draft-coupling", choices=list(COUPLINGS), default=DEFAULT_COUPLING,
                    help="gumbel: redraw each position's draft with noise fixed per (image, position, token), as MC-SJD, "
-                        "so that drafts move only where their distribution does (still lossless); none: fresh noise")
+                        "so that drafts move only where their distribution does (still lossless); none: fresh noise; "
+                        "pathwise: every token's noise fixed too, so the image is a function of the seed alone and a "
+                        "draft is kept where it is its position's token (lossless; needed by --draft-tree)")
+    p.add_argument("--draft-tree", type=tree_arg, default=DEFAULT_TREE, metavar="WxD|none",
+                   help="each pass verifies W candidates of the window's first draft, each with D drafts below it, "
+                        "beside the chain (draft_tree.py; --draft-coupling pathwise); none: the chain alone")
     p.add_argument("--plan", action="append", default=[], metavar="KEY=VALUE",
                    help="override the decode plan's choice (repeatable; also CONTROLAR_PLAN=KEY=VALUE,...): "
                         + "; ".join(f"{k}={'|'.join(v)}" for k, v in plans.OVERRIDES.items()))
@@ -439,6 +445,16 @@ def check_speculative(args):
     if args.backend == "cudagraph" or (args.backend == "inductor" and args.compile_scope == "step"):
         raise UserError("--speculative jacobi runs on --backend inductor with --compile-scope block, or on --backend "
                         "eager")
+    if args.draft_tree and args.draft_coupling != "pathwise":
+        raise UserError(f"--draft-tree is exact with --draft-coupling pathwise only; add it, or --draft-tree none")
+
+
+def tree_arg(text):
+    """argparse's type of --draft-tree: draft_tree.parse_tree, its error as argparse's."""
+    try:
+        return parse_tree(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def check_draft_grid(args, H, W):
@@ -659,7 +675,8 @@ def make_engine(args, model, backend):
     try:
         return Engine(model, backend=backend, compile_mode=args.compile_mode, compile_prefill=args.compile_prefill,
                       compile_scope=args.compile_scope, overrides=args.plan, speculative=args.speculative,
-                      draft_window=args.draft_window, draft_init=args.draft_init, draft_coupling=args.draft_coupling)
+                      draft_window=args.draft_window, draft_init=args.draft_init, draft_coupling=args.draft_coupling,
+                      draft_tree=args.draft_tree)
     except plans.PlanError as e:
         raise UserError(str(e)) from None
 
@@ -693,7 +710,8 @@ def explain(args):
         dim=margs.dim, n_head=margs.n_head, ffn_hidden=margs.ffn_hidden, vocab_size=margs.vocab_size,
         max_seq=margs.prefix_len + (H // 16) * (W // 16), builds=builds,
         overrides=tuple(dict(plans.environment_overrides() + plans.parse_overrides(args.plan)).items()),
-        draft_window=args.draft_window if args.speculative == "jacobi" else 0)
+        draft_window=args.draft_window if args.speculative == "jacobi" else 0,
+        draft_tree=args.draft_tree if args.speculative == "jacobi" else ())
     print(plans.explain(plans.make(s)))
     print(plans.explain_server(s))  # and a server's steps (serve.py), rows at their own positions
 

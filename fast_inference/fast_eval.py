@@ -150,7 +150,8 @@ def output_settings(args, margs, resolved):
     settings.update(resolved)
     if args.speculative != "none":  # another random stream (the same distribution); absent from older folders
         settings.update(speculative=args.speculative, draft_window=args.draft_window, draft_init=args.draft_init,
-                        draft_coupling=args.draft_coupling)
+                        draft_coupling=args.draft_coupling, **({"draft_tree": list(args.draft_tree)} if args.draft_tree
+                                                               else {}))
     cache_path = os.path.join(args.sample_dir, HASHES)
     cache = read_json(cache_path)
     content = {"model": dataclasses.asdict(margs)}

@@ -166,8 +166,10 @@ class Context:
     rows: the cache rows the batch's rows are (a request's prefill inside a server's batch, continuous.py), None for
     the first B; torch's RoPE and SDPA only. window: (seqlens (B,), masks (B, S) int64) for rows at their own
     positions (input_pos (B, S)): each row's filled keys before its S queries and the queries' bitmasks of the window's
-    keys; attention is then a window kernel, attention(q, k_cache, v_cache, key_valid, seqlens, masks, text=) after
-    the ops' RoPE and cache write (attention_triton.window_attention)."""
+    keys, window key m at cache slot seqlens + m (window_slots: a draft tree's rows, draft_tree.py, share positions
+    but not slots); the rows' keys are written there, and attention is a window kernel, attention(q, k_cache, v_cache,
+    key_valid, seqlens, masks, text=) after the ops' RoPE and cache write (attention_triton.window_attention), or
+    without one SDPA with window_mask."""
     ops: EagerOps = TORCH_OPS
     attention: Optional[Callable] = None
     block: Optional[Callable] = None
@@ -413,16 +415,16 @@ class Transformer(nn.Module):
 
     # ---- caches -------------------------------------------------------------------------------
 
-    def setup_caches(self, max_batch, max_seq, dtype):
+    def setup_caches(self, max_batch, max_seq, dtype, spare=0):
         """(Re)allocate the KV caches; a no-op when the shape and dtype are already right. The RoPE table is
         float32 whatever the model's dtype: made again if a .to(dtype) cast it, as the official setup_caches
-        rebuilds it."""
+        rebuilds it. spare: cache slots past max_seq, which no position reaches (a draft tree's rows, draft_tree.py)."""
         if self.freqs_cis.dtype != torch.float32:
             self.freqs_cis = precompute_freqs_cis_2d(self.args).to(self.freqs_cis.device)
         if max_seq > self.freqs_cis.shape[0]:
             # More tokens than the RoPE grid of block_size has cells.
             raise ValueError(f"{max_seq - self.args.prefix_len} image tokens exceed block_size {self.args.block_size}")
-        max_seq = (max_seq + 7) // 8 * 8
+        max_seq = (max_seq + spare + 7) // 8 * 8
         cache = self.layers[0].attention.kv_cache
         if cache is not None and (self.max_batch, self.max_seq, cache.k_cache.dtype) == (max_batch, max_seq, dtype):
             return
@@ -501,17 +503,19 @@ class Transformer(nn.Module):
         ops = ctx.ops
         if ctx.attention is not None and ctx.window is not None:
             rot = rotations(freqs) if ops.rope_and_cache is None else None
+            # the window's slots; past the cache (a chain's rows past the image: outputs unused) its last slot
+            slots = window_slots(*ctx.window).clamp(max=key_valid.shape[1] - 1)
 
             def attend(q, k, v, freqs, cache):
-                # each row's keys and values written at its positions, then its queries against its filled keys
+                # each row's keys and values written at its window slots, then its queries against its filled keys
                 # and the window's, as the window's masks say; k None: q rotated and the keys written (the fused
                 # block's QKV kernel)
                 if k is None:
                     q = q.transpose(1, 2)
                 elif rot is None:
-                    q, _, _ = ops.rope_and_cache(q, k, v, freqs, cache, input_pos)
+                    q, _, _ = ops.rope_and_cache(q, k, v, freqs, cache, slots)
                 else:
-                    q, _, _ = rope_and_cache(q, k, v, rot, cache, input_pos)
+                    q, _, _ = rope_and_cache(q, k, v, rot, cache, slots)
                 return ctx.attention(q, cache.k_cache, cache.v_cache, key_valid, *ctx.window, text=cache.text)
         elif ctx.attention is not None and x.shape[1] == 1:
             def attend(q, k, v, freqs, cache):
@@ -524,7 +528,10 @@ class Transformer(nn.Module):
             # Made once for all blocks: the mask as SDPA's additive form (else each block converts it), and the
             # rotations of the RoPE rows (three kernels per apply_rotary_emb instead of nine) unless a kernel rotates
             n = key_valid.shape[1] if ctx.kv_len is None else ctx.kv_len
-            mask = attention_mask(key_valid[:, :n], input_pos)
+            if ctx.window is None:
+                mask, slots = attention_mask(key_valid[:, :n], input_pos), input_pos
+            else:  # a draft tree's rows: their own cache slots and ancestry
+                mask, slots = window_mask(key_valid[:, :n], *ctx.window), window_slots(*ctx.window)
             bias = torch.zeros(mask.shape, dtype=x.dtype, device=x.device).masked_fill_(~mask, float("-inf"))
             rot = rotations(freqs) if ops.rope_and_cache is None else None
 
@@ -532,9 +539,9 @@ class Transformer(nn.Module):
                 if k is None:  # q rotated, the step's key and value in the cache (the fused block's QKV kernel)
                     q, k, v = q.transpose(1, 2), cache.k_cache[: q.shape[0]], cache.v_cache[: q.shape[0]]
                 elif rot is None:
-                    q, k, v = ops.rope_and_cache(q, k, v, freqs, cache, input_pos)
+                    q, k, v = ops.rope_and_cache(q, k, v, freqs, cache, slots)
                 else:
-                    q, k, v = rope_and_cache(q, k, v, rot, cache, input_pos, ctx.rows)
+                    q, k, v = rope_and_cache(q, k, v, rot, cache, slots, ctx.rows)
                 return F.scaled_dot_product_attention(q, k[:, :, :n], v[:, :, :n], attn_mask=bias)
 
         def control_at(i):  # the control rows added before block i, or None
@@ -575,6 +582,22 @@ def attention_mask(key_valid, input_pos):
     k_pos = torch.arange(key_valid.shape[1], device=key_valid.device)
     q_pos = input_pos[..., :, None]
     visible = (k_pos <= q_pos) & (key_valid[:, None, :] | (k_pos == q_pos))
+    return visible[:, None]
+
+
+def window_slots(start, ancestry):
+    """The cache slots (B, S) of a window's rows: start, start + 1, ... (Context.window)."""
+    return start[:, None] + torch.arange(ancestry.shape[1], device=start.device)
+
+
+def window_mask(key_valid, start, ancestry):
+    """Boolean (B,1,S,L) mask of a window's S rows (Context.window): row j sees cache key k < start[b] where
+    key_valid says, and window key start[b] + m where bit m of ancestry[b, j] is set (itself and its ancestors), no
+    other. The window's keys as one 64-bit word per row: at most 63 rows."""
+    off = torch.arange(key_valid.shape[1], device=key_valid.device) - start[:, None]  # (B, L)
+    inside = (off >= 0) & (off < ancestry.shape[1])
+    bits = (ancestry[:, :, None] >> off.clamp(0, 62)[:, None, :]) & 1  # (B, S, L)
+    visible = ((off < 0) & key_valid)[:, None, :] | (inside[:, None, :] & (bits == 1))
     return visible[:, None]
 
 

@@ -83,6 +83,7 @@ class Situation:
     builds: Callable = field(default=lambda kernel, *key: True, compare=False)  # (CUDA C++ kernel, key) built?
     overrides: tuple = ()  # ((key, value), ...): OVERRIDES
     draft_window: int = 0  # speculative Jacobi passes over this many positions (speculative.py); 0: plain steps
+    draft_tree: tuple = ()  # (width, depth): each pass a draft tree (draft_tree.py); (): the window's chain
     own_positions: bool = False  # each row at its own position: a server's batch (continuous.py)
 
     @property
@@ -145,6 +146,7 @@ class JacobiPass:
     one-query decode kernels (fused block, decode attention, inputs, draw) do not serve it; SDPA with the mask does, or
     the window kernels (attention and inputs, each row's L queries at their own positions) where the plan takes them."""
     window: int  # L: the last accepted token and L - 1 drafts per image
+    nodes: int  # query rows per image: L, or a draft tree's nodes (draft_tree.py), which take as many spare cache slots
     block: str  # compiled (inductor's block, the compiled steps' own) | model (eager blocks) | fused (the fused
     # block's Triton kernels at the pass's rows, each query's RoPE and cache write in QKV: `rows`)
     head: str  # compiled | model
@@ -352,7 +354,7 @@ def window_kernels(s, want):
     (WINDOW_KERNELS) and taken by the overrides window_attention=triton, window_inputs=triton (window_block=fused:
     jacobi_pass); else SDPA with each row's mask and the model's inputs."""
     ok = s.triton and s.cuda and s.backend != "cudagraph"
-    fits = ok and attention_triton.window_fits(s.head_dim, max(s.draft_window, 1))
+    fits = ok and attention_triton.window_fits(s.head_dim, max(pass_nodes(s), 1))
     attention = want.get("window_attention", "triton" if WINDOW_KERNELS and fits else "sdpa")
     inputs = want.get("window_inputs", "triton" if WINDOW_KERNELS and ok else "model")
     if attention == "triton" and not fits:
@@ -373,17 +375,31 @@ def jacobi_pass(s, block_scope, hand_capture, eager, window):
     if s.draft_window < 2:
         raise PlanError(f"--draft-window {s.draft_window}: a pass needs at least 2 positions")
     compiled = block_scope and not s.int8  # inductor turns int8 projections into slow kernels (as the steps)
+    nodes = pass_nodes(s)
+    if s.draft_tree:
+        width, depth = s.draft_tree
+        if not (width >= 1 and 1 <= depth < s.draft_window):
+            raise PlanError(f"--draft-tree {width}x{depth}: a width of at least 1 and a depth of 1 to --draft-window - 1")
+        if nodes > 63:
+            raise PlanError(f"--draft-tree {width}x{depth} with --draft-window {s.draft_window}: {nodes} rows per image, "
+                            f"the window's mask holds 63; use a smaller window or tree")
     block, rows = "compiled" if compiled else "model", None
     if window[2] == "fused":
-        if not (compiled and window[0] == "triton" and block_triton.fits(s.head_dim, dot=True)):
+        if not (compiled and window[0] == "triton" and block_triton.fits(s.head_dim, dot=True)) or s.draft_tree:
             raise PlanError("plan override window_block=fused needs the inductor backend's block scope on a CUDA "
-                            "device with Triton, float weights, a head dim the fused block takes and "
-                            "window_attention=triton")
+                            "device with Triton, float weights, a head dim the fused block takes, "
+                            "window_attention=triton and no draft tree (its QKV writes each key at its position)")
         if s.rows * s.draft_window <= PASS_FUSED_ROWS:
             block, rows = "fused", pass_rows(s.rows * s.draft_window)
-    return JacobiPass(window=s.draft_window, block=block, head="compiled" if compiled else "model",
+    return JacobiPass(window=s.draft_window, nodes=nodes, block=block, head="compiled" if compiled else "model",
                       ops=EagerOps() if compiled else dataclasses.replace(eager, rope="torch"), graph=hand_capture,
                       attention=window[0], inputs=window[1], rows=rows)
+
+
+def pass_nodes(s):
+    """A pass's query rows per image: the window, and a draft tree's branches (draft_tree.tree_size; the plan imports
+    no runner)."""
+    return s.draft_window + ((s.draft_tree[0] - 1) * s.draft_tree[1] if s.draft_tree else 0)
 
 
 def pass_rows(rows):
@@ -668,7 +684,8 @@ def explain(p):
         j = p.jacobi
         blocks = (f"fused (Triton {j.rows.projection('qkv').impl.split('_')[1]})" if j.block == "fused" else
                   "compiled" if j.block == "compiled" else "eager")
-        row("speculative", f"Jacobi passes of {j.window} positions: {s.rows * j.window} rows through the "
+        tree = f" in a {s.draft_tree[0]}x{s.draft_tree[1]} draft tree of {j.nodes} nodes" if s.draft_tree else ""
+        row("speculative", f"Jacobi passes of {j.window} positions{tree}: {s.rows * j.nodes} rows through the "
             f"{blocks} blocks and {WINDOW_WORDS[j.attention]}, inputs "
             f"{INPUT_WORDS[j.inputs]}, {'one CUDA graph' if j.graph else 'op by op'}; {describe_ops(j.ops)}")
     row("VQ norms", p.vq_norm)

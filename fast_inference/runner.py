@@ -43,7 +43,8 @@ class ShapeRunner(nn.Module):
         self.keep_logits = keep_logits  # each step's logits into `logits` (teacher forcing reads them)
         rows = s.rows
         dtype, D = model.tok_embeddings.weight.dtype, model.args.dim
-        model.setup_caches(rows, prefix_len + num_tokens, dtype)
+        tree = plan.jacobi is not None and plan.situation.draft_tree
+        model.setup_caches(rows, prefix_len + num_tokens, dtype, spare=plan.jacobi.nodes if tree else 0)
         self.cache = model.layers[0].attention.kv_cache  # graphs are bound to these cache tensors
         device = model.output.weight.device
         if plan.text_sums != "none":  # RoPE's zero rows make the text's keys zero: one partial (attention_triton)

@@ -15,6 +15,14 @@ Coupled drafts (COUPLINGS "gumbel", as MC-SJD): the redraws and uniform drafts t
 distribution does. Still lossless: a position's noise decides an accepted token only in the verification that fixes
 that position, and nothing before then depends on it (the distributions there are computed from earlier positions),
 so each draft is still a fresh draw from its q; the residual draws and the accept tests keep fresh randomness.
+
+Pathwise passes (COUPLINGS "pathwise"): every token, not only the drafts, is the race of its distribution with the
+noise fixed per (image, position, token): the image is the sequential sampler's x_i = argmax(log p_i(. | x_<i) -
+log E_i), one Exp(1) draw per position and token, a function of the noise alone. A pass computes each position's race
+from the drafts before it (target) and keeps the targets up to the first whose draft differs: each kept target was
+computed from the image's own tokens, so the image is that function of the noise whatever the drafts were (drafts,
+windows and trees change only how many passes it takes), and the noise is independent of everything else. No accept
+test, no residual: a draft is kept where it is the race's winner, and the one after the last kept draft is exact too.
 """
 from dataclasses import replace
 
@@ -28,7 +36,8 @@ from fast_inference.sampling import cfg_merge, filter_logits
 # Initial drafts of the positions past a pass's window: a uniform draw (q uniform, as SJD); the token to the left
 # (q: one-hot); the token above, one grid row up, already accepted (q: one-hot; a window no wider than the grid)
 DRAFT_INITS = ("random", "left", "above")
-COUPLINGS = ("none", "gumbel")  # the redraws' noise: fresh per pass, or fixed per (image, position, token)
+# The redraws' noise: fresh per pass, or fixed per (image, position, token); pathwise: every token's noise fixed
+COUPLINGS = ("none", "gumbel", "pathwise")
 # The defaults accept most: on the trained demo model and on GPT-XL at 3 nats (docs/PERF_NOTES.md, issue 70).
 DEFAULT_INIT, DEFAULT_COUPLING = "left", "gumbel"
 
@@ -98,6 +107,12 @@ def accepted_count(p, q, drafts, u):
     (u (images, L) uniform in [0, 1): u q < p), counted while every draft before it was."""
     pd, qd = (t.gather(-1, drafts[..., None])[..., 0] for t in (p, q))
     return (u * qd < pd).to(torch.int64).cumprod(-1).sum(-1)
+
+
+def matched_count(drafts, target):
+    """How many tokens a pathwise pass fixes per image: its targets (images, L) up to the first whose draft (images,
+    L) differs, that one included; the last target always (no pass row holds its draft)."""
+    return (drafts[:, :-1] == target[:, :-1]).to(torch.int64).cumprod(-1).sum(-1) + 1
 
 
 def residual(p, q):
@@ -174,7 +189,7 @@ class JacobiRunner(ShapeRunner):
         """One draft per image and window slot from probs (images, L, V), at image positions (images, L): fresh race
         noise, or position_noise where drafts are coupled."""
         if self.coupling == "none":
-            return race(probs)
+            return race(probs)  # pathwise and gumbel: the noise fixed per position
         return coupled_race(probs, position_noise(self.noise_seed, positions, probs.shape[-1]))
 
     def jacobi_pass(self):
@@ -201,20 +216,30 @@ class JacobiRunner(ShapeRunner):
     def advance(self, p):
         """The drafts verified against this pass's distributions p (images, L, V): tokens written, n advanced,
         the next window drawn."""
-        B, L, N = self.batch, self.window, self.num_tokens
-        n, live = self.n, self.n < N
+        B, L = self.batch, self.window
+        if self.coupling == "pathwise":
+            target = self.draw(p, self.n[:, None] + self.steps)
+            return self.settle(p, target, matched_count(self.drafts, target), target)
         a = accepted_count(p, self.q, self.drafts, torch.rand(B, L, device=p.device))
         rows = torch.arange(B, device=p.device)
         j = a.clamp(max=L - 1)
         fixed = race(residual(p[rows, j], self.q[rows, j]))  # used where a draft was rejected (a < L)
-        count = torch.where(a < L, a + 1, a) * live
         tokens = torch.where(self.steps < a[:, None], self.drafts, fixed[:, None])
-        k = torch.arange(N, device=p.device) - n[:, None]  # image position i is window position k (a gather: no
+        self.settle(p, tokens, torch.where(a < L, a + 1, a), self.draw(p, self.n[:, None] + self.steps))
+
+    def settle(self, dist, tokens, count, redraw):
+        """A pass's outcome per image: the first `count` of its window's tokens (images, L) written, n advanced, the
+        next window's drafts: `redraw` and its distributions `dist` (images, L, V) inside (next_window), initial
+        drafts past it."""
+        L, N = self.window, self.num_tokens
+        n, live = self.n, self.n < N
+        count = count * live
+        k = torch.arange(N, device=dist.device) - n[:, None]  # image position i is window position k (a gather: no
         written = (k >= 0) & (k < count[:, None])  # duplicate indices where the window runs past the image)
         self.out.copy_(torch.where(written, tokens.gather(1, k.clamp(0, L - 1)), self.out))
         n_next = (n + count).clamp(max=N)
         self.last.copy_(self.out.gather(1, (n_next - 1)[:, None])[:, 0])
-        inside, redrawn, q = next_window(p, count, self.draw(p, n[:, None] + self.steps))
+        inside, redrawn, q = next_window(dist, count, redraw)
         init_tokens, init_q = self.initial(n_next, (L - count).clamp(min=0), redrawn)
         torch.where(inside, redrawn, init_tokens, out=self.drafts)
         torch.where(inside[..., None], q, init_q, out=self.q)  # no (images, L, V) tensor to copy from

@@ -269,6 +269,9 @@ def test_plan_overrides_and_explain(capsys):
     assert code == 0 and "GPT" not in err and "1 image" not in out and "2 image(s) under CFG" in out, err
     code, out, _ = cli(capsys, "--explain", "sm_90", "--speculative", "jacobi", "--draft-window", "8")
     assert code == 0 and re.search(r"speculative +Jacobi passes of 8 positions: 16 rows .* one CUDA graph", out)
+    code, out, _ = cli(capsys, "--explain", "sm_90", "--speculative", "jacobi", "--draft-window", "8",
+                       "--draft-coupling", "pathwise", "--draft-tree", "4x3")
+    assert code == 0 and re.search(r"Jacobi passes of 8 positions in a 4x3 draft tree of 17 nodes: 34 rows", out)
     code, _, err = cli(capsys, "--explain", "tpu")
     assert code == 2 and "name a device as cpu or sm_XY" in err
 
@@ -638,6 +641,7 @@ def test_speculative_flags(files, tmp_path, capsys):
     expect_error(capsys, tmp_path, argv + ["--backend", "cudagraph"], "--backend inductor with --compile-scope block")
     expect_error(capsys, tmp_path, argv + ["--draft-window", 0], "--draft-window 0 is out of range")
     expect_error(capsys, tmp_path, argv + ["--draft-init", "above"], "--draft-init above needs a square image")
+    expect_error(capsys, tmp_path, argv + ["--draft-tree", "4x3"], "exact with --draft-coupling pathwise only")
 
 
 @pytest.mark.parametrize("flag, name, fixed", [("--out", "grid.jpg", "grid.png"), ("--out", "grid.webp", "grid.png"),

@@ -1,5 +1,6 @@
 """Speculative Jacobi decoding (speculative.py) against the reference sampler: greedy identity, and the exact
 distribution of whole token sequences on a tiny vocabulary, which planted mistakes must break."""
+import functools
 import itertools
 import math
 
@@ -8,7 +9,7 @@ import torch
 
 from fast_inference import engine as engine_module
 from fast_inference import generate as generate_module
-from fast_inference import speculative
+from fast_inference import draft_tree, speculative
 from fast_inference.engine import Engine
 from fast_inference.generate import Prepared, generate, prepare
 from fast_inference.plan import PlanError
@@ -23,14 +24,15 @@ def greedy_case():
     return model, cond, model.args.block_size, kw
 
 
-@pytest.mark.parametrize("backend,init,window,coupling", [
-    ("eager", "random", 3, "none"), ("eager", "left", 4, "none"), ("eager", "above", 4, "none"),
-    ("eager", "random", 4, "gumbel"), ("inductor", "random", 4, "none")])
-def test_greedy_tokens_equal_reference(backend, init, window, coupling):
+@pytest.mark.parametrize("backend,init,window,coupling,tree", [
+    ("eager", "random", 3, "none", ()), ("eager", "left", 4, "none", ()), ("eager", "above", 4, "none", ()),
+    ("eager", "random", 4, "gumbel", ()), ("inductor", "random", 4, "none", ()), ("eager", "left", 4, "pathwise", ()),
+    ("eager", "left", 4, "pathwise", (4, 3))])
+def test_greedy_tokens_equal_reference(backend, init, window, coupling, tree):
     model, cond, n, kw = greedy_case()
     ref = generate(model, cond, n, **kw)
     engine = Engine(model, backend=backend, speculative="jacobi", draft_window=window, draft_init=init,
-                    draft_coupling=coupling)
+                    draft_coupling=coupling, draft_tree=tree)
     assert torch.equal(engine.generate(cond, n, **kw), ref)
     stats = engine.last_speculation
     assert len(stats["passes"]) == 2 and all(-(-(n - 1) // window) <= p <= n - 1 for p in stats["passes"])
@@ -117,15 +119,18 @@ def reference_probabilities(model, cond, mask, condition):
     return torch.stack(out)
 
 
-def speculative_counts(model, cond, mask, condition, monkeypatch, init="random", window=WINDOW, coupling="none"):
+def speculative_counts(model, cond, mask, condition, monkeypatch, init="random", window=WINDOW, coupling="none",
+                       tree=()):
     """(captions, V**N): how often the speculative sampler drew each sequence over SAMPLES images (alternating
     captions, one batch whose rows accept different counts)."""
     idx = torch.arange(SAMPLES) % cond.shape[0]
     repeat_prepare(monkeypatch, engine_module, cond, mask, condition, idx)
     engine = Engine(model, backend="eager", speculative="jacobi", draft_window=window, draft_init=init,
-                    draft_coupling=coupling)
+                    draft_coupling=coupling, draft_tree=tree)
     torch.manual_seed(0)
     out = engine.generate(cond[idx], N, emb_masks=mask[idx], condition=condition[idx], **SETTINGS)
+    if tree:  # the tree's branches must be taken for the test to say anything of them
+        assert engine.last_speculation["tokens_per_pass"] > TREE_GAIN * chain_tokens_per_pass(window, init), tree
     code = (out * V ** torch.arange(N - 1, -1, -1)).sum(1)
     return torch.stack([torch.bincount(code[idx == c], minlength=V**N) for c in range(cond.shape[0])]).double()
 
@@ -144,6 +149,23 @@ def goodness_of_fit(counts, probs):
         bound = dof * (1 - 2 / (9 * dof) + 3.72 * math.sqrt(2 / (9 * dof))) ** 3
         out.append((int(obs[p == 0].sum()), chi2, bound))
     return out
+
+
+TREE_GAIN = 1.05  # a tree of the distribution test accepts more per pass than its chain (measured: 1.61 -> 1.74)
+
+
+@functools.lru_cache(maxsize=None)
+def chain_tokens_per_pass(window, init):
+    """Tokens per pass of the pathwise chain in the distribution test's setting (its tree must beat it)."""
+    model, cond, mask, condition = distribution_case()
+    idx = torch.arange(SAMPLES) % cond.shape[0]
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        repeat_prepare(monkeypatch, engine_module, cond, mask, condition, idx)
+        engine = Engine(model, backend="eager", speculative="jacobi", draft_window=window, draft_init=init,
+                        draft_coupling="pathwise")
+        torch.manual_seed(0)
+        engine.generate(cond[idx], N, emb_masks=mask[idx], condition=condition[idx], **SETTINGS)
+    return engine.last_speculation["tokens_per_pass"]
 
 
 def plant(monkeypatch, mistake):
@@ -167,6 +189,28 @@ def plant(monkeypatch, mistake):
 
         monkeypatch.setattr(speculative.JacobiRunner, "advance", remember)
         monkeypatch.setattr(speculative, "next_window", stale)
+    elif mistake == "past_mismatch":  # pathwise: the targets after a differing draft kept too (a wrong context's)
+        monkeypatch.setattr(speculative, "matched_count",
+                            lambda drafts, target: (drafts[:, :-1] == target[:, :-1]).sum(-1) + 1)
+    elif mistake == "fresh_at_mismatch":  # pathwise: the token where a draft differs drawn with fresh noise
+        settle = speculative.JacobiRunner.settle
+
+        def fresh(self, dist, tokens, count, redraw):
+            last = torch.arange(tokens.shape[1]) == (count - 1)[:, None]
+            return settle(self, dist, torch.where(last, speculative.race(dist), tokens), count, redraw)
+
+        monkeypatch.setattr(speculative.JacobiRunner, "settle", fresh)
+    elif mistake == "sibling_distribution":  # a tree's branch verified against its sibling's (the chain's) distribution
+        advance = draft_tree.TreeRunner.advance_tree
+
+        def sibling(self, p, tokens, start):
+            node = torch.arange(len(self.depth))
+            chain = torch.where(node < self.window, node, self.depth)  # a branch's node -> the chain's at its depth
+            return advance(self, p[:, chain], tokens, start)
+
+        monkeypatch.setattr(draft_tree.TreeRunner, "advance_tree", sibling)
+    elif mistake == "uncompacted":  # a tree's kept branch left in its slots: the next pass reads the chain's keys
+        monkeypatch.setattr(draft_tree, "compact", lambda caches, start, line, count: None)
 
 
 @pytest.fixture(scope="module")
@@ -175,23 +219,144 @@ def reference():
     return (model, cond, mask, condition), reference_probabilities(model, cond, mask, condition)
 
 
-@pytest.mark.parametrize("init,window,coupling", [("random", WINDOW, "none"), ("left", WINDOW, "none"),
-                                                  ("above", 2, "none"), ("random", WINDOW, "gumbel"),
-                                                  ("left", WINDOW, "gumbel")])  # above: a 2 x 2 grid
-def test_sequence_distribution_is_the_reference_one(reference, monkeypatch, init, window, coupling):
+@pytest.mark.parametrize("init,window,coupling,tree", [
+    ("random", WINDOW, "none", ()), ("left", WINDOW, "none", ()), ("above", 2, "none", ()),  # above: a 2 x 2 grid
+    ("random", WINDOW, "gumbel", ()), ("left", WINDOW, "gumbel", ()), ("random", WINDOW, "pathwise", ()),
+    ("left", WINDOW, "pathwise", (3, 2)), ("random", WINDOW, "pathwise", (2, 1))])
+def test_sequence_distribution_is_the_reference_one(reference, monkeypatch, init, window, coupling, tree):
     case, probs = reference
     assert (probs > 0).sum(1).min() >= 40, "the test needs a spread distribution"
-    counts = speculative_counts(*case, monkeypatch, init, window, coupling)
+    counts = speculative_counts(*case, monkeypatch, init, window, coupling, tree)
     for outside, chi2, bound in goodness_of_fit(counts, probs):
         assert outside == 0 and chi2 < bound, (outside, chi2, bound)
 
 
-@pytest.mark.parametrize("mistake", ["always_accept", "residual_is_p", "stale_q"])
-def test_planted_mistakes_change_the_distribution(reference, monkeypatch, mistake):
+@pytest.mark.parametrize("mistake,coupling,tree", [
+    ("always_accept", "none", ()), ("residual_is_p", "none", ()), ("stale_q", "none", ()),
+    ("past_mismatch", "pathwise", ()), ("fresh_at_mismatch", "pathwise", ()),
+    ("sibling_distribution", "pathwise", (3, 2))])
+def test_planted_mistakes_change_the_distribution(reference, monkeypatch, mistake, coupling, tree):
     case, probs = reference
+    init = "left" if tree else "random"
     plant(monkeypatch, mistake)
-    fits = goodness_of_fit(speculative_counts(*case, monkeypatch), probs)
+    fits = goodness_of_fit(speculative_counts(*case, monkeypatch, init, coupling=coupling, tree=tree), probs)
     assert any(outside > 0 or chi2 > bound for outside, chi2, bound in fits), fits
+
+
+# ---- pathwise passes: the image is a function of the noise -----------------------------------------------------------
+
+PATH_N, PATH_B = 16, 64  # a 4 x 4 grid of the tiny vocabulary, 64 images (two captions)
+
+
+def pathwise_case():
+    """distribution_case's model over 16 tokens (windows up to 8, a 4 x 4 grid for 'above') and its inputs."""
+    model = tiny_model(cls=8, seed=5, block_size=PATH_N, vocab_size=V)
+    with torch.no_grad():
+        model.output.weight.mul_(0.05)
+        model.tok_embeddings.weight.mul_(4)
+    cond, mask, condition = tiny_inputs(model, B=2, valid=(3, 6))
+    return model, cond, mask, condition[..., :32, :32]
+
+
+def pathwise_tokens(monkeypatch, case, window, init, tree=()):
+    """(images, tokens) of a pathwise engine from seed 0, its noise seed and tokens per pass."""
+    model, cond, mask, condition = case
+    idx = torch.arange(PATH_B) % cond.shape[0]
+    repeat_prepare(monkeypatch, engine_module, cond, mask, condition, idx)
+    engine = Engine(model, backend="eager", speculative="jacobi", draft_window=window, draft_init=init,
+                    draft_coupling="pathwise", draft_tree=tree)
+    torch.manual_seed(0)
+    out = engine.generate(cond[idx], PATH_N, emb_masks=mask[idx], condition=condition[idx], **SETTINGS)
+    return out, engine.runner.noise_seed.clone(), engine.last_speculation["tokens_per_pass"]
+
+
+def noise_function(case, out, seed):
+    """Whether each token after the first is its position's race with the fixed noise (speculative.position_noise)
+    of the reference's distribution given the tokens before it (teacher forcing): the sequential pathwise sampler."""
+    model, cond, mask, condition = case
+    idx = torch.arange(out.shape[0]) % cond.shape[0]
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        repeat_prepare(monkeypatch, generate_module, cond, mask, condition, idx)
+        _, logits = generate(model, cond[idx], PATH_N, emb_masks=mask[idx], condition=condition[idx], forced=out,
+                             return_logits=True, cfg_scale=SETTINGS["cfg_scale"],
+                             control_strength=SETTINGS["control_strength"])
+    same = []
+    for j in range(1, PATH_N):
+        p = speculative.probabilities(logits[j][:, None], True, SETTINGS["cfg_scale"], SETTINGS["temperature"],
+                                      SETTINGS["top_k"], SETTINGS["top_p"])
+        noise = speculative.position_noise(seed, torch.full((out.shape[0], 1), j), V)
+        same.append(speculative.coupled_race(p, noise)[:, 0] == out[:, j])
+    return torch.stack(same, 1)
+
+
+@pytest.fixture(scope="module")
+def pathwise_chain():
+    """The reference's pathwise image: the chain of 2 positions from seed 0, checked token by token."""
+    case = pathwise_case()
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        out, seed, _ = pathwise_tokens(monkeypatch, case, 2, "random")
+    assert noise_function(case, out, seed).all()
+    return case, out, seed
+
+
+@pytest.mark.parametrize("window,init,tree", [(3, "left", ()), (4, "above", ()), (8, "random", ()),
+                                              (4, "left", (2, 1)), (4, "above", (4, 3)), (6, "random", (3, 2))])
+def test_pathwise_tokens_are_the_noise_s_function(pathwise_chain, monkeypatch, window, init, tree):
+    """Pathwise passes give every image the tokens of the sequential sampler with the fixed noise, whatever the
+    window, the initial drafts and the tree: the same tokens as the chain of 2 (each of which is checked against the
+    reference), and more tokens per pass for the tree than its chain."""
+    case, chain, seed = pathwise_chain
+    out, seed_, per_pass = pathwise_tokens(monkeypatch, case, window, init, tree)
+    assert torch.equal(seed_, seed) and torch.equal(out, chain)
+    if tree:
+        with pytest.MonkeyPatch.context() as chain_patch:
+            assert per_pass > pathwise_tokens(chain_patch, case, window, init)[2]
+
+
+@pytest.mark.parametrize("mistake,tree", [("past_mismatch", ()), ("fresh_at_mismatch", ()),
+                                          ("sibling_distribution", (3, 2)), ("uncompacted", (3, 2))])
+def test_planted_mistakes_change_pathwise_tokens(pathwise_chain, monkeypatch, mistake, tree):
+    case, chain, seed = pathwise_chain
+    plant(monkeypatch, mistake)
+    out, _, _ = pathwise_tokens(monkeypatch, case, 4, "left", tree)
+    assert not torch.equal(out, chain) and not noise_function(case, out, seed).all()
+
+
+def test_window_mask_of_a_chain_is_the_causal_mask():
+    """Context.window with a chain's ancestry (each row its own bit and those before) is attention_mask at the rows'
+    positions, for rows whose windows start at different slots and a text mask in the prefix."""
+    from fast_inference.model import attention_mask, window_mask
+    key_valid = torch.ones(3, 24, dtype=torch.bool)
+    key_valid[:, 1:3] = False
+    start, S = torch.tensor([5, 9, 16]), 6
+    chain = draft_tree.ancestry(draft_tree.make_tree(S, 1, 1))
+    assert chain == [(1 << (j + 1)) - 1 for j in range(S)]
+    pos = start[:, None] + torch.arange(S)
+    assert torch.equal(window_mask(key_valid, start, torch.tensor(chain).expand(3, S)), attention_mask(key_valid, pos))
+
+
+def test_candidates_are_the_draft_then_the_race():
+    """A position's candidates: its draft first, then the race of q with the position's noise; all distinct."""
+    q = torch.tensor([[[0.1, 0.2, 0.3, 0.4, 0.0, 0.0]]])
+    noise = torch.ones(1, 1, 6)
+    assert draft_tree.candidates(q, torch.tensor([[5]]), noise, 4).tolist() == [[[5, 3, 2, 1]]]
+    assert draft_tree.candidates(q, torch.tensor([[2]]), noise, 3).tolist() == [[[2, 3, 1]]]
+    noise[..., 3] = 100.0  # token 3 loses the race: log 0.4 - log 100 is below log 0.1 - log 1
+    assert draft_tree.candidates(q, torch.tensor([[2]]), noise, 3).tolist() == [[[2, 1, 0]]]
+
+
+def test_tree_walk_takes_the_branch_holding_each_target():
+    """make_tree's nodes, their ancestry, and walk's path on a hand-made pass: a 3 x 2 tree over a window of 4."""
+    tree = draft_tree.make_tree(4, 3, 2)
+    assert tree.parent == (-1, 0, 1, 2, 0, 4, 0, 6) and tree.depth == (0, 1, 2, 3, 1, 2, 1, 2)
+    assert tree.rank == (0, 0, 0, 0, 1, 0, 2, 0) and draft_tree.tree_size(4, 3, 2) == tree.size
+    assert draft_tree.ancestry(tree)[5] == 0b110001
+    tokens = torch.tensor([[9, 1, 2, 3, 5, 2, 6, 2],   # root target 5: branch 4, its target 2: node 5, then the chain
+                           [9, 1, 2, 3, 5, 2, 6, 2],   # root target 1: the chain to its end
+                           [9, 1, 2, 3, 5, 2, 6, 2]])  # root target 7: no child holds it
+    target = torch.tensor([[5, 0, 0, 0, 2, 3, 0, 0], [1, 2, 3, 0, 0, 0, 0, 0], [7, 0, 0, 0, 0, 0, 0, 0]])
+    line, count = draft_tree.walk(*draft_tree.links(tree), tokens, target, 4)
+    assert line.tolist() == [[0, 4, 5, 3], [0, 1, 2, 3], [0, 1, 2, 3]] and count.tolist() == [3, 4, 1]
 
 
 # ---- refusals ------------------------------------------------------------------------------------------------------
@@ -207,21 +372,30 @@ def test_what_the_pass_cannot_run_is_refused():
         engine.generate(cond, n, **kw)
     with pytest.raises(ValueError, match="cfg_interval -1"):
         Engine(model, backend="eager", speculative="jacobi").generate(cond, n, **dict(kw, cfg_interval=3))
+    with pytest.raises(ValueError, match="pathwise' only"):
+        Engine(model, backend="eager", speculative="jacobi", draft_tree=(4, 3))
+    tree = dict(backend="eager", speculative="jacobi", draft_coupling="pathwise")
+    with pytest.raises(PlanError, match="a depth of 1 to --draft-window - 1"):
+        Engine(model, draft_window=4, draft_tree=(2, 4), **tree)
+    with pytest.raises(PlanError, match="65 rows per image, the window's mask holds 63"):
+        Engine(model, draft_window=32, draft_tree=(12, 3), **tree)
 
 
 # ---- on a GPU: the captured pass -----------------------------------------------------------------------------------
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-@pytest.mark.parametrize("backend", ["inductor", "eager"])
-def test_captured_pass_greedy_on_cuda(backend):
+@pytest.mark.parametrize("backend,tree", [("inductor", ()), ("eager", ()), ("inductor", (4, 3))])
+def test_captured_pass_greedy_on_cuda(backend, tree):
     """GPT-XL's width (2 blocks, float32 so that no near tie turns): the pass captured as one CUDA graph (inductor)
-    or run op by op (eager) gives the reference's greedy tokens, for 3 images whose rows accept different counts."""
+    or run op by op (eager) gives the reference's greedy tokens, for 3 images whose rows accept different counts; a
+    draft tree's pass (pathwise) too."""
     model = tiny_model(dim=1280, n_head=20, n_layer=2, seed=4).cuda()
     cond, mask, condition = (t.cuda() for t in tiny_inputs(model, B=3, valid=(3, 8, 5)))
     kw = dict(emb_masks=mask, condition=condition, cfg_scale=4.0, control_strength=0.8, top_k=1)
     n = model.args.block_size
     ref = generate(model, cond, n, **kw)
-    engine = Engine(model, backend=backend, speculative="jacobi", draft_window=4)
+    engine = Engine(model, backend=backend, speculative="jacobi", draft_window=4, draft_tree=tree,
+                    draft_coupling="pathwise" if tree else speculative.DEFAULT_COUPLING)
     for _ in range(2):  # the first captures, the second replays
         assert torch.equal(engine.generate(cond, n, **kw), ref)
     assert (("pass",) in engine.graphs) == (backend == "inductor")

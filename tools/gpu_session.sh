@@ -21,6 +21,9 @@ usage: tools/gpu_session.sh STEP...      (steps run in order; each writes OUT/<s
   jacobi  speculative Jacobi decoding: its GPU tests, the marginals against the plain engine (tools/jacobi_marginals.py),
           bench.py --speculative jacobi at n = 1, 8, 32 on flat random weights and at target entropies 1.5 and 3
           nats, then windows 8 and 32, the left and above drafts at n = 1 and coupled drafts at n = 1, 8 (3 nats)
+  trees   pathwise passes and draft trees (issue 78): the GPU tests, then bench.py at n = 1, 8, 32 and 3 nats for the
+          gumbel chain (the default), the pathwise chain and 4x3 trees at windows 16 and 32, and at 1.5 nats the
+          chain and the 32-window tree: each pass's ms at its rows beside the plain step's
   demo    the demo model's GPU preset (scripts/train_demo.py --preset gpu) in device calls of DEMO_SECONDS (default
           480) of training each, by DEMO_PHASE: vq (DEMO_VQ_STEPS, default 3000), gpt (a new run of DEMO_GPT_STEPS,
           default 2800, on the VQ in DEMO_VQ), resume (goes on with the run in DEMO_RUN, default /root/demo_run,
@@ -156,6 +159,19 @@ step_jacobi() {
     "${bench[@]}" --batch-sizes 1,8 --ref-steps 0 --target-entropy 3 --draft-coupling gumbel --tag _jacobi_gumbel
 }
 
+step_trees() {
+    (cd "$root" && "$py" -m pytest -q -p no:cacheprovider tests/test_speculative.py -k cuda)
+    local bench=("$py" "$root/fast_inference/bench.py" --random-weights --speculative jacobi --e2e-runs 0 --out-dir "$out"
+                 --batch-sizes 1,8,32 --ref-steps 0)
+    "${bench[@]}" --target-entropy 3 --tag _trees_chain16
+    "${bench[@]}" --target-entropy 3 --draft-coupling pathwise --tag _trees_path16
+    "${bench[@]}" --target-entropy 3 --draft-coupling pathwise --draft-tree 4x3 --tag _trees_path16_4x3
+    "${bench[@]}" --target-entropy 3 --draft-coupling pathwise --draft-window 32 --draft-tree 4x3 --tag _trees_path32_4x3
+    "${bench[@]}" --target-entropy 1.5 --tag _trees_chain16_h1.5
+    "${bench[@]}" --target-entropy 1.5 --draft-coupling pathwise --draft-window 32 --draft-tree 4x3 \
+        --tag _trees_path32_4x3_h1.5
+}
+
 step_ownpos() {
     # OWNPOS_PARTS picks the parts (default all three: tests greedy bench), to split the step over two calls if one
     # runs long; a failing check is reported and the timings still run
@@ -215,7 +231,7 @@ step_demo() {
 
 for step in "$@"; do
     case $step in
-        kernel | equiv | bench | cli | eval2 | gputests | ab | abbench | jacobi | ownpos | demo | serve)
+        kernel | equiv | bench | cli | eval2 | gputests | ab | abbench | jacobi | trees | ownpos | demo | serve)
             "step_$step" 2>&1 | tee "$out/$step.log" ;;
         *) echo "error: unknown step '$step'" >&2; usage >&2; exit 2 ;;
     esac

@@ -1,0 +1,192 @@
+"""Draft trees: several candidate continuations of a pathwise Jacobi window verified in one pass (speculative.py).
+
+A window's chain fails most at its first draft: that draft was redrawn from a distribution computed with the token
+the last pass rejected before it. A W x D tree gives that position W candidates (the chain's draft and the W - 1
+runners-up of the same race: the largest log q - log E after it), each followed by D - 1 more drafts of the chain
+(the main one by all L - 1), all in one pass: each node its own query row and cache slot, RoPE'd at its depth's
+position, seeing its ancestors only (Context.window: one 64-bit word of ancestry per row). A branch the walk enters
+gives up to D tokens more than the chain's pass (its last node's target included).
+
+Exact for pathwise passes only, and pathwise-exact there: a node's target (its race with the position's fixed noise)
+is the sequential sampler's token wherever the node's ancestors are the image's tokens, so walking from the root into
+the child that holds each target, and keeping the targets along the walk, keeps the image the function of the noise
+that the chain gives; a tree changes only how many passes an image takes. (Trees under the ratio test stay out: docs/PERF_NOTES.md.)
+After the pass the kept path's keys and values move to their positions' slots (compact), so the next pass reads the
+cache as after a chain.
+"""
+from dataclasses import dataclass, replace
+
+import torch
+
+from fast_inference.speculative import JacobiRunner, position_noise, probabilities
+
+
+DEFAULT_TREE = ()  # none: the measured default (docs/PERF_NOTES.md, issue 78)
+
+
+@dataclass(frozen=True)
+class Tree:
+    """A draft tree's nodes in pass order: node 0 the last accepted token, 1..L-1 the chain, then the branches."""
+    parent: tuple  # the node's parent (-1: the root)
+    depth: tuple  # the node's position in the window: its token at image position n - 1 + depth
+    rank: tuple  # which candidate of its position its token is (0: the chain's draft)
+
+    @property
+    def size(self):
+        return len(self.parent)
+
+
+def tree_size(window, width, depth):
+    """The nodes of a width x depth tree over a window of L: the chain's L and (width - 1) branches of depth."""
+    return window + (width - 1) * depth
+
+
+def parse_tree(text):
+    """--draft-tree's value: "none" -> (), "WxD" -> (W, D) (a W x D tree, make_tree)."""
+    if text == "none":
+        return ()
+    width, _, depth = text.partition("x")
+    if not (width.isdigit() and depth.isdigit()):
+        raise ValueError(f"--draft-tree {text!r}: give WxD (candidates of the first draft x their depth), e.g. 4x3, "
+                         f"or none")
+    return int(width), int(depth)
+
+
+def make_tree(window, width, depth):
+    """The root, the chain of window - 1 drafts below it, and width - 1 more candidates for the first draft's position,
+    each with the chain's next depth - 1 drafts below it."""
+    parent, dep, rank = [-1] + list(range(window - 1)), list(range(window)), [0] * window
+    for w in range(1, width):
+        for d in range(1, depth + 1):
+            parent.append(0 if d == 1 else len(parent) - 1)
+            dep.append(d)
+            rank.append(w if d == 1 else 0)
+    assert len(parent) == tree_size(window, width, depth)
+    return Tree(tuple(parent), tuple(dep), tuple(rank))
+
+
+def ancestry(tree):
+    """Each node's mask over the tree's nodes as an integer: its own bit and its ancestors' (Context.window)."""
+    masks = []
+    for node, up in enumerate(tree.parent):
+        masks.append((1 << node) | (masks[up] if up >= 0 else 0))
+    return masks
+
+
+def candidates(q, drafts, noise, width):
+    """(images, L, width) tokens per window position: the draft, then the width - 1 tokens after it in the race of q
+    (images, L, V) with the position's noise (images, L, V): the likeliest winners where the position's distribution
+    moves a little (better than the left and above tokens next: docs/PERF_NOTES.md). Distinct tokens."""
+    score = (q.clamp_min(1e-30).log() - noise.clamp_min(torch.finfo(noise.dtype).tiny).log())
+    return score.scatter(-1, drafts[..., None], float("inf")).topk(width, dim=-1).indices
+
+
+def links(tree, device=None):
+    """The tree's edges as tensors: child (S, S) bool, [parent, child]; first (S,): each node's rank-0 child, -1 none."""
+    child = torch.zeros(tree.size, tree.size, dtype=torch.bool)
+    first = torch.full((tree.size,), -1, dtype=torch.long)
+    for node, up in enumerate(tree.parent):
+        if up >= 0:
+            child[up, node] = True
+            if tree.rank[node] == 0:
+                first[up] = node
+    return child.to(device), first.to(device)
+
+
+def walk(child, first, tokens, target, window):
+    """The path a pass keeps per image over a tree's links (child, first) and window: from the root, into the child
+    whose token (tokens (images, S)) is its parent's target (images, S), while one is. -> line (images, window): the
+    node at each depth (past the walk's end, the chain below its last node, whose distributions give the next window),
+    count (images,): the targets kept (the walk's nodes)."""
+    B = tokens.shape[0]
+    rows = torch.arange(B, device=tokens.device)
+    at = torch.zeros(B, dtype=torch.long, device=tokens.device)
+    alive = torch.ones(B, dtype=torch.bool, device=tokens.device)
+    line, count = [at], torch.ones(B, dtype=torch.long, device=tokens.device)
+    for d in range(1, window):
+        match = child[at] & (tokens == target[rows, at][:, None])
+        alive = alive & match.any(-1)
+        below = torch.where(first[at] >= 0, first[at], d)  # the chain: node d is the main chain's at depth d
+        at = torch.where(alive, match.to(torch.long).argmax(-1), below)
+        line.append(at)
+        count = count + alive.to(torch.long)
+    return torch.stack(line, 1), count
+
+
+def compact(caches, start, line, count):
+    """The kept path's keys and values to their positions: slot start + d takes slot start + line[:, d] for the walk's
+    d < count (line (images, L), count (images,)); start (rows,): each cache row's window, the images' CFG halves after
+    them."""
+    reps = start.shape[0] // line.shape[0]
+    depth = torch.arange(line.shape[1], device=line.device)
+    src = start[:, None] + torch.where(depth < count[:, None], line, depth).repeat(reps, 1)
+    dst = start[:, None] + depth
+    rows = torch.arange(start.shape[0], device=start.device)[:, None]
+    for cache in caches:
+        for t in (cache.k_cache, cache.v_cache):
+            t[rows, :, dst] = t[rows, :, src]
+
+
+class TreeRunner(JacobiRunner):
+    """JacobiRunner's passes with a draft tree (pathwise coupling only): each image's window as the tree's nodes."""
+
+    STATE = JacobiRunner.STATE + ("cands",)
+
+    def __init__(self, model, plan, num_tokens, prefix_len, num_controls, top_k, keep_logits, init, width,
+                 coupling, tree_shape):
+        if coupling != "pathwise":
+            raise ValueError(f"a draft tree is exact with --draft-coupling pathwise only, not {coupling!r}")
+        super().__init__(model, plan, num_tokens, prefix_len, num_controls, top_k, keep_logits, init, width,
+                         coupling)
+        self.tree = make_tree(self.window, *tree_shape)
+        self.width_candidates = tree_shape[0]
+        device = self.out.device
+        buf = lambda name, t: self.register_buffer(name, t, persistent=False)
+        buf("depth", torch.tensor(self.tree.depth, device=device))
+        buf("rank", torch.tensor(self.tree.rank, device=device))
+        buf("ancestry", torch.tensor(ancestry(self.tree), device=device))
+        buf("cands", torch.zeros(self.batch, self.window, tree_shape[0], dtype=torch.long, device=device))
+        child, first = links(self.tree, device)
+        buf("child", child)
+        buf("first", first)
+
+    def start(self):
+        super().start()
+        self.renew_candidates()
+
+    def renew_candidates(self):
+        """The window's candidates (candidates()) from its drafts and their q."""
+        noise = position_noise(self.noise_seed, self.n[:, None] + self.steps, self.q.shape[-1])
+        self.cands.copy_(candidates(self.q, self.drafts, noise, self.width_candidates))
+
+    def jacobi_pass(self):
+        """One pass over the tree's nodes: each its own row and cache slot, its depth's position and ancestry."""
+        N, T, S = self.num_tokens, self.prefix_len, self.tree.size
+        B = self.batch
+        at = ((self.depth[1:] - 1) * self.cands.shape[-1] + self.rank[1:]).expand(B, -1)  # node -> its candidate
+        tokens = torch.cat([self.last[:, None], self.cands.flatten(1).gather(1, at)], 1)
+        pos = (T + self.n[:, None] - 1 + self.depth).clamp(max=T + N - 1)
+        rows = (lambda t: torch.cat([t, t])) if self.cfg else (lambda t: t)
+        start = rows(T + self.n - 1)
+        ctx = replace(self.pass_ctx, window=(start, self.ancestry.expand(start.shape[0], S)))
+        if self.pass_inputs is None:
+            x = self.model.tok_embeddings(rows(tokens))
+        else:  # the window inputs kernel: embeddings, RoPE and control rows at the nodes' positions
+            x, inputs = self.pass_inputs(self.model, tokens, pos, self.controls, self.cfg)
+            ctx = replace(ctx, inputs=inputs)
+        h = self.model.blocks(x, rows(pos), self.key_valid, self.controls, ctx=ctx)
+        p = probabilities(self.pass_head(h), self.cfg, self.cfg_scale, self.temperature, self.top_k, self.top_p,
+                          self.sample_logits)
+        self.advance_tree(p, tokens, start)
+
+    def advance_tree(self, p, tokens, start):
+        """The walk over this pass's node distributions p (images, S, V): the kept path's targets written and its
+        cache slots compacted; the next window from the path's line (walk), and its candidates."""
+        target = self.draw(p, self.n[:, None] + self.depth)
+        line, count = walk(self.child, self.first, tokens, target, self.window)
+        count = count * (self.n < self.num_tokens)
+        compact([layer.attention.kv_cache for layer in self.model.layers], start, line, count)
+        dist = p.gather(1, line[..., None].expand(-1, -1, p.shape[-1]))
+        on_line = target.gather(1, line)
+        self.settle(dist, on_line, count, on_line)
+        self.renew_candidates()
