@@ -264,6 +264,9 @@ class Worker:
             return
         self.entries[entry] = job
         self.progress(entry, job)
+        if entry.finished:  # one token: done at its prefill, before any step
+            with self.shared():
+                self.leave_done(entry)
 
     def step(self):
         """Cancelled jobs out, one step, finished jobs out (decoded)."""
@@ -281,13 +284,17 @@ class Worker:
                 for entry, job in self.entries.items():
                     self.progress(entry, job)
                 for entry in finished:
-                    job, tokens = self.entries[entry], self.batch.tokens(entry)
-                    self.remove(entry)
-                    self.decoder.submit(self.finish, job, tokens)
+                    self.leave_done(entry)
         except Exception as e:  # noqa: BLE001
             jobs = list(self.entries.values())
             self.entries, self.batch = {}, None
             self.fail(jobs, e, jobs[0].request)
+
+    def leave_done(self, entry):
+        """A finished entry out of the batch, its tokens to the decoder thread."""
+        job, tokens = self.entries[entry], self.batch.tokens(entry)
+        self.remove(entry)
+        self.decoder.submit(self.finish, job, tokens)
 
     def remove(self, entry):
         self.batch.remove(entry)

@@ -146,6 +146,39 @@ def test_out_of_memory_fails_that_job_and_the_worker_serves_on():
     assert not s.workers[0].thread.is_alive()
 
 
+class Recorder(NoDecoder):
+    """NoDecoder that keeps the tokens it was given."""
+
+    def __init__(self):
+        self.tokens = []
+
+    def decode_code(self, tokens, shape):
+        self.tokens.append(tokens.clone())
+        return NoDecoder.decode_code(tokens, shape)
+
+
+def test_a_one_token_job_is_done_after_its_prefill():
+    """A 16x16 job (one token) reports 1 of 1 tokens done and decodes the engine's token for its seed, the one
+    fast_engine.py draws (not a second draw over it)."""
+    from test_continuous import alone
+
+    model = tiny_model(seed=4)
+    cond, mask, condition = tiny_inputs(model, B=1)
+    request = Request(cond=cond, mask=mask, control=condition[0, :, :16, :16], seed=9)
+    want = alone(model, request)
+    s, vq = Scheduler(max_queue=4), Recorder()
+    s.add_worker(Engine(model, backend="eager"), vq, capacity=2)
+    s.start()
+    try:
+        one = Job(request)
+        s.submit(one)
+        wait(one)
+    finally:
+        s.close(grace=0)
+    assert one.status == "done" and (one.tokens_done, one.tokens_total) == (1, 1)
+    assert len(vq.tokens) == 1 and torch.equal(vq.tokens[0], want)
+
+
 def wait(job, timeout=60):
     import time
 
