@@ -9,7 +9,7 @@ The model flags are fast_engine.py's (checkpoints are chosen here, at start-up, 
 flags are the requests' defaults. One engine per visible GPU (--device cuda:0,cuda:1; on the CPU one, or
 --engines-per-device N). Needs `pip install -r requirements-serve.txt` (Starlette, uvicorn).
 
-API (JSON; every error is {"error": ..., "field": ...} with a 4xx status):
+API (JSON; every error is {"error": ..., "field": ...} with a 4xx status, an unknown page or method too):
   GET  /                        the web page
   GET  /v1/info                 the model, the defaults and limits, the engines and the queue
   GET  /v1/examples/TYPE.png    a built-in example control map (drawn, never read from disk)
@@ -22,9 +22,12 @@ API (JSON; every error is {"error": ..., "field": ...} with a 4xx status):
   DELETE /v1/jobs/ID            cancel
   POST /v1/generate             a request, answered when done: {"id", "status", "images": [base64 PNG]}; a client
                                 that disconnects cancels it
+  GET  /healthz                 {"ok": true}; 503 while shutting down
 A request: {"control": {"example": "hed"} | {"image": BASE64, "is_map": false}, "condition_type", "prompt" |
 "caption_emb": BASE64 .npz | "class_label" (c2i), "cfg_scale", "top_k", "top_p", "temperature", "seed",
-"num_images", "control_strength", "width", "height", "preview_every" (grid rows; 0 none)}; all optional.
+"num_images", "control_strength", "width", "height", "preview_every" (grid rows; 0 none)}; all optional, each checked
+against the ranges /v1/info gives. Ctrl-C / SIGTERM drains: new jobs 503, the socket open for the rest, the jobs
+--shutdown-grace seconds to finish and be fetched, then the rest cancelled and their waiting clients answered.
 """
 import asyncio
 import base64

@@ -391,8 +391,15 @@ def test_cancel_disconnect_and_a_full_queue(server):
     size = call(f"{server.url}/v1/info")[2]["image_size"]
     long = dict(width=size, height=size, num_images=4)  # the model's whole grid, a batch of 4: a second on the CPU
     job = call(f"{server.url}/v1/jobs", "POST", long)[2]["id"]
+    stream = events(server.url, job)
+    seen = [next(stream)]
+    while seen[-1][1]["status"] != "running":
+        seen.append(next(stream))
     status, _, out = call(f"{server.url}/v1/jobs/{job}", "DELETE")
     assert status == 200 and wait_final(server.url, job)["status"] == "cancelled"
+    seen += list(stream)
+    said = [{**d, "seconds": None} for _, d in seen]
+    assert seen[-1][0] == "cancelled" and all(a != b for a, b in zip(said, said[1:])), said  # no event twice
 
     job = call(f"{server.url}/v1/jobs", "POST", long)[2]["id"]
     stream = events(server.url, job)
@@ -499,6 +506,7 @@ def test_the_page_in_a_browser(server, tmp_path, size):
         page.fill("#height", "64")
         page.dispatch_event("#height", "change")
         page.wait_for_function("document.getElementById('map').naturalWidth === 64 && "
+                               "document.getElementById('map').naturalHeight === 64 && "
                                "document.body.dataset.state === 'ready'", timeout=30000)
         assert "seg map" in page.inner_text("#map_note") and "64 x 64" in page.inner_text("#map_note")
         page.fill("#seed", "")
@@ -553,7 +561,8 @@ def test_the_page_fits_uploads_and_keeps_typed_sizes(server, tmp_path):
         page.fill("#width", "64")
         page.fill("#height", "32")
         page.dispatch_event("#height", "change")
-        page.wait_for_function("document.getElementById('map').naturalWidth === 64", timeout=30000)
+        page.wait_for_function("document.getElementById('map').naturalWidth === 64 && "
+                               "document.getElementById('map').naturalHeight === 32", timeout=30000)
         page.uncheck("#is_map")  # refreshes the map (now extracted as seg): the typed size stays
         page.wait_for_function("document.getElementById('map_note').textContent.includes('64 x 32') && "
                                "document.getElementById('map').naturalHeight === 32", timeout=30000)
