@@ -95,7 +95,8 @@ def parse_args(argv=None):
                    help="largest side of an uploaded image, in pixels (default %(default)s)")
     p.add_argument("--keep-jobs", type=int, default=256, help="finished jobs kept for download (default %(default)s)")
     p.add_argument("--shutdown-grace", type=float, default=30.0,
-                   help="seconds Ctrl-C / SIGTERM lets running jobs finish before cancelling them (default %(default)s)")
+                   help="seconds Ctrl-C / SIGTERM lets the jobs accepted finish and be fetched (new ones get 503) "
+                        "before cancelling the rest (default %(default)s)")
     p.add_argument("--t5-model-type", default="flan-t5-xl", help="the model's folder under --t5-path")
     p.add_argument("--t5-feature-max-len", type=int, default=120, help="T5 tokens per prompt (>= 1)")
     p.add_argument("--no-left-padding", action="store_true", help="keep T5's right padding")
@@ -586,7 +587,8 @@ def create_app(service):
 
     async def events(request):
         job = find(request)
-        return StreamingResponse(event_stream(job), media_type="text/event-stream", headers={"Cache-Control": "no-store"})
+        return StreamingResponse(event_stream(job), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-store"})
 
     async def event_stream(job):
         """progress events while the job changes (not twice the same), then its final event."""
