@@ -368,7 +368,7 @@ def fitted_size(h, w, step, grid):
     if (H // 16) * (W // 16) <= grid:
         return H, W
     scale = math.sqrt(grid * 256 / (h * w))
-    H = max(step, int(h * scale) // step * step)
+    H = max(step, min(int(h * scale), grid // (step // 16) * 16) // step * step)  # room for one step of width
     W = max(step, min(int(w * scale), grid // (H // 16) * 16) // step * step)
     return H, W
 

@@ -339,6 +339,20 @@ def test_uploads_are_fitted_to_what_the_model_draws(server):
     assert status == 400 and "160x208 (width x height)" in out["error"], out
 
 
+def test_fitted_sizes_keep_the_shape_within_the_grid():
+    """fitted_size: an upload's size rounded up where the grid holds it, else the largest multiples of the step near
+    its aspect ratio within the grid, thin strips included (a side of one step)."""
+    need("starlette")
+    from fast_inference.serve import fitted_size
+
+    assert fitted_size(60, 70, 16, 64) == (64, 80) and fitted_size(128, 128, 32, 64) == (128, 128)
+    assert fitted_size(208, 160, 16, 64) == (144, 112) and fitted_size(1000, 1000, 32, 64) == (128, 128)
+    for h, w, step in ((16, 2048, 16), (2048, 17, 16), (2048, 17, 32), (150, 150, 32), (512, 100, 16), (999, 333, 16)):
+        H, W = fitted_size(h, w, step, 64)
+        assert H % step == W % step == 0 and min(H, W) >= step and (H // 16) * (W // 16) <= 64, (h, w, step, H, W)
+        assert (H >= W) == (h >= w), (h, w, H, W)
+
+
 def test_control_fields_and_routing_errors_are_the_apis_json(server):
     """Inside control only its own fields are taken; an example is a map of its type (with another condition_type it
     is refused, alone it sets the type); an upload's mistakes name control.image; a page or method that does not
