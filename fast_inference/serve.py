@@ -52,6 +52,16 @@ import numpy as np
 import torch
 from PIL import Image
 
+try:  # the server's libraries (requirements-serve.txt); serve() says how to install them where they are missing
+    from starlette.applications import Starlette
+    from starlette.concurrency import run_in_threadpool
+    from starlette.exceptions import HTTPException
+    from starlette.requests import ClientDisconnect
+    from starlette.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
+    from starlette.routing import Route
+except ImportError:
+    Starlette = None
+
 from fast_inference import fast_engine
 from fast_inference.continuous import Request
 from fast_inference.demo_text import DemoTextEncoder
@@ -452,181 +462,9 @@ def make_request(service, body):
     return Request(cond=cond, mask=mask, control=control, condition_type=kind, **values), preview
 
 
-# ---- the web application -------------------------------------------------------------------------------------------
+# ---- the web application: routes over a Service (request.app.state.service), errors answered once -----------------
 
 def create_app(service):
-    from starlette.applications import Starlette
-    from starlette.exceptions import HTTPException
-    from starlette.requests import ClientDisconnect
-    from starlette.concurrency import run_in_threadpool
-    from starlette.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
-    from starlette.routing import Route
-
-    scheduler, limit = service.scheduler, service.args.max_body_mb * 2**20
-
-    async def bad_request(request, e):
-        headers = {"Retry-After": "1"} if e.status == 503 else None
-        return JSONResponse({"error": str(e), "field": e.field}, status_code=e.status, headers=headers)
-
-    async def http_error(request, e):
-        """The router's 404 and 405 as the API's JSON."""
-        where = f"{request.method} {request.url.path}"
-        if e.status_code == 405:
-            message, field = f"{where}: the method is not allowed here; use {e.headers.get('Allow')}", "method"
-        elif e.status_code == 404:
-            message, field = f"{where}: no such page; GET / is the page, GET /v1/info the API's limits", "path"
-        else:
-            message, field = f"{where}: {e.detail}", None
-        return JSONResponse({"error": message, "field": field}, status_code=e.status_code, headers=e.headers)
-
-    async def read_json(request):
-        size = request.headers.get("content-length")
-        over = size is not None and (not size.isdigit() or int(size) > limit)
-        data, seen = bytearray(), 0
-        try:
-            async for chunk in request.stream():
-                seen += len(chunk)
-                over = over or seen > limit
-                if not over:
-                    data += chunk
-                elif seen > DRAIN_BYTES:
-                    break
-        except ClientDisconnect:
-            if not over:
-                raise
-        if over:  # refused after reading to the end: a client still sending would fail before reading the answer
-            raise BadRequest("body", f"the body is larger than {limit} bytes (--max-body-mb)", 413)
-        try:
-            body = json.loads(bytes(data) or b"{}")
-        except (ValueError, UnicodeDecodeError) as e:
-            raise BadRequest("body", f"the body is not JSON ({e})") from None
-        if not isinstance(body, dict):
-            raise BadRequest("body", "the body must be a JSON object")
-        return body
-
-    async def submit(request):
-        body = await read_json(request)
-        if not scheduler.accepting:  # before any work on the body
-            raise BadRequest("queue", "the server is shutting down; send the request to another server", 503)
-        req, preview = await run_in_threadpool(make_request, service, body)
-        job = Job(req, preview_every=preview)
-        try:
-            scheduler.submit(job)
-        except QueueFull as e:
-            raise BadRequest("queue", f"{e}; retry later", 503) from None
-        return job
-
-    def find(request):
-        job = scheduler.get(request.path_params["job"])
-        if job is None:
-            raise BadRequest("id", "no such job (unknown, or finished long ago and dropped)", 404)
-        return job
-
-    @contextlib.contextmanager
-    def waiting_client():
-        """A client waiting for a job's end (/v1/generate, an event stream): a shutdown's drain waits for it."""
-        service.clients += 1
-        try:
-            yield
-        finally:
-            service.clients -= 1
-
-    async def page(request):
-        with open(PAGE, encoding="utf-8") as f:
-            return HTMLResponse(f.read())
-
-    async def info(request):
-        return JSONResponse(service.info())
-
-    async def health(request):
-        ok = scheduler.accepting
-        return JSONResponse({"ok": ok, "accepting": ok}, status_code=200 if ok else 503)
-
-    async def example(request):
-        kind = request.path_params["kind"]
-        if kind not in CONDITION_TYPES:
-            raise BadRequest("kind", f"no example {kind!r}; use one of {', '.join(CONDITION_TYPES)}", 404)
-        size = service.args.image_H or service.image_size, service.args.image_W or service.image_size
-        return Response(await run_in_threadpool(lambda: png(example_rgb(service, kind, *size))), media_type="image/png")
-
-    async def control(request):
-        body = await read_json(request)
-        x, _ = await run_in_threadpool(control_map, service, body)
-        from fast_inference.images import to_uint8
-
-        return Response(await run_in_threadpool(png, to_uint8(x)), media_type="image/png")
-
-    async def create_job(request):
-        job = await submit(request)
-        return JSONResponse(status(job), status_code=202)
-
-    async def one_job(request):
-        """GET: its status; DELETE: cancel it."""
-        job = find(request)
-        if request.method == "DELETE":
-            scheduler.cancel(job, "cancelled by DELETE")
-        elif job.status in ("failed", "cancelled"):
-            job.collected = True
-        return JSONResponse(status(job))
-
-    async def image(request):
-        job, k = find(request), request.path_params["k"]
-        if job.status != "done" or not 0 <= k < len(job.images):
-            raise BadRequest("k", f"no image {k} (the job is {job.status})", 404)
-        data = await run_in_threadpool(png, job.images[k])
-        job.fetched.add(k)
-        job.collected = job.collected or len(job.fetched) == len(job.images)
-        return Response(data, media_type="image/png",
-                        headers={"Content-Disposition": f'inline; filename="{job.id}_{k}.png"'})
-
-    async def preview(request):
-        job = find(request)
-        if job.preview is None:
-            raise BadRequest("preview", "no preview yet (ask for one with preview_every)", 404)
-        return Response(await run_in_threadpool(png, job.preview), media_type="image/png")
-
-    async def events(request):
-        job = find(request)
-        return StreamingResponse(event_stream(job), media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-store"})
-
-    async def event_stream(job):
-        """progress events while the job changes (not twice the same), then its final event."""
-        sent, finished = None, False
-        with waiting_client(), watch(job) as changed:
-            try:
-                while True:
-                    await changed.wait()
-                    changed.clear()
-                    now = status(job)
-                    if changes(now, sent):
-                        final = job.status in FINAL
-                        yield f"event: {job.status if final else 'progress'}\ndata: {json.dumps(now)}\n\n"
-                        sent = now
-                    if job.status in FINAL:
-                        job.collected = job.collected or job.status != "done"
-                        finished = True
-                        return
-            finally:
-                if not finished:  # the client went away: its rows are freed
-                    scheduler.cancel(job, "its event stream was closed")
-
-    async def generate(request):
-        job = await submit(request)
-        with waiting_client(), watch(job) as changed:
-            try:
-                await wait_or_leave(request, job, changed)
-            finally:
-                if job.status not in FINAL:  # the client gone (or this task cancelled)
-                    scheduler.cancel(job, "its client disconnected")
-        if job.status not in FINAL:
-            return Response(status_code=499)  # nobody reads it: the client has gone
-        out = status(job)
-        if job.status == "done":
-            out["images"] = [base64.b64encode(await run_in_threadpool(png, a)).decode() for a in job.images]
-        job.collected = True
-        return JSONResponse(out, status_code=outcome_code(job, scheduler.accepting))
-
     routes = [Route("/", page), Route("/v1/info", info), Route("/healthz", health),
               Route("/v1/examples/{kind}.png", example),
               Route("/v1/control", control, methods=["POST"]),
@@ -636,7 +474,199 @@ def create_app(service):
               Route("/v1/jobs/{job}/images/{k:int}.png", image),
               Route("/v1/jobs/{job}/preview.png", preview),
               Route("/v1/generate", generate, methods=["POST"])]
-    return Starlette(routes=routes, exception_handlers={BadRequest: bad_request, HTTPException: http_error})
+    app = Starlette(routes=routes, exception_handlers={BadRequest: bad_request, HTTPException: http_error})
+    app.state.service = service
+    return app
+
+
+async def bad_request(request, e):
+    headers = {"Retry-After": "1"} if e.status == 503 else None
+    return JSONResponse({"error": str(e), "field": e.field}, status_code=e.status, headers=headers)
+
+
+async def http_error(request, e):
+    """The router's 404 and 405 as the API's JSON."""
+    where = f"{request.method} {request.url.path}"
+    if e.status_code == 405:
+        message, field = f"{where}: the method is not allowed here; use {e.headers.get('Allow')}", "method"
+    elif e.status_code == 404:
+        message, field = f"{where}: no such page; GET / is the page, GET /v1/info the API's limits", "path"
+    else:
+        message, field = f"{where}: {e.detail}", None
+    return JSONResponse({"error": message, "field": field}, status_code=e.status_code, headers=e.headers)
+
+
+def service_of(request):
+    return request.app.state.service
+
+
+async def read_json(request):
+    """The body as a JSON object; one past --max-body-mb is read to its end (up to DRAIN_BYTES) and refused."""
+    limit = service_of(request).args.max_body_mb * 2**20
+    size = request.headers.get("content-length")
+    over = size is not None and (not size.isdigit() or int(size) > limit)
+    data, seen = bytearray(), 0
+    try:
+        async for chunk in request.stream():
+            seen += len(chunk)
+            over = over or seen > limit
+            if not over:
+                data += chunk
+            elif seen > DRAIN_BYTES:
+                break
+    except ClientDisconnect:
+        if not over:
+            raise
+    if over:  # refused after reading to the end: a client still sending would fail before reading the answer
+        raise BadRequest("body", f"the body is larger than {limit} bytes (--max-body-mb)", 413)
+    try:
+        body = json.loads(bytes(data) or b"{}")
+    except (ValueError, UnicodeDecodeError) as e:
+        raise BadRequest("body", f"the body is not JSON ({e})") from None
+    if not isinstance(body, dict):
+        raise BadRequest("body", "the body must be a JSON object")
+    return body
+
+
+async def submit(request):
+    """The request's body checked and queued as a Job, or BadRequest (a JSON 503 when full or shutting down)."""
+    service = service_of(request)
+    body = await read_json(request)
+    if not service.scheduler.accepting:  # before any work on the body
+        raise BadRequest("queue", "the server is shutting down; send the request to another server", 503)
+    req, preview = await run_in_threadpool(make_request, service, body)
+    job = Job(req, preview_every=preview)
+    try:
+        service.scheduler.submit(job)
+    except QueueFull as e:
+        raise BadRequest("queue", f"{e}; retry later", 503) from None
+    return job
+
+
+def find(request):
+    job = service_of(request).scheduler.get(request.path_params["job"])
+    if job is None:
+        raise BadRequest("id", "no such job (unknown, or finished long ago and dropped)", 404)
+    return job
+
+
+@contextlib.contextmanager
+def waiting_client(service):
+    """A client waiting for a job's end (/v1/generate, an event stream): a shutdown's drain waits for it."""
+    service.clients += 1
+    try:
+        yield
+    finally:
+        service.clients -= 1
+
+
+async def page(request):
+    with open(PAGE, encoding="utf-8") as f:
+        return HTMLResponse(f.read())
+
+
+async def info(request):
+    return JSONResponse(service_of(request).info())
+
+
+async def health(request):
+    ok = service_of(request).scheduler.accepting
+    return JSONResponse({"ok": ok, "accepting": ok}, status_code=200 if ok else 503)
+
+
+async def example(request):
+    service, kind = service_of(request), request.path_params["kind"]
+    if kind not in CONDITION_TYPES:
+        raise BadRequest("kind", f"no example {kind!r}; use one of {', '.join(CONDITION_TYPES)}", 404)
+    size = service.args.image_H or service.image_size, service.args.image_W or service.image_size
+    return Response(await run_in_threadpool(lambda: png(example_rgb(service, kind, *size))), media_type="image/png")
+
+
+async def control(request):
+    from fast_inference.images import to_uint8
+
+    body = await read_json(request)
+    x, _ = await run_in_threadpool(control_map, service_of(request), body)
+    return Response(await run_in_threadpool(png, to_uint8(x)), media_type="image/png")
+
+
+async def create_job(request):
+    job = await submit(request)
+    return JSONResponse(status(job), status_code=202)
+
+
+async def one_job(request):
+    """GET: its status; DELETE: cancel it."""
+    job = find(request)
+    if request.method == "DELETE":
+        service_of(request).scheduler.cancel(job, "cancelled by DELETE")
+    elif job.status in ("failed", "cancelled"):
+        job.collected = True
+    return JSONResponse(status(job))
+
+
+async def image(request):
+    job, k = find(request), request.path_params["k"]
+    if job.status != "done" or not 0 <= k < len(job.images):
+        raise BadRequest("k", f"no image {k} (the job is {job.status})", 404)
+    data = await run_in_threadpool(png, job.images[k])
+    job.fetched.add(k)
+    job.collected = job.collected or len(job.fetched) == len(job.images)
+    disposition = f'inline; filename="{job.id}_{k}.png"'
+    return Response(data, media_type="image/png", headers={"Content-Disposition": disposition})
+
+
+async def preview(request):
+    job = find(request)
+    if job.preview is None:
+        raise BadRequest("preview", "no preview yet (ask for one with preview_every)", 404)
+    return Response(await run_in_threadpool(png, job.preview), media_type="image/png")
+
+
+async def events(request):
+    stream = event_stream(service_of(request), find(request))
+    return StreamingResponse(stream, media_type="text/event-stream", headers={"Cache-Control": "no-store"})
+
+
+async def event_stream(service, job):
+    """progress events while the job changes (not twice the same), then its final event; a client that leaves before
+    the end cancels the job."""
+    sent, finished = None, False
+    with waiting_client(service), watch(job) as changed:
+        try:
+            while True:
+                await changed.wait()
+                changed.clear()
+                now = status(job)
+                if changes(now, sent):
+                    final = job.status in FINAL
+                    yield f"event: {job.status if final else 'progress'}\ndata: {json.dumps(now)}\n\n"
+                    sent = now
+                if job.status in FINAL:
+                    job.collected = job.collected or job.status != "done"
+                    finished = True
+                    return
+        finally:
+            if not finished:  # the client went away: its rows are freed
+                service.scheduler.cancel(job, "its event stream was closed")
+
+
+async def generate(request):
+    """A job answered when it ends, its images as base64 PNGs; a client that leaves first cancels it."""
+    service, job = service_of(request), await submit(request)
+    with waiting_client(service), watch(job) as changed:
+        try:
+            await wait_or_leave(request, job, changed)
+        finally:
+            if job.status not in FINAL:  # the client gone (or this task cancelled)
+                service.scheduler.cancel(job, "its client disconnected")
+    if job.status not in FINAL:
+        return Response(status_code=499)  # nobody reads it: the client has gone
+    out = status(job)
+    if job.status == "done":
+        out["images"] = [base64.b64encode(await run_in_threadpool(png, a)).decode() for a in job.images]
+    job.collected = True
+    return JSONResponse(out, status_code=outcome_code(job, service.scheduler.accepting))
 
 
 def status(job):
