@@ -599,7 +599,7 @@ async def one_job(request):
     """GET: its status; DELETE: cancel it."""
     job = find(request)
     if request.method == "DELETE":
-        service_of(request).scheduler.cancel(job, "cancelled by DELETE")
+        service_of(request).scheduler.cancel(job, "a client asked (DELETE)")
     elif job.status in ("failed", "cancelled"):
         job.collected = True
     return JSONResponse(status(job))

@@ -548,6 +548,14 @@ def test_the_page_in_a_browser(server, tmp_path, size):
         srcs = page.eval_on_selector_all("img.result", "els => els.map(e => e.getAttribute('src'))")
         no_sideways_scroll(page)
         shot = pixels(page.screenshot(path=str(tmp_path / f"page-{size}.png"), full_page=True))
+        page.fill("#width", "128")
+        page.fill("#height", "128")
+        page.fill("#num_images", "4")
+        page.click("#generate")
+        page.wait_for_selector("body[data-state='running']", timeout=60000)
+        page.click("#cancel")  # the page's own Cancel: the cancelled state, no error
+        page.wait_for_selector("body[data-state='cancelled']", timeout=60000)
+        assert page.inner_text("#status") == "Cancelled." and not page.inner_text("#error")
     assert all(box["width"] >= 250 for box in boxes), boxes  # readable: 64 px images shown at 4x or so
     for box, src in zip(boxes, srcs):
         served = pixels(call(server.url + src)[2])
