@@ -196,6 +196,10 @@ class Entry:
     done: int
     generator: torch.Generator
 
+    @property
+    def finished(self):
+        return self.done >= self.request.num_tokens
+
 
 class Batch:
     """One engine's running batch of one shape: requests in consecutive slots packed at the front, each with its
@@ -214,7 +218,8 @@ class Batch:
 
     @torch.no_grad()
     def admit(self, request):
-        """Prefill a request into the next free slots and draw its first token -> its Entry."""
+        """Prefill a request into the next free slots and draw its first token -> its Entry. A request of one token is
+        finished here: take its tokens and remove it before the next step."""
         r, n, device = self.runner, request.num_images, self.runner.out.device
         cond = request.cond.to(device).repeat_interleave(n, 0)  # as fast_engine.py: each prompt num_images times
         mask = None if request.mask is None else request.mask.to(device).repeat_interleave(n, 0)
@@ -233,12 +238,14 @@ class Batch:
     def step(self):
         """One token for every request in the batch -> the entries whose tokens are all done (still in the batch)."""
         r = self.runner
+        if any(e.finished for e in self.entries):  # a step would write its last token again, past its end
+            raise RuntimeError("a finished request is still in the batch; remove it before the next step")
         for e in self.entries:
             r.noise[e.slot : e.slot + e.request.num_images].exponential_(1, generator=e.generator)
         r.step(r.bucket(self.used))
         for e in self.entries:
             e.done += 1
-        return [e for e in self.entries if e.done >= e.request.num_tokens]
+        return [e for e in self.entries if e.finished]
 
     def captures(self):
         """Whether the next step captures a CUDA graph (its bucket's first)."""

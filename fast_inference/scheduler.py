@@ -17,6 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Optional
 
+import numpy as np
 import torch
 
 from fast_inference.continuous import Batch, Request
@@ -77,10 +78,13 @@ class Job:
     status: str = "queued"  # queued | running | done | failed | cancelled
     tokens_done: int = 0
     images: Optional[list] = None  # uint8 (H, W, 3) arrays, when done
-    preview: Optional[object] = None  # uint8 (h, W, 3) of the rows done so far
+    preview: Optional[object] = None  # uint8 (h, n x W, 3): the rows done so far of its n images, side by side
     error: Optional[str] = None
     engine: Optional[int] = None
     cancel_requested: bool = False
+    cancel_reason: Optional[str] = None  # its error once cancelled
+    collected: bool = False  # a client has its outcome (a done job's images; a failed or cancelled job's status)
+    fetched: set = field(default_factory=set)  # the images downloaded
     created: float = field(default_factory=time.monotonic)
     started: Optional[float] = None
     finished: Optional[float] = None
@@ -146,16 +150,17 @@ class Scheduler:
         with self.cond:
             return self.jobs.get(job_id)
 
-    def cancel(self, job):
-        """A queued job is cancelled at once, a running one at its worker's next step boundary."""
+    def cancel(self, job, reason=None):
+        """A queued job is cancelled at once, a running one at its worker's next step boundary; reason becomes its
+        error."""
         with self.cond:
             if job.status in FINAL:
                 return
             if job in self.pending:
                 self.pending.remove(job)
-                self._finished(job, "cancelled")
+                self._finished(job, "cancelled", reason)
             else:
-                job.cancel_requested = True
+                job.cancel_requested, job.cancel_reason = True, reason
         job.notify()
 
     def finished(self, job, status, error=None, images=None):
@@ -198,17 +203,29 @@ class Scheduler:
         job.status, job.started, job.engine = "running", time.monotonic(), worker.index
         return job
 
-    def close(self, grace):
-        """Stop accepting; let what runs (and waits) finish for up to `grace` seconds, cancel the rest; stop the
-        workers."""
+    def drain(self, grace, hurry=None, settle=10.0):
+        """Stop accepting; wait up to `grace` seconds (or until hurry, a threading.Event, is set) for the jobs accepted
+        so far to end and their clients to collect them; cancel the ones still queued or running, and wait up to
+        `settle` seconds for their workers to let them go. -> the jobs cancelled (a job already decoding ends done)."""
+        deadline = time.monotonic() + grace
         with self.cond:
             self.accepting = False
-            deadline = time.monotonic() + grace
-            while self.active and time.monotonic() < deadline:
-                self.cond.wait(timeout=min(0.2, max(deadline - time.monotonic(), 0.01)))
-            left = list(self.pending) + [j for j in self.jobs.values() if j.status == "running"]
+            owed = [j for j in self.jobs.values() if j.status not in FINAL]
+            while (time.monotonic() < deadline and not (hurry and hurry.is_set())
+                   and not all(j.status in FINAL and j.collected for j in owed)):
+                self.cond.wait(timeout=0.1)
+            left = [j for j in self.jobs.values() if j.status not in FINAL]
         for job in left:
-            self.cancel(job)
+            self.cancel(job, f"the server shut down before the job finished (--shutdown-grace {grace:g} s)")
+        deadline = time.monotonic() + settle
+        with self.cond:
+            while self.active and time.monotonic() < deadline:
+                self.cond.wait(timeout=0.1)
+        return [j for j in left if j.status == "cancelled"]
+
+    def close(self, grace):
+        """drain(grace), then stop the workers."""
+        self.drain(grace)
         with self.cond:
             self.stopping = True
             self.cond.notify_all()
@@ -264,13 +281,16 @@ class Worker:
             return
         self.entries[entry] = job
         self.progress(entry, job)
+        if entry.finished:  # one token: done at its prefill, before any step
+            with self.shared():
+                self.leave_done(entry)
 
     def step(self):
         """Cancelled jobs out, one step, finished jobs out (decoded)."""
         for entry, job in list(self.entries.items()):
             if job.cancel_requested:
                 self.remove(entry)
-                self.scheduler.finished(job, "cancelled")
+                self.scheduler.finished(job, "cancelled", job.cancel_reason)
         if not self.entries:
             return
         try:
@@ -281,13 +301,17 @@ class Worker:
                 for entry, job in self.entries.items():
                     self.progress(entry, job)
                 for entry in finished:
-                    job, tokens = self.entries[entry], self.batch.tokens(entry)
-                    self.remove(entry)
-                    self.decoder.submit(self.finish, job, tokens)
+                    self.leave_done(entry)
         except Exception as e:  # noqa: BLE001
             jobs = list(self.entries.values())
             self.entries, self.batch = {}, None
             self.fail(jobs, e, jobs[0].request)
+
+    def leave_done(self, entry):
+        """A finished entry out of the batch, its tokens to the decoder thread."""
+        job, tokens = self.entries[entry], self.batch.tokens(entry)
+        self.remove(entry)
+        self.decoder.submit(self.finish, job, tokens)
 
     def remove(self, entry):
         self.batch.remove(entry)
@@ -312,7 +336,7 @@ class Worker:
         rows = entry.done // width
         if job.preview_every and rows % job.preview_every == 0 and entry.done < job.tokens_total:
             tokens = self.batch.tokens(entry)[:, : rows * width]
-            job.preview = self.decode(tokens, job.request, rows)[0]
+            job.preview = np.concatenate(self.decode(tokens, job.request, rows), axis=1)  # the images side by side
         job.notify()
 
     def decode(self, tokens, request, rows=None):
@@ -335,7 +359,7 @@ def describe_error(error, request, device, capacity):
     """A failed job's message: out of memory in plain words (with what to change), else the error itself."""
     H, W = request.control.shape[1:]
     if isinstance(error, torch.cuda.OutOfMemoryError) or "out of memory" in str(error).lower():
-        return (f"out of memory on {device} for a batch of {capacity} images of {H}x{W}; ask for a smaller image "
+        return (f"out of memory on {device} for a batch of {capacity} images of {W}x{H}; ask for a smaller image "
                 f"(the server keeps serving others)")
     return f"{type(error).__name__}: {error}"
 

@@ -9,7 +9,7 @@ The model flags are fast_engine.py's (checkpoints are chosen here, at start-up, 
 flags are the requests' defaults. One engine per visible GPU (--device cuda:0,cuda:1; on the CPU one, or
 --engines-per-device N). Needs `pip install -r requirements-serve.txt` (Starlette, uvicorn).
 
-API (JSON; every error is {"error": ..., "field": ...} with a 4xx status):
+API (JSON; every error is {"error": ..., "field": ...} with a 4xx status, an unknown page or method too):
   GET  /                        the web page
   GET  /v1/info                 the model, the defaults and limits, the engines and the queue
   GET  /v1/examples/TYPE.png    a built-in example control map (drawn, never read from disk)
@@ -22,9 +22,12 @@ API (JSON; every error is {"error": ..., "field": ...} with a 4xx status):
   DELETE /v1/jobs/ID            cancel
   POST /v1/generate             a request, answered when done: {"id", "status", "images": [base64 PNG]}; a client
                                 that disconnects cancels it
+  GET  /healthz                 {"ok": true}; 503 while shutting down
 A request: {"control": {"example": "hed"} | {"image": BASE64, "is_map": false}, "condition_type", "prompt" |
 "caption_emb": BASE64 .npz | "class_label" (c2i), "cfg_scale", "top_k", "top_p", "temperature", "seed",
-"num_images", "control_strength", "width", "height", "preview_every" (grid rows; 0 none)}; all optional.
+"num_images", "control_strength", "width", "height", "preview_every" (grid rows; 0 none)}; all optional, each checked
+against the ranges /v1/info gives. Ctrl-C / SIGTERM drains: new jobs 503, the socket open for the rest, the jobs
+--shutdown-grace seconds to finish and be fetched, then the rest cancelled and their waiting clients answered.
 """
 import asyncio
 import base64
@@ -49,6 +52,16 @@ import numpy as np
 import torch
 from PIL import Image
 
+try:  # the server's libraries (requirements-serve.txt); serve() says how to install them where they are missing
+    from starlette.applications import Starlette
+    from starlette.concurrency import run_in_threadpool
+    from starlette.exceptions import HTTPException
+    from starlette.requests import ClientDisconnect
+    from starlette.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
+    from starlette.routing import Route
+except ImportError:
+    Starlette = None
+
 from fast_inference import fast_engine
 from fast_inference.continuous import Request
 from fast_inference.demo_text import DemoTextEncoder
@@ -57,6 +70,7 @@ from fast_inference.scenes import VOCABULARY
 from fast_inference.scheduler import FINAL, Job, QueueFull, Scheduler
 
 log = logging.getLogger("fast_inference")
+CLIENTS_GRACE = 5.0  # seconds a shutdown waits for its answers to the cancelled jobs' clients to go out
 DRAIN_BYTES = 64 * 2**20  # a refused body is read and dropped up to this size; past it the connection is closed
 PAGE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "serve_page.html")
 SERVER_RANGES = dict(port=(0, 65535, None), batch=(1, 64, "images one engine decodes at once"),
@@ -91,7 +105,8 @@ def parse_args(argv=None):
                    help="largest side of an uploaded image, in pixels (default %(default)s)")
     p.add_argument("--keep-jobs", type=int, default=256, help="finished jobs kept for download (default %(default)s)")
     p.add_argument("--shutdown-grace", type=float, default=30.0,
-                   help="seconds Ctrl-C / SIGTERM lets running jobs finish before cancelling them (default %(default)s)")
+                   help="seconds Ctrl-C / SIGTERM lets the jobs accepted finish and be fetched (new ones get 503) "
+                        "before cancelling the rest (default %(default)s)")
     p.add_argument("--t5-model-type", default="flan-t5-xl", help="the model's folder under --t5-path")
     p.add_argument("--t5-feature-max-len", type=int, default=120, help="T5 tokens per prompt (>= 1)")
     p.add_argument("--no-left-padding", action="store_true", help="keep T5's right padding")
@@ -178,6 +193,7 @@ class Service:
                 vqs[device] = fast_engine.vq_kernels(vq if device == first else copy.deepcopy(vq).to(device),
                                                      self.backend, device, args.plan)
             self.scheduler.add_worker(fast_engine.make_engine(args, m, self.backend), vqs[device], self.batch)
+        self.clients = 0  # waiting for a job's end (/v1/generate, event streams): the drain waits for them
         self.text, self.text_lock = None, threading.Lock()  # T5 encodes one prompt at a time
         t5 = fast_engine.t5_folder(args)
         if fast_engine.uses_demo_text(args):  # the demo model's word encoder: no weights, on the CPU
@@ -187,6 +203,7 @@ class Service:
 
             self.text = text.T5Encoder(t5, device=first, dtype=self.dtype, max_length=args.t5_feature_max_len)
             self.t5_path = t5
+        self.ranges = request_ranges(self.scheduler.capacity, self.margs.block_size)
         self.defaults = dict(cfg_scale=args.cfg_scale, top_k=args.top_k, top_p=args.top_p,
                              temperature=args.temperature, control_strength=args.control_strength, seed=args.seed,
                              num_images=1, condition_type=args.condition_type, preview_every=0)
@@ -202,9 +219,11 @@ class Service:
                     prompt_words=list(VOCABULARY) if isinstance(self.text, DemoTextEncoder) else None, condition_types=list(CONDITION_TYPES),
                     image_size=self.image_size, grid_tokens=a.block_size, caption_dim=a.caption_dim,
                     num_classes=a.num_classes,
-                    defaults=self.defaults, ranges={k: list(v[:2]) for k, v in REQUEST_RANGES.items()},
-                    limits=dict(max_images=self.scheduler.capacity, max_side=self.args.max_side,
-                                max_body_bytes=self.args.max_body_mb * 2**20, max_queue=self.args.max_queue),
+                    defaults=self.defaults, ranges={k: list(v[:2]) for k, v in self.ranges.items()},
+                    limits=dict(max_images=self.scheduler.capacity, max_tokens=a.block_size, side_multiple=16,
+                                max_side=self.args.max_side, max_body_bytes=self.args.max_body_mb * 2**20,
+                                max_queue=self.args.max_queue),
+                    accepting=self.scheduler.accepting,
                     engines=[dict(device=str(w.engine.device), busy=w.busy, steps=w.steps)
                              for w in self.scheduler.workers],
                     queue=dict(active=self.scheduler.active, pending=len(self.scheduler.pending)),
@@ -214,16 +233,26 @@ class Service:
 # ---- requests ------------------------------------------------------------------------------------------------------
 
 REQUEST_RANGES = {k: RANGES[k] for k in ("cfg_scale", "top_k", "top_p", "temperature", "control_strength", "seed")}
-REQUEST_RANGES.update(num_images=(1, 64, None), preview_every=(0, None, "0 = no preview"),
+REQUEST_RANGES.update(num_images=(1, None, "the server's batch"), preview_every=(0, None, "0 = no preview"),
                       width=(16, None, "a multiple of 16"), height=(16, None, "a multiple of 16"))
 INTEGERS = ("top_k", "seed", "num_images", "preview_every", "width", "height", "class_label")
 KNOWN = set(REQUEST_RANGES) | {"control", "condition_type", "prompt", "caption_emb", "class_label"}
+CONTROL_FIELDS = {"example": {"example"}, "image": {"image", "is_map"}}
 
 
-def number(body, name, default):
+def request_ranges(capacity, grid):
+    """The ranges a server enforces (and /v1/info advertises): REQUEST_RANGES with num_images at most the batch and a
+    side at most 16 x the model's grid tokens (a one-token-high strip; width/16 x height/16 <= grid is checked too)."""
+    ranges = dict(REQUEST_RANGES, num_images=(1, capacity, "the server's batch"))
+    for name in ("width", "height"):
+        ranges[name] = (16, 16 * grid, f"a multiple of 16; width/16 x height/16 at most {grid}")
+    return ranges
+
+
+def number(body, name, default, ranges=REQUEST_RANGES):
     """body[name] as a number in its range (an integer where it must be), else BadRequest naming it."""
     value = body.get(name, default)
-    low, high, note = REQUEST_RANGES[name]
+    low, high, note = ranges[name]
     integer = name in INTEGERS
     ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
     if ok and integer and value != int(value):
@@ -255,18 +284,18 @@ def read_upload(data, max_side):
         with Image.open(io.BytesIO(data)) as im:
             W, H = im.size
             if max(H, W) > max_side or min(H, W) < 1:
-                raise BadRequest("control", f"the control image is {W}x{H}; its sides must be at most {max_side} "
-                                 "pixels", 413)
+                raise BadRequest("control.image", f"the control image is {W}x{H} (width x height); its sides must be "
+                                 f"at most {max_side} pixels (--max-side)", 413)
             return np.array(im.convert("RGB"))
     except BadRequest:
         raise
     except Exception as e:  # noqa: BLE001 (PIL raises many kinds for a file that is not an image)
-        raise BadRequest("control", f"control.image is not an image PIL can read ({type(e).__name__}); send a PNG or "
-                         "JPEG") from None
+        raise BadRequest("control.image", f"control.image is not an image PIL can read ({type(e).__name__}); send a "
+                         "PNG or JPEG") from None
 
 
-def side(body, name, default):
-    value = number(body, name, default)
+def side(service, body, name, default):
+    value = number(body, name, default, service.ranges)
     if value % 16:
         raise BadRequest(name, f"{name} {value} is not a multiple of 16; use e.g. {-(-value // 16) * 16}")
     return value
@@ -280,33 +309,25 @@ def example_rgb(service, kind, H, W):
 
 
 def control_map(service, body):
-    """The request's control map (3, H, W) in [-1, 1] on the CPU: a built-in example drawn at width x height (default
-    the model's image size), or the upload, resized as fast_engine.py resizes it, extracted as its type asks."""
+    """The request's control map (3, H, W) in [-1, 1] on the CPU and its condition type: a built-in example drawn at
+    width x height (default the model's image size), or the upload, fitted to what the model draws (or resized to
+    width x height) as fast_engine.py resizes it, extracted as its type asks."""
     from fast_inference import conditions
 
-    kind = body.get("condition_type", service.defaults["condition_type"])
-    if kind not in CONDITION_TYPES:
-        raise BadRequest("condition_type", f"unknown condition_type {kind!r}; use one of {', '.join(CONDITION_TYPES)}")
-    control = body.get("control", {"example": kind})
-    if not isinstance(control, dict) or ("example" in control) == ("image" in control):
-        raise BadRequest("control", 'control must be {"example": TYPE} or {"image": BASE64, "is_map": false}')
-    args, c2i = service.args, service.margs.model_type == "c2i"
+    control = control_fields(body)
+    kind = condition_type(service, body, control)
+    args = service.args
     if "example" in control:
-        example = control["example"]
-        if example not in CONDITION_TYPES:
-            raise BadRequest("control", f"unknown example {example!r}; use one of {', '.join(CONDITION_TYPES)}")
-        H = side(body, "height", args.image_H or service.image_size)
-        W = side(body, "width", args.image_W or service.image_size)
+        W = side(service, body, "width", args.image_W or service.image_size)
+        H = side(service, body, "height", args.image_H or service.image_size)
         check_grid(service, H, W)
-        return conditions.extract_control(example_rgb(service, example, H, W), kind, is_map=True), kind
-    is_map = control.get("is_map", False)
-    if not isinstance(is_map, bool):
-        raise BadRequest("control", "control.is_map must be true or false")
+        return conditions.extract_control(example_rgb(service, kind, H, W), kind, is_map=True), kind
+    is_map = control.get("is_map", False) or service.margs.model_type == "c2i"
     rgb = read_upload(decode_base64(control["image"], "control.image", args.max_body_mb * 2**20), args.max_side)
-    is_map = is_map or c2i
     step = 32 if kind == "depth" and not is_map else 16  # fast_engine.target_shape's rounding
-    H = side(body, "height", args.image_H or -(-rgb.shape[0] // step) * step)
-    W = side(body, "width", args.image_W or -(-rgb.shape[1] // step) * step)
+    fit_H, fit_W = fitted_size(*rgb.shape[:2], step, service.margs.block_size)
+    W = side(service, body, "width", args.image_W or fit_W)
+    H = side(service, body, "height", args.image_H or fit_H)
     check_grid(service, H, W)
     if (H, W) != rgb.shape[:2]:
         rgb = conditions.resize_to(rgb, H, W)
@@ -317,14 +338,56 @@ def control_map(service, body):
     try:
         return conditions.extract_control(rgb, kind, ckpt=ckpt, is_map=is_map), kind
     except conditions.ConditionError as e:
-        raise BadRequest("control", str(e)) from None
+        raise BadRequest("control.image", str(e)) from None
+
+
+def control_fields(body):
+    """body["control"] checked: {"example": TYPE} or {"image": BASE64, "is_map": bool}, nothing else."""
+    control = body.get("control", {"example": None})
+    if not isinstance(control, dict) or ("example" in control) == ("image" in control):
+        raise BadRequest("control", 'control must be {"example": TYPE} or {"image": BASE64, "is_map": false}')
+    form = "example" if "example" in control else "image"
+    extra = sorted(set(control) - CONTROL_FIELDS[form])
+    if extra:
+        raise BadRequest(f"control.{extra[0]}", f"control.{extra[0]} does not go with control.{form}; an example "
+                         'is {"example": TYPE}, an upload {"image": BASE64, "is_map": false}')
+    if not isinstance(control.get("is_map", False), bool):
+        raise BadRequest("control.is_map", "control.is_map must be true or false")
+    return control
+
+
+def condition_type(service, body, control):
+    """The request's condition type: condition_type, else its example's type, else the server's default. An example
+    is a map of its own type: another condition_type with it is refused."""
+    example = control.get("example")
+    if example is not None and example not in CONDITION_TYPES:
+        raise BadRequest("control.example", f"unknown example {example!r}; use one of {', '.join(CONDITION_TYPES)}")
+    kind = body.get("condition_type", example or service.defaults["condition_type"])
+    if kind not in CONDITION_TYPES:
+        raise BadRequest("condition_type", f"unknown condition_type {kind!r}; use one of {', '.join(CONDITION_TYPES)}")
+    if example not in (None, kind):
+        raise BadRequest("control.example", f"the example {example!r} is a {example} map, not a {kind} map; send "
+                         f'condition_type "{example}", or control {{"example": "{kind}"}}')
+    return kind
+
+
+def fitted_size(h, w, step, grid):
+    """An upload's (H, W): its size rounded up to multiples of step, or where that needs more than the model's grid
+    tokens, the largest multiples of step near its aspect ratio that the grid holds."""
+    H, W = -(-h // step) * step, -(-w // step) * step
+    if (H // 16) * (W // 16) <= grid:
+        return H, W
+    scale = math.sqrt(grid * 256 / (h * w))
+    H = max(step, min(int(h * scale), grid // (step // 16) * 16) // step * step)  # room for one step of width
+    W = max(step, min(int(w * scale), grid // (H // 16) * 16) // step * step)
+    return H, W
 
 
 def check_grid(service, H, W):
-    tokens, grid = (H // 16) * (W // 16), service.margs.block_size
+    tokens, grid, S = (H // 16) * (W // 16), service.margs.block_size, service.image_size
     if tokens > grid:
-        raise BadRequest("width", f"{H}x{W} needs {tokens} tokens but the model's grid has {grid} (at most "
-                         f"{service.image_size}x{service.image_size}); ask for a smaller width and height")
+        raise BadRequest("width", f"{W}x{H} (width x height) needs {tokens} tokens but the model draws at most {grid} "
+                         f"({S}x{S}, or any width/16 x height/16 <= {grid}); ask for a smaller width and height")
 
 
 def text_condition(service, body, seed):
@@ -390,211 +453,269 @@ def make_request(service, body):
     if unknown:
         raise BadRequest(unknown[0], f"unknown field(s) {unknown}; known: {', '.join(sorted(KNOWN))}")
     d = service.defaults
-    values = {k: number(body, k, d[k]) for k in ("cfg_scale", "top_k", "top_p", "temperature", "control_strength",
-                                                 "seed", "num_images", "preview_every")}
-    if values["num_images"] > service.scheduler.capacity:
-        raise BadRequest("num_images", f"num_images must be at most {service.scheduler.capacity} (the server's "
-                         "batch)")
+    values = {k: number(body, k, d[k], service.ranges) for k in ("cfg_scale", "top_k", "top_p", "temperature",
+                                                                 "control_strength", "seed", "num_images",
+                                                                 "preview_every")}
     control, kind = control_map(service, body)
     cond, mask = text_condition(service, body, values["seed"])
     preview = values.pop("preview_every")
     return Request(cond=cond, mask=mask, control=control, condition_type=kind, **values), preview
 
 
-# ---- the web application -------------------------------------------------------------------------------------------
+# ---- the web application: routes over a Service (request.app.state.service), errors answered once -----------------
 
 def create_app(service):
-    from starlette.applications import Starlette
-    from starlette.requests import ClientDisconnect
-    from starlette.concurrency import run_in_threadpool
-    from starlette.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
-    from starlette.routing import Route
+    routes = [Route("/", page), Route("/v1/info", info), Route("/healthz", health),
+              Route("/v1/examples/{kind}.png", example),
+              Route("/v1/control", control, methods=["POST"]),
+              Route("/v1/jobs", create_job, methods=["POST"]),
+              Route("/v1/jobs/{job}", one_job, methods=["GET", "DELETE"]),
+              Route("/v1/jobs/{job}/events", events),
+              Route("/v1/jobs/{job}/images/{k:int}.png", image),
+              Route("/v1/jobs/{job}/preview.png", preview),
+              Route("/v1/generate", generate, methods=["POST"])]
+    app = Starlette(routes=routes, exception_handlers={BadRequest: bad_request, HTTPException: http_error})
+    app.state.service = service
+    return app
 
-    scheduler, limit = service.scheduler, service.args.max_body_mb * 2**20
 
-    def error(e):
-        return JSONResponse({"error": str(e), "field": e.field}, status_code=e.status)
+async def bad_request(request, e):
+    headers = {"Retry-After": "1"} if e.status == 503 else None
+    return JSONResponse({"error": str(e), "field": e.field}, status_code=e.status, headers=headers)
 
-    async def read_json(request):
-        size = request.headers.get("content-length")
-        over = size is not None and (not size.isdigit() or int(size) > limit)
-        data, seen = bytearray(), 0
-        try:
-            async for chunk in request.stream():
-                seen += len(chunk)
-                over = over or seen > limit
-                if not over:
-                    data += chunk
-                elif seen > DRAIN_BYTES:
-                    break
-        except ClientDisconnect:
+
+async def http_error(request, e):
+    """The router's 404 and 405 as the API's JSON."""
+    where = f"{request.method} {request.url.path}"
+    if e.status_code == 405:
+        message, field = f"{where}: the method is not allowed here; use {e.headers.get('Allow')}", "method"
+    elif e.status_code == 404:
+        message, field = f"{where}: no such page; GET / is the page, GET /v1/info the API's limits", "path"
+    else:
+        message, field = f"{where}: {e.detail}", None
+    return JSONResponse({"error": message, "field": field}, status_code=e.status_code, headers=e.headers)
+
+
+def service_of(request):
+    return request.app.state.service
+
+
+async def read_json(request):
+    """The body as a JSON object; one past --max-body-mb is read to its end (up to DRAIN_BYTES) and refused."""
+    limit = service_of(request).args.max_body_mb * 2**20
+    size = request.headers.get("content-length")
+    over = size is not None and (not size.isdigit() or int(size) > limit)
+    data, seen = bytearray(), 0
+    try:
+        async for chunk in request.stream():
+            seen += len(chunk)
+            over = over or seen > limit
             if not over:
-                raise
-        if over:  # refused after reading to the end: a client still sending would fail before reading the answer
-            raise BadRequest("body", f"the body is larger than {limit} bytes (--max-body-mb)", 413)
+                data += chunk
+            elif seen > DRAIN_BYTES:
+                break
+    except ClientDisconnect:
+        if not over:
+            raise
+    if over:  # refused after reading to the end: a client still sending would fail before reading the answer
+        raise BadRequest("body", f"the body is larger than {limit} bytes (--max-body-mb)", 413)
+    try:
+        body = json.loads(bytes(data) or b"{}")
+    except (ValueError, UnicodeDecodeError) as e:
+        raise BadRequest("body", f"the body is not JSON ({e})") from None
+    if not isinstance(body, dict):
+        raise BadRequest("body", "the body must be a JSON object")
+    return body
+
+
+async def submit(request):
+    """The request's body checked and queued as a Job, or BadRequest (a JSON 503 when full or shutting down)."""
+    service = service_of(request)
+    body = await read_json(request)
+    if not service.scheduler.accepting:  # before any work on the body
+        raise BadRequest("queue", "the server is shutting down; send the request to another server", 503)
+    req, preview = await run_in_threadpool(make_request, service, body)
+    job = Job(req, preview_every=preview)
+    try:
+        service.scheduler.submit(job)
+    except QueueFull as e:
+        raise BadRequest("queue", f"{e}; retry later", 503) from None
+    return job
+
+
+def find(request):
+    job = service_of(request).scheduler.get(request.path_params["job"])
+    if job is None:
+        raise BadRequest("id", "no such job (unknown, or finished long ago and dropped)", 404)
+    return job
+
+
+@contextlib.contextmanager
+def waiting_client(service):
+    """A client waiting for a job's end (/v1/generate, an event stream): a shutdown's drain waits for it."""
+    service.clients += 1
+    try:
+        yield
+    finally:
+        service.clients -= 1
+
+
+async def page(request):
+    with open(PAGE, encoding="utf-8") as f:
+        return HTMLResponse(f.read())
+
+
+async def info(request):
+    return JSONResponse(service_of(request).info())
+
+
+async def health(request):
+    ok = service_of(request).scheduler.accepting
+    return JSONResponse({"ok": ok, "accepting": ok}, status_code=200 if ok else 503)
+
+
+async def example(request):
+    service, kind = service_of(request), request.path_params["kind"]
+    if kind not in CONDITION_TYPES:
+        raise BadRequest("kind", f"no example {kind!r}; use one of {', '.join(CONDITION_TYPES)}", 404)
+    size = service.args.image_H or service.image_size, service.args.image_W or service.image_size
+    return Response(await run_in_threadpool(lambda: png(example_rgb(service, kind, *size))), media_type="image/png")
+
+
+async def control(request):
+    from fast_inference.images import to_uint8
+
+    body = await read_json(request)
+    x, _ = await run_in_threadpool(control_map, service_of(request), body)
+    return Response(await run_in_threadpool(png, to_uint8(x)), media_type="image/png")
+
+
+async def create_job(request):
+    job = await submit(request)
+    return JSONResponse(status(job), status_code=202)
+
+
+async def one_job(request):
+    """GET: its status; DELETE: cancel it."""
+    job = find(request)
+    if request.method == "DELETE":
+        service_of(request).scheduler.cancel(job, "a client asked (DELETE)")
+    elif job.status in ("failed", "cancelled"):
+        job.collected = True
+    return JSONResponse(status(job))
+
+
+async def image(request):
+    job, k = find(request), request.path_params["k"]
+    if job.status != "done" or not 0 <= k < len(job.images):
+        raise BadRequest("k", f"no image {k} (the job is {job.status})", 404)
+    data = await run_in_threadpool(png, job.images[k])
+    job.fetched.add(k)
+    job.collected = job.collected or len(job.fetched) == len(job.images)
+    disposition = f'inline; filename="{job.id}_{k}.png"'
+    return Response(data, media_type="image/png", headers={"Content-Disposition": disposition})
+
+
+async def preview(request):
+    job = find(request)
+    if job.preview is None:
+        raise BadRequest("preview", "no preview yet (ask for one with preview_every)", 404)
+    return Response(await run_in_threadpool(png, job.preview), media_type="image/png")
+
+
+async def events(request):
+    stream = event_stream(service_of(request), find(request))
+    return StreamingResponse(stream, media_type="text/event-stream", headers={"Cache-Control": "no-store"})
+
+
+async def event_stream(service, job):
+    """progress events while the job changes (not twice the same), then its final event; a client that leaves before
+    the end cancels the job."""
+    sent, finished = None, False
+    with waiting_client(service), watch(job) as changed:
         try:
-            return json.loads(bytes(data) or b"{}")
-        except (ValueError, UnicodeDecodeError) as e:
-            raise BadRequest("body", f"the body is not JSON ({e})") from None
-
-    async def submit(request):
-        body = await read_json(request)
-        req, preview = await run_in_threadpool(make_request, service, body)
-        job = Job(req, preview_every=preview)
-        try:
-            scheduler.submit(job)
-        except QueueFull as e:
-            raise BadRequest("queue", f"{e}; retry later", 503) from None
-        return job
-
-    def handled(fn):
-        async def handler(request):
-            try:
-                return await fn(request)
-            except BadRequest as e:
-                response = error(e)
-                if e.status == 503:
-                    response.headers["Retry-After"] = "1"
-                return response
-        return handler
-
-    def find(request):
-        job = scheduler.get(request.path_params["job"])
-        if job is None:
-            raise BadRequest("id", "no such job (unknown, or finished long ago and dropped)", 404)
-        return job
-
-    def status(job):
-        base = f"/v1/jobs/{job.id}"
-        n = job.request.num_images
-        return dict(id=job.id, status=job.status, tokens_done=job.tokens_done, tokens_total=job.tokens_total,
-                    num_images=n, engine=job.engine, error=job.error,
-                    images=[f"{base}/images/{k}.png" for k in range(n)] if job.status == "done" else [],
-                    preview=f"{base}/preview.png" if job.preview is not None else None,
-                    seconds=round((job.finished or time.monotonic()) - job.created, 3))
-
-    @contextlib.contextmanager
-    def watch(job):
-        """An asyncio.Event set (from the worker's thread) whenever the job changes, while the block runs."""
-        loop, changed = asyncio.get_running_loop(), asyncio.Event()
-        watcher = lambda: loop.call_soon_threadsafe(changed.set)
-        job.watchers.append(watcher)
-        changed.set()
-        try:
-            yield changed
-        finally:
-            job.watchers.remove(watcher)
-
-    async def page(request):
-        with open(PAGE, encoding="utf-8") as f:
-            return HTMLResponse(f.read())
-
-    async def info(request):
-        return JSONResponse(service.info())
-
-    async def example(request):
-        kind = request.path_params["kind"]
-        if kind not in CONDITION_TYPES:
-            raise BadRequest("kind", f"no example {kind!r}; use one of {', '.join(CONDITION_TYPES)}", 404)
-        size = service.args.image_H or service.image_size, service.args.image_W or service.image_size
-        return Response(await run_in_threadpool(lambda: png(example_rgb(service, kind, *size))), media_type="image/png")
-
-    async def control(request):
-        body = await read_json(request)
-        if not isinstance(body, dict):
-            raise BadRequest("body", "the body must be a JSON object")
-        x, _ = await run_in_threadpool(control_map, service, body)
-        from fast_inference.images import to_uint8
-
-        return Response(await run_in_threadpool(png, to_uint8(x)), media_type="image/png")
-
-    async def create_job(request):
-        job = await submit(request)
-        return JSONResponse(status(job), status_code=202)
-
-    async def get_job(request):
-        return JSONResponse(status(find(request)))
-
-    async def cancel_job(request):
-        job = find(request)
-        scheduler.cancel(job)
-        return JSONResponse(status(job))
-
-    async def image(request):
-        job, k = find(request), request.path_params["k"]
-        if job.status != "done" or not 0 <= k < len(job.images):
-            raise BadRequest("k", f"no image {k} (the job is {job.status})", 404)
-        return Response(await run_in_threadpool(png, job.images[k]), media_type="image/png",
-                        headers={"Content-Disposition": f'inline; filename="{job.id}_{k}.png"'})
-
-    async def preview(request):
-        job = find(request)
-        if job.preview is None:
-            raise BadRequest("preview", "no preview yet (ask for one with preview_every)", 404)
-        return Response(await run_in_threadpool(png, job.preview), media_type="image/png")
-
-    async def events(request):
-        job = find(request)
-
-        async def stream():
-            sent, finished = None, False
-            with watch(job) as changed:
-                try:
-                    while True:
-                        await changed.wait()
-                        changed.clear()
-                        now = status(job)
-                        if now != sent:
-                            kind = job.status if job.status in FINAL else "progress"
-                            yield f"event: {kind}\ndata: {json.dumps(now)}\n\n"
-                            sent = now
-                        if job.status in FINAL:
-                            finished = True
-                            return
-                finally:
-                    if not finished:  # the client went away: its rows are freed
-                        scheduler.cancel(job)
-
-        return StreamingResponse(stream(), media_type="text/event-stream", headers={"Cache-Control": "no-store"})
-
-    async def generate(request):
-        job = await submit(request)
-        with watch(job) as changed:
-            try:
-                await wait_or_leave(request, job, changed)
-            finally:
-                if job.status not in FINAL:  # cancelled by the server's shutdown, or the client gone
-                    scheduler.cancel(job)
-        if job.status not in FINAL:
-            return Response(status_code=499)  # nobody reads it: the client has gone
-        out = status(job)
-        if job.status == "done":
-            out["images"] = [base64.b64encode(await run_in_threadpool(png, a)).decode() for a in job.images]
-        return JSONResponse(out, status_code=200 if job.status == "done" else 500 if job.status == "failed" else 409)
-
-    async def wait_or_leave(request, job, changed):
-        """Until the job ends or its client disconnects."""
-        while job.status not in FINAL:
-            try:
-                await asyncio.wait_for(changed.wait(), timeout=0.25)
+            while True:
+                await changed.wait()
                 changed.clear()
-            except asyncio.TimeoutError:
-                pass
-            if job.status not in FINAL and await request.is_disconnected():
-                return
+                now = status(job)
+                if changes(now, sent):
+                    final = job.status in FINAL
+                    yield f"event: {job.status if final else 'progress'}\ndata: {json.dumps(now)}\n\n"
+                    sent = now
+                if job.status in FINAL:
+                    job.collected = job.collected or job.status != "done"
+                    finished = True
+                    return
+        finally:
+            if not finished:  # the client went away: its rows are freed
+                service.scheduler.cancel(job, "its event stream was closed")
 
-    routes = [Route("/", page), Route("/v1/info", handled(info)),
-              Route("/v1/examples/{kind}.png", handled(example)),
-              Route("/v1/control", handled(control), methods=["POST"]),
-              Route("/v1/jobs", handled(create_job), methods=["POST"]),
-              Route("/v1/jobs/{job}", handled(get_job)),
-              Route("/v1/jobs/{job}", handled(cancel_job), methods=["DELETE"]),
-              Route("/v1/jobs/{job}/events", handled(events)),
-              Route("/v1/jobs/{job}/images/{k:int}.png", handled(image)),
-              Route("/v1/jobs/{job}/preview.png", handled(preview)),
-              Route("/v1/generate", handled(generate), methods=["POST"]),
-              Route("/healthz", lambda request: JSONResponse({"ok": True}))]
-    return Starlette(routes=routes)
+
+async def generate(request):
+    """A job answered when it ends, its images as base64 PNGs; a client that leaves first cancels it."""
+    service, job = service_of(request), await submit(request)
+    with waiting_client(service), watch(job) as changed:
+        try:
+            await wait_or_leave(request, job, changed)
+        finally:
+            if job.status not in FINAL:  # the client gone (or this task cancelled)
+                service.scheduler.cancel(job, "its client disconnected")
+    if job.status not in FINAL:
+        return Response(status_code=499)  # nobody reads it: the client has gone
+    out = status(job)
+    if job.status == "done":
+        out["images"] = [base64.b64encode(await run_in_threadpool(png, a)).decode() for a in job.images]
+    job.collected = True
+    return JSONResponse(out, status_code=outcome_code(job, service.scheduler.accepting))
+
+
+def status(job):
+    """A job's status as the API gives it."""
+    base = f"/v1/jobs/{job.id}"
+    n = job.request.num_images
+    return dict(id=job.id, status=job.status, tokens_done=job.tokens_done, tokens_total=job.tokens_total,
+                num_images=n, seed=job.request.seed, width=job.request.control.shape[2],
+                height=job.request.control.shape[1], engine=job.engine, error=job.error,
+                images=[f"{base}/images/{k}.png" for k in range(n)] if job.status == "done" else [],
+                preview=f"{base}/preview.png" if job.preview is not None else None,
+                seconds=round((job.finished or time.monotonic()) - job.created, 3))
+
+
+def changes(now, sent):
+    """Whether status `now` says more than `sent` did (the seconds alone change every time)."""
+    return sent is None or {**now, "seconds": None} != {**sent, "seconds": None}
+
+
+def outcome_code(job, accepting):
+    """/v1/generate's HTTP status for a final job: 200 done, 500 failed, 409 cancelled (503 by a shutdown)."""
+    if job.status == "cancelled":
+        return 409 if accepting else 503
+    return 200 if job.status == "done" else 500
+
+
+@contextlib.contextmanager
+def watch(job):
+    """An asyncio.Event set (from the worker's thread) whenever the job changes, while the block runs."""
+    loop, changed = asyncio.get_running_loop(), asyncio.Event()
+    watcher = lambda: loop.call_soon_threadsafe(changed.set)
+    job.watchers.append(watcher)
+    changed.set()
+    try:
+        yield changed
+    finally:
+        job.watchers.remove(watcher)
+
+
+async def wait_or_leave(request, job, changed):
+    """Until the job ends or its client disconnects."""
+    while job.status not in FINAL:
+        try:
+            await asyncio.wait_for(changed.wait(), timeout=0.25)
+            changed.clear()
+        except asyncio.TimeoutError:
+            pass
+        if job.status not in FINAL and await request.is_disconnected():
+            return
 
 
 def png(array):
@@ -621,9 +742,30 @@ def serve(args):
     scheduler = service.scheduler
 
     class Server(uvicorn.Server):
-        def handle_exit(self, sig, frame):  # Ctrl-C / SIGTERM: accept nothing new, then uvicorn's graceful stop
-            scheduler.accepting = False
-            super().handle_exit(sig, frame)
+        """uvicorn's server with a drain: the first Ctrl-C / SIGTERM stops new jobs (503) while the socket stays open
+        for status and images; the jobs get --shutdown-grace seconds, the rest are cancelled and their waiting clients
+        answered; then uvicorn stops. A second signal cancels at once, a third exits at once."""
+        signals = 0
+
+        def handle_exit(self, sig, frame):
+            self.signals += 1
+            if self.signals == 1:
+                scheduler.accepting = False
+                threading.Thread(target=self.drain, name="drain", daemon=True).start()
+            elif self.signals == 2:
+                hurry.set()
+            else:
+                self.should_exit = self.force_exit = True
+
+        def drain(self):
+            cancelled = scheduler.drain(args.shutdown_grace, hurry)
+            deadline = time.monotonic() + CLIENTS_GRACE
+            while service.clients and time.monotonic() < deadline:  # the cancelled jobs' answers go out
+                time.sleep(0.05)
+            if cancelled:
+                log.warning("shutdown: %d job(s) cancelled after --shutdown-grace %g s", len(cancelled),
+                            args.shutdown_grace)
+            self.should_exit = True
 
         @contextlib.contextmanager
         def capture_signals(self):  # as uvicorn's, without raising the signal again at the end: a clean exit 0
@@ -643,14 +785,15 @@ def serve(args):
                       f"engine(s): {engines}; batch {service.batch}; ready in {time.perf_counter() - t0:.1f}s)",
                       flush=True)
 
+    hurry = threading.Event()
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level="warning", lifespan="off",
-                            timeout_graceful_shutdown=args.shutdown_grace)
+                            timeout_graceful_shutdown=CLIENTS_GRACE)
     server = Server(config)
     scheduler.start()
     try:
         server.run()
     finally:
-        scheduler.close(grace=0 if server.force_exit else 1.0)
+        scheduler.close(grace=0)
     print("server stopped", flush=True)
 
 

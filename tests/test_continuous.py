@@ -50,7 +50,7 @@ def run(batch, schedule):
         while waiting and due[id(waiting[0])] <= step and batch.fits(waiting[0]):
             r = waiting.pop(0)
             entries[batch.admit(r)] = [id(o) for o in order].index(id(r))
-        for e in batch.step():
+        for e in [e for e in batch.entries if e.finished] or batch.step():  # one token: done at its prefill
             done[entries[e]] = batch.tokens(e)
             batch.remove(e)
         step += 1
@@ -71,6 +71,22 @@ def test_requests_joining_mid_run_get_their_own_tokens():
         assert torch.equal(got[i], want[i]), i
     assert not torch.equal(want[0], want[4])
     assert batch.used == 0 and int(batch.runner.live.sum()) == 0
+
+
+def test_a_one_token_request_gets_the_engines_token():
+    """A 16x16 request (one token, drawn at its prefill) is finished when admitted: its token is the engine's alone for
+    its seed (a step would draw it again), a request beside it keeps its own, and a step with it still in the batch is
+    refused."""
+    model = tiny_model(seed=3)
+    one, two = (dataclasses.replace(r, control=r.control[:, :16, :16]) for r in requests(model)[:2])
+    want = [alone(model, r) for r in (one, two)]
+    batch = Batch(Engine(model, backend="eager"), one.shape, capacity=4)
+    entry = batch.admit(one)
+    assert entry.finished and entry.done == 1 == one.num_tokens
+    with pytest.raises(RuntimeError, match="remove it"):
+        batch.step()
+    got = run(Batch(Engine(model, backend="eager"), one.shape, capacity=4), {0: [one], 1: [two]})
+    assert want[0].shape == (1, 1) and torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
 
 
 def test_a_request_without_guidance_and_a_cancelled_one():

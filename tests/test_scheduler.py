@@ -61,6 +61,38 @@ def test_the_queue_is_bounded_and_a_queued_job_cancels_at_once():
         s.submit(job())
 
 
+def test_a_drain_waits_for_jobs_to_end_and_be_collected_then_cancels():
+    """drain: nothing new is accepted; it waits while a job accepted before runs and until its client collects it;
+    past the grace (or when hurried) it cancels what is left, saying why."""
+    import threading
+    import time
+
+    s = Scheduler(max_queue=4)
+    (ran,) = queue(s, job())
+
+    def run_and_collect():
+        time.sleep(0.1)
+        with s.cond:
+            s.pending.remove(ran)
+            s._finished(ran, "done", images=[])
+        time.sleep(0.3)
+        ran.collected = True
+
+    threading.Thread(target=run_and_collect).start()
+    t0 = time.monotonic()
+    assert s.drain(grace=10) == [] and ran.status == "done"
+    assert 0.35 < time.monotonic() - t0 < 5  # it waited for the images to be fetched, not for the grace
+    with pytest.raises(QueueFull, match="shutting down"):
+        s.submit(job())
+
+    s, hurry = Scheduler(max_queue=4), threading.Event()
+    (left,) = queue(s, job())
+    threading.Timer(0.1, hurry.set).start()
+    t0 = time.monotonic()
+    assert s.drain(grace=10, hurry=hurry) == [left] and time.monotonic() - t0 < 5
+    assert left.status == "cancelled" and "shut down" in left.error and s.active == 0
+
+
 def test_a_capture_excludes_every_other_threads_gpu_work():
     """DeviceWork: a capture waits for the shared work under way and no shared work starts during it (a CUDA graph's
     capture fails if another thread allocates or synchronises meanwhile)."""
@@ -144,6 +176,39 @@ def test_out_of_memory_fails_that_job_and_the_worker_serves_on():
     finally:
         s.close(grace=0)
     assert not s.workers[0].thread.is_alive()
+
+
+class Recorder(NoDecoder):
+    """NoDecoder that keeps the tokens it was given."""
+
+    def __init__(self):
+        self.tokens = []
+
+    def decode_code(self, tokens, shape):
+        self.tokens.append(tokens.clone())
+        return NoDecoder.decode_code(tokens, shape)
+
+
+def test_a_one_token_job_is_done_after_its_prefill():
+    """A 16x16 job (one token) reports 1 of 1 tokens done and decodes the engine's token for its seed, the one
+    fast_engine.py draws (not a second draw over it)."""
+    from test_continuous import alone
+
+    model = tiny_model(seed=4)
+    cond, mask, condition = tiny_inputs(model, B=1)
+    request = Request(cond=cond, mask=mask, control=condition[0, :, :16, :16], seed=9)
+    want = alone(model, request)
+    s, vq = Scheduler(max_queue=4), Recorder()
+    s.add_worker(Engine(model, backend="eager"), vq, capacity=2)
+    s.start()
+    try:
+        one = Job(request)
+        s.submit(one)
+        wait(one)
+    finally:
+        s.close(grace=0)
+    assert one.status == "done" and (one.tokens_done, one.tokens_total) == (1, 1)
+    assert len(vq.tokens) == 1 and torch.equal(vq.tokens[0], want)
 
 
 def wait(job, timeout=60):
