@@ -46,21 +46,9 @@ def need(module):
 def server():
     """The demo server: two engines on the CPU, batches of 4 images, a queue of 12 jobs, 1 MiB bodies."""
     need("starlette"), need("uvicorn")
-    cmd = [sys.executable, os.path.join(ROOT, "fast_inference", "serve.py"), "--port", "0", "--device", "cpu",
-           "--engines-per-device", "2", "--batch", "4", "--max-queue", "12", "--max-body-mb", "1", "--max-side", "512",
-           "--shutdown-grace", "30"]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT, env=ENV)
-    lines = []
-    for line in proc.stdout:
-        lines.append(line)
-        m = re.search(r"serving .* on (http://127\.0\.0\.1:\d+)", line)
-        if m:
-            break
-    else:
-        pytest.fail("the server did not start:\n" + "".join(lines))
-    log = []
-    threading.Thread(target=lambda: log.extend(proc.stdout), daemon=True).start()
-    yield type("Server", (), dict(url=m.group(1), proc=proc, log=log))
+    url, proc, log = start_server("--engines-per-device", "2", "--batch", "4", "--max-queue", "12", "--max-body-mb", "1",
+                                  "--max-side", "512", "--shutdown-grace", "30")
+    yield type("Server", (), dict(url=url, proc=proc, log=log))
     if proc.poll() is None:
         proc.kill()
         proc.wait()
