@@ -187,9 +187,10 @@ for dt, hd, text in itertools.product(("*bf16", "*fp32"), (64, 128), (False, Tru
         build(da._window_partial_kernel, sig, dict(SCALE=hd**-0.5, BLOCK=block, HEAD_DIM=hd, LP=LP, TEXT=text,
                                                    IEEE=dt == "*fp32"), {"num_warps": warps})
         merge = {"M": "*fp32", "L": "*fp32", "ACC": "*fp32", "OUT": dt, "TEXT_SUM": "*fp32", "TEXT_COUNT": "*fp32",
-                 "stride_or": "i32", "stride_oh": "i32", "stride_ol": "i32", "n_heads": "i32", "n_splits": "i32",
-                 "window": "i32"}
-        build(da._window_merge_kernel, merge, dict(HEAD_DIM=hd, LP=LP, TEXT=text), {"num_warps": merge_warps})
+                 "SEQLENS": "*i64", "stride_or": "i32", "stride_oh": "i32", "stride_ol": "i32", "n_heads": "i32",
+                 "n_splits": "i32", "n_keys": "i32", "text_len": "i32", "window": "i32"}
+        build(da._window_merge_kernel, merge, dict(HEAD_DIM=hd, LP=LP, BLOCK=block, TEXT=text),
+              {"num_warps": merge_warps})
 print("compiled")
 """
 

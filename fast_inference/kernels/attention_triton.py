@@ -393,7 +393,8 @@ if triton is not None:
                                SCALE: tl.constexpr, BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr, LP: tl.constexpr,
                                TEXT: tl.constexpr, IEEE: tl.constexpr):
         """Program (row r x head h, split s): keys text_len + s*BLOCK .. + BLOCK - 1 against r's `window` queries ->
-        a partial (max, sum, weighted values) per query at M_OUT/L_OUT/ACC_OUT[(rh * n_splits + s) * LP + j]."""
+        a partial (max, sum, weighted values) per query at M_OUT/L_OUT/ACC_OUT[(rh * n_splits + s) * window + j]; a
+        tile past the window writes nothing (the merge reads the splits up to the window's last key only)."""
         rh = tl.program_id(0)
         split = tl.program_id(1)
         r = rh // n_heads
@@ -401,9 +402,10 @@ if triton is not None:
         start = tl.load(SEQLENS + r)  # the filled keys before the window
         end = tl.minimum(start + window, n_keys)  # one past the window's last key inside the cache
         lo = text_len + split * BLOCK
-        out = (rh * n_splits + split) * LP
+        out = (rh * n_splits + split) * window
         offs_l = tl.arange(0, LP)
         offs_d = tl.arange(0, HEAD_DIM)
+        mine = offs_l < window  # the padding queries' partials are not stored
         if lo < end:
             keys = lo + tl.arange(0, BLOCK)
             inside = keys < end
@@ -426,24 +428,24 @@ if triton is not None:
             m = tl.max(scores, 1)  # -inf for a query that sees nothing here
             p = tl.exp(scores - tl.where(m == float("-inf"), 0.0, m)[:, None])
             acc = _dot(p.to(v.dtype), v, IEEE)  # (LP, HEAD_DIM)
-            tl.store(M_OUT + out + offs_l, m)
-            tl.store(L_OUT + out + offs_l, tl.sum(p, 1))
-            tl.store(ACC_OUT + (out + offs_l)[:, None] * HEAD_DIM + offs_d[None, :], acc)
-        else:  # past the window: a partial that weighs nothing
-            tl.store(M_OUT + out + offs_l, tl.full((LP,), float("-inf"), tl.float32))
-            tl.store(L_OUT + out + offs_l, tl.zeros((LP,), tl.float32))
-            tl.store(ACC_OUT + (out + offs_l)[:, None] * HEAD_DIM + offs_d[None, :],
-                     tl.zeros((LP, HEAD_DIM), tl.float32))
+            tl.store(M_OUT + out + offs_l, m, mask=mine)
+            tl.store(L_OUT + out + offs_l, tl.sum(p, 1), mask=mine)
+            tl.store(ACC_OUT + (out + offs_l)[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=mine[:, None])
 
     @triton.jit
-    def _window_merge_kernel(M, L, ACC, OUT, TEXT_SUM, TEXT_COUNT, stride_or, stride_oh, stride_ol, n_heads, n_splits,
-                             window, HEAD_DIM: tl.constexpr, LP: tl.constexpr, TEXT: tl.constexpr):
-        """Program (row x head): its splits' partials merged per query (an online softmax over the splits, from the
-        text's partial where given), the output at OUT[r, h, j] for its `window` queries."""
+    def _window_merge_kernel(M, L, ACC, OUT, TEXT_SUM, TEXT_COUNT, SEQLENS, stride_or, stride_oh, stride_ol, n_heads,
+                             n_splits, n_keys, text_len, window, HEAD_DIM: tl.constexpr, LP: tl.constexpr,
+                             BLOCK: tl.constexpr, TEXT: tl.constexpr):
+        """Program (row x head): its splits' partials merged per query (an online softmax over the splits up to the
+        one holding the window's last key, from the text's partial where given), the output at OUT[r, h, j] for its
+        `window` queries."""
         rh = tl.program_id(0)
         r = rh // n_heads
         h = rh % n_heads
+        end = tl.minimum(tl.load(SEQLENS + r) + window, n_keys)
+        used = tl.minimum(tl.maximum(end - text_len + BLOCK - 1, 0) // BLOCK, n_splits)  # the splits that wrote
         offs_l = tl.arange(0, LP)
+        mine = offs_l < window
         offs_d = tl.arange(0, HEAD_DIM)
         m = tl.full((LP,), float("-inf"), tl.float32)
         l = tl.zeros((LP,), tl.float32)
@@ -453,19 +455,20 @@ if triton is not None:
             m = tl.zeros((LP,), tl.float32) + text_m
             l = l + text_l
             acc = acc + text_acc[None, :]
-        for s in range(n_splits):
-            at = (rh * n_splits + s) * LP + offs_l
-            ms = tl.load(M + at)
+        for s in range(used):
+            at = (rh * n_splits + s) * window + offs_l
+            ms = tl.load(M + at, mask=mine, other=float("-inf"))
             top = tl.maximum(m, ms)
             top = tl.where(top == float("-inf"), 0.0, top)
             w_old = tl.exp(m - top)
             w_new = tl.exp(ms - top)
-            l = l * w_old + tl.load(L + at) * w_new
-            acc = acc * w_old[:, None] + tl.load(ACC + at[:, None] * HEAD_DIM + offs_d[None, :]) * w_new[:, None]
+            l = l * w_old + tl.load(L + at, mask=mine, other=0.0) * w_new
+            acc = acc * w_old[:, None] + tl.load(ACC + at[:, None] * HEAD_DIM + offs_d[None, :], mask=mine[:, None],
+                                                 other=0.0) * w_new[:, None]
             m = tl.maximum(m, ms)
         y = acc / l[:, None]
         tl.store(OUT + r * stride_or + h * stride_oh + offs_l[:, None] * stride_ol + offs_d[None, :],
-                 y.to(OUT.dtype.element_ty), mask=(offs_l < window)[:, None])
+                 y.to(OUT.dtype.element_ty), mask=mine[:, None])
 
 
 def window_fits(head_dim, window):
@@ -507,9 +510,9 @@ def window_attention(q, k_cache, v_cache, key_valid, seqlens, masks, text=None, 
     LP = max(16, triton.next_power_of_2(L))  # tl.dot's least rows
     block, num_warps, merge_warps = config or window_config(q.dtype, hd, LP)
     n_splits = triton.cdiv(N - text_len, block)
-    m = torch.empty(R * H, n_splits, LP, device=q.device, dtype=torch.float32)
+    m = torch.empty(R * H, n_splits, L, device=q.device, dtype=torch.float32)
     l = torch.empty_like(m)
-    acc = torch.empty(R * H, n_splits, LP, hd, device=q.device, dtype=torch.float32)
+    acc = torch.empty(R * H, n_splits, L, hd, device=q.device, dtype=torch.float32)
     stride_mr = masks.stride(0) if masks.dim() == 2 else 0
     _window_partial_kernel[(R * H, n_splits)](
         q, k_cache, v_cache, key_valid, seqlens, masks, m, l, acc, *q.stride()[:3], *k_cache.stride()[:3],
@@ -517,6 +520,7 @@ def window_attention(q, k_cache, v_cache, key_valid, seqlens, masks, text=None, 
         BLOCK=block, HEAD_DIM=hd, LP=LP, TEXT=text is not None, IEEE=q.dtype == torch.float32,
         num_warps=num_warps)
     out = torch.empty(R, L, H, hd, device=q.device, dtype=q.dtype).transpose(1, 2)
-    _window_merge_kernel[(R * H,)](m, l, acc, out, text_sum, text_count, *out.stride()[:3], H, n_splits, L,
-                                   HEAD_DIM=hd, LP=LP, TEXT=text is not None, num_warps=merge_warps)
+    _window_merge_kernel[(R * H,)](m, l, acc, out, text_sum, text_count, seqlens, *out.stride()[:3], H, n_splits, N,
+                                   text_len, L, HEAD_DIM=hd, LP=LP, BLOCK=block, TEXT=text is not None,
+                                   num_warps=merge_warps)
     return out
