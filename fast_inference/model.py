@@ -410,7 +410,7 @@ class Transformer(nn.Module):
         if args.model_type == "c2i":
             self.condition_norm = RMSNorm(D, args.norm_eps)  # in c2i checkpoints, never used
         self.output = nn.Linear(D, args.vocab_size, bias=False)
-        self.register_buffer("freqs_cis", precompute_freqs_cis_2d(args).to(torch.get_default_device()), persistent=False)
+        self.register_buffer("freqs_cis", rope_table(args), persistent=False)
         self.max_batch = self.max_seq = -1
 
     # ---- caches -------------------------------------------------------------------------------
@@ -601,6 +601,14 @@ def window_mask(key_valid, start, ancestry):
     return visible[:, None]
 
 
+def rope_table(args):
+    """precompute_freqs_cis_2d's table on the default device; on the meta device (a model built for its shapes,
+    memory.py) its shape only, nothing computed."""
+    if torch.get_default_device().type == "meta":
+        return torch.empty(args.prefix_len + math.isqrt(args.block_size) ** 2, args.head_dim // 2, 2, device="meta")
+    return precompute_freqs_cis_2d(args).to(torch.get_default_device())
+
+
 def precompute_freqs_cis_2d(args):
     """(prefix + G*G, head_dim/2, 2) table of (cos, sin); the prefix rows are ZERO, not identity.
 
@@ -611,8 +619,6 @@ def precompute_freqs_cis_2d(args):
     """
     half = args.head_dim // 2
     grid = math.isqrt(args.block_size)
-    if torch.get_default_device().type == "meta":  # a model built for its shapes (memory.py): nothing computed
-        return torch.empty(args.prefix_len + grid * grid, half, 2, device="meta")
     freqs = 1.0 / (args.rope_base ** (torch.arange(0, half, 2, device="cpu")[: half // 2].float() / half))
     t = torch.arange(grid, dtype=torch.float32, device="cpu")
     angles = torch.outer(t, freqs)  # (G, hd/4)
