@@ -180,7 +180,8 @@ class Service:
         S = self.image_size  # the largest batch a device holds: its engines' batches at the full grid, under CFG
         for device in set(self.devices):
             fast_engine.check_memory(self.margs, S, S, self.batch * self.devices.count(device), 4.0, device,
-                                     self.dtype, "use a smaller --batch or fewer --engines-per-device")
+                                     self.dtype, "use a smaller --batch or fewer --engines-per-device",
+                                     vq_cfg=fast_engine.vq_config(args))
         torch.manual_seed(args.seed)  # random weights (the demo's) as fast_engine.py --seed makes them
         model, _ = fast_engine.build_gpt(args, first, self.dtype)
         vq = fast_engine.build_vq(args, first)
