@@ -613,12 +613,14 @@ def test_random_transformer_is_not_called_real_tokens(files):
 
 
 def test_readme_first_screen_says_what_the_demo_and_the_tests_do():
-    """The demo writes a grid (control map, then the sample) to default_out; the suite takes minutes, skips GPU tests."""
+    """The demo writes a figure (control map beside the sample, the caption below) to default_out; the suite takes
+    minutes, skips GPU tests."""
     text = open(os.path.join(ROOT, "README.md"), encoding="utf-8").read()
     quick = text[text.index("## Quick start"):text.index("## Real checkpoints")]
     prose = " ".join(quick.split("```")[2].split())
     demo_out = os.path.relpath(fast_engine.default_out(fast_engine.parse_args([]), "t2i", True), ROOT)
-    assert f"`{demo_out}`" in prose and "a grid, the control map and then the sample" in prose
+    assert f"`{demo_out}`" in prose and "a figure, the control map beside the sample" in prose
+    assert "with the caption written below" in prose
     assert "takes several minutes on a 2-core machine" in prose and "skips the tests that need a CUDA GPU" in prose
 
 

@@ -605,12 +605,14 @@ def test_sigterm_past_the_grace_answers_every_waiting_client(tmp_path):
     need("starlette"), need("uvicorn")
     url, proc, log = start_server("--batch", "2", "--shutdown-grace", "0")
     try:
-        long = dict(num_images=2)  # the model's whole grid: longer than the shutdown takes
+        long = dict(num_images=2)  # the model's whole grid in both of the batch's slots: one job at a time
         with browser_page(tmp_path) as page:
             open_page(page, url)
             page.fill("#num_images", "2")
+            for _ in range(4):  # the page's job waits behind these, so it cannot end before the signal however fast
+                call(f"{url}/v1/jobs", "POST", long)
             page.click("#generate")
-            page.wait_for_selector("body[data-state='running']", timeout=60000)
+            page.wait_for_selector("body[data-state='queued']", timeout=60000)
             streamed = call(f"{url}/v1/jobs", "POST", long)[2]["id"]  # queued behind the page's
             seen, answer = [], {}
             listen = threading.Thread(target=lambda: seen.extend(events(url, streamed)))
