@@ -63,10 +63,10 @@ def kv_bytes(margs, rows, num_tokens, dtype):
 def pass_bytes(images, window, vocab, cfg, coupling):
     """A speculative pass's (images, window, vocabulary) tensors held at once (speculative.py): its drafts'
     distributions q and the pass's p (float32), with either the head's float32 logits of every row or the draws'
-    noise (coupled: int64 hashes and their float64 uniforms; fresh: float32)."""
+    noise (coupled, gumbel or pathwise: position_noise's int64 keys beside their float32 noise; fresh: float32)."""
     n = images * window * vocab
     logits = 4 * (2 if cfg else 1)
-    noise = 16 if coupling == "gumbel" else 4
+    noise = 12 if coupling in ("gumbel", "pathwise") else 4
     return n * (8 + max(logits, noise))
 
 
