@@ -81,10 +81,13 @@ def atomic_save(img: Image.Image, path):
 
 def save_image(x, path, nrow=8, padding=2):
     """Save a [-1, 1] tensor (B, 3, H, W) / (3, H, W) / grey as one RGB PNG (a grid if B > 1)."""
+    atomic_save(grid_image(x, nrow, padding), path)
+
+
+def grid_image(x, nrow, padding):
     # normalise before gridding: torchvision pads in the [0, 1] space, so padding is black
     grid = make_grid(normalize(to_rgb(x)), nrow=nrow, padding=padding, pad_value=0.0)
-    arr = quantize01(grid).permute(1, 2, 0).contiguous().numpy()
-    atomic_save(Image.fromarray(arr), path)
+    return Image.fromarray(quantize01(grid).permute(1, 2, 0).contiguous().numpy())
 
 
 def save_figure(x, path, caption, nrow=8, padding=2, min_side=384):
@@ -92,9 +95,8 @@ def save_figure(x, path, caption, nrow=8, padding=2, min_side=384):
     larger) so that a cell is at least min_side px, and the caption written on a strip below it."""
     from PIL import ImageDraw, ImageFont
 
-    grid = make_grid(normalize(to_rgb(x)), nrow=nrow, padding=padding, pad_value=0.0)
     k = max(1, -(-min_side // x.shape[-1]))
-    img = Image.fromarray(quantize01(grid).permute(1, 2, 0).contiguous().numpy())
+    img = grid_image(x, nrow, padding)
     img = img.resize((img.width * k, img.height * k), Image.NEAREST)
     font = ImageFont.load_default(size=max(14, min_side // 16))
     draw = ImageDraw.Draw(img)
