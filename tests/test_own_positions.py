@@ -85,7 +85,7 @@ cond, mask, condition = tiny_inputs(model)
 kw = dict(emb_masks=mask, condition=condition, cfg_scale=4.0, control_strength=0.8, top_k=1)
 n = model.args.block_size
 ref = generate(model, cond, n, **kw)
-for window, FUSED in ((4, False), (16, False), (4, True)):
+for window, FUSED in ((4, False), (16, False), (4, True), (16, True)):
     engine = Engine(model, backend="eager", speculative="jacobi", draft_window=window)
     got = engine.generate(cond, n, **kw)
     r = engine.runner
@@ -144,26 +144,46 @@ print("ok", checked)
 
 def test_pass_and_server_step_on_window_kernels_in_interpreter():
     """Jacobi passes of 4 and 16 positions (the 16-token image: a window past its end) give the reference's greedy
-    tokens through the window kernels, and passes of 4 through the fused block's kernels at the pass's rows too; the
+    tokens through the window kernels, and passes of 4 and 16 through the fused block's kernels at the pass's rows too
+    (16 and 64 rows: the second past the plan's PASS_FUSED_ROWS, which the script overrides); the
     fused block at 2 images x 4 ragged queries under CFG gives the model's blocks' output and caches (within 1e-4);
     three requests joining a server's batch at steps 0, 0 and 3 get the plain engine's tokens (their own seeds and
     settings)."""
     out = early.result(SCRIPT, interpret.ENV)
     assert out.returncode == 0, out.stderr[-3000:]
-    assert out.stdout.split()[-2:] == ["ok", "7"], out.stdout
+    assert out.stdout.split()[-2:] == ["ok", "8"], out.stdout
+
+
+# The CUDA pass cases: (window, the pass's block, images). The fused block runs up to plan.PASS_FUSED_ROWS rows, so
+# its L = 16 case is one image (2 x 16 = 32 rows); at 2 images (64 rows) the plan takes the compiled block.
+CUDA_PASSES = [(4, "compiled", 2), (16, "compiled", 2), (4, "fused", 2), (16, "fused", 1)]
+
+
+def cuda_pass_situation(window, images):
+    """The plan's situation of a CUDA pass case (the Engine's on an H100: fp32, GPT-XL's width, the window kernels)."""
+    return plan.Situation(device="cuda", capability=(9, 0), dtype=torch.float32, batch=images, dim=1280, n_head=20,
+                          max_seq=8 + 256, draft_window=window)
+
+
+@pytest.mark.parametrize("window,block,images", CUDA_PASSES)
+def test_the_cuda_pass_cases_plan_the_block_they_name(window, block, images):
+    """Each CUDA pass case runs the block it names: the plan takes window_block=fused only up to PASS_FUSED_ROWS rows
+    (the [16-fused] case at 2 images, 64 rows, planned the compiled block and failed its own check on an H100)."""
+    on = plan.parse_overrides(f"window_attention=triton,window_inputs=triton,window_block={block}")
+    p = plan.make(dataclasses.replace(cuda_pass_situation(window, images), overrides=on))
+    assert (p.jacobi.attention, p.jacobi.inputs, p.jacobi.block) == ("triton", "triton", block)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-@pytest.mark.parametrize("window,block", [(4, "compiled"), (16, "compiled"), (16, "fused")])
-def test_pass_on_window_kernels_gives_the_plain_engines_greedy_tokens_on_cuda(window, block):
-    """fp32 at GPT-XL's width (1,280, 20 heads, 2 blocks), 256 tokens, 2 images: the speculative engine with the
-    window kernels (inductor's compiled block or the fused block's kernels, the pass captured) against the plain
-    engine, greedy."""
+@pytest.mark.parametrize("window,block,images", CUDA_PASSES)
+def test_pass_on_window_kernels_gives_the_plain_engines_greedy_tokens_on_cuda(window, block, images):
+    """fp32 at GPT-XL's width (1,280, 20 heads, 2 blocks), 256 tokens: the speculative engine with the window kernels
+    (inductor's compiled block or the fused block's kernels, the pass captured) against the plain engine, greedy."""
     from fast_inference.engine import Engine
     from test_reference import tiny_inputs, tiny_model
 
     model = tiny_model(dim=1280, n_head=20, n_layer=2, block_size=256, seed=5).to("cuda")
-    cond, mask, condition = (t.to("cuda") for t in tiny_inputs(model))
+    cond, mask, condition = (t.to("cuda") for t in tiny_inputs(model, B=images))
     kw = dict(emb_masks=mask, condition=condition, cfg_scale=4.0, top_k=1)
     want = Engine(model, backend="inductor").generate(cond, 256, **kw)
     engine = Engine(model, backend="inductor", speculative="jacobi", draft_window=window,
