@@ -403,7 +403,7 @@ def measure(args, sizes):
                     fused_block=not args.no_fused_block, overrides=args.plan)
     jacobi = None if args.speculative == "none" else Engine(
         fast_model, backend=args.backend, compile_mode=args.compile_mode, compile_prefill=args.compile_prefill,
-        compile_scope=args.compile_scope, fused_block=not args.no_fused_block, overrides=args.plan,
+        compile_scope=args.compile_scope, fused_block=not args.no_fused_block, overrides=args.plan + ["jacobi=on"],
         speculative=args.speculative, draft_window=args.draft_window, draft_init=args.draft_init,
         draft_coupling=args.draft_coupling, draft_tree=args.draft_tree)
     rows, e2e, e2e_runs = [], None, None  # end to end is timed with n = 1 only

@@ -25,7 +25,7 @@ from fast_inference.generate import prepare
 from fast_inference.graphs import Graphs, restore, snapshot
 from fast_inference.kernels import (attention_cuda, attention_triton, block_cuda, block_triton, draw_cuda, draw_triton,
                                     eager_ops_cuda, eager_ops_triton, group_norm_triton, inputs_cuda, inputs_triton,
-                                    prefetch_triton)
+                                    prefetch_triton, verify_triton)
 from fast_inference.kernels.block import fused_block
 from fast_inference.kernels.pdl import EARLY
 from fast_inference.model import TORCH_OPS, Context, EagerOps
@@ -227,6 +227,7 @@ class Engine:
         r.pass_ctx = Context(ops=ops, block=block, block_adds_control=j.block == "fused",
                              attention=attention_triton.window_attention if j.attention == "triton" else None)
         r.pass_inputs = inputs_triton.window_inputs if j.inputs == "triton" else None
+        r.verify = verify_triton if j.verify == "triton" else None
         if j.head == "compiled":
             if self.compiled_logits is None:
                 self.compiled_logits = torch.compile(self.model.logits, fullgraph=True, dynamic=False)
@@ -478,14 +479,15 @@ class Engine:
         logits = [r.logits.clone()] if forced is not None else None
         compile_before = self.compile_seconds
         self.passes = None
-        for i in range(max_new_tokens - 1 if self.draft_window == 0 else 0):
+        passes = r.plan.jacobi is not None  # else plain steps: the plan's plain_instead (the pass measured a loss)
+        for i in range(max_new_tokens - 1 if not passes else 0):
             if forced is not None:
                 r.token[:B].copy_(forced[:, i : i + 1])
             guided = cfg and not (-1 < cfg_interval < i)
             self._run_step(r, (guided, r.window(i)))
             if forced is not None:
                 logits.append(r.logits[: (2 * r.batch if guided else r.batch)].clone())
-        if self.draft_window:
+        if passes:
             self._decode_jacobi(r, B)
         tokens = r.out[:B].clone()
         marks.mark("decode", self.compile_seconds - compile_before)

@@ -47,6 +47,11 @@ CUDA_LOOP_ROWS = 4  # attention_cuda stages whole slices up to here, loops over 
 CACHE_WINDOWS = 8  # SDPA without a decode attention kernel reads one of 8 static windows of the cache (ebb74cb)
 WINDOW_KERNELS = False  # rows at their own positions (a pass, a server's step) take SDPA until measured on a GPU (#75)
 PASS_FUSED_ROWS = 32  # window_block=fused up to here (the dot path's rows in registers, built for sm_90 unspilled)
+VERIFY_KERNELS = False  # a pass's verify in verify_triton's kernels: speculative.py's ops until measured on a GPU (#75)
+# --speculative jacobi's tok/s over plain steps as measured on an H100 (GPT-XL 512 px, 3 nats, L = 16, left drafts,
+# gumbel coupling), by (the window kernels on, images); a batch takes the largest measured n at or below its own.
+# Where it is under 1 the pass loses and the plan runs plain steps instead (the `jacobi=on` override runs it anyway).
+PASS_GAINS = {(False, 1): 0.97, (False, 8): 0.79, (True, 1): 1.01, (True, 8): 1.08}
 
 # Where one operation keeps two kernels, and why (the cudagraph backend is the mission's backend without Triton):
 #   attention  Triton (split-KV, whole) | CUDA C++ without Triton (n = 1 1.46 -> 1.34 ms/step over SDPA, #69, #77)
@@ -155,6 +160,7 @@ class JacobiPass:
     attention: str = "sdpa"  # sdpa (each row's mask over the cache) | triton (attention_triton.window_attention)
     inputs: str = "model"  # model (the embedding; RoPE and control rows gathered by the model) | triton (window_inputs)
     rows: Optional[Rows] = None  # the fused block's projections at the pass's rows (block fused)
+    verify: str = "torch"  # torch (speculative.py's ops over (images, L, V)) | triton (kernels/verify_triton.py)
 
 
 @dataclass(frozen=True)
@@ -196,6 +202,7 @@ class Plan:
     guided: Rows  # the steps' rows (both CFG halves)
     unguided: Optional[Rows]  # after cfg_interval: the conditional half (None without CFG)
     jacobi: Optional[JacobiPass] = None  # speculative passes instead of the steps (draft_window > 0)
+    plain_instead: str = ""  # why plain steps run where --speculative jacobi was asked (the pass measured a loss)
     own_positions: Optional[OwnPositions] = None  # a server's steps, rows at their own positions
 
     def rows(self, r):
@@ -221,6 +228,8 @@ OVERRIDES = dict(
     window_attention=("sdpa", "triton"),  # a pass's and a server step's attention (WINDOW_KERNELS)
     window_inputs=("model", "triton"),  # ... and their inputs
     window_block=("compiled", "fused"),  # a pass's block: inductor's, or the fused kernels at its rows (with the above)
+    verify=("torch", "triton"),  # a pass's verify: speculative.py's ops, or verify_triton's kernels (VERIFY_KERNELS)
+    jacobi=("auto", "on"),  # --speculative jacobi: plain steps where the pass measured a loss (PASS_GAINS), or always
 )
 
 
@@ -334,12 +343,15 @@ def make(s: Situation) -> Plan:
     guided = step_rows(s, want, s.rows, s.rows, block, cuda_block, attention, prefetch, draw)
     unguided = step_rows(s, want, s.batch, s.rows, block, cuda_block, attention, prefetch, draw) if s.cfg else None
     window = window_kernels(s, want) if s.draft_window or s.own_positions else None
-    jacobi = jacobi_pass(s, block_scope, hand_capture, eager, window) if s.draft_window else None
+    jacobi = jacobi_pass(s, block_scope, hand_capture, eager, window, want) if s.draft_window else None
+    plain_instead = pass_loses(s, want, jacobi)
+    if plain_instead:
+        jacobi = None
     if s.own_positions:  # a server's steps replace the plain ones; its prefills write rows inside the batch
         own = own_positions(s, eager, window)
         prefill, prefill_ops, text_sums, windows, prefetch = "eager", dataclasses.replace(eager, rope="torch"), \
             "none", 1, "none"
-    return Plan(own_positions=own if s.own_positions else None, jacobi=jacobi, situation=s, step="hand_graph" if hand_capture else "compiled_step" if s.backend == "inductor"
+    return Plan(own_positions=own if s.own_positions else None, jacobi=jacobi, plain_instead=plain_instead, situation=s, step="hand_graph" if hand_capture else "compiled_step" if s.backend == "inductor"
                 and not block_scope else "eager", inputs=inputs, inputs_pdl=inputs == "triton" and s.pdl,
                 block=block, cuda_block=cuda_block, head=head, draw=draw, draw_pdl=draw == "triton" and s.pdl,
                 head_noise=head == "fused" and draw == "triton" and s.sample, prefetch=prefetch,
@@ -367,7 +379,7 @@ def window_kernels(s, want):
     return attention, inputs, want.get("window_block", "compiled")
 
 
-def jacobi_pass(s, block_scope, hand_capture, eager, window):
+def jacobi_pass(s, block_scope, hand_capture, eager, window, want):
     """The speculative pass: through inductor's compiled block and head in one captured graph on the inductor
     backend (block scope), eager on the eager backend; the cudagraph backend (CUDA C++ one-query kernels) has none."""
     if s.backend == "cudagraph" or (s.backend == "inductor" and not block_scope):
@@ -393,7 +405,37 @@ def jacobi_pass(s, block_scope, hand_capture, eager, window):
             block, rows = "fused", pass_rows(s.rows * s.draft_window)
     return JacobiPass(window=s.draft_window, nodes=nodes, block=block, head="compiled" if compiled else "model",
                       ops=EagerOps() if compiled else dataclasses.replace(eager, rope="torch"), graph=hand_capture,
-                      attention=window[0], inputs=window[1], rows=rows)
+                      attention=window[0], inputs=window[1], rows=rows, verify=choose_verify(s, want))
+
+
+def choose_verify(s, want):
+    """A pass's verify: verify_triton's kernels where Triton runs on CUDA, off by default (VERIFY_KERNELS) and taken
+    by the override verify=triton; top-p (a sorted cumulative sum) and draft trees keep speculative.py's ops."""
+    ok = s.triton and s.cuda and s.top_p >= 1.0 and not s.draft_tree
+    chosen = want.get("verify", "triton" if VERIFY_KERNELS and ok else "torch")
+    if chosen == "triton" and not ok:
+        raise PlanError("plan override verify=triton needs Triton on a CUDA device, top-p 1 and no draft tree; "
+                        "use verify=torch")
+    return chosen
+
+
+def pass_gain(s, window_kernels):
+    """PASS_GAINS' measured gain for s's images (the largest measured n at or below it), or None (none measured)."""
+    measured = sorted(n for on, n in PASS_GAINS if on == window_kernels and n <= s.batch)
+    return PASS_GAINS[(window_kernels, measured[-1])] if measured else None
+
+
+def pass_loses(s, want, jacobi):
+    """Why plain steps replace the pass ("" where it runs): on a CUDA device (the GPU measured it; the CPU has no
+    table) where PASS_GAINS says the pass lost, unless the override jacobi=on asks for it."""
+    if jacobi is None or want.get("jacobi", "auto") == "on" or not s.cuda or s.interpret:
+        return ""
+    kernels = jacobi.attention == "triton"
+    gain = pass_gain(s, kernels)
+    if gain is None or gain >= 1.0:
+        return ""
+    return (f"plain steps: --speculative jacobi measured {gain:.2f}x the plain engine's tok/s at this batch with the "
+            f"window kernels {'on' if kernels else 'off'} (PASS_GAINS; --plan jacobi=on runs the passes anyway)")
 
 
 def pass_nodes(s):
@@ -688,12 +730,18 @@ def explain(p):
         row("speculative", f"Jacobi passes of {j.window} positions{tree}: {s.rows * j.nodes} rows through the "
             f"{blocks} blocks and {WINDOW_WORDS[j.attention]}, inputs "
             f"{INPUT_WORDS[j.inputs]}, {'one CUDA graph' if j.graph else 'op by op'}; {describe_ops(j.ops)}")
+        row("verify", VERIFY_WORDS[j.verify])
+    if p.plain_instead:
+        row("speculative", p.plain_instead)
     row("VQ norms", p.vq_norm)
     return "\n".join(lines)
 
 
 WINDOW_WORDS = dict(sdpa="SDPA with each row's mask", triton="the Triton window attention (each row's keys once)")
 INPUT_WORDS = dict(model="by the model's ops", triton="in one Triton kernel (window_inputs)")
+VERIFY_WORDS = dict(torch="speculative.py's ops over (images, L, V) tensors (CFG, top-k/top-p, softmax, races)",
+                    triton="three Triton kernels (verify_triton: CFG, top-k, softmax's sums, the accept test's p, "
+                           "the residual race, the redraws and the next window's q; no (images, L, V) temporaries)")
 
 
 def describe_ops(o):

@@ -106,6 +106,11 @@ def accepted_count(p, q, drafts, u):
     """How many of each image's drafts (images, L) are accepted: draft j with probability min(1, p_j / q_j) at it
     (u (images, L) uniform in [0, 1): u q < p), counted while every draft before it was."""
     pd, qd = (t.gather(-1, drafts[..., None])[..., 0] for t in (p, q))
+    return accepted_from(pd, qd, u)
+
+
+def accepted_from(pd, qd, u):
+    """accepted_count from p and q at the drafts (images, L)."""
     return (u * qd < pd).to(torch.int64).cumprod(-1).sum(-1)
 
 
@@ -154,8 +159,9 @@ class JacobiRunner(ShapeRunner):
         buf("steps", torch.arange(window, device=device))
         buf("noise_seed", torch.zeros((), dtype=torch.long, device=device))  # position_noise's, per generate()
         buf("masks", chain_masks(window, device))  # the window kernel's: query j sees the window's keys 0..j
-        # the passes' Context and head, and the window kernel's inputs or None (wired by the Engine)
-        self.pass_ctx, self.pass_head, self.pass_inputs = None, None, None
+        # the passes' Context and head, the window kernel's inputs or None, the fused verify (kernels/verify_triton)
+        # or None: speculative.py's ops (wired by the Engine)
+        self.pass_ctx, self.pass_head, self.pass_inputs, self.verify = None, None, None, None
 
     def start(self):
         """After the prefill's first token: every image at one token, its window of initial drafts."""
@@ -209,6 +215,8 @@ class JacobiRunner(ShapeRunner):
         if ctx.attention is not None:  # the window kernel: each image's filled keys before its window, a chain
             ctx = replace(ctx, window=(rows(T + self.n - 1), self.masks.expand(x.shape[0], L)))
         h = self.model.blocks(x, rows(pos), self.key_valid, self.controls, ctx=ctx)
+        if self.verify is not None:
+            return self.verify_fused(self.pass_head(h))
         p = probabilities(self.pass_head(h), self.cfg, self.cfg_scale, self.temperature, self.top_k, self.top_p,
                           self.sample_logits)
         self.advance(p)
@@ -231,17 +239,82 @@ class JacobiRunner(ShapeRunner):
         """A pass's outcome per image: the first `count` of its window's tokens (images, L) written, n advanced, the
         next window's drafts: `redraw` and its distributions `dist` (images, L, V) inside (next_window), initial
         drafts past it."""
-        L, N = self.window, self.num_tokens
-        n, live = self.n, self.n < N
-        count = count * live
-        k = torch.arange(N, device=dist.device) - n[:, None]  # image position i is window position k (a gather: no
-        written = (k >= 0) & (k < count[:, None])  # duplicate indices where the window runs past the image)
-        self.out.copy_(torch.where(written, tokens.gather(1, k.clamp(0, L - 1)), self.out))
-        n_next = (n + count).clamp(max=N)
-        self.last.copy_(self.out.gather(1, (n_next - 1)[:, None])[:, 0])
+        L = self.window
+        count, n_next, live = self.write_tokens(tokens, count)
         inside, redrawn, q = next_window(dist, count, redraw)
         init_tokens, init_q = self.initial(n_next, (L - count).clamp(min=0), redrawn)
         torch.where(inside, redrawn, init_tokens, out=self.drafts)
         torch.where(inside[..., None], q, init_q, out=self.q)  # no (images, L, V) tensor to copy from
         self.passes.add_(live.to(torch.long))
         self.n.copy_(n_next)
+
+    def write_tokens(self, tokens, count):
+        """The first `count` (images,) of each image's window tokens (images, L) to `out`, `last` moved on ->
+        (count, 0 for finished images; the next n; which images were live)."""
+        L, N = self.window, self.num_tokens
+        n, live = self.n, self.n < N
+        count = count * live
+        k = torch.arange(N, device=tokens.device) - n[:, None]  # image position i is window position k (a gather: no
+        written = (k >= 0) & (k < count[:, None])  # duplicate indices where the window runs past the image)
+        self.out.copy_(torch.where(written, tokens.gather(1, k.clamp(0, L - 1)), self.out))
+        n_next = (n + count).clamp(max=N)
+        self.last.copy_(self.out.gather(1, (n_next - 1)[:, None])[:, 0])
+        return count, n_next, live
+
+    # ---- the fused verify (kernels/verify_triton.py): advance and settle without (images, L, V) tensors ----------
+
+    def verify_fused(self, logits):
+        """advance() from the pass's logits (rows, L, V) in verify_triton's kernels: the same calls of torch's
+        generator in the same order (u, the residual's noise, fresh redraws' noise, then initial's), so the same
+        tokens."""
+        v, B, L, V = self.verify, self.batch, self.window, logits.shape[-1]
+        settings = (self.cfg_scale, self.temperature)
+        logits = logits.contiguous()
+        positions = self.n[:, None] + self.steps
+        if self.coupling == "pathwise":
+            st = v.rows(logits, self.drafts, positions, self.noise_seed, *settings, self.top_k, self.sample_logits)
+            return self.settle_fused(logits, st, st.redraw, matched_count(self.drafts, st.redraw))
+        u = torch.rand(B, L, device=logits.device)
+        fresh = torch.empty(B, V, device=logits.device).exponential_(1)  # the residual race's
+        noise = torch.empty(B, L, V, device=logits.device).exponential_(1) if self.coupling == "none" else None
+        st = v.rows(logits, self.drafts, positions, self.noise_seed, *settings, self.top_k, self.sample_logits, noise)
+        a = accepted_from(st.pd, self.q.gather(-1, self.drafts[..., None])[..., 0], u)
+        fixed = v.residual(logits, self.q, st, a.clamp(max=L - 1), fresh, *settings, self.sample_logits)
+        tokens = torch.where(self.steps < a[:, None], self.drafts, fixed[:, None])
+        self.settle_fused(logits, st, tokens, torch.where(a < L, a + 1, a))
+
+    def settle_fused(self, logits, st, tokens, count):
+        """settle() with the next window's q written by verify_triton.window from the logits and `st` (its Rows)."""
+        v, L = self.verify, self.window
+        count, n_next, live = self.write_tokens(tokens, count)
+        src = count[:, None] + self.steps
+        inside = src < L
+        at = src.clamp(max=L - 1)
+        redrawn = st.redraw.gather(1, at)
+        init_tokens, mode = self.initial_tokens(n_next, (L - count).clamp(min=0), redrawn)
+        torch.where(inside, redrawn, init_tokens, out=self.drafts)
+        mode = torch.where(inside, v.FROM_PASS, mode)
+        v.window(logits, self.q, st, mode, at, self.drafts, n_next[:, None] + self.steps, self.noise_seed,
+                 self.cfg_scale, self.temperature, self.sample_logits)
+        self.passes.add_(live.to(torch.long))
+        self.n.copy_(n_next)
+
+    def initial_tokens(self, n, kept, drafts):
+        """initial()'s drafts (images, L) and what their q is (verify_triton's ONE_HOT, UNIFORM, or UNIFORM_KEYED: a
+        coupled uniform draft, which the window kernel draws), without the (images, L, V) q."""
+        v, B, L = self.verify, self.batch, self.window
+        shape = (B, L)
+        if self.init == "left":
+            before = torch.where(kept > 0, drafts.gather(1, (kept - 1).clamp(min=0)[:, None])[:, 0], self.last)
+            return before[:, None].expand(B, L), torch.full(shape, v.ONE_HOT, device=n.device)
+        if self.coupling == "none":
+            anywhere = torch.randint(0, self.q.shape[-1], shape, device=n.device)
+            uniform = torch.full(shape, v.UNIFORM, device=n.device)
+        else:
+            anywhere = torch.zeros(shape, dtype=torch.long, device=n.device)
+            uniform = torch.full(shape, v.UNIFORM_KEYED, device=n.device)
+        if self.init == "random":
+            return anywhere, uniform
+        at = n[:, None] + self.steps - self.width
+        above = at >= 0
+        return torch.where(above, self.out.gather(1, at.clamp(min=0)), anywhere), torch.where(above, v.ONE_HOT, uniform)

@@ -268,9 +268,12 @@ def test_plan_overrides_and_explain(capsys):
     code, out, err = cli(capsys, *command)  # the README's example: a real model needs no control image to plan
     assert code == 0 and "GPT" not in err and "1 image" not in out and "2 image(s) under CFG" in out, err
     code, out, _ = cli(capsys, "--explain", "sm_90", "--speculative", "jacobi", "--draft-window", "8")
+    assert code == 0 and re.search(r"speculative +plain steps: --speculative jacobi measured 0\.\d+x", out)  # PASS_GAINS
+    code, out, _ = cli(capsys, "--explain", "sm_90", "--speculative", "jacobi", "--draft-window", "8", "--plan",
+                       "jacobi=on")
     assert code == 0 and re.search(r"speculative +Jacobi passes of 8 positions: 16 rows .* one CUDA graph", out)
     code, out, _ = cli(capsys, "--explain", "sm_90", "--speculative", "jacobi", "--draft-window", "8",
-                       "--draft-coupling", "pathwise", "--draft-tree", "4x3")
+                       "--draft-coupling", "pathwise", "--draft-tree", "4x3", "--plan", "jacobi=on")
     assert code == 0 and re.search(r"Jacobi passes of 8 positions in a 4x3 draft tree of 17 nodes: 34 rows", out)
     code, _, err = cli(capsys, "--explain", "tpu")
     assert code == 2 and "name a device as cpu or sm_XY" in err

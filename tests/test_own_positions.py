@@ -187,7 +187,7 @@ def test_pass_on_window_kernels_gives_the_plain_engines_greedy_tokens_on_cuda(wi
     kw = dict(emb_masks=mask, condition=condition, cfg_scale=4.0, top_k=1)
     want = Engine(model, backend="inductor").generate(cond, 256, **kw)
     engine = Engine(model, backend="inductor", speculative="jacobi", draft_window=window,
-                    overrides=("window_attention=triton", "window_inputs=triton", f"window_block={block}"))
+                    overrides=("window_attention=triton", "window_inputs=triton", f"window_block={block}", "jacobi=on"))
     got = engine.generate(cond, 256, **kw)
     assert (engine.plan.jacobi.attention, engine.plan.jacobi.inputs, engine.plan.jacobi.block) == (
         "triton", "triton", block)

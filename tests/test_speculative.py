@@ -395,7 +395,8 @@ def test_captured_pass_greedy_on_cuda(backend, tree):
     n = model.args.block_size
     ref = generate(model, cond, n, **kw)
     engine = Engine(model, backend=backend, speculative="jacobi", draft_window=4, draft_tree=tree,
-                    draft_coupling="pathwise" if tree else speculative.DEFAULT_COUPLING)
+                    draft_coupling="pathwise" if tree else speculative.DEFAULT_COUPLING,
+                    overrides=("jacobi=on",))  # the pass, where the plan would run plain steps (PASS_GAINS)
     for _ in range(2):  # the first captures, the second replays
         assert torch.equal(engine.generate(cond, n, **kw), ref)
     assert (("pass",) in engine.graphs) == (backend == "inductor")
@@ -405,7 +406,7 @@ def test_captured_pass_greedy_on_cuda(backend, tree):
 def test_captured_pass_same_seed_same_tokens_on_cuda():
     model = tiny_model(dim=1280, n_head=20, n_layer=2, seed=4).cuda().to(torch.bfloat16)
     cond, mask, condition = (t.cuda() for t in tiny_inputs(model, B=2))
-    engine = Engine(model, backend="inductor", speculative="jacobi", draft_window=8)
+    engine = Engine(model, backend="inductor", speculative="jacobi", draft_window=8, overrides=("jacobi=on",))
     runs = []
     for _ in range(3):
         torch.manual_seed(7)
