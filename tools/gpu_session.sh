@@ -30,13 +30,20 @@ usage: tools/gpu_session.sh STEP...      (steps run in order; each writes OUT/<s
           which lasts while the machine is warm); returns OUT/demo/ (the log, the weights cut in 15 MB parts:
           cat gpt.safetensors.part.* > gpt.safetensors) and with DEMO_EVAL=1 scripts/eval_demo.py's measures
           (OUT/demo_eval.json, OUT/demo_model.png)
-  ownpos  the window kernels (rows at their own positions, issue 75) in one call (< 8 min of an H100): their CUDA
-          tests (tests/test_window_attention.py, tests/test_own_positions.py -k cuda), float32 greedy tokens of a
-          speculative run on them against the plain engine at GPT-XL shapes (tools/window_greedy.py, the compiled
-          and the fused block), then bench.py --speculative jacobi --target-entropy 3 at n = 1, 8 (the plain engine
-          in each run) with the window kernels off, on, and on with the fused block (OWNPOS_SIZES, default 1,8);
-          OWNPOS_PARTS (default "tests greedy bench") to split it, OWNPOS_TOKENS the greedy run's tokens (256);
-          OWNPOS_MARGINALS=1 adds tools/jacobi_marginals.py on the window kernels
+  ownpos  the window kernels and the fused verify (issue 75) in one call of < 9 min of an H100:
+              OUT=/some/dir tools/gpu_session.sh ownpos
+          1. their CUDA tests (tests/test_window_attention.py, test_own_positions.py, test_verify_triton.py -k cuda;
+             at most 200 s);
+          2. tools/pass_ab.py: GPT-XL 512 px bf16 at 3 nats, L = 16, left drafts + gumbel coupling, in ONE process:
+             the plain step and, after it, the pass with the window kernels off, on (attention + inputs), on with
+             the fused block, and on with the fused block and verify=triton, at n = 1 then 8 (OWNPOS_SIZES): plain
+             ms/step, pass ms, pass / step, tokens per pass, speculative tok/s and x plain, one table row each as it
+             is measured (OUT/pass_ab.json), and the kernels of one replayed pass graph per plan at n = 1 (and of the
+             plain step) summed by name, largest first, in OUT/pass_profile_n1.txt (at most 310 s);
+          OWNPOS_PARTS (default "tests ab") picks parts; also "greedy" (tools/window_greedy.py: float32 GPT-XL
+          speculative greedy tokens on the window kernels against the plain engine's, OWNPOS_TOKENS, default 256),
+          "bench" (bench.py --speculative jacobi at 3 nats, one process per plan) and OWNPOS_MARGINALS=1
+          (tools/jacobi_marginals.py on the window kernels)
   serve   the server's tests on the GPU, then the server under load at GPT-XL shapes (random weights, 512 px): 32
           clients, 200 requests, images/s and latency p50/p95, against fast_eval.py --batch 32 over the same inputs
           and one image through fast_engine.py against a lone request, in one run (tools/load_serve.py --compare;
@@ -173,12 +180,18 @@ step_trees() {
 }
 
 step_ownpos() {
-    # OWNPOS_PARTS picks the parts (default all three: tests greedy bench), to split the step over two calls if one
-    # runs long; a failing check is reported and the timings still run
-    local parts=" ${OWNPOS_PARTS:-tests greedy bench} " on="window_attention=triton,window_inputs=triton"
+    # OWNPOS_PARTS picks the parts (default: tests ab, < 9 min together); a failing check is reported and the timings
+    # still run; each default part has its own time limit, and pass_ab.py prints its rows as it measures them
+    local parts=" ${OWNPOS_PARTS:-tests ab} " on="window_attention=triton,window_inputs=triton"
     if [[ $parts == *" tests "* ]]; then
-        (cd "$root" && "$py" -m pytest -q -p no:cacheprovider tests/test_window_attention.py \
-            tests/test_own_positions.py -k cuda) || echo "== FAILED: the window kernels' CUDA tests"
+        (cd "$root" && timeout 200 "$py" -m pytest -q -p no:cacheprovider tests/test_window_attention.py \
+            tests/test_own_positions.py tests/test_verify_triton.py -k cuda) \
+            || echo "== FAILED (or over 200 s): the window kernels' and the fused verify's CUDA tests"
+    fi
+    if [[ $parts == *" ab "* ]]; then
+        timeout 310 "$py" "$here/pass_ab.py" --batch-sizes "${OWNPOS_SIZES:-1,8}" --entropy 3 --plans "" "$on" \
+            "$on,window_block=fused" "$on,window_block=fused,verify=triton" --profile-dir "$out" \
+            --json "$out/pass_ab.json" || echo "== FAILED (or over 310 s): tools/pass_ab.py"
     fi
     if [[ $parts == *" greedy "* ]]; then
         "$py" "$here/window_greedy.py" --images 2 --tokens "${OWNPOS_TOKENS:-256}" --plans "$on" \

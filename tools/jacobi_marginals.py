@@ -64,7 +64,7 @@ def main():
           f"({args.draft_init}{', ' + ', '.join(args.plan) if args.plan else ''})", flush=True)
     plain = Engine(model)
     jacobi = Engine(model, speculative="jacobi", draft_window=args.draft_window, draft_init=args.draft_init,
-                    overrides=args.plan)
+                    overrides=list(args.plan) + ["jacobi=on"])  # the passes, where the plan would run plain steps
     a, b = sample(plain, model, args, kw, 1), sample(jacobi, model, args, kw, 2)
     stats = [chi_square(a[:, j], b[:, j]) for j in range(args.tokens)]
     over = [j for j, (s, bound) in enumerate(stats) if s > bound]

@@ -51,7 +51,7 @@ def main():
     for config in args.configs:
         window, coupling, tree = config.split(":")
         engine = Engine(model, backend="eager", speculative="jacobi", draft_window=int(window), draft_init="left",
-                        draft_coupling=coupling, draft_tree=parse_tree(tree))
+                        draft_coupling=coupling, draft_tree=parse_tree(tree), overrides=("jacobi=on",))
         torch.manual_seed(1)
         t0 = time.perf_counter()
         engine.generate(cond, args.tokens, emb_masks=mask, condition=condition, **kw)

@@ -43,7 +43,7 @@ def main():
     for overrides in args.plans:
         t0 = time.perf_counter()
         engine = Engine(model, speculative="jacobi", draft_window=args.draft_window,
-                        overrides=tuple(o for o in overrides.split(",") if o))
+                        overrides=tuple(o for o in overrides.split(",") if o) + ("jacobi=on",))
         with torch.no_grad():
             got = engine.generate(cond, args.tokens, **kw)
         same = got == want
