@@ -45,13 +45,14 @@ WHOLE_ROWS = range(64, 97)  # the attention's one-program-per-(row, head) form (
 # 32 rows, 2.132 -> 2.410, and from 112: #48, #54)
 CUDA_LOOP_ROWS = 4  # attention_cuda stages whole slices up to here, loops over them above (#76-#78)
 CACHE_WINDOWS = 8  # SDPA without a decode attention kernel reads one of 8 static windows of the cache (ebb74cb)
-WINDOW_KERNELS = False  # rows at their own positions (a pass, a server's step) take SDPA until measured on a GPU (#75)
+WINDOW_KERNELS = True  # rows at their own positions (a pass, a server's step): a pass of 16 at n = 1 2.86 -> 2.37 steps (#75)
 PASS_FUSED_ROWS = 32  # window_block=fused up to here (the dot path's rows in registers, built for sm_90 unspilled)
-VERIFY_KERNELS = False  # a pass's verify in verify_triton's kernels: speculative.py's ops until measured on a GPU (#75)
-# --speculative jacobi's tok/s over plain steps as measured on an H100 (GPT-XL 512 px, 3 nats, L = 16, left drafts,
-# gumbel coupling), by (the window kernels on, images); a batch takes the largest measured n at or below its own.
+VERIFY_KERNELS = True  # a pass's verify in verify_triton's kernels: n = 8 3.38 -> 3.04 ms a pass over torch's ops (#75)
+# --speculative jacobi's tok/s over plain steps as measured on an H200 (GPT-XL 512 px, 3 nats, L = 16, left drafts,
+# gumbel coupling; tools/pass_ab.py), by (the window kernels on, images); a batch takes the largest measured n at or
+# below its own.
 # Where it is under 1 the pass loses and the plan runs plain steps instead (the `jacobi=on` override runs it anyway).
-PASS_GAINS = {(False, 1): 0.97, (False, 8): 0.79, (True, 1): 1.01, (True, 8): 1.08}
+PASS_GAINS = {(False, 1): 1.20, (False, 8): 0.96, (True, 1): 1.43, (True, 8): 1.43}
 
 # Where one operation keeps two kernels, and why (the cudagraph backend is the mission's backend without Triton):
 #   attention  Triton (split-KV, whole) | CUDA C++ without Triton (n = 1 1.46 -> 1.34 ms/step over SDPA, #69, #77)

@@ -267,7 +267,8 @@ def test_plan_overrides_and_explain(capsys):
     command = re.search(r"python fast_inference/fast_engine.py (.*--explain sm_90)\n", readme).group(1).split()
     code, out, err = cli(capsys, *command)  # the README's example: a real model needs no control image to plan
     assert code == 0 and "GPT" not in err and "1 image" not in out and "2 image(s) under CFG" in out, err
-    code, out, _ = cli(capsys, "--explain", "sm_90", "--speculative", "jacobi", "--draft-window", "8")
+    code, out, _ = cli(capsys, "--explain", "sm_90", "--speculative", "jacobi", "--draft-window", "8", "--num-images",
+                       "8", "--plan", "window_attention=sdpa", "--plan", "window_inputs=model")
     assert code == 0 and re.search(r"speculative +plain steps: --speculative jacobi measured 0\.\d+x", out)  # PASS_GAINS
     code, out, _ = cli(capsys, "--explain", "sm_90", "--speculative", "jacobi", "--draft-window", "8", "--plan",
                        "jacobi=on")

@@ -16,7 +16,7 @@ from fast_inference import plan
 pytest.importorskip("triton")
 
 
-def test_the_plan_keeps_them_off_until_measured_and_takes_the_overrides():
+def test_the_plan_takes_them_by_its_default_and_by_the_overrides():
     hopper = plan.Situation(device="cuda", capability=(9, 0), dtype=torch.bfloat16, draft_window=16)
     p = plan.make(hopper)
     assert (p.jacobi.attention, p.jacobi.inputs) == ("triton" if plan.WINDOW_KERNELS else "sdpa",
@@ -36,7 +36,7 @@ def test_the_plan_keeps_them_off_until_measured_and_takes_the_overrides():
     p = plan.make(dataclasses.replace(hopper, overrides=fused, batch=8))  # 256 rows: the compiled block
     assert p.jacobi.block == "compiled" and p.jacobi.rows is None
     with pytest.raises(plan.PlanError, match="window_block=fused needs"):
-        plan.make(dataclasses.replace(hopper, overrides=(("window_block", "fused"),)))
+        plan.make(dataclasses.replace(hopper, overrides=(("window_attention", "sdpa"), ("window_block", "fused"))))
     for where in (dict(device="cpu", capability=None), dict(backend="cudagraph", draft_window=0, own_positions=True),
                   dict(dim=80 * 20)):  # no Triton on CUDA, the cudagraph backend, a head dim of 80
         with pytest.raises(plan.PlanError, match="window_attention=triton needs"):
