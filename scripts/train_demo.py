@@ -65,6 +65,7 @@ DROP = 0.1  # caption and control dropped together, for CFG
 UNUSED_AT_INFERENCE = ("condition_embeddings.weight", "condition_mlp.uncond_embedding")  # not stored
 COMMIT = 0.25  # LlamaGen's commitment weight
 RESTART_EVERY = 200  # VQ steps between restarts of unused codes
+ENTRY_TOKENS = 4  # --entry-weight's tokens per region: the first of a shape's top row, whose colour the rest copy
 FULL_EVERY = 4  # every 4th VQ step sees whole images (as many pixels as the other steps' random crops)
 
 
@@ -85,6 +86,8 @@ def parse_args(argv=None):
                    "(gpt_state.pt: weights, average, optimiser, schedule, data order), up to its --gpt-steps")
     p.add_argument("--threads", type=int, default=None, help="CPU threads (default torch's); on cores shared with "
                    "other work use 1: OpenMP's threads spin waiting for a descheduled peer (30x slower seen)")
+    p.add_argument("--entry-weight", type=float, default=1.0, help="loss weight of the first ENTRY_TOKENS tokens of "
+                   "each shape and background part in raster order, where a colour is decided (1: plain loss)")
     p.add_argument("--log-every", type=int, default=50)
     return p.parse_args(argv)
 
@@ -347,7 +350,22 @@ def gpt_step_batch(step, preset, rng):
     return indices, types, rng.random_sample(B) < DROP
 
 
-def gpt_loss(model, encoder, vq, indices, types, drop, tokens, preset, device, split="train"):
+def entry_weights(batch, size, grid, weight, device):
+    """(B, grid * grid) loss weights: `weight` on the first ENTRY_TOKENS tokens (raster order) of each region (each
+    shape, each background part; a token's region is its centre pixel's), 1 elsewhere. Teacher forced, a region's
+    later tokens copy the colour its first ones show: without this the caption's colours weigh a few tokens in 256."""
+    label, inside = scenes.labels(batch, size, device)
+    region = (label == 1).long()  # 0 top background, 1 bottom background, then 2 + each shape slot
+    for k in range(inside.shape[1]):
+        region = torch.where(inside[:, k], 2 + k, region)
+    step = size // grid
+    region = region[:, step // 2::step, step // 2::step].flatten(1)  # (B, N) each token's centre pixel
+    one_hot = F.one_hot(region, 2 + inside.shape[1])
+    seen = (one_hot.cumsum(1) * one_hot).sum(-1)  # 1 for a region's first token, 2 for its second, ...
+    return torch.where(seen <= ENTRY_TOKENS, weight, 1.0).float()
+
+
+def gpt_loss(model, encoder, vq, indices, types, drop, tokens, preset, device, split="train", entry_weight=1.0):
     size = preset["size"]
     batch, rgb, _ = images(indices, size, device, split)
     maps = control_maps(batch, types, rgb, size, device)
@@ -355,7 +373,11 @@ def gpt_loss(model, encoder, vq, indices, types, drop, tokens, preset, device, s
     with autocast(device):
         prefix, mask, controls = gpt_inputs(model, encoder, batch, maps, types, drop)
         logits = teacher_forced_logits(model, prefix, mask, controls, tokens)
-    return F.cross_entropy(logits.flatten(0, 1), tokens.flatten())
+    loss = F.cross_entropy(logits.flatten(0, 1), tokens.flatten(), reduction="none").view(tokens.shape)
+    if entry_weight == 1.0:
+        return loss.mean()
+    w = entry_weights(batch, size, math.isqrt(tokens.shape[1]), entry_weight, device)
+    return (loss * w).sum() / w.sum()
 
 
 def train_gpt(args, preset, device, log):
@@ -405,7 +427,7 @@ def train_gpt(args, preset, device, log):
             g["lr"] = lr_at(step, steps, preset["gpt_lr"])
         indices, types, drop = gpt_step_batch(step, preset, rng)
         loss = gpt_loss(model, encoder, vq, indices, types, drop, tokens_of(indices, table, preset, vq, device),
-                        preset, device)
+                        preset, device, entry_weight=args.entry_weight)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
