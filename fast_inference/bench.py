@@ -33,7 +33,7 @@ import torch
 
 from fast_inference import plan as plans
 from fast_inference.engine import BACKENDS, COMPILE_SCOPES, SPECULATIVE, Engine, vq_kernels
-from fast_inference.build import check_memory, check_writable
+from fast_inference.components import check_memory, check_writable
 from fast_inference.flags import Parser, official_tf32, ranged, tree_arg
 from fast_inference.settings import RANGES, UserError, check_ranges
 from fast_inference.workload import inputs, scale_to_entropy, step_bytes
@@ -44,7 +44,7 @@ from fast_inference.draft_tree import DEFAULT_TREE
 from fast_inference.speculative import COUPLINGS, DEFAULT_COUPLING, DEFAULT_INIT, DRAFT_INITS
 
 
-# The numeric flags' ranges (fast_engine.RANGES' form), checked before anything runs.
+# The numeric flags' ranges (settings.RANGES' form), checked before anything runs.
 BENCH_RANGES = dict(image_size=RANGES["image_size"], cfg_scale=RANGES["cfg_scale"], top_k=RANGES["top_k"],
                     ref_steps=(0, None, "0 = skip the reference"), fast_runs=(1, None, None),
                     e2e_runs=(0, None, "0 = skip"), draft_window=RANGES["draft_window"],

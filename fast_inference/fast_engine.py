@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from fast_inference import plan as plans
-from fast_inference.build import (CONDITION_TYPES, DEMO_DIR, ROOT, check_grid, check_writable, default_backend,
+from fast_inference.components import (CONDITION_TYPES, ROOT, check_grid, check_writable, default_backend, describe,
                                   find_multiple, is_demo, model_args, pick_device, precision_dtype, run_memory,
                                   t5_folder, use_demo_model, uses_demo_text)
 from fast_inference.flags import Parser, add_model_args, add_text_args, cli_main, is_user_error
@@ -220,16 +220,6 @@ def save_outputs(args, out, images, control, tokens, caption=None):
         os.replace(tmp, args.save_tokens)
 
 
-def describe(args, model, demo):
-    if demo:
-        return f"demo model ({os.path.relpath(DEMO_DIR, ROOT)}, trained on procedural shapes)"
-    name = os.path.basename(args.gpt_model) if args.gpt_model else "GPT-XL"
-    a = model.args
-    adapter = f"DINOv2-{a.adapter_size}" if a.model_type == "t2i" else "ViT-small"
-    weights = "" if args.gpt_ckpt else ", RANDOM weights"
-    return f"{name} {a.model_type} ({adapter}, {a.condition_type}, grid {int(a.block_size ** 0.5)}^2{weights})"
-
-
 def weights_note(args, demo):
     """What the run draws with: the demo model's control and what to try next, or what random weights make of the
     output (None when every weight is loaded)."""
@@ -279,7 +269,7 @@ def run(args):
     t_text = time.perf_counter() - t0
     engine = pipe.engine_for(params)
     weights = " (int8 weights)" if args.quantize == "int8" else ""
-    print(f"{describe(args, pipe.model, demo)} | {args.engine} engine{'' if engine is None else ' (' + backend + ')'} | "
+    print(f"{describe(args, pipe.margs, demo)} | {args.engine} engine{'' if engine is None else ' (' + backend + ')'} | "
           f"{str(dtype).replace('torch.', '')}{weights} on {device} | {len(prompts)} prompt(s) x {args.num_images} "
           f"image(s) | {H}x{W} = {num_tokens} tokens")
     if demo:

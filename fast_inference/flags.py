@@ -11,7 +11,7 @@ import sys
 import torch
 
 from fast_inference import plan as plans
-from fast_inference.build import CONDITION_TYPES
+from fast_inference.components import CONDITION_TYPES
 from fast_inference.checkpoint import CheckpointError
 from fast_inference.draft_tree import DEFAULT_TREE, parse_tree
 from fast_inference.model import GPT_CONFIGS

@@ -23,7 +23,7 @@ import torch
 from PIL import Image
 
 from fast_inference import plan as plans
-from fast_inference.build import (CONDITION_TYPES, build_gpt, build_vq, check_demo, check_grid, find_multiple,
+from fast_inference.components import (CONDITION_TYPES, build_gpt, build_vq, check_demo, check_grid, find_multiple,
                                   is_demo, make_engine, model_args, pick_device, sample_tokens, t5_folder,
                                   use_demo_model, uses_demo_text, vq_constructor)
 from fast_inference.draft_tree import DEFAULT_TREE, parse_tree

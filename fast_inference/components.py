@@ -1,5 +1,5 @@
-"""Building the models a run needs from its settings: the GPT, the VQ, the device, precision and backend, the memory
-check, the fast engine.
+"""The components a run needs, built from its settings: the GPT, the VQ, the device, precision and backend, the
+memory check, the fast engine.
 
 `config` is anything with the model settings' names as attributes: a PipelineConfig, or a command line's parsed
 flags (the flags keep the official names). Without a GPT checkpoint or model the demo model is used (DEMO_DIR).
@@ -51,6 +51,17 @@ def check_demo(config) -> None:
                if p and p.startswith(DEMO_DIR) and not os.path.isfile(p)]
     if missing:
         raise UserError(f"the demo model's {missing[0]} is missing; restore it: git checkout -- checkpoints/demo")
+
+
+def describe(config, margs, demo: bool) -> str:
+    """The model in a few words (the run's first line, the server's /v1/info)."""
+    if demo:
+        return f"demo model ({os.path.relpath(DEMO_DIR, ROOT)}, trained on procedural shapes)"
+    name = os.path.basename(config.gpt_model) if config.gpt_model else "GPT-XL"
+    a = margs
+    adapter = f"DINOv2-{a.adapter_size}" if a.model_type == "t2i" else "ViT-small"
+    weights = "" if config.gpt_ckpt else ", RANDOM weights"
+    return f"{name} {a.model_type} ({adapter}, {a.condition_type}, grid {int(a.block_size ** 0.5)}^2{weights})"
 
 
 # ---- device, precision, backend -------------------------------------------------------------------------------------
