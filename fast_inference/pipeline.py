@@ -187,11 +187,11 @@ class Pipeline:
     .config. spell: how errors name a setting (the keyword; the command lines pass their flags' spelling)."""
 
     def __init__(self, config: Optional[PipelineConfig] = None, *, spell: Callable[[str], str] = str, **settings):
-        try:
-            config = dataclasses.replace(config, **settings) if config else PipelineConfig(**settings)
-        except TypeError as e:  # an unknown keyword
-            raise UserError(f"{e}; the settings are {', '.join(f.name for f in dataclasses.fields(PipelineConfig))}") \
-                from None
+        known = [f.name for f in dataclasses.fields(PipelineConfig) if f.name != "demo"]
+        unknown = sorted(set(settings) - set(known))
+        if unknown:
+            raise UserError(f"unknown Pipeline setting(s) {unknown}; the settings are {', '.join(known)}")
+        config = dataclasses.replace(config, **settings) if config else PipelineConfig(**settings)
         check_ranges(config, {k: v for k, v in RANGES.items() if hasattr(config, k)}, spell)
         check_config(config, spell)
         self.config, self.spell = config, spell
