@@ -25,11 +25,11 @@ import torch
 
 from fast_inference import plan as plans
 from fast_inference.components import (CONDITION_TYPES, ROOT, check_grid, check_writable, default_backend, describe,
-                                  find_multiple, is_demo, model_args, pick_device, precision_dtype, run_memory,
-                                  t5_folder, use_demo_model, uses_demo_text)
+                                       find_multiple, is_demo, model_args, pick_device, precision_dtype, run_memory,
+                                       t5_folder, use_demo_model, uses_demo_text)
+from fast_inference.engine import Engine, sync
 from fast_inference.flags import Parser, add_model_args, add_text_args, cli_main, is_user_error
 from fast_inference.pipeline import DEMO_SCENE, Pipeline, PipelineConfig, check_config, control_shape
-from fast_inference.engine import Engine, sync
 from fast_inference.settings import (SamplingParams, UserError, check_draft_grid, check_ranges, check_speculative,
                                      flag_name)
 
@@ -151,9 +151,9 @@ def text_inputs(args, pipe):
     """(cond, masks, names) of the run's prompts (--prompt, --prompt-file, --caption-emb) or its class label."""
     if pipe.model_type == "c2i":
         return pipe.encode_prompt(class_label=class_label(args, pipe.margs.num_classes))
-    if args.caption_emb is None and not uses_demo_text(args) and args.t5_feature_dim not in (None, pipe.margs.caption_dim):
-        raise UserError(f"--t5-feature-dim {args.t5_feature_dim} but the model's caption_dim is "
-                        f"{pipe.margs.caption_dim}; drop the flag")
+    dim = pipe.margs.caption_dim
+    if args.caption_emb is None and not uses_demo_text(args) and args.t5_feature_dim not in (None, dim):
+        raise UserError(f"--t5-feature-dim {args.t5_feature_dim} but the model's caption_dim is {dim}; drop the flag")
     prompt = read_prompt_file(args.prompt_file) if args.prompt_file else args.prompt
     return pipe.encode_prompt(prompt, caption_emb=args.caption_emb)
 

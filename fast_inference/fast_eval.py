@@ -43,8 +43,8 @@ from tqdm import tqdm
 
 from fast_inference import conditions, data, metrics
 from fast_inference import plan as plans
-from fast_inference.components import (ROOT, check_writable, is_demo, model_args, pick_device, run_memory, sample_tokens,
-                                  use_demo_model)
+from fast_inference.components import (ROOT, check_writable, is_demo, model_args, pick_device, run_memory,
+                                       sample_tokens, use_demo_model)
 from fast_inference.engine import Engine
 from fast_inference.flags import Parser, add_model_args, cli_main, is_user_error
 from fast_inference.pipeline import Pipeline, PipelineConfig

@@ -23,9 +23,9 @@ import torch
 from PIL import Image
 
 from fast_inference import plan as plans
-from fast_inference.components import (CONDITION_TYPES, build_gpt, build_vq, check_demo, check_grid, find_multiple,
-                                  is_demo, make_engine, model_args, pick_device, sample_tokens, t5_folder,
-                                  use_demo_model, uses_demo_text, vq_constructor)
+from fast_inference.components import (CONDITION_TYPES, build_gpt, build_vq, check_demo, check_grid,
+                                       find_multiple, is_demo, make_engine, model_args, pick_device, sample_tokens,
+                                       t5_folder, use_demo_model, uses_demo_text, vq_constructor)
 from fast_inference.draft_tree import DEFAULT_TREE, parse_tree
 from fast_inference.settings import RANGES, SamplingParams, UserError, check_draft_grid, check_ranges, flag_name
 from fast_inference.speculative import DEFAULT_COUPLING, DEFAULT_INIT
@@ -100,7 +100,8 @@ class PipelineConfig:
 
 
 CHOICES = dict(precision=("auto", "fp32", "none", "bf16", "fp16"), quantize=("none", "int8"),
-               engine=("fast", "reference"), backend=(None, *plans.BACKENDS), compile_scope=plans.COMPILE_SCOPES, gpt_type=(None, "t2i", "c2i"), pos_interp=("v444", "v445"),
+               engine=("fast", "reference"), backend=(None, *plans.BACKENDS), compile_scope=plans.COMPILE_SCOPES,
+               gpt_type=(None, "t2i", "c2i"), pos_interp=("v444", "v445"),
                adapter_size=(None, "small", "base", "tiny"))
 
 

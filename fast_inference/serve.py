@@ -63,8 +63,8 @@ except ImportError:
 
 from fast_inference.continuous import Request
 from fast_inference.demo_text import DemoTextEncoder
-from fast_inference.components import (CONDITION_TYPES, check_memory, default_backend, describe, is_demo, make_engine,
-                                  model_args, precision_dtype, t5_folder, use_demo_model, vq_config)
+from fast_inference.components import (CONDITION_TYPES, check_memory, default_backend, describe, is_demo,
+                                       make_engine, model_args, precision_dtype, t5_folder, use_demo_model, vq_config)
 from fast_inference.engine import vq_kernels
 from fast_inference.flags import Parser, add_model_args, add_text_args, cli_main, is_user_error
 from fast_inference.pipeline import Pipeline, PipelineConfig, demo_rgb, demo_scene, encode_prompts
