@@ -6,8 +6,9 @@
     images[0].save("sample.png")
 
     pipe = Pipeline(gpt_ckpt="checkpoints/edge_base.safetensors", adapter_size="base", condition_type="hed",
-                    vq_ckpt="checkpoints/vq_ds16_t2i.pt", t5_path="checkpoints/t5-ckpt/flan-t5-xl")
-    images = pipe("photo.png", "a house by a lake", num_images=4, condition_ckpt=...)
+                    condition_ckpt="checkpoints/ControlNetHED.pth", vq_ckpt="checkpoints/vq_ds16_t2i.pt",
+                    t5_path="checkpoints/t5-ckpt/flan-t5-xl")
+    images = pipe("photo.png", "a house by a lake", num_images=4)   # the hed map extracted from the photo
 
 The settings keep the command lines' names (fast_engine.py --help says what each does); a mistake is a UserError
 (or the ConditionError, TextError, CheckpointError of the part that found it) whose one line names the fix.
