@@ -43,11 +43,13 @@ from tqdm import tqdm
 
 from fast_inference import conditions, data, metrics
 from fast_inference import plan as plans
-from fast_inference.engine import Engine, vq_kernels
-from fast_inference.fast_engine import (ROOT, Parser, UserError, add_model_args, build_gpt, build_vq,
-                                        check_draft_grid, check_ranges, check_speculative,
-                                        check_writable, cli_main, is_demo, is_user_error, make_engine, model_args,
-                                        pick_device, run_memory, sample_tokens, use_demo_model)
+from fast_inference.components import (ROOT, check_writable, is_demo, model_args, pick_device, run_memory,
+                                       sample_tokens, use_demo_model)
+from fast_inference.engine import Engine
+from fast_inference.flags import Parser, add_model_args, cli_main, is_user_error
+from fast_inference.pipeline import Pipeline, PipelineConfig
+from fast_inference.settings import (SamplingParams, UserError, check_draft_grid, check_ranges, check_speculative,
+                                     flag_name)
 from fast_inference.images import save_image, save_png_uint8
 
 
@@ -451,7 +453,7 @@ def sample_batch(run, items, first, positions):
     cond, mask = text_batch(items, rows, run.text_mode, run.model, run.t5, run.device)
     num_tokens = (run.H // 16) * (run.W // 16)
     torch.manual_seed(batch_seed(args.seed, first))
-    tokens = sample_tokens(args, run.model, run.engine, cond, mask, controls[rows].to(run.device), num_tokens)
+    tokens = sample_tokens(run.model, run.engine, cond, mask, controls[rows].to(run.device), num_tokens, args)
     # All B rows decoded: the same shapes in every batch keep a row's pixels independent of the others.
     shape = (B, run.vq.quantize.embedding.weight.shape[1], run.H // 16, run.W // 16)
     return run.vq.decode_code(tokens, shape).float().cpu(), controls
@@ -484,7 +486,7 @@ def check_eval_args(args):
     output folder."""
     check_ranges(args)
     check_ranges(args, EVAL_RANGES)
-    check_speculative(args)
+    check_speculative(args, engine=args.engine, backend=args.backend, compile_scope=args.compile_scope)
     for flag in ("gpt_ckpt", "vq_ckpt", "condition_ckpt", "t5_path"):
         path = getattr(args, flag)
         if path is not None and not os.path.exists(path):
@@ -495,10 +497,8 @@ def check_eval_args(args):
 
 
 def build_run(args, device, dtype, backend, text_mode, H, W):
-    torch.manual_seed(args.seed)  # random weights (no checkpoint) must be the same in every run
-    model, _ = build_gpt(args, device, dtype)
-    vq = vq_kernels(build_vq(args, device), backend, device, args.plan)
-    engine = make_engine(args, model, backend)
+    pipe = Pipeline(PipelineConfig.from_args(args), spell=flag_name)  # random weights: the same in every run (--seed)
+    model, vq, engine = pipe.model, pipe.vq, pipe.engine_for(SamplingParams.from_args(args))
     t5 = None
     if text_mode == "t5":
         from fast_inference.text import T5Encoder

@@ -43,7 +43,6 @@ import signal
 import sys
 import threading
 import time
-from types import SimpleNamespace
 
 if __package__ in (None, ""):  # run as a script: make `fast_inference` importable
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -62,10 +61,14 @@ try:  # the server's libraries (requirements-serve.txt); serve() says how to ins
 except ImportError:
     Starlette = None
 
-from fast_inference import fast_engine
 from fast_inference.continuous import Request
 from fast_inference.demo_text import DemoTextEncoder
-from fast_inference.fast_engine import CONDITION_TYPES, RANGES, Parser, UserError
+from fast_inference.components import (CONDITION_TYPES, check_memory, default_backend, describe, is_demo,
+                                       make_engine, model_args, precision_dtype, t5_folder, use_demo_model, vq_config)
+from fast_inference.engine import vq_kernels
+from fast_inference.flags import Parser, add_model_args, add_text_args, cli_main, is_user_error
+from fast_inference.pipeline import Pipeline, PipelineConfig, demo_rgb, demo_scene, encode_prompts
+from fast_inference.settings import RANGES, UserError, check_ranges, flag_name
 from fast_inference.scenes import VOCABULARY
 from fast_inference.scheduler import FINAL, Job, QueueFull, Scheduler
 
@@ -91,7 +94,7 @@ class BadRequest(Exception):
 
 def parse_args(argv=None):
     p = Parser(description="ControlAR server: a JSON API and a web page over warm engines, requests batched")
-    fast_engine.add_model_args(p)
+    add_model_args(p)
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
     p.add_argument("--port", type=int, default=8000, help="port (0: any free one; default %(default)s)")
     p.add_argument("--batch", type=int, default=None,
@@ -107,10 +110,9 @@ def parse_args(argv=None):
     p.add_argument("--shutdown-grace", type=float, default=30.0,
                    help="seconds Ctrl-C / SIGTERM lets the jobs accepted finish and be fetched (new ones get 503) "
                         "before cancelling the rest (default %(default)s)")
-    p.add_argument("--t5-model-type", default="flan-t5-xl", help="the model's folder under --t5-path")
-    p.add_argument("--t5-feature-max-len", type=int, default=120, help="T5 tokens per prompt (>= 1)")
+    add_text_args(p)
     p.add_argument("--no-left-padding", action="store_true", help="keep T5's right padding")
-    args = fast_engine.use_demo_model(p.parse_args(argv))
+    args = use_demo_model(p.parse_args(argv))
     args.prompt = args.prompt_file = args.caption_emb = args.condition_path = args.out = None  # a request's, not ours
     args.save_tokens = args.save_samples = args.explain = None
     args.t5_feature_dim, args.class_label, args.num_images, args.warmup = None, None, 1, 0
@@ -119,8 +121,8 @@ def parse_args(argv=None):
 
 def check_args(args):
     """What the server refuses before loading anything: one line naming the fix."""
-    fast_engine.check_ranges(args)
-    fast_engine.check_ranges(args, SERVER_RANGES)
+    check_ranges(args)
+    check_ranges(args, SERVER_RANGES)
     if args.engine == "reference":
         raise UserError("the server runs the fast engine; drop --engine reference")
     if args.speculative != "none":
@@ -170,40 +172,33 @@ class Service:
         self.devices = devices(args)
         first = self.devices[0]
         cuda = first.type == "cuda"
-        self.dtype = fast_engine.precision_dtype(args.precision, cuda, cuda and torch.cuda.is_bf16_supported())
-        self.backend = fast_engine.default_backend(args, first)
+        self.dtype = precision_dtype(args.precision, cuda, cuda and torch.cuda.is_bf16_supported())
+        self.backend = default_backend(args, first)
         if self.backend == "cudagraph" and not cuda:
             raise UserError("--backend cudagraph needs a CUDA device; use --backend eager on the CPU")
-        self.demo = fast_engine.is_demo(args)
-        self.margs, self.image_size = fast_engine.model_args(args)
+        self.demo = is_demo(args)
+        self.margs, self.image_size = model_args(args)
         self.batch = args.batch or (32 if cuda else 8)
         S = self.image_size  # the largest batch a device holds: its engines' batches at the full grid, under CFG
         for device in set(self.devices):
-            fast_engine.check_memory(self.margs, S, S, self.batch * self.devices.count(device), 4.0, device,
-                                     self.dtype, "use a smaller --batch or fewer --engines-per-device",
-                                     vq_cfg=fast_engine.vq_config(args))
-        torch.manual_seed(args.seed)  # random weights (the demo's) as fast_engine.py --seed makes them
-        model, _ = fast_engine.build_gpt(args, first, self.dtype)
-        vq = fast_engine.build_vq(args, first)
+            check_memory(self.margs, S, S, self.batch * self.devices.count(device), 4.0, device, self.dtype,
+                         "use a smaller --batch or fewer --engines-per-device", vq_cfg=vq_config(args))
+        # the first device's model, VQ and text encoder as a Pipeline builds them (random weights from --seed)
+        self.pipe = Pipeline(PipelineConfig.from_args(args), device=str(first), spell=flag_name)
+        model, vq = self.pipe.model, self.pipe.vq
         self.scheduler = Scheduler(max_queue=args.max_queue, keep=args.keep_jobs)
         # each engine its own model (its own caches), copied before any engine fuses its projections
         models = [model] + [copy.deepcopy(model).to(device) for device in self.devices[1:]]
         vqs = {}
         for device, m in zip(self.devices, models):
             if device not in vqs:
-                vqs[device] = fast_engine.vq_kernels(vq if device == first else copy.deepcopy(vq).to(device),
-                                                     self.backend, device, args.plan)
-            self.scheduler.add_worker(fast_engine.make_engine(args, m, self.backend), vqs[device], self.batch)
+                vqs[device] = vq_kernels(vq if device == first else copy.deepcopy(vq).to(device), self.backend, device,
+                                         args.plan)
+            self.scheduler.add_worker(make_engine(args, m, self.backend), vqs[device], self.batch)
         self.clients = 0  # waiting for a job's end (/v1/generate, event streams): the drain waits for them
-        self.text, self.text_lock = None, threading.Lock()  # T5 encodes one prompt at a time
-        t5 = fast_engine.t5_folder(args)
-        if fast_engine.uses_demo_text(args):  # the demo model's word encoder: no weights, on the CPU
-            self.text, self.t5_path = DemoTextEncoder(self.margs.caption_dim, self.margs.cls_token_num), None
-        elif t5 and self.margs.model_type == "t2i":
-            from fast_inference import text
-
-            self.text = text.T5Encoder(t5, device=first, dtype=self.dtype, max_length=args.t5_feature_max_len)
-            self.t5_path = t5
+        self.text_lock = threading.Lock()  # T5 encodes one prompt at a time
+        self.text = self.pipe.load_text_encoder()  # the demo model's words (on the CPU), T5, or None
+        self.t5_path = t5_folder(args) if self.text is not None and not isinstance(self.text, DemoTextEncoder) else None
         self.ranges = request_ranges(self.scheduler.capacity, self.margs.block_size)
         self.defaults = dict(cfg_scale=args.cfg_scale, top_k=args.top_k, top_p=args.top_p,
                              temperature=args.temperature, control_strength=args.control_strength, seed=args.seed,
@@ -211,11 +206,11 @@ class Service:
 
     def prompt_example(self):
         """The page's placeholder: the demo scene's caption where the demo model's words are the text encoder."""
-        return fast_engine.demo_scene().caption if isinstance(self.text, DemoTextEncoder) else None
+        return demo_scene().caption if isinstance(self.text, DemoTextEncoder) else None
 
     def info(self):
         a = self.margs
-        return dict(model=fast_engine.describe(self.args, SimpleNamespace(args=a), self.demo), model_type=a.model_type,
+        return dict(model=describe(self.args, a, self.demo), model_type=a.model_type,
                     demo=self.demo, text_encoder=self.text is not None, prompt_example=self.prompt_example(),
                     prompt_words=list(VOCABULARY) if isinstance(self.text, DemoTextEncoder) else None, condition_types=list(CONDITION_TYPES),
                     image_size=self.image_size, grid_tokens=a.block_size, caption_dim=a.caption_dim,
@@ -306,7 +301,7 @@ def example_rgb(service, kind, H, W):
     """uint8 (H, W, 3): a built-in example map, the demo scene's on the demo model (as fast_engine.py's), else drawn."""
     from fast_inference import conditions
 
-    return fast_engine.demo_rgb(kind, H, W) if service.demo else conditions.draw_example(kind, H, W)
+    return demo_rgb(kind, H, W) if service.demo else conditions.draw_example(kind, H, W)
 
 
 def control_map(service, body):
@@ -325,7 +320,7 @@ def control_map(service, body):
         return conditions.extract_control(example_rgb(service, kind, H, W), kind, is_map=True), kind
     is_map = control.get("is_map", False) or service.margs.model_type == "c2i"
     rgb = read_upload(decode_base64(control["image"], "control.image", args.max_body_mb * 2**20), args.max_side)
-    step = 32 if kind == "depth" and not is_map else 16  # fast_engine.target_shape's rounding
+    step = 32 if kind == "depth" and not is_map else 16  # pipeline.control_shape's rounding
     fit_H, fit_W = fitted_size(*rgb.shape[:2], step, service.margs.block_size)
     W = side(service, body, "width", args.image_W or fit_W)
     H = side(service, body, "height", args.image_H or fit_H)
@@ -435,12 +430,12 @@ def text_condition(service, body, seed):
         raise BadRequest("prompt", "send caption_emb (an extracted .npz, base64): the server has no text encoder")
     if isinstance(service.text, DemoTextEncoder):  # no prompt: the demo scene's caption, as fast_engine.py's
         try:
-            return service.text.encode_left_padded(prompt or fast_engine.demo_scene().caption)
+            return service.text.encode_left_padded(prompt or demo_scene().caption)
         except text.TextError as e:
             raise BadRequest("prompt", str(e)) from None
     gpu = service.scheduler.gpu.shared() if service.devices[0].type == "cuda" else contextlib.nullcontext()
     with service.text_lock, gpu:  # T5 on the first GPU: not while a worker captures a graph
-        emb, mask = fast_engine.encode_prompts(service.text, [prompt or "a high-quality image"], T,
+        emb, mask = encode_prompts(service.text, [prompt or "a high-quality image"], T,
                                                not service.args.no_left_padding)
     text.check_t5_output(emb, service.t5_path)
     return emb.cpu(), mask.cpu()
@@ -800,7 +795,7 @@ def serve(args):
 
 def main(argv=None):
     args = parse_args(argv)
-    fast_engine.cli_main(lambda: serve(args), args.debug, fast_engine.is_user_error)
+    cli_main(lambda: serve(args), args.debug, is_user_error)
 
 
 if __name__ == "__main__":

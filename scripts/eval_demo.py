@@ -32,7 +32,11 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from fast_inference import fast_engine, scenes
+from fast_inference import scenes
+from fast_inference.components import make_engine, sample_tokens, use_demo_model
+from fast_inference.flags import Parser, add_model_args
+from fast_inference.pipeline import Pipeline, PipelineConfig
+from fast_inference.settings import flag_name
 from fast_inference.demo_text import DemoTextEncoder
 from fast_inference.images import save_image
 from fast_inference.metrics import binary_f1, tolerant_f1
@@ -49,14 +53,15 @@ def parse_args(argv=None):
     p.add_argument("--figure", default=None, help="PNG: control maps and images at two seeds (README)")
     p.add_argument("--figure-scenes", default="3,8,12", help="test scenes of the figure")
     args, rest = p.parse_known_args(argv)
-    args.model = fast_engine.parse_args(["--condition-type", "canny"] + [a for a in rest if a != "--"])
+    model_flags = Parser(description="the model flags of fast_engine.py")
+    add_model_args(model_flags)
+    args.model = use_demo_model(model_flags.parse_args(["--condition-type", "canny"] + [a for a in rest if a != "--"]))
     return args
 
 
 def load(margs):
-    device, dtype, backend = fast_engine.pick_device(margs)
-    model, size = fast_engine.build_gpt(margs, device, dtype)
-    return device, dtype, backend, model, size, fast_engine.build_vq(margs, device)
+    pipe = Pipeline(PipelineConfig.from_args(margs), spell=flag_name)
+    return pipe.device, pipe.dtype, pipe.backend, pipe.model, pipe.image_size, pipe.vq
 
 
 def to_uint8(x):
@@ -69,8 +74,8 @@ def generate(margs, model, engine, vq, batch, controls, seed, device):
     emb, mask = encoder.encode_left_padded([s.caption for s in batch])
     torch.manual_seed(seed)
     size = controls.shape[-1]
-    tokens = fast_engine.sample_tokens(margs, model, engine, emb.to(device), mask.to(device),
-                                       scenes.to_model_range(controls).to(device), (size // 16) ** 2)
+    tokens = sample_tokens(model, engine, emb.to(device), mask.to(device), scenes.to_model_range(controls).to(device),
+                           (size // 16) ** 2, margs)
     return to_uint8(vq.decode_code(tokens)).cpu(), tokens.cpu()
 
 
@@ -165,7 +170,7 @@ def greedy_same(args, model, vq, backend, size, device, n=8):
     tokens = []
     for name in ("reference", "fast"):
         margs.engine = name
-        engine = fast_engine.make_engine(margs, model, backend)
+        engine = make_engine(margs, model, backend)
         tokens.append(generate(margs, model, engine, vq, batch, controls, 0, device)[1])
     return bool(torch.equal(*tokens)), int((tokens[0] != tokens[1]).sum())
 
@@ -195,14 +200,14 @@ def main(argv=None):
         engines = ["fast", "reference"] if args.engine == "both" else [args.engine]
         for name in engines:
             args.model.engine = name
-            engine = fast_engine.make_engine(args.model, model, backend)
+            engine = make_engine(args.model, model, backend)
             result[name] = sample_metrics(args, model, engine, vq, size, device)
             print(name, json.dumps(result[name]), flush=True)
         result["greedy_same"], result["greedy_differing_tokens"] = greedy_same(args, model, vq, backend, size, device)
     if args.figure:
         args.model.engine = "fast"
-        result["figure_captions"] = figure(args, model, fast_engine.make_engine(args.model, model, backend), vq, size,
-                                           device, args.figure)
+        result["figure_captions"] = figure(args, model, make_engine(args.model, model, backend), vq, size, device,
+                                           args.figure)
     result["seconds"] = round(time.perf_counter() - t0, 1)
     print(json.dumps(result, indent=1))
     if args.out:

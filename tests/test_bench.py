@@ -8,7 +8,7 @@ import types
 import pytest
 import torch
 
-from fast_inference import bench
+from fast_inference import bench, workload
 
 
 def fake_children(monkeypatch, fail=None):
@@ -149,11 +149,11 @@ def test_output_scaled_to_a_target_entropy(target):
     before = model.output.weight.clone()
     kw = dict(cfg_scale=4.0, top_k=100, temperature=1.0, top_p=1.0)
     with torch.no_grad():
-        scale, entropy = bench.scale_to_entropy(model, target, types.SimpleNamespace(image_size=64), kw, "cpu")
+        scale, entropy = workload.scale_to_entropy(model, target, types.SimpleNamespace(image_size=64), kw, "cpu")
         assert torch.allclose(model.output.weight, before * scale)
-        cond, mask, condition = bench.inputs(model, 1, 64, "cpu")
+        cond, mask, condition = workload.inputs(model, 1, 64, "cpu")
         torch.manual_seed(0)
-        _, logits = bench.generate(model, cond, 16, emb_masks=mask, condition=condition, return_logits=True, **kw)
+        _, logits = workload.generate(model, cond, 16, emb_masks=mask, condition=condition, return_logits=True, **kw)
     p = torch.softmax(filter_logits(torch.cat([cfg_merge(l, 4.0) for l in logits]), 1.0, 100), -1)
     measured = -(p * p.log().nan_to_num(neginf=0.0)).sum(-1).mean().item()
     assert measured == pytest.approx(entropy, abs=1e-4) and entropy == pytest.approx(target, abs=0.15)

@@ -16,7 +16,7 @@ from PIL import Image
 from safetensors.torch import save_file
 
 from conftest import ROOT
-from fast_inference import fast_engine, plan
+from fast_inference import components, fast_engine, flags, memory, pipeline, plan, settings
 from fast_inference.checkpoint import read_state_dict
 from fast_inference.conditions import draw_example
 from fast_inference.generate import generate
@@ -219,7 +219,7 @@ def test_quantize_int8(files, tmp_path, capsys):
         tokens.append(np.load(tmp_path / "t.npy"))
     assert np.array_equal(*tokens)
     args = fast_engine.parse_args([str(a) for a in t2i_argv(files, tmp_path, "--quantize", "int8")])
-    model, _ = fast_engine.build_gpt(args, torch.device("cpu"), torch.float32)
+    model, _ = components.build_gpt(args, torch.device("cpu"), torch.float32)
     assert model.output.weight.dtype == torch.int8 and model.layers[0].feed_forward.w13.dtype == torch.int8
     code, _, err = cli(capsys, *t2i_argv(files, tmp_path, "--quantize", "int8", "--compile-scope", "step"))
     assert code == 2 and err.strip() == ("error: --quantize int8 runs with --compile-scope block (the default); "
@@ -231,7 +231,7 @@ def test_compile_scope_flag(argv, block):
     """--compile-scope reaches the engine (block by default); nothing is compiled until a step runs."""
     args = fast_engine.parse_args(["--backend", "inductor", "--device", "cpu", *argv])
     model = Transformer(ModelArgs(n_layer=1, n_head=2, dim=32, caption_dim=32, block_size=4))
-    engine = fast_engine.make_engine(args, model, "inductor")
+    engine = components.make_engine(args, model, "inductor")
     assert engine.block_fn is None and plan.make(engine.situation(1, True, 1.0, True, 8)).block == block
 
 
@@ -254,7 +254,7 @@ def test_plan_overrides_and_explain(capsys):
     plan of the run for this machine or another device and exits without loading weights."""
     args = fast_engine.parse_args(["--device", "cpu", "--plan", "draw=torch"])
     model = Transformer(ModelArgs(n_layer=1, n_head=2, dim=32, caption_dim=32, block_size=4))
-    assert fast_engine.make_engine(args, model, "eager").overrides == (("draw", "torch"),)
+    assert components.make_engine(args, model, "eager").overrides == (("draw", "torch"),)
     code, _, err = cli(capsys, "--device", "cpu", "--plan", "draw=fast")
     err = err.strip().splitlines()
     assert code == 2 and len(err) == 1 and err[0].startswith("error:")
@@ -324,9 +324,9 @@ def test_prompt_file_batched(files, tmp_path, capsys, tiny_t5):  # noqa: F811
 def test_t5_prefix_is_left_fitted_like_caption_files():
     # A prompt's 120 left-padded rows, cut or padded to another prefix length as --caption-emb files are.
     x = torch.arange(6.0).reshape(1, 6, 1)
-    assert fast_engine.left_fit(x, 4).flatten().tolist() == [2, 3, 4, 5]
-    assert fast_engine.left_fit(x, 8).flatten().tolist() == [0, 0, 0, 1, 2, 3, 4, 5]
-    assert torch.equal(fast_engine.left_fit(x, 6), x)
+    assert pipeline.left_fit(x, 4).flatten().tolist() == [2, 3, 4, 5]
+    assert pipeline.left_fit(x, 8).flatten().tolist() == [0, 0, 0, 1, 2, 3, 4, 5]
+    assert torch.equal(pipeline.left_fit(x, 6), x)
 
 
 def test_condition_is_map_and_lineart_annotator(files, tmp_path, capsys):
@@ -447,7 +447,7 @@ def test_error_misc(files, tmp_path, capsys):
     expect_error(capsys, tmp_path, argv + ["--vq-model", tmp_path.parent / "vq_typo.json"], "unknown VQ argument(s) ['chh']")
     i = argv.index("--condition-path")
     expect_error(capsys, tmp_path, argv[:i] + argv[i + 2:], "--condition-path is required")
-    with pytest.raises(fast_engine.UserError):  # --debug: the exception itself, traceback and all
+    with pytest.raises(settings.UserError):  # --debug: the exception itself, traceback and all
         cli(capsys, *argv, "--image-H", "50", "--debug")
     c2i = ["--gpt-model", files["c2i_json"], "--gpt-ckpt", files["c2i_ckpt"], "--condition-path", files["seg"],
            "--condition-type", "seg", "--save-tokens", tmp_path / "t.npy"]
@@ -462,8 +462,8 @@ def test_cli_sets_the_official_scripts_tf32_flags():
     seen = []
     try:
         torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
-        fast_engine.cli_main(lambda: seen.append((torch.backends.cuda.matmul.allow_tf32,
-                                                  torch.backends.cudnn.allow_tf32)), False, fast_engine.is_user_error)
+        flags.cli_main(lambda: seen.append((torch.backends.cuda.matmul.allow_tf32,
+                                                  torch.backends.cudnn.allow_tf32)), False, flags.is_user_error)
     finally:
         torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = before
     assert seen == [(True, True)]
@@ -478,9 +478,9 @@ def test_error_subprocess_has_no_traceback(tmp_path):
 
 def test_oom_is_a_user_error():
     e = torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB")
-    assert fast_engine.is_user_error(e) and "smaller --num-images" in str(e)
-    assert not fast_engine.is_user_error(RuntimeError("a bug"))
-    assert not fast_engine.is_user_error(ValueError("a bug deep inside"))
+    assert flags.is_user_error(e) and "smaller --num-images" in str(e)
+    assert not flags.is_user_error(RuntimeError("a bug"))
+    assert not flags.is_user_error(ValueError("a bug deep inside"))
 
 
 # ---- (f) the embedded demo ---------------------------------------------------------------------------
@@ -492,7 +492,7 @@ def test_demo(tmp_path):
                        capture_output=True, text=True, cwd=tmp_path, timeout=120)
     assert r.returncode == 0, r.stderr
     assert "demo model" in r.stdout and "prompt: 'a " in r.stdout and "decode" in r.stdout and "VQ decode" in r.stdout
-    side = int(json.load(open(os.path.join(fast_engine.DEMO_DIR, "gpt.json")))["block_size"] ** 0.5) * 16
+    side = int(json.load(open(os.path.join(components.DEMO_DIR, "gpt.json")))["block_size"] ** 0.5) * 16
     k = -(-384 // side)  # a figure: the control map and the sample enlarged k times, the caption below them
     figure = np.array(Image.open(out).convert("RGB"))
     (H, W), grid_h = figure.shape[:2], (side + 4) * k
@@ -545,11 +545,11 @@ def test_demo_engines_agree_on_greedy_tokens(tmp_path, capsys):
     ("--t5-feature-max-len", "0"), ("--t5-feature-dim", "-3")])
 def test_sampling_numbers_out_of_range(files, tmp_path, flag, value):
     args = fast_engine.parse_args([str(a) for a in t2i_argv(files, tmp_path, flag, value)])
-    with pytest.raises(fast_engine.UserError) as e:
+    with pytest.raises(settings.UserError) as e:
         fast_engine.check_args(args)
     name = flag[2:].replace("-", "_")
     assert str(e.value).startswith(f"{flag} {getattr(args, name)} is out of range; use ")
-    assert fast_engine.span(name) in str(e.value)
+    assert settings.span(name) in str(e.value)
 
 
 def test_edge_values_are_accepted_and_the_help_states_every_range(files, tmp_path, capsys):
@@ -560,14 +560,14 @@ def test_edge_values_are_accepted_and_the_help_states_every_range(files, tmp_pat
         fast_engine.parse_args(["--help"])
     text = " ".join(capsys.readouterr().out.split())
     for name in ("cfg_scale", "cfg_interval", "top_k", "top_p", "temperature", "control_strength", "seed"):
-        assert f"--{name.replace('_', '-')}" in text and fast_engine.span(name) in text, name
+        assert f"--{name.replace('_', '-')}" in text and settings.span(name) in text, name
     assert "0 = greedy" in text
 
 
 def test_nan_guidance_is_one_line_and_exit_2(files, tmp_path, capsys):
     code, _, err = cli(capsys, *t2i_argv(files, tmp_path, "--cfg-scale", "nan"))
     assert code == 2 and err.strip() == "error: --cfg-scale nan is out of range; use a number 0..1000 (" + \
-        fast_engine.RANGES["cfg_scale"][2] + ")"
+        settings.RANGES["cfg_scale"][2] + ")"
     assert not (tmp_path / "grid.png").exists()
 
 
@@ -600,9 +600,9 @@ def test_huge_image_size_is_refused_before_allocation(tmp_path, capsys):
 
 
 def test_sizes_beyond_the_free_memory_are_refused(tmp_path, capsys, monkeypatch):
-    monkeypatch.setattr(fast_engine.memory, "available", lambda device: (2**20, f"{device} has 0.0 GiB free"))
+    monkeypatch.setattr(memory, "available", lambda device: (2**20, f"{device} has 0.0 GiB free"))
     code, _, err = cli(capsys, "--num-images", 4, "--out", tmp_path / "x.png")
-    size = fast_engine.model_args(fast_engine.parse_args([]))[1]  # the demo model's
+    size = components.model_args(fast_engine.parse_args([]))[1]  # the demo model's
     assert code == 2 and f"4 image(s) of {size}x{size}" in err and "0.0 GiB free" in err and "--num-images" in err, err
 
 

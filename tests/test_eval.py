@@ -352,9 +352,9 @@ def test_numbers_and_values_are_one_line(split, tmp_path, capsys):
 
 
 def test_batches_beyond_the_free_memory_are_refused(split, tmp_path, capsys, monkeypatch):
-    from fast_inference import fast_engine
+    from fast_inference import memory
 
-    monkeypatch.setattr(fast_engine.memory, "available", lambda device: (2**20, f"{device} has 0.0 GiB free"))
+    monkeypatch.setattr(memory, "available", lambda device: (2**20, f"{device} has 0.0 GiB free"))
     err = run_error(capsys, quick(split, tmp_path / "out"))
     assert "2 image(s) of 64x64" in err and "use a smaller --batch" in err
     assert not (tmp_path / "out").exists()

@@ -22,7 +22,7 @@ import torch
 import triton
 
 from fast_inference import plan
-from fast_inference.bench import weight_bytes
+from fast_inference.workload import weight_bytes
 from fast_inference.engine import run_block
 from fast_inference.kernels import block_triton
 from fast_inference.kernels.attention_triton import decode_attention

@@ -27,7 +27,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch
 
 from fast_inference import engine, plan
-from fast_inference.bench import inputs, random_gpt_xl
+from fast_inference.workload import inputs, random_gpt_xl
 from fast_inference.kernels import (attention_cuda, attention_triton, block, block_cuda, block_triton, draw_cuda,
                                     draw_triton, eager_ops_cuda, eager_ops_triton, inputs_cuda, inputs_triton, pdl,
                                     prefetch_triton)

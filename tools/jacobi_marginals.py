@@ -4,7 +4,7 @@ position, and the share of greedy tokens the two agree on.
 
     python tools/jacobi_marginals.py --images 1024 --tokens 64 --entropy 2.0
 
-Random GPT-XL (bf16) with its output layer scaled to --entropy nats (bench.scale_to_entropy), so that each position's
+Random GPT-XL (bf16) with its output layer scaled to --entropy nats (workload.scale_to_entropy), so that each position's
 tokens gather on a few hundred values and a histogram of some hundred images can tell two distributions apart; the
 first --tokens image tokens of each image (two grid rows at 512 px) at n = --batch images per call. Under the null
 (same distribution) each position's statistic exceeds its p = 0.001 bound with probability 0.001: the script prints
@@ -20,7 +20,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch
 
-from fast_inference.bench import inputs, random_gpt_xl, scale_to_entropy
+from fast_inference.workload import inputs, random_gpt_xl, scale_to_entropy
 from fast_inference.engine import Engine
 from fast_inference.speculative import DEFAULT_INIT
 

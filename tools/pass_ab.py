@@ -22,7 +22,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch
 
 from step_timeline import by_name, kernels
-from fast_inference.bench import bench_fast, bench_speculative, inputs, random_gpt_xl, scale_to_entropy
+from fast_inference.workload import bench_fast, bench_speculative, inputs, random_gpt_xl, scale_to_entropy
 from fast_inference.engine import Engine
 from fast_inference.speculative import DEFAULT_COUPLING, DEFAULT_INIT
 

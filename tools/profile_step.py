@@ -16,7 +16,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from fast_inference.bench import inputs, random_gpt_xl
+from fast_inference.workload import inputs, random_gpt_xl
 from fast_inference.engine import Engine
 
 

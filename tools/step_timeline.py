@@ -26,7 +26,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from engine_ab import MODULES, compile_settings
 from fast_inference import plan
-from fast_inference.bench import inputs, random_gpt_xl
+from fast_inference.workload import inputs, random_gpt_xl
 from fast_inference.engine import Engine
 
 BLOCK = ("_qkv_kernel", "_partial_kernel", "_merge_kernel", "_linear_kernel", "_gate_up_kernel")

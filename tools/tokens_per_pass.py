@@ -4,7 +4,7 @@ lent (issue 78). Only acceptance is measured here, not time (bench.py times pass
     python tools/tokens_per_pass.py --entropy 3 --tokens 32 --images 1 16:gumbel:none 16:pathwise:4x3
 
 Random GPT-XL t2i for 512 px images (float32 on the CPU, bf16 on CUDA), its output layer scaled to --entropy nats
-(bench.scale_to_entropy over the first --tokens tokens, cfg 4, top-k 2000), then each configuration WINDOW:COUPLING:TREE (left drafts) samples the
+(workload.scale_to_entropy over the first --tokens tokens, cfg 4, top-k 2000), then each configuration WINDOW:COUPLING:TREE (left drafts) samples the
 first --tokens image tokens of --images images (bench.inputs, seed 0) and prints its tokens per pass.
 """
 import argparse
@@ -16,7 +16,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch
 
-from fast_inference.bench import inputs, scale_to_entropy
+from fast_inference.workload import inputs, scale_to_entropy
 from fast_inference.draft_tree import parse_tree
 from fast_inference.engine import Engine
 from fast_inference.model import ModelArgs, Transformer

@@ -17,7 +17,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch
 
-from fast_inference.bench import inputs
+from fast_inference.workload import inputs
 from fast_inference.engine import Engine
 from fast_inference.model import ModelArgs, Transformer
 
@@ -30,7 +30,7 @@ def main():
     p.add_argument("--plans", nargs="+", default=["window_attention=triton,window_inputs=triton"],
                    help="plan overrides of the speculative engine, one comma-separated set per run")
     args = p.parse_args()
-    with torch.device("cuda"):  # bench.random_gpt_xl's model, in float32
+    with torch.device("cuda"):  # workload.random_gpt_xl's model, in float32
         model = Transformer(ModelArgs.from_name("GPT-XL", block_size=1024, condition_type="hed"))
     model.eval().requires_grad_(False)
     cond, mask, condition = inputs(model, args.images, 512, "cuda")
