@@ -144,3 +144,53 @@ def test_the_gpu_trained_demo_model_loads_and_predicts_held_out_scenes():
         loss = train_demo.gpt_loss(model.eval(), encoder, vq, range(4), types, np.zeros(4, bool), tokens, preset,
                                    torch.device("cpu"), split="val").item()
     assert loss < 2.0, loss
+
+
+def test_entry_weights_mark_each_regions_first_tokens_in_raster_order():
+    """--entry-weight: the first ENTRY_TOKENS tokens of each shape and of the background, by each token's centre pixel
+    in raster order, weigh `weight`; every other token 1. Checked against the regions counted token by token."""
+    batch = scenes.scenes(range(6), "test")
+    size, grid = 128, 8
+    w = train_demo.entry_weights(batch, size, grid, 5.0, "cpu")
+    label, inside = scenes.labels(batch, size)
+    step = size // grid
+    for b in range(len(batch)):
+        seen, expected = {}, []
+        for i in range(grid):
+            for j in range(grid):
+                y, x = i * step + step // 2, j * step + step // 2
+                shapes = [k for k in range(inside.shape[1]) if inside[b, k, y, x]]
+                region = ("shape", shapes[0]) if shapes else ("ground", int(label[b, y, x] == 1))
+                seen[region] = seen.get(region, 0) + 1
+                expected.append(5.0 if seen[region] <= train_demo.ENTRY_TOKENS else 1.0)
+        assert w[b].tolist() == expected, b
+    assert (w == 5.0).any() and (w == 1.0).any()
+
+
+def test_the_entry_weight_changes_the_loss_only_where_asked():
+    """gpt_loss with entry_weight 1 is the plain mean; another weight is the weighted mean of the same per-token
+    losses (so the weights reach the loss: a weight applied nowhere, or everywhere, fails)."""
+    torch.manual_seed(0)
+    preset = train_demo.PRESETS["test"]
+    model = Transformer(ModelArgs(**train_demo.gpt_args(preset, dict(codebook_size=64, z_channels=32))))
+    train_demo.init_gpt(model)
+    torch.nn.init.normal_(model.output.weight, std=0.5)  # the official init zeroes it: every token would score ln V
+    encoder = demo_text.DemoTextEncoder(model.args.caption_dim, model.args.cls_token_num)
+    n = preset["size"] // 16
+    tokens = torch.randint(0, 64, (2, n * n))
+    args = (model.eval(), encoder, None, range(2), ["canny", "seg"], np.zeros(2, bool), tokens, preset,
+            torch.device("cpu"))
+    with torch.no_grad():
+        plain = train_demo.gpt_loss(*args).item()
+        weighted = train_demo.gpt_loss(*args, entry_weight=4.0).item()
+        batch = scenes.scenes(range(2), "train")
+        rgb = scenes.render(batch, preset["size"])
+        maps = train_demo.control_maps(batch, ["canny", "seg"], rgb, preset["size"], torch.device("cpu"))
+        prefix, mask, controls = train_demo.gpt_inputs(model, encoder, batch, maps, ["canny", "seg"],
+                                                       torch.zeros(2, dtype=torch.bool))
+        per = torch.nn.functional.cross_entropy(
+            train_demo.teacher_forced_logits(model, prefix, mask, controls, tokens).flatten(0, 1), tokens.flatten(),
+            reduction="none").view(tokens.shape)
+        w = train_demo.entry_weights(batch, preset["size"], n, 4.0, "cpu")
+    assert abs(plain - per.mean().item()) < 1e-5
+    assert abs(weighted - ((per * w).sum() / w.sum()).item()) < 1e-5 and abs(weighted - plain) > 1e-4

@@ -10,8 +10,13 @@ forward as in training, canny control, nothing dropped) under its true caption a
   other control        another scene's control map
   dropped both         the null caption and no control (the CFG branch)
 Reported over all tokens, tokens inside a shape (the centre pixel's), and the first ENTRY_TOKENS tokens of each
-region in raster order, where a colour is decided (scripts/train_demo.py's entry_weights). A model that binds each
-colour to its shape loses clearly more under "colours rotated" than under the true caption on those tokens.
+region in raster order (scripts/train_demo.py's entry_weights), where its colour is decided: the shapes' and the
+background's. A model that binds each colour to its shape loses clearly more under "colours rotated" than under the
+true caption on the shapes' first tokens.
+
+--kinds: whether the control adapter's features tell a shape's kind where its colour is decided: a linear probe
+(logistic regression) fitted on the features of 640 train scenes' shapes' first tokens (canny), its accuracy on
+256 test scenes' beside the majority kind's share, and the same over all of the shapes' tokens.
 """
 import argparse
 import copy
@@ -65,18 +70,65 @@ def background_recoloured(s):
     return s
 
 
+def kind_features(model, split, n, size, device):
+    """(features, kinds) of the shapes' first tokens and (features, kinds) of all their tokens, over n scenes."""
+    first, every = ([], []), ([], [])
+    for start in range(0, n, 32):
+        batch = scenes.scenes(range(start, min(n, start + 32)), split)
+        rgb = scenes.render(batch, size, device)
+        types = ["canny"] * len(batch)
+        with torch.no_grad():
+            feats = train_demo.control_features(model, train_demo.control_maps(batch, types, rgb, size, device), types)
+        _, inside = scenes.labels(batch, size, device)
+        entry = train_demo.entry_weights(batch, size, size // 16, 2.0, device) > 1
+        for b, s in enumerate(batch):
+            for k, shape in enumerate(s.shapes):
+                tokens = inside[b, k][8::16, 8::16].flatten()
+                for (xs, ys), sel in ((first, tokens & entry[b]), (every, tokens)):
+                    xs.append(feats[b, sel])
+                    ys.append(torch.full((int(sel.sum()),), scenes.KINDS.index(shape.kind), device=device))
+    return [(torch.cat(xs), torch.cat(ys)) for xs, ys in (first, every)]
+
+
+def probe_accuracy(train, test, steps=500):
+    """A logistic regression of kinds on standardised features, fitted on train; its accuracy on test."""
+    (x, y), (xt, yt) = train, test
+    mu, sd = x.mean(0), x.std(0) + 1e-5
+    w = torch.zeros(x.shape[1], len(scenes.KINDS), device=x.device, requires_grad=True)
+    b = torch.zeros(len(scenes.KINDS), device=x.device, requires_grad=True)
+    opt = torch.optim.Adam([w, b], lr=1e-2)
+    for _ in range(steps):
+        loss = F.cross_entropy((x - mu) / sd @ w + b, y) + 1e-3 * (w**2).sum()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    return (((xt - mu) / sd @ w + b).argmax(1) == yt).float().mean().item()
+
+
+def kinds(model, size, device):
+    train, test = kind_features(model, "train", 640, size, device), kind_features(model, "test", 256, size, device)
+    for name, tr, te in (("shapes' first tokens", train[0], test[0]), ("all the shapes' tokens", train[1], test[1])):
+        majority = torch.bincount(te[1]).max().item() / len(te[1])
+        print(f"kind from the adapter's features, {name}: {probe_accuracy(tr, te):.3f} on {len(te[1])} test tokens "
+              f"(majority {majority:.3f})")
+
+
 @torch.no_grad()
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--model", required=True, help="folder of gpt.json, gpt.safetensors, vq.json, vq.safetensors")
     p.add_argument("--num", type=int, default=32, help="test scenes of two or more shapes")
     p.add_argument("--device", default="cpu")
+    p.add_argument("--kinds", action="store_true", help="also the linear probe of kinds on the adapter's features")
     args = p.parse_args(argv)
     device = torch.device(args.device)
     model, vq, margs = load(args.model, device)
+    size = 16 * int(margs["block_size"] ** 0.5)
+    if args.kinds:
+        with torch.enable_grad():
+            kinds(model, size, device)
     encoder = demo_text.DemoTextEncoder(margs["caption_dim"], margs["cls_token_num"])
     batch = [s for s in scenes.scenes(range(10 * args.num), "test") if len(s.shapes) >= 2][: args.num]
-    size = 16 * int(margs["block_size"] ** 0.5)
     rgb = scenes.render(batch, size, device)
     tokens = vq.encode(scenes.to_model_range(rgb))
     types = ["canny"] * len(batch)
@@ -99,10 +151,13 @@ def main(argv=None):
              ("other control", nats(batch, maps.roll(1, 0))),
              ("dropped both", nats(batch, maps, drop=True))]
     print(f"{args.model}: {len(batch)} test scenes, {size} px, nats per token (teacher forced)")
-    print(f"| inputs | all | inside shapes ({int(in_shape.sum())}) | regions' first tokens ({int(entry.sum())}) |")
-    print("|---|---|---|---|")
+    first_in_shape, first_outside = entry & in_shape, entry & ~in_shape
+    print(f"| inputs | all | inside shapes ({int(in_shape.sum())}) | shapes' first tokens ({int(first_in_shape.sum())}) "
+          f"| background's first tokens ({int(first_outside.sum())}) |")
+    print("|---|---|---|---|---|")
     for name, v in cases:
-        print(f"| {name} | {v.mean():.3f} | {v[in_shape].mean():.3f} | {v[entry].mean():.3f} |")
+        print(f"| {name} | {v.mean():.3f} | {v[in_shape].mean():.3f} | {v[first_in_shape].mean():.3f} "
+              f"| {v[first_outside].mean():.3f} |")
 
 
 if __name__ == "__main__":

@@ -47,7 +47,8 @@ usage: tools/gpu_session.sh STEP...      (steps run in order; each writes OUT/<s
   serve   the server's tests on the GPU, then the server under load at GPT-XL shapes (random weights, 512 px): 32
           clients, 200 requests, images/s and latency p50/p95, against fast_eval.py --batch 32 over the same inputs
           and one image through fast_engine.py against a lone request, in one run (tools/load_serve.py --compare;
-          OUT/serve.json)
+          OUT/serve.json). The device has no package index: first, here, pip download -d .whl --only-binary=:all:
+          --python-version 3.12 -r requirements-serve.txt, and carry .whl in the device call
 
 OUT (default sample/gpu) receives the logs; PYTHON picks the interpreter.
 USAGE
@@ -212,6 +213,12 @@ step_ownpos() {
 }
 
 step_serve() {
+    # the device has no index: the serving packages come from wheels carried in .whl (see the step's help)
+    if ! "$py" -c "import starlette, uvicorn" 2>/dev/null; then
+        "$py" -m pip install -q --no-index --find-links "$root/.whl" -r "$root/requirements-serve.txt" || {
+            echo "error: no Starlette/uvicorn on the device: fill .whl (see the serve step's help) and carry it" >&2
+            return 2; }
+    fi
     (cd "$root" && "$py" -m pytest -q -p no:cacheprovider tests/test_continuous.py tests/test_scheduler.py)
     "$py" "$here/load_serve.py" --clients 32 --requests 200 --size 512 --compare --eval-batch 32 \
         --json "$out/serve.json" -- --gpt-model GPT-XL
