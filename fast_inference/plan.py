@@ -4,7 +4,8 @@ This module is the ONE place that chooses. `make` takes the situation (backend a
 what builds on it, the model's shapes and dtype, int8, top-p, the rows the steps run at) and returns a `Plan` that
 names, for each operation, one implementation of kernels/ (or torch's op, or inductor's compiled code), with the
 launch settings (PDL) that go with it. The engine only executes a plan; the kernels consult no globals and no
-environment. `explain` prints a plan (`fast_engine.py --explain`); `table` is the README's backend x rows table.
+environment. `explain` prints a plan (`fast_engine.py --explain`); `table` is docs/decode_plan.md's backend x rows
+table.
 
 Overrides (A/Bs, and what the FAST_* switches once did) are plan fields set by name: `--plan KEY=VALUE` on the
 command lines, or CONTROLAR_PLAN="KEY=VALUE,KEY=VALUE" in the environment (OVERRIDES lists them; a value the
@@ -45,9 +46,9 @@ WHOLE_ROWS = range(64, 97)  # the attention's one-program-per-(row, head) form (
 # 32 rows, 2.132 -> 2.410, and from 112: #48, #54)
 CUDA_LOOP_ROWS = 4  # attention_cuda stages whole slices up to here, loops over them above (#76-#78)
 CACHE_WINDOWS = 8  # SDPA without a decode attention kernel reads one of 8 static windows of the cache (ebb74cb)
-WINDOW_KERNELS = True  # rows at their own positions (a pass, a server's step): a pass of 16 at n = 1 2.86 -> 2.37 steps (#75)
+WINDOW_KERNELS = True  # rows at their own positions (a pass, a server's step): a pass beat SDPA's at n = 1-32 (#75)
 PASS_FUSED_ROWS = 32  # window_block=fused up to here (the dot path's rows in registers, built for sm_90 unspilled)
-VERIFY_KERNELS = True  # a pass's verify in verify_triton's kernels: n = 8 3.38 -> 3.04 ms a pass over torch's ops (#75)
+VERIFY_KERNELS = True  # a pass's verify in verify_triton's kernels: faster than speculative.py's ops at n = 1, 8 (#75)
 # --speculative jacobi's tok/s over plain steps as measured on an H200 (GPT-XL 512 px, 3 nats, L = 16, left drafts,
 # gumbel coupling; tools/pass_ab.py), by (the window kernels on, images); a batch takes the largest measured n at or
 # below its own.
@@ -660,7 +661,7 @@ PDL_NAMES = {NONE: "no PDL", EARLY: "PDL early", LATE: "PDL late", FIRST: "PDL f
 
 
 def describe_rows(p, r):
-    """{column: text} of the steps at Rows r, in the README table's words."""
+    """{column: text} of the steps at Rows r, in docs/decode_plan.md's table's words."""
     if p.block == "fused":
         kinds = sorted({proj.impl for _, proj in r.projections})
         cuda = [name for name, proj in r.projections if proj.impl == "cuda"]
@@ -764,7 +765,7 @@ def explain_server(s):
     return f"  {'server steps':<14}{describe_own_positions(o)}"
 
 
-# The README's table: one model (GPT-XL t2i 512 px) under CFG, each backend on each device class, by images.
+# docs/decode_plan.md's table: one model (GPT-XL t2i 512 px) under CFG, each backend on each device class, by images.
 TABLE_DEVICES = (("Hopper (sm_90), bf16", dict(device="cuda", capability=(9, 0), dtype=torch.bfloat16)),
                  ("Ampere (sm_80), bf16", dict(device="cuda", capability=(8, 0), dtype=torch.bfloat16)),
                  ("CPU, fp32", dict(device="cpu", dtype=torch.float32)))
@@ -772,8 +773,8 @@ TABLE_IMAGES = ((1, 1), (2, 2), (3, 8), (9, 31), (32, 32), (33, 48), (49, 64))
 
 
 def table():
-    """The README's backend x rows table (a test holds the README to it): for n images under CFG (2n rows), the block
-    and attention of the steps, the draw and the inputs; ranges of n that run the same are one line."""
+    """docs/decode_plan.md's backend x rows table (a test holds the page to it): for n images under CFG (2n rows), the
+    block and attention of the steps, the draw and the inputs; ranges of n that run the same are one line."""
     out = ["| backend | device | images (rows) | block | attention | draw | inputs |", "|---|---|---|---|---|---|---|"]
     for backend in BACKENDS:
         for label, kw in TABLE_DEVICES:
