@@ -29,7 +29,13 @@ usage: tools/gpu_session.sh STEP...      (steps run in order; each writes OUT/<s
           default 2800, on the VQ in DEMO_VQ), resume (goes on with the run in DEMO_RUN, default /root/demo_run,
           which lasts while the machine is warm); returns OUT/demo/ (the log, the weights cut in 15 MB parts:
           cat gpt.safetensors.part.* > gpt.safetensors) and with DEMO_EVAL=1 scripts/eval_demo.py's measures
-          (OUT/demo_eval.json, OUT/demo_model.png)
+          (OUT/demo_eval.json, OUT/demo_model.png) and tools/demo_binding.py's (OUT/demo_binding.txt).
+          DEMO_GPT_FROM (gpt): start from a trained GPT folder; DEMO_ENTRY_WEIGHT (gpt and resume): --entry-weight.
+          Issue 77's owed run, three calls while the machine stays warm:
+              DEMO_PHASE=gpt DEMO_VQ=checkpoints/demo_gpu DEMO_GPT_FROM=checkpoints/demo_gpu DEMO_ENTRY_WEIGHT=8 \
+                  DEMO_GPT_STEPS=5000 DEMO_SECONDS=470 tools/gpu_session.sh demo
+              DEMO_PHASE=resume DEMO_ENTRY_WEIGHT=8 DEMO_SECONDS=500 tools/gpu_session.sh demo      # twice, the
+              second with DEMO_EVAL=1
   ownpos  the window kernels and the fused verify (issue 75) in one call of < 9 min of an H100:
               OUT=/some/dir tools/gpu_session.sh ownpos
           1. their CUDA tests (tests/test_window_attention.py, test_own_positions.py, test_verify_triton.py -k cuda;
@@ -228,11 +234,12 @@ step_demo() {
     # The run's state stays in DEMO_RUN, outside OUT: it lasts while the machine is warm, so the next call resumes.
     local run=${DEMO_RUN:-/root/demo_run} phase=${DEMO_PHASE:?set DEMO_PHASE to vq, gpt or resume} f
     local train=("$py" "$root/scripts/train_demo.py" --preset gpu --device cuda --log-every 100 --out "$run"
-                 --time-limit "${DEMO_SECONDS:-480}")
+                 --time-limit "${DEMO_SECONDS:-480}" --entry-weight "${DEMO_ENTRY_WEIGHT:-1}")
     mkdir -p "$run" "$out/demo"
     case $phase in
         vq) "${train[@]}" --phase vq --vq-steps "${DEMO_VQ_STEPS:-3000}" ;;
-        gpt) "${train[@]}" --phase gpt --gpt-steps "${DEMO_GPT_STEPS:-2800}" --vq-from "${DEMO_VQ:?set DEMO_VQ to a trained VQ folder}" ;;
+        gpt) "${train[@]}" --phase gpt --gpt-steps "${DEMO_GPT_STEPS:-2800}" --vq-from "${DEMO_VQ:?set DEMO_VQ to a trained VQ folder}" \
+                 ${DEMO_GPT_FROM:+--gpt-from "$DEMO_GPT_FROM"} ;;
         resume) "${train[@]}" --phase gpt --resume ;;
         *) echo "error: DEMO_PHASE $phase: use vq, gpt or resume" >&2; return 2 ;;
     esac || return
@@ -246,6 +253,7 @@ step_demo() {
         "$py" "$root/scripts/eval_demo.py" --device cuda --gpt-model "$run/gpt.json" --gpt-ckpt "$run/gpt.safetensors" \
             --vq-model "$run/vq.json" --vq-ckpt "$run/vq.safetensors" --out "$out/demo_eval.json" \
             --figure "$out/demo_model.png"
+        "$py" "$here/demo_binding.py" --model "$run" --device cuda --kinds | tee "$out/demo_binding.txt"
     fi
 }
 
