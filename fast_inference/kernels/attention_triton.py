@@ -370,8 +370,9 @@ def config_for(rows):
 # Row r holds seqlens[r] filled keys before its window (cache_seqlens, as FlashAttention's flash_attn_with_kvcache);
 # its window's L keys sit at cache positions seqlens[r] .. seqlens[r] + L - 1, and query j sees the filled keys that
 # key_valid lets it and window key i where bit i of masks[r, j] is set (a chain: bits 0..j; a draft tree: its
-# ancestors). Each program reads one tile of a row's keys for all L queries (two tensor-core dots), so the keys are
-# read once per pass whatever L is. A query must see at least one key (its own bit).
+# ancestors). Each program reads its split's tiles of a row's keys for all L queries (two tensor-core dots a tile), so
+# the keys are read once per pass whatever L is; a row's splits are merged by the last of them to finish (fold) or by a
+# second kernel. A query must see at least one key (its own bit).
 WINDOW_CONFIG = (64, 4, 4)  # (BLOCK, warps, merge warps): a first guess, to be measured on a GPU (issue 75)
 MAX_WINDOW = 64  # a query's mask is one int64
 WINDOW_PROGRAMS = 256  # the fold form's least programs at the full cache: two per SM of an H100/H200, a guess (#75)
