@@ -66,6 +66,16 @@ def vq_kernels(vq, backend, device, overrides=()):
     return vq.use_kernels(group_norm_triton if use else None)
 
 
+def window_attention(p):
+    """A pass's or a server step's attention (the plan's JacobiPass or OwnPositions): the Triton window attention in
+    the form of its splits, or None (SDPA with each row's mask)."""
+    if p.attention != "triton":
+        return None
+    if p.splits == "fold":
+        return attention_triton.window_attention
+    return functools.partial(attention_triton.window_attention, fold=False)
+
+
 def run_block(layer, x, freqs, attend, input_pos, ops=TORCH_OPS, down=False, down_pdl=0, progress=None):
     """A block as the model's Context.block: the layer itself with its element-wise ops; with down, its w2 and
     residual add as block_triton's kernel (launched in PDL mode down_pdl, counted for a prefetcher's progress). The
@@ -225,7 +235,7 @@ class Engine:
         block = (functools.partial(fused_block, rows=j.rows) if j.block == "fused" else
                  self.compiled_block() if j.block == "compiled" else None)
         r.pass_ctx = Context(ops=ops, block=block, block_adds_control=j.block == "fused",
-                             attention=attention_triton.window_attention if j.attention == "triton" else None)
+                             attention=window_attention(j))
         r.pass_inputs = inputs_triton.window_inputs if j.inputs == "triton" else None
         r.verify = verify_triton if j.verify == "triton" else None
         if j.head == "compiled":
@@ -430,7 +440,7 @@ class Engine:
         r = ContinuousRunner(self.model, p, num_tokens, prefix_len, num_controls)
         own = p.own_positions
         r.ctx = Context(ops=eager_ops(own.ops), block=self.compiled_block() if own.block == "compiled" else None,
-                        attention=attention_triton.window_attention if own.attention == "triton" else None)
+                        attention=window_attention(own))
         r.inputs_fn = inputs_triton.window_inputs if own.inputs == "triton" else None
         if own.head == "compiled":
             if self.compiled_logits is None:

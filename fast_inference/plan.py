@@ -48,6 +48,10 @@ CUDA_LOOP_ROWS = 4  # attention_cuda stages whole slices up to here, loops over 
 CACHE_WINDOWS = 8  # SDPA without a decode attention kernel reads one of 8 static windows of the cache (ebb74cb)
 WINDOW_KERNELS = True  # rows at their own positions (a pass, a server's step): a pass beat SDPA's at n = 1-32 (#75)
 PASS_FUSED_ROWS = 32  # window_block=fused up to here (the dot path's rows in registers, built for sm_90 unspilled)
+# the window attention's splits folded into one launch (attention_triton.window_attention, fold): a row of one split
+# writes its output, of several its last split merges them; the same key bytes as a split per tile + the merge kernel,
+# one launch fewer; off until a GPU has run its CUDA tests (the counters' ordering) and timed it (window_splits=fold)
+WINDOW_FOLD = False
 VERIFY_KERNELS = True  # a pass's verify in verify_triton's kernels: faster than speculative.py's ops at n = 1, 8 (#75)
 # --speculative jacobi's tok/s over plain steps as measured on an H200 (GPT-XL 512 px, 3 nats, L = 16, left drafts,
 # gumbel coupling; tools/pass_ab.py), by (the window kernels on, images); a batch takes the largest measured n at or
@@ -162,6 +166,7 @@ class JacobiPass:
     attention: str = "sdpa"  # sdpa (each row's mask over the cache) | triton (attention_triton.window_attention)
     inputs: str = "model"  # model (the embedding; RoPE and control rows gathered by the model) | triton (window_inputs)
     rows: Optional[Rows] = None  # the fused block's projections at the pass's rows (block fused)
+    splits: str = "fold"  # attention triton: fold (one launch, window_tiles' splits) | merge (a split per tile + merge)
     verify: str = "torch"  # torch (speculative.py's ops over (images, L, V)) | triton (kernels/verify_triton.py)
 
 
@@ -179,6 +184,7 @@ class OwnPositions:
     buckets: tuple  # the image counts steps run at: the smallest that holds every occupied slot
     attention: str = "sdpa"  # as JacobiPass's, at a window of one query per row
     inputs: str = "model"
+    splits: str = "fold"  # as JacobiPass's
 
 
 @dataclass(frozen=True)
@@ -229,6 +235,7 @@ OVERRIDES = dict(
     merge_pdl=("on", "off"),
     window_attention=("sdpa", "triton"),  # a pass's and a server step's attention (WINDOW_KERNELS)
     window_inputs=("model", "triton"),  # ... and their inputs
+    window_splits=("fold", "merge"),  # the window attention in one launch, or a split per tile + merge (WINDOW_FOLD)
     window_block=("compiled", "fused"),  # a pass's block: inductor's, or the fused kernels at its rows (with the above)
     verify=("torch", "triton"),  # a pass's verify: speculative.py's ops, or verify_triton's kernels (VERIFY_KERNELS)
     jacobi=("auto", "on"),  # --speculative jacobi: plain steps where the pass measured a loss (PASS_GAINS), or always
@@ -378,7 +385,8 @@ def window_kernels(s, want):
     if inputs == "triton" and not ok:
         raise PlanError("plan override window_inputs=triton needs Triton on a CUDA device (not the cudagraph backend); "
                         "use window_inputs=model")
-    return attention, inputs, want.get("window_block", "compiled")
+    splits = want.get("window_splits", "fold" if WINDOW_FOLD else "merge")
+    return attention, inputs, want.get("window_block", "compiled"), splits
 
 
 def jacobi_pass(s, block_scope, hand_capture, eager, window, want):
@@ -407,7 +415,8 @@ def jacobi_pass(s, block_scope, hand_capture, eager, window, want):
             block, rows = "fused", pass_rows(s.rows * s.draft_window)
     return JacobiPass(window=s.draft_window, nodes=nodes, block=block, head="compiled" if compiled else "model",
                       ops=EagerOps() if compiled else dataclasses.replace(eager, rope="torch"), graph=hand_capture,
-                      attention=window[0], inputs=window[1], rows=rows, verify=choose_verify(s, want))
+                      attention=window[0], inputs=window[1], rows=rows, splits=window[3],
+                      verify=choose_verify(s, want))
 
 
 def choose_verify(s, want):
@@ -466,7 +475,7 @@ def own_positions(s, eager, window):
     return OwnPositions(block="compiled" if compiled else "model", head="compiled" if compiled else "model",
                         ops=EagerOps() if compiled else dataclasses.replace(eager, rope="torch"),
                         graph=s.cuda and s.backend != "eager", buckets=buckets, attention=window[0],
-                        inputs=window[1])
+                        inputs=window[1], splits=window[3])
 
 
 def block_pdl(s, rows):
@@ -730,7 +739,7 @@ def explain(p):
                   "compiled" if j.block == "compiled" else "eager")
         tree = f" in a {s.draft_tree[0]}x{s.draft_tree[1]} draft tree of {j.nodes} nodes" if s.draft_tree else ""
         row("speculative", f"Jacobi passes of {j.window} positions{tree}: {s.rows * j.nodes} rows through the "
-            f"{blocks} blocks and {WINDOW_WORDS[j.attention]}, inputs "
+            f"{blocks} blocks and {window_words(j)}, inputs "
             f"{INPUT_WORDS[j.inputs]}, {'one CUDA graph' if j.graph else 'op by op'}; {describe_ops(j.ops)}")
         row("verify", VERIFY_WORDS[j.verify])
     if p.plain_instead:
@@ -740,6 +749,15 @@ def explain(p):
 
 
 WINDOW_WORDS = dict(sdpa="SDPA with each row's mask", triton="the Triton window attention (each row's keys once)")
+SPLIT_WORDS = dict(fold="in one launch, its splits merged by each row's last",
+                   merge="a split per tile and a merge kernel")
+
+
+def window_words(p):
+    """A pass's or a server step's attention for explain: WINDOW_WORDS, and the Triton form's splits."""
+    return WINDOW_WORDS[p.attention] + (f", {SPLIT_WORDS[p.splits]}" if p.attention == "triton" else "")
+
+
 INPUT_WORDS = dict(model="by the model's ops", triton="in one Triton kernel (window_inputs)")
 VERIFY_WORDS = dict(torch="speculative.py's ops over (images, L, V) tensors (CFG, top-k/top-p, softmax, races)",
                     triton="three Triton kernels (verify_triton: CFG, top-k, softmax's sums, the accept test's p, "
@@ -754,7 +772,7 @@ def describe_own_positions(o):
     """The server step's line of explain."""
     blocks = "compiled" if o.block == "compiled" else "eager"
     runs = "a CUDA graph per step size" if o.graph else "op by op"
-    return (f"each row at its own position (a server's batch): the {blocks} blocks and {WINDOW_WORDS[o.attention]}, "
+    return (f"each row at its own position (a server's batch): the {blocks} blocks and {window_words(o)}, "
             f"inputs {INPUT_WORDS[o.inputs]}, {runs} ({'/'.join(map(str, o.buckets))} images); each request's draws "
             f"from its own generator; {describe_ops(o.ops)}")
 

@@ -11,7 +11,8 @@ import torch
 
 import early
 import interpret
-from fast_inference import plan
+from fast_inference import engine, plan
+from fast_inference.kernels import attention_triton
 
 pytest.importorskip("triton")
 
@@ -37,6 +38,16 @@ def test_the_plan_takes_them_by_its_default_and_by_the_overrides():
     assert p.jacobi.block == "compiled" and p.jacobi.rows is None
     with pytest.raises(plan.PlanError, match="window_block=fused needs"):
         plan.make(dataclasses.replace(hopper, overrides=(("window_attention", "sdpa"), ("window_block", "fused"))))
+    # the window attention's splits: folded into its one launch by default, the merge kernel's form by the override
+    assert p.jacobi.splits == ("fold" if plan.WINDOW_FOLD else "merge") and "one launch" in plan.explain(
+        plan.make(dataclasses.replace(hopper, overrides=on + (("window_splits", "fold"),))))
+    merge = on + (("window_splits", "merge"),)
+    p = plan.make(dataclasses.replace(hopper, overrides=merge))
+    server = plan.make(dataclasses.replace(hopper, overrides=merge, draft_window=0, own_positions=True)).own_positions
+    assert p.jacobi.splits == server.splits == "merge" and "a merge kernel" in plan.explain(p)
+    assert engine.window_attention(p.jacobi).keywords == dict(fold=False)
+    assert engine.window_attention(dataclasses.replace(p.jacobi, splits="fold")) is attention_triton.window_attention
+    assert engine.window_attention(off.jacobi) is None
     for where in (dict(device="cpu", capability=None), dict(backend="cudagraph", draft_window=0, own_positions=True),
                   dict(dim=80 * 20)):  # no Triton on CUDA, the cudagraph backend, a head dim of 80
         with pytest.raises(plan.PlanError, match="window_attention=triton needs"):

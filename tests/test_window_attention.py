@@ -38,9 +38,10 @@ def reference(q, k, v, key_valid, seqlens, masks, text_len=0):
     return torch.softmax(s, -1) @ v[:R].double()
 
 
-def case(R, H, N, L, seqlens, block, dtype=torch.float32, tree=False, text_len=0, cfg=False, seed=0, device="cpu"):
+def case(R, H, N, L, seqlens, block, dtype=torch.float32, tree=False, text_len=0, cfg=False, seed=0, device="cpu",
+         form=None):
     # -> the largest difference from the reference over the queries inside the cache, and the same with the
-    # kernel given positions one too far (a planted off-by-one: it must show)
+    # kernel given positions one too far (a planted off-by-one: it must show); form: window_attention's fold/splits
     g = torch.Generator().manual_seed(seed)
     hd = 32
     q = torch.randn(R, H, L, hd, generator=g).to(dtype)
@@ -67,7 +68,8 @@ def case(R, H, N, L, seqlens, block, dtype=torch.float32, tree=False, text_len=0
     to = lambda t: t.to(device) if torch.is_tensor(t) else t
     args = [to(t) for t in (q, k, v, key_valid)]
     text = None if text is None else tuple(to(t) for t in text)
-    got = da.window_attention(*args, to(seqlens), to(masks), text=text, config=(block, 4, 1)).cpu()
+    form = form or {}
+    got = da.window_attention(*args, to(seqlens), to(masks), text=text, config=(block, 4, 1), **form).cpu()
     assert got.transpose(1, 2).is_contiguous() or device != "cpu"
     want = reference(q, k.nan_to_num(0.0), v, key_valid, seqlens, masks, text_len)
     inside = (seqlens[:, None] + torch.arange(L) < N)[:, None, :, None]  # queries inside the cache
@@ -77,7 +79,7 @@ def case(R, H, N, L, seqlens, block, dtype=torch.float32, tree=False, text_len=0
         model = torch.nn.functional.scaled_dot_product_attention(q.double(), k[:R].double(), v[:R].double(),
                                                                  attn_mask=attention_mask(key_valid, pos))
         worst = max(worst, (got.double() - model).abs().max().item())
-    off = da.window_attention(*args, to(seqlens + 1), to(masks), text=text, config=(block, 4, 1)).cpu()
+    off = da.window_attention(*args, to(seqlens + 1), to(masks), text=text, config=(block, 4, 1), **form).cpu()
     planted = (off.double() - want).abs().masked_fill(~inside, 0).nan_to_num(float("inf")).max().item()
     return worst, planted
 
@@ -94,15 +96,25 @@ CASES = [
 ]
 
 
+# window_attention's forms: a split per tile and the merge kernel (window_splits=merge); the fold form with one split
+# over the cache (every row writes its output), with splits of two tiles (short rows one split, long ones merged by
+# their last split, in one launch), with a split per tile (many merged), and as window_tiles chooses
+FORMS = [dict(fold=False), dict(splits=1), dict(splits=2), dict(splits=99), {}]
+
+
 def run_cases(device="cpu"):
-    worst, planted = 0.0, float("inf")
-    for R, H, N, L, seqlens, block, kw in CASES:
-        w, p = case(R, H, N, L, seqlens, block, device=device, **kw)
-        tol = 2e-2 if kw.get("dtype") == torch.bfloat16 else 1e-5
-        assert w < tol, (R, H, N, L, seqlens, kw, w)
-        planted = min(planted, p)
-        worst = max(worst, w if tol < 1e-4 else 0.0)
-    return worst, planted
+    # the worst float32 difference over every case and form, and the least planted difference of each form
+    worst, planted = 0.0, []
+    for form in FORMS:
+        least = float("inf")
+        for R, H, N, L, seqlens, block, kw in CASES:
+            w, p = case(R, H, N, L, seqlens, block, device=device, form=form, **kw)
+            tol = 2e-2 if kw.get("dtype") == torch.bfloat16 else 1e-5
+            assert w < tol, (form, R, H, N, L, seqlens, kw, w)
+            least = min(least, p)
+            worst = max(worst, w if tol < 1e-4 else 0.0)
+        planted.append(least)
+    return worst, min(planted)
 """
 
 SCRIPT = r"""
@@ -146,6 +158,7 @@ interpreter.InterpreterBuilder.create_dot = lambda self, a, b, *args: dot(self, 
 interpreter.InterpreterBuilder.cast_impl = cast_impl
 """ + CHECK + r"""
 worst, planted = run_cases()
+assert all(not c.any() for c in da._COUNTS.values()), "the fold form left a count set: the next launch would misread it"
 print(worst, planted)
 """
 
@@ -163,6 +176,19 @@ def test_window_attention_matches_torch_in_interpreter():
     check(early.result(SCRIPT, interpret.ENV))
 
 
+def test_window_tiles_leave_enough_programs():
+    """The fold form's split size: the most tiles (a power of two) that leave WINDOW_PROGRAMS programs at the full
+    cache; one split (no partials) where the rows alone give that many; a tile each where even that gives fewer."""
+    from fast_inference.kernels import attention_triton as da
+
+    least = da.WINDOW_PROGRAMS
+    for pairs, tiles in ((40, 17), (320, 17), (8, 3), (40, 1), (least, 40), (least // 2, 5)):
+        per = da.window_tiles(pairs, tiles)
+        assert per == 1 or pairs * -(-tiles // per) >= least, (pairs, tiles, per)
+        assert per >= tiles or pairs * -(-tiles // (per * 2)) < least, (pairs, tiles, per)
+    assert da.window_tiles(least, 40) >= 40 and da.window_tiles(8, 3) == 1
+
+
 @pytest.mark.skipif("not __import__('torch').cuda.is_available()", reason="needs a CUDA device")
 def test_window_attention_matches_torch_on_cuda():
     out = subprocess.run([sys.executable, "-c", CHECK + "\nprint(*run_cases('cuda'))"], env=sm90.env(),
@@ -178,14 +204,16 @@ from fast_inference.kernels import attention_triton as da
 from sm90 import build
 
 ints = ["stride_qr", "stride_qh", "stride_ql", "stride_kr", "stride_kh", "stride_kn", "stride_vr", "stride_vh",
-        "stride_vn", "stride_valid", "stride_mr", "n_heads", "n_splits", "n_keys", "text_len", "window"]
+        "stride_vn", "stride_valid", "stride_mr", "stride_or", "stride_oh", "stride_ol", "n_heads", "n_splits",
+        "n_keys", "text_len", "window"]
 for dt, hd, text in itertools.product(("*bf16", "*fp32"), (64, 128), (False, True)):
     sig = {"Q": dt, "K": dt, "V": dt, "KEY_VALID": "*i1", "SEQLENS": "*i64", "MASKS": "*i64", "M_OUT": "*fp32",
-           "L_OUT": "*fp32", "ACC_OUT": "*fp32", **{n: "i32" for n in ints}}
-    for LP in (16, 32):
+           "L_OUT": "*fp32", "ACC_OUT": "*fp32", "OUT": dt, "COUNT": "*i32", "TEXT_SUM": "*fp32",
+           "TEXT_COUNT": "*fp32", **{n: "i32" for n in ints}}
+    for LP, (tiles, fold) in itertools.product((16, 32), ((1, False), (1, True), (2, True), (16, True))):
         block, warps, merge_warps = da.window_config(torch.float32 if dt == "*fp32" else torch.bfloat16, hd, LP)
-        build(da._window_partial_kernel, sig, dict(SCALE=hd**-0.5, BLOCK=block, HEAD_DIM=hd, LP=LP, TEXT=text,
-                                                   IEEE=dt == "*fp32"), {"num_warps": warps})
+        build(da._window_partial_kernel, sig, dict(SCALE=hd**-0.5, BLOCK=block, TILES=tiles, HEAD_DIM=hd, LP=LP,
+                                                   TEXT=text, IEEE=dt == "*fp32", FOLD=fold), {"num_warps": warps})
         merge = {"M": "*fp32", "L": "*fp32", "ACC": "*fp32", "OUT": dt, "TEXT_SUM": "*fp32", "TEXT_COUNT": "*fp32",
                  "SEQLENS": "*i64", "stride_or": "i32", "stride_oh": "i32", "stride_ol": "i32", "n_heads": "i32",
                  "n_splits": "i32", "n_keys": "i32", "text_len": "i32", "window": "i32"}
@@ -197,7 +225,8 @@ print("compiled")
 
 def test_window_kernels_compile_for_sm90():
     """The window form's kernels as an H100/H200 cubin (Triton's bundled ptxas), bf16 and float32, GPT-XL's head dim
-    and 128, windows of up to 16 and 32 queries: no register spills."""
+    and 128, windows of up to 16 and 32 queries, the merge form and the fold form at 1, 2 and 16 tiles a split: no
+    register spills."""
     sm90.run(AOT_SCRIPT)
 
 

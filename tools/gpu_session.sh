@@ -36,7 +36,7 @@ usage: tools/gpu_session.sh STEP...      (steps run in order; each writes OUT/<s
                   DEMO_GPT_STEPS=5000 DEMO_SECONDS=470 tools/gpu_session.sh demo
               DEMO_PHASE=resume DEMO_ENTRY_WEIGHT=8 DEMO_SECONDS=500 tools/gpu_session.sh demo      # twice, the
               second with DEMO_EVAL=1
-  ownpos  the window kernels and the fused verify (issue 75) in one call of < 9 min of an H100:
+  ownpos  the window kernels and the fused verify (issue 75), by default 1. and 3., < 9 min of an H100:
               OUT=/some/dir tools/gpu_session.sh ownpos
           1. their CUDA tests (tests/test_window_attention.py, test_own_positions.py, test_verify_triton.py -k cuda;
              at most 200 s);
@@ -46,8 +46,12 @@ usage: tools/gpu_session.sh STEP...      (steps run in order; each writes OUT/<s
              ms/step, pass ms, pass / step, tokens per pass, speculative tok/s and x plain, one table row each as it
              is measured (OUT/pass_ab.json), and the kernels of one replayed pass graph per plan at n = 1 (and of the
              plain step) summed by name, largest first, in OUT/pass_profile_n1.txt (at most 310 s);
-          OWNPOS_PARTS (default "tests ab") picks parts; also "greedy" (tools/window_greedy.py: float32 GPT-XL
-          speculative greedy tokens on the window kernels against the plain engine's, OWNPOS_TOKENS, default 256),
+          3. "splits": tools/pass_ab.py at n = 1, 8 with the plan's defaults (a split per tile + the merge kernel)
+             against window_splits=fold (the window attention's splits folded into one launch), profiles in
+             OUT/splits/pass_profile_n1.txt (at most 310 s);
+          OWNPOS_PARTS (default "tests splits") picks parts; also "ab" (2. above), "greedy" (tools/window_greedy.py:
+          float32 GPT-XL speculative greedy tokens on the window kernels against the plain engine's, OWNPOS_TOKENS,
+          default 256),
           "bench" (bench.py --speculative jacobi at 3 nats, one process per plan) and OWNPOS_MARGINALS=1
           (tools/jacobi_marginals.py on the window kernels)
   serve   the server's tests on the GPU, then the server under load at GPT-XL shapes (random weights, 512 px): 32
@@ -187,9 +191,9 @@ step_trees() {
 }
 
 step_ownpos() {
-    # OWNPOS_PARTS picks the parts (default: tests ab, < 9 min together); a failing check is reported and the timings
-    # still run; each default part has its own time limit, and pass_ab.py prints its rows as it measures them
-    local parts=" ${OWNPOS_PARTS:-tests ab} " on="window_attention=triton,window_inputs=triton"
+    # OWNPOS_PARTS picks the parts (default: tests splits, < 9 min together); a failing check is reported and the
+    # timings still run; each part has its own time limit, and pass_ab.py prints its rows as it measures them
+    local parts=" ${OWNPOS_PARTS:-tests splits} " on="window_attention=triton,window_inputs=triton"
     if [[ $parts == *" tests "* ]]; then
         (cd "$root" && timeout 200 "$py" -m pytest -q -p no:cacheprovider tests/test_window_attention.py \
             tests/test_own_positions.py tests/test_verify_triton.py -k cuda) \
@@ -199,6 +203,12 @@ step_ownpos() {
         timeout 310 "$py" "$here/pass_ab.py" --batch-sizes "${OWNPOS_SIZES:-1,8}" --entropy 3 --plans "" "$on" \
             "$on,window_block=fused" "$on,window_block=fused,verify=triton" --profile-dir "$out" \
             --json "$out/pass_ab.json" || echo "== FAILED (or over 310 s): tools/pass_ab.py"
+    fi
+    if [[ $parts == *" splits "* ]]; then  # the window attention's one launch against its split + merge form
+        mkdir -p "$out/splits"
+        timeout 310 "$py" "$here/pass_ab.py" --batch-sizes "${OWNPOS_SIZES:-1,8}" --entropy 3 --plans "" \
+            "window_splits=fold" --profile-dir "$out/splits" --json "$out/splits/pass_ab.json" \
+            || echo "== FAILED (or over 310 s): tools/pass_ab.py, window_splits"
     fi
     if [[ $parts == *" greedy "* ]]; then
         "$py" "$here/window_greedy.py" --images 2 --tokens "${OWNPOS_TOKENS:-256}" --plans "$on" \

@@ -370,10 +370,12 @@ def config_for(rows):
 # Row r holds seqlens[r] filled keys before its window (cache_seqlens, as FlashAttention's flash_attn_with_kvcache);
 # its window's L keys sit at cache positions seqlens[r] .. seqlens[r] + L - 1, and query j sees the filled keys that
 # key_valid lets it and window key i where bit i of masks[r, j] is set (a chain: bits 0..j; a draft tree: its
-# ancestors). Each program reads one tile of a row's keys for all L queries (two tensor-core dots), so the keys are
-# read once per pass whatever L is. A query must see at least one key (its own bit).
+# ancestors). Each program reads its split's tiles of a row's keys for all L queries (two tensor-core dots a tile), so
+# the keys are read once per pass whatever L is; a row's splits are merged by the last of them to finish (fold) or by a
+# second kernel. A query must see at least one key (its own bit).
 WINDOW_CONFIG = (64, 4, 4)  # (BLOCK, warps, merge warps): a first guess, to be measured on a GPU (issue 75)
 MAX_WINDOW = 64  # a query's mask is one int64
+WINDOW_PROGRAMS = 256  # the fold form's least programs at the full cache: two per SM of an H100/H200, a guess (#75)
 
 if triton is not None:
 
@@ -387,50 +389,118 @@ if triton is not None:
         return out
 
     @triton.jit
-    def _window_partial_kernel(Q, K, V, KEY_VALID, SEQLENS, MASKS, M_OUT, L_OUT, ACC_OUT, stride_qr, stride_qh,
-                               stride_ql, stride_kr, stride_kh, stride_kn, stride_vr, stride_vh, stride_vn,
-                               stride_valid, stride_mr, n_heads, n_splits, n_keys, text_len, window,
-                               SCALE: tl.constexpr, BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr, LP: tl.constexpr,
-                               TEXT: tl.constexpr, IEEE: tl.constexpr):
-        """Program (row r x head h, split s): keys text_len + s*BLOCK .. + BLOCK - 1 against r's `window` queries ->
-        a partial (max, sum, weighted values) per query at M_OUT/L_OUT/ACC_OUT[(rh * n_splits + s) * window + j]; a
-        tile past the window writes nothing (the merge reads the splits up to the window's last key only)."""
+    def _window_partial_kernel(Q, K, V, KEY_VALID, SEQLENS, MASKS, M_OUT, L_OUT, ACC_OUT, OUT, COUNT, TEXT_SUM,
+                               TEXT_COUNT, stride_qr, stride_qh, stride_ql, stride_kr, stride_kh, stride_kn, stride_vr,
+                               stride_vh, stride_vn, stride_valid, stride_mr, stride_or, stride_oh, stride_ol, n_heads,
+                               n_splits, n_keys, text_len, window, SCALE: tl.constexpr, BLOCK: tl.constexpr,
+                               TILES: tl.constexpr, HEAD_DIM: tl.constexpr, LP: tl.constexpr, TEXT: tl.constexpr,
+                               IEEE: tl.constexpr, FOLD: tl.constexpr):
+        """Program (row r x head h, split s): keys text_len + s*TILES*BLOCK .. + TILES*BLOCK - 1, a tile of BLOCK at a
+        time (an online softmax), against r's `window` queries -> a partial (max, sum, weighted values) per query at
+        M_OUT/L_OUT/ACC_OUT[(rh * n_splits + s) * window + j]; a split past the window writes nothing (the merge reads
+        the splits up to the window's last key only). FOLD: no merge kernel: a row whose keys fit one split writes its
+        output at OUT itself, and of a row of several the last split to finish (COUNT[rh], zero between launches)
+        merges them (_window_fold)."""
         rh = tl.program_id(0)
         split = tl.program_id(1)
         r = rh // n_heads
         h = rh % n_heads
         start = tl.load(SEQLENS + r)  # the filled keys before the window
         end = tl.minimum(start + window, n_keys)  # one past the window's last key inside the cache
-        lo = text_len + split * BLOCK
+        lo = text_len + split * (TILES * BLOCK)
         out = (rh * n_splits + split) * window
         offs_l = tl.arange(0, LP)
         offs_d = tl.arange(0, HEAD_DIM)
         mine = offs_l < window  # the padding queries' partials are not stored
         if lo < end:
-            keys = lo + tl.arange(0, BLOCK)
-            inside = keys < end
-            k = tl.load(K + r * stride_kr + h * stride_kh + keys[:, None] * stride_kn + offs_d[None, :],
-                        mask=inside[:, None], other=0.0)
-            v = tl.load(V + r * stride_vr + h * stride_vh + keys[:, None] * stride_vn + offs_d[None, :],
-                        mask=inside[:, None], other=0.0)
             q = tl.load(Q + r * stride_qr + h * stride_qh + offs_l[:, None] * stride_ql + offs_d[None, :],
-                        mask=(offs_l < window)[:, None], other=0.0)
-            # the products in the inputs' dtype, summed in float32, then scaled (a constexpr: stays float32)
-            scores = _dot(q, tl.trans(k), IEEE) * SCALE  # (LP, BLOCK)
-            past = keys < start
-            if not TEXT:  # with the text as a partial, every key from text_len on is attendable
-                past = past & (tl.load(KEY_VALID + r * stride_valid + keys, mask=past, other=0) != 0)
-            bits = tl.load(MASKS + r * stride_mr + offs_l, mask=offs_l < window, other=0)  # (LP,) int64
-            i = tl.minimum(tl.maximum(keys - start, 0), 63)  # the window key's index (clamped where it is none)
-            seen = ((bits[:, None] >> i[None, :].to(tl.int64)) & 1) != 0
-            visible = past[None, :] | (seen & ((keys >= start) & inside)[None, :])
-            scores = tl.where(visible, scores, float("-inf"))
-            m = tl.max(scores, 1)  # -inf for a query that sees nothing here
-            p = tl.exp(scores - tl.where(m == float("-inf"), 0.0, m)[:, None])
-            acc = _dot(p.to(v.dtype), v, IEEE)  # (LP, HEAD_DIM)
-            tl.store(M_OUT + out + offs_l, m, mask=mine)
-            tl.store(L_OUT + out + offs_l, tl.sum(p, 1), mask=mine)
-            tl.store(ACC_OUT + (out + offs_l)[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=mine[:, None])
+                        mask=mine[:, None], other=0.0)
+            bits = tl.load(MASKS + r * stride_mr + offs_l, mask=mine, other=0)  # (LP,) int64
+            m = tl.full((LP,), float("-inf"), tl.float32)
+            l = tl.zeros((LP,), tl.float32)
+            acc = tl.zeros((LP, HEAD_DIM), tl.float32)
+            for first in range(lo, tl.minimum(lo + TILES * BLOCK, end), BLOCK):
+                keys = first + tl.arange(0, BLOCK)
+                inside = keys < end
+                k = tl.load(K + r * stride_kr + h * stride_kh + keys[:, None] * stride_kn + offs_d[None, :],
+                            mask=inside[:, None], other=0.0)
+                v = tl.load(V + r * stride_vr + h * stride_vh + keys[:, None] * stride_vn + offs_d[None, :],
+                            mask=inside[:, None], other=0.0)
+                # the products in the inputs' dtype, summed in float32, then scaled (a constexpr: stays float32)
+                scores = _dot(q, tl.trans(k), IEEE) * SCALE  # (LP, BLOCK)
+                past = keys < start
+                if not TEXT:  # with the text as a partial, every key from text_len on is attendable
+                    past = past & (tl.load(KEY_VALID + r * stride_valid + keys, mask=past, other=0) != 0)
+                i = tl.minimum(tl.maximum(keys - start, 0), 63)  # the window key's index (clamped where it is none)
+                seen = ((bits[:, None] >> i[None, :].to(tl.int64)) & 1) != 0
+                visible = past[None, :] | (seen & ((keys >= start) & inside)[None, :])
+                scores = tl.where(visible, scores, float("-inf"))
+                top = tl.maximum(m, tl.max(scores, 1))  # -inf for a query that has seen nothing yet
+                top = tl.where(top == float("-inf"), 0.0, top)
+                p = tl.exp(scores - top[:, None])
+                w = tl.exp(m - top)  # the earlier tiles' weight (0 before the first: acc and l are 0 then)
+                l = l * w + tl.sum(p, 1)
+                acc = acc * w[:, None] + _dot(p.to(v.dtype), v, IEEE)  # (LP, HEAD_DIM)
+                m = tl.maximum(m, tl.max(scores, 1))
+            used = (end - text_len + TILES * BLOCK - 1) // (TILES * BLOCK)  # the splits that hold the row's keys
+            if FOLD and used == 1:  # the row's only split: its output, with the text's partial where given
+                _window_out(OUT, TEXT_SUM, TEXT_COUNT, r, h, rh, m, l, acc, offs_l, offs_d, mine, stride_or, stride_oh,
+                            stride_ol, HEAD_DIM, TEXT)
+            else:
+                tl.store(M_OUT + out + offs_l, m, mask=mine)
+                tl.store(L_OUT + out + offs_l, l, mask=mine)
+                tl.store(ACC_OUT + (out + offs_l)[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=mine[:, None])
+                if FOLD:
+                    tl.debug_barrier()  # every thread's partial stored before the count says so
+                    done = tl.atomic_add(COUNT + rh, 1, sem="acq_rel", scope="gpu")
+                    if done == used - 1:  # the row's last split: the others' partials are out
+                        tl.store(COUNT + rh, 0)  # zero again for the next launch
+                        _window_fold(M_OUT, L_OUT, ACC_OUT, OUT, TEXT_SUM, TEXT_COUNT, r, h, rh, used, n_splits,
+                                     window, offs_l, offs_d, mine, stride_or, stride_oh, stride_ol, HEAD_DIM, LP,
+                                     TEXT)
+
+    @triton.jit
+    def _window_out(OUT, TEXT_SUM, TEXT_COUNT, r, h, rh, m, l, acc, offs_l, offs_d, mine, stride_or, stride_oh,
+                    stride_ol, HEAD_DIM: tl.constexpr, TEXT: tl.constexpr):
+        """(max, sum, weighted values) per query of all the row's keys past the text, with the text's partial where
+        given, -> the output at OUT[r, h, j]."""
+        if TEXT:
+            text_m, text_l, text_acc = _text_partial(TEXT_SUM, TEXT_COUNT, r, rh, offs_d, HEAD_DIM)
+            top = tl.maximum(m, text_m)
+            top = tl.where(top == float("-inf"), 0.0, top)
+            w, w_text = tl.exp(m - top), tl.exp(text_m - top)
+            l = l * w + text_l * w_text
+            acc = acc * w[:, None] + text_acc[None, :] * w_text[:, None]
+        y = acc / l[:, None]
+        tl.store(OUT + r * stride_or + h * stride_oh + offs_l[:, None] * stride_ol + offs_d[None, :],
+                 y.to(OUT.dtype.element_ty), mask=mine[:, None])
+
+    @triton.jit
+    def _window_fold(M, L, ACC, OUT, TEXT_SUM, TEXT_COUNT, r, h, rh, used, n_splits, window, offs_l, offs_d, mine,
+                     stride_or, stride_oh, stride_ol, HEAD_DIM: tl.constexpr, LP: tl.constexpr, TEXT: tl.constexpr):
+        """The row's `used` partials merged by its last split: the largest max of each query first (every split's at
+        once), then each split's sum and values weighed by it, GROUP splits' loads issued together; read from L2
+        (.cg: other programs wrote them)."""
+        GROUP: tl.constexpr = 4
+        base = rh * n_splits * window
+        top = tl.full((LP,), float("-inf"), tl.float32)
+        for s in range(used):
+            top = tl.maximum(top, tl.load(M + base + s * window + offs_l, mask=mine, other=float("-inf"),
+                                          cache_modifier=".cg"))
+        top = tl.where(top == float("-inf"), 0.0, top)
+        l = tl.zeros((LP,), tl.float32)
+        acc = tl.zeros((LP, HEAD_DIM), tl.float32)
+        for s0 in range(0, used, GROUP):
+            for g in tl.static_range(GROUP):
+                here = mine & (offs_l * 0 + s0 + g < used)  # a vector: the interpreter masks with no scalar
+                at = base + (s0 + g) * window + offs_l
+                w = tl.exp(tl.load(M + at, mask=here, other=float("-inf"), cache_modifier=".cg") - top)
+                l += tl.load(L + at, mask=here, other=0.0, cache_modifier=".cg") * w
+                acc += tl.load(ACC + at[:, None] * HEAD_DIM + offs_d[None, :], mask=here[:, None], other=0.0,
+                               cache_modifier=".cg") * w[:, None]
+        m = tl.where(l > 0, top, float("-inf"))  # as a partial: -inf where nothing was seen
+        _window_out(OUT, TEXT_SUM, TEXT_COUNT, r, h, rh, m, l, acc, offs_l, offs_d, mine, stride_or, stride_oh,
+                    stride_ol, HEAD_DIM, TEXT)
 
     @triton.jit
     def _window_merge_kernel(M, L, ACC, OUT, TEXT_SUM, TEXT_COUNT, SEQLENS, stride_or, stride_oh, stride_ol, n_heads,
@@ -494,13 +564,37 @@ def chain_masks(window, device=None):
     return torch.tensor([(1 << j + 1) - 1 if j < 63 else -1 for j in range(window)], dtype=torch.int64, device=device)
 
 
-def window_attention(q, k_cache, v_cache, key_valid, seqlens, masks, text=None, config=None):
+def window_tiles(pairs, tiles):
+    """The tiles each split of the fold form walks, for `pairs` (row, head)s over `tiles` tiles of the whole cache: the
+    most (a power of two) that still leave WINDOW_PROGRAMS programs at the full cache, so a short row uses one split
+    (no partials) and a long one few; each key is still read once, by one program."""
+    per = 1
+    while per < tiles and pairs * triton.cdiv(tiles, per * 2) >= WINDOW_PROGRAMS:
+        per *= 2
+    return per
+
+
+_COUNTS = {}  # device -> the fold form's per-(row, head) counts, int32, zero between launches (each last split resets)
+
+
+def fold_counts(device, n):
+    """n zeroed counts on `device`, kept for the process (a graph that captured them keeps their address). One stream
+    at a time may run the fold form on a device: two launches in flight at once would share the counts."""
+    counts = _COUNTS.get(device)
+    if counts is None or counts.numel() < n:
+        counts = _COUNTS[device] = torch.zeros(max(n, 1024), device=device, dtype=torch.int32)
+    return counts
+
+
+def window_attention(q, k_cache, v_cache, key_valid, seqlens, masks, text=None, config=None, fold=True, splits=None):
     """q (R,H,L,hd) rotated, the window's keys and values already in the caches (>= R,H,N,hd) at positions
     seqlens[r] .. seqlens[r] + L - 1 (those past N are none); key_valid (R, >= N) bool, which filled keys the row
     may attend; seqlens (R,) int64, the filled keys before each row's window; masks (R, L) int64 (a row stride of 0
     shares one): bit i of masks[r, j], query j sees window key i. text: None or (sums, counts, T) as
     decode_attention's: the first T keys are zero and stand for them. -> (R,H,L,hd), laid out (R,L,H,hd) in memory
-    (the output projection's rows). config: (BLOCK, warps, merge warps), window_config's by default."""
+    (the output projection's rows). config: (BLOCK, warps, merge warps), window_config's by default. fold: one launch,
+    splits of window_tiles' tiles (or `splits` of them over the cache), a row of one split writing its output and of
+    several merged by its last split; else (the plan's window_splits=merge) a split per tile and the merge kernel."""
     R, H, L, hd = q.shape
     N = k_cache.shape[2]
     if L > MAX_WINDOW or masks.shape[-1] != L or masks.dtype != torch.int64 or seqlens.dtype != torch.int64:
@@ -509,18 +603,22 @@ def window_attention(q, k_cache, v_cache, key_valid, seqlens, masks, text=None, 
     text_sum, text_count, text_len = (q, q, 0) if text is None else text  # unused pointers without it
     LP = max(16, triton.next_power_of_2(L))  # tl.dot's least rows
     block, num_warps, merge_warps = config or window_config(q.dtype, hd, LP)
-    n_splits = triton.cdiv(N - text_len, block)
+    tiles = triton.cdiv(N - text_len, block)
+    per = (window_tiles(R * H, tiles) if splits is None else triton.cdiv(tiles, splits)) if fold else 1
+    n_splits = triton.cdiv(tiles, per)
     m = torch.empty(R * H, n_splits, L, device=q.device, dtype=torch.float32)
     l = torch.empty_like(m)
     acc = torch.empty(R * H, n_splits, L, hd, device=q.device, dtype=torch.float32)
     stride_mr = masks.stride(0) if masks.dim() == 2 else 0
-    _window_partial_kernel[(R * H, n_splits)](
-        q, k_cache, v_cache, key_valid, seqlens, masks, m, l, acc, *q.stride()[:3], *k_cache.stride()[:3],
-        *v_cache.stride()[:3], key_valid.stride(0), stride_mr, H, n_splits, N, text_len, L, SCALE=hd**-0.5,
-        BLOCK=block, HEAD_DIM=hd, LP=LP, TEXT=text is not None, IEEE=q.dtype == torch.float32,
-        num_warps=num_warps)
     out = torch.empty(R, L, H, hd, device=q.device, dtype=q.dtype).transpose(1, 2)
-    _window_merge_kernel[(R * H,)](m, l, acc, out, text_sum, text_count, seqlens, *out.stride()[:3], H, n_splits, N,
-                                   text_len, L, HEAD_DIM=hd, LP=LP, BLOCK=block, TEXT=text is not None,
-                                   num_warps=merge_warps)
+    counts = fold_counts(q.device, R * H) if fold else m  # m: an unused pointer
+    _window_partial_kernel[(R * H, n_splits)](
+        q, k_cache, v_cache, key_valid, seqlens, masks, m, l, acc, out, counts, text_sum, text_count,
+        *q.stride()[:3], *k_cache.stride()[:3], *v_cache.stride()[:3], key_valid.stride(0), stride_mr,
+        *out.stride()[:3], H, n_splits, N, text_len, L, SCALE=hd**-0.5, BLOCK=block, TILES=per, HEAD_DIM=hd, LP=LP,
+        TEXT=text is not None, IEEE=q.dtype == torch.float32, FOLD=fold, num_warps=num_warps)
+    if not fold:
+        _window_merge_kernel[(R * H,)](m, l, acc, out, text_sum, text_count, seqlens, *out.stride()[:3], H, n_splits,
+                                       N, text_len, L, HEAD_DIM=hd, LP=LP, BLOCK=block, TEXT=text is not None,
+                                       num_warps=merge_warps)
     return out
