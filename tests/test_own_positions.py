@@ -73,6 +73,7 @@ make = plan.make
 
 
 FUSED = False  # the pass's block: the fused block's kernels at its rows
+SPLITS = "fold"  # the window attention's form: its splits folded into one launch, or a split per tile + merge
 
 
 def with_window_kernels(s):
@@ -81,9 +82,10 @@ def with_window_kernels(s):
     p = make(s)
     if p.jacobi is not None:
         fused = dict(block="fused", rows=plan.pass_rows(s.rows * s.draft_window)) if FUSED else {}
-        p = dataclasses.replace(p, jacobi=dataclasses.replace(p.jacobi, attention="triton", inputs="triton", **fused))
+        p = dataclasses.replace(p, jacobi=dataclasses.replace(p.jacobi, attention="triton", inputs="triton",
+                                                              splits=SPLITS, **fused))
     if p.own_positions is not None:
-        own = dataclasses.replace(p.own_positions, attention="triton", inputs="triton")
+        own = dataclasses.replace(p.own_positions, attention="triton", inputs="triton", splits="fold")
         p = dataclasses.replace(p, own_positions=own)
     return p
 
@@ -96,11 +98,14 @@ cond, mask, condition = tiny_inputs(model)
 kw = dict(emb_masks=mask, condition=condition, cfg_scale=4.0, control_strength=0.8, top_k=1)
 n = model.args.block_size
 ref = generate(model, cond, n, **kw)
-for window, FUSED in ((4, False), (16, False), (4, True), (16, True)):
+for window, FUSED, SPLITS in ((4, False, "merge"), (16, False, "fold"), (4, True, "fold"), (16, True, "merge")):
     engine = Engine(model, backend="eager", speculative="jacobi", draft_window=window)
     got = engine.generate(cond, n, **kw)
     r = engine.runner
-    assert r.pass_ctx.attention is attention_triton.window_attention and r.pass_inputs is inputs_triton.window_inputs
+    attention = r.pass_ctx.attention
+    assert (attention is attention_triton.window_attention if SPLITS == "fold" else
+            attention.func is attention_triton.window_attention and attention.keywords == dict(fold=False))
+    assert r.pass_inputs is inputs_triton.window_inputs
     assert (getattr(r.pass_ctx.block, "func", None) is fused_block) == FUSED
     assert torch.equal(got, ref), (window, got, ref)
     checked += 1
