@@ -50,8 +50,8 @@ WINDOW_KERNELS = True  # rows at their own positions (a pass, a server's step): 
 PASS_FUSED_ROWS = 32  # window_block=fused up to here (the dot path's rows in registers, built for sm_90 unspilled)
 # the window attention's splits folded into one launch (attention_triton.window_attention, fold): a row of one split
 # writes its output, of several its last split merges them; the same key bytes as a split per tile + the merge kernel,
-# one launch fewer; off until a GPU has run its CUDA tests (the counters' ordering) and timed it (window_splits=fold)
-WINDOW_FOLD = False
+# one launch fewer: a pass 2.16 -> 2.06 ms at n = 1, 3.22 -> 2.82 at n = 8 on an H100 (PERF_NOTES, "folded")
+WINDOW_FOLD = True
 VERIFY_KERNELS = True  # a pass's verify in verify_triton's kernels: faster than speculative.py's ops at n = 1, 8 (#75)
 # --speculative jacobi's tok/s over plain steps as measured on an H200 (GPT-XL 512 px, 3 nats, L = 16, left drafts,
 # gumbel coupling; tools/pass_ab.py), by (the window kernels on, images); a batch takes the largest measured n at or
