@@ -46,15 +46,14 @@ class DemoTextEncoder:
         self.dim, self.length = dim, length
 
     def encode_ids(self, ids):
-        """Index lists -> (emb (B, T, dim) float32, mask (B, T) int64), left padded."""
-        emb = torch.zeros(len(ids), self.length, self.dim)
-        mask = torch.zeros(len(ids), self.length, dtype=torch.int64)
-        for b, row in enumerate(ids):
-            w = torch.tensor(row)
-            prev = torch.tensor([len(VOCABULARY)] + row[:-1])
-            emb[b, self.length - len(row):] = self.word[w] + self.before[prev]
-            mask[b, self.length - len(row):] = 1
-        return emb, mask
+        """Index lists -> (emb (B, T, dim) float32, mask (B, T) int64), left padded (in one gather: training encodes
+        128 captions a step)."""
+        pad = [[-1] * (self.length - len(row)) for row in ids]
+        word = torch.tensor([p + row for p, row in zip(pad, ids)])
+        before = torch.tensor([p + [len(VOCABULARY)] + row[:-1] for p, row in zip(pad, ids)])
+        mask = (word >= 0).long()
+        emb = self.word[word.clamp(min=0)] + self.before[before.clamp(min=0)]
+        return torch.where(mask[..., None].bool(), emb, 0.0), mask
 
     def encode_left_padded(self, prompts):
         """Prompts (a str or a list of them) -> (emb, mask) as text.T5Encoder.encode_left_padded gives them."""

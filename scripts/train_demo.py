@@ -86,8 +86,12 @@ def parse_args(argv=None):
                    "(gpt_state.pt: weights, average, optimiser, schedule, data order), up to its --gpt-steps")
     p.add_argument("--threads", type=int, default=None, help="CPU threads (default torch's); on cores shared with "
                    "other work use 1: OpenMP's threads spin waiting for a descheduled peer (30x slower seen)")
-    p.add_argument("--entry-weight", type=float, default=1.0, help="loss weight of the first ENTRY_TOKENS tokens of "
+    p.add_argument("--entry-weight", type=float, default=None, help="loss weight of the first ENTRY_TOKENS tokens of "
                    "each shape and background part in raster order, where a colour is decided (1: plain loss)")
+    p.add_argument("--colour-weight", type=float, default=None, help="weight of a training-only loss asking the GPT's "
+                   "last hidden state at each token which palette colour its region has (0: none)")
+    p.add_argument("--gpt-batch", type=int, default=None, help="scenes per GPT step (default: the preset's)")
+    p.add_argument("--gpt-lr", type=float, default=None, help="the GPT's peak learning rate (default: the preset's)")
     p.add_argument("--log-every", type=int, default=50)
     return p.parse_args(argv)
 
@@ -138,9 +142,19 @@ def write_json(obj, path):
         json.dump(obj, f, indent=1)
 
 
+SCENES = {}  # (split, index) -> scene, built once per process: a GPU step's 128 scenes took 50 ms of Python anew
+
+
+def cached_scenes(indices, split):
+    """scenes.scenes(indices, split) from SCENES (the scenes are not modified: callers that alter one copy it)."""
+    missing = [i for i in indices if (split, i) not in SCENES]
+    SCENES.update(((split, i), s) for i, s in zip(missing, scenes.scenes(missing, split)))
+    return [SCENES[split, i] for i in indices]
+
+
 def images(indices, size, device, split="train"):
     """Rendered scenes as the VQ and the model see them: (scenes, uint8 (B, 3, S, S), float [-1, 1])."""
-    batch = scenes.scenes(indices, split)
+    batch = cached_scenes(list(indices), split)
     rgb = scenes.render(batch, size, device)
     return batch, rgb, scenes.to_model_range(rgb)
 
@@ -252,13 +266,18 @@ def load_vq(out, device):
 
 # ---- the GPT ---------------------------------------------------------------------------------------
 
-def teacher_forced_logits(model, prefix, text_mask, controls, tokens):
-    """The model's own forward over a whole sequence (no caches): prefix (B, T, D), text mask (B, T) bool, control
-    lists (3, B, N, D), image tokens (B, N) -> logits (B, N, V) float32 predicting them."""
+def teacher_forced_hidden(model, prefix, text_mask, controls, tokens):
+    """The model's own blocks over a whole sequence (no caches): prefix (B, T, D), text mask (B, T) bool, control
+    lists (3, B, N, D), image tokens (B, N) -> the last hidden states (B, N, D) that predict them."""
     T = prefix.shape[1]
     x = torch.cat([prefix, model.tok_embeddings(tokens[:, :-1])], 1)  # positions 0 .. T + N - 2
     key_valid = torch.cat([text_mask, text_mask.new_ones(tokens.shape[0], tokens.shape[1] - 1)], 1)
-    return model(x, torch.arange(x.shape[1], device=x.device), key_valid, controls)[:, T - 1:]
+    return model.blocks(x, torch.arange(x.shape[1], device=x.device), key_valid, controls)[:, T - 1:]
+
+
+def teacher_forced_logits(model, prefix, text_mask, controls, tokens):
+    """-> logits (B, N, V) float32 predicting the tokens: the model's forward (logits of its blocks)."""
+    return model.logits(teacher_forced_hidden(model, prefix, text_mask, controls, tokens))
 
 
 def control_features(model, maps, types):
@@ -350,34 +369,68 @@ def gpt_step_batch(step, preset, rng):
     return indices, types, rng.random_sample(B) < DROP
 
 
+def token_regions(batch, size, grid, device):
+    """(B, grid * grid) each token's region, its centre pixel's: 0 top background, 1 bottom, 2 + k shape slot k."""
+    label, inside = scenes.labels(batch, size, device)
+    region = (label == 1).long()
+    for k in range(inside.shape[1]):
+        region = torch.where(inside[:, k], 2 + k, region)
+    step = size // grid
+    return region[:, step // 2::step, step // 2::step].flatten(1)
+
+
 def entry_weights(batch, size, grid, weight, device):
     """(B, grid * grid) loss weights: `weight` on the first ENTRY_TOKENS tokens (raster order) of each region (each
     shape, each background part; a token's region is its centre pixel's), 1 elsewhere. Teacher forced, a region's
     later tokens copy the colour its first ones show: without this the caption's colours weigh a few tokens in 256."""
-    label, inside = scenes.labels(batch, size, device)
-    region = (label == 1).long()  # 0 top background, 1 bottom background, then 2 + each shape slot
-    for k in range(inside.shape[1]):
-        region = torch.where(inside[:, k], 2 + k, region)
-    step = size // grid
-    region = region[:, step // 2::step, step // 2::step].flatten(1)  # (B, N) each token's centre pixel
-    one_hot = F.one_hot(region, 2 + inside.shape[1])
+    region = token_regions(batch, size, grid, device)
+    one_hot = F.one_hot(region, 2 + 3)
     seen = (one_hot.cumsum(1) * one_hot).sum(-1)  # 1 for a region's first token, 2 for its second, ...
     return torch.where(seen <= ENTRY_TOKENS, weight, 1.0).float()
 
 
-def gpt_loss(model, encoder, vq, indices, types, drop, tokens, preset, device, split="train", entry_weight=1.0):
+def token_colours(batch, size, grid, device):
+    """(B, grid * grid) the palette index (scenes.COLOURS) of each token's region."""
+    table = [[scenes.COLOURS.index(c) for c in [s.top, s.bottom or s.top] + [x.colour for x in s.shapes]]
+             + [0] * (3 - len(s.shapes)) for s in batch]  # absent slots: no token lies in them
+    return torch.tensor(table, device=device).gather(1, token_regions(batch, size, grid, device))
+
+
+def colour_loss(head, hidden, batch, size, drop):
+    """(cross-entropy, accuracy inside shapes) of the colour head: which palette colour each token's region has, read
+    from the GPT's last hidden state (the caption says it; rows whose caption was dropped are left out)."""
+    grid = math.isqrt(hidden.shape[1])
+    target = token_colours(batch, size, grid, hidden.device)
+    keep = ~drop[:, None].expand_as(target)
+    logits = head(F.rms_norm(hidden.float(), hidden.shape[-1:]))
+    loss = F.cross_entropy(logits[keep], target[keep])
+    shapes = keep & (token_regions(batch, size, grid, hidden.device) >= 2)
+    return loss, (logits.argmax(-1) == target)[shapes].float().mean()
+
+
+def gpt_loss(model, encoder, vq, indices, types, drop, tokens, preset, device, split="train", entry_weight=1.0,
+             colour=None):
+    """-> (the tokens' cross-entropy, entry-weighted; None). With colour = (head, weight): (that + weight x the colour
+    head's loss, the head's accuracy inside shapes)."""
     size = preset["size"]
     batch, rgb, _ = images(indices, size, device, split)
     maps = control_maps(batch, types, rgb, size, device)
     drop = torch.as_tensor(drop, device=device)
     with autocast(device):
         prefix, mask, controls = gpt_inputs(model, encoder, batch, maps, types, drop)
-        logits = teacher_forced_logits(model, prefix, mask, controls, tokens)
+        hidden = teacher_forced_hidden(model, prefix, mask, controls, tokens)
+        logits = model.logits(hidden)
     loss = F.cross_entropy(logits.flatten(0, 1), tokens.flatten(), reduction="none").view(tokens.shape)
     if entry_weight == 1.0:
-        return loss.mean()
-    w = entry_weights(batch, size, math.isqrt(tokens.shape[1]), entry_weight, device)
-    return (loss * w).sum() / w.sum()
+        loss = loss.mean()
+    else:
+        w = entry_weights(batch, size, math.isqrt(tokens.shape[1]), entry_weight, device)
+        loss = (loss * w).sum() / w.sum()
+    if colour is None:
+        return loss, None
+    head, weight = colour
+    extra, accuracy = colour_loss(head, hidden, batch, size, drop)
+    return loss + weight * extra, accuracy
 
 
 def train_gpt(args, preset, device, log):
@@ -407,44 +460,54 @@ def train_gpt(args, preset, device, log):
     ema = copy.deepcopy(model).eval().requires_grad_(False)
     encoder = demo_text.DemoTextEncoder(margs["caption_dim"], margs["cls_token_num"])
     steps = preset["gpt_steps"] if args.gpt_steps is None else args.gpt_steps
-    decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
-    rest = [p for n, p in model.named_parameters() if p.dim() < 2]
+    state_path, start = os.path.join(args.out, "gpt_state.pt"), 0
+    recipe = run_recipe(args, preset, state_path)
+    # the colour head: training only (not stored with the model), its loss asks for each region's colour everywhere
+    head = torch.nn.Linear(margs["dim"], len(scenes.COLOURS), device=device) if recipe["colour_weight"] else None
+    trained = list(model.parameters()) + (list(head.parameters()) if head else [])
+    decay = [p for p in trained if p.dim() >= 2]
+    rest = [p for p in trained if p.dim() < 2]
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.05}, {"params": rest, "weight_decay": 0.0}],
-                            lr=preset["gpt_lr"], betas=(0.9, 0.95))
+                            lr=recipe["gpt_lr"], betas=(0.9, 0.95))
     rng = np.random.RandomState(args.seed + 2)
     t0 = time.perf_counter()
-    state_path, start = os.path.join(args.out, "gpt_state.pt"), 0
     if args.resume:
-        start, steps, table = resume(state_path, model, ema, opt, rng, device)
-        log(phase="gpt", resumed_at=start, of=steps)
+        start, steps, table = resume(state_path, model, ema, head, opt, rng, device)
+        log(phase="gpt", resumed_at=start, of=steps, **recipe)
     else:
         table = token_pool(preset, vq, device)
+        log(phase="gpt", **recipe)
+    preset = dict(preset, gpt_batch=recipe["gpt_batch"])
+    colour = (head, recipe["colour_weight"]) if head else None
     log(phase="gpt", tokens_ready_seconds=round(time.perf_counter() - t0, 1))
     val = val_batch(preset, vq, device)
     done = start
     for step in range(start, steps):
         for g in opt.param_groups:
-            g["lr"] = lr_at(step, steps, preset["gpt_lr"])
+            g["lr"] = lr_at(step, steps, recipe["gpt_lr"])
         indices, types, drop = gpt_step_batch(step, preset, rng)
-        loss = gpt_loss(model, encoder, vq, indices, types, drop, tokens_of(indices, table, preset, vq, device),
-                        preset, device, entry_weight=args.entry_weight)
+        loss, accuracy = gpt_loss(model, encoder, vq, indices, types, drop,
+                                  tokens_of(indices, table, preset, vq, device), preset, device,
+                                  entry_weight=recipe["entry_weight"], colour=colour)
         opt.zero_grad(set_to_none=True)
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        torch.nn.utils.clip_grad_norm_(trained, 1.0)
         opt.step()
         update_ema(ema, model, ema_decay(preset, steps) if step > steps // 10 else 0.0)
         done = step + 1
         if done % args.log_every == 0 or done == steps:
             fields = dict(phase="gpt", step=done, loss=loss.item(), lr=opt.param_groups[0]["lr"])
+            if accuracy is not None:
+                fields["colour_accuracy_shapes"] = accuracy.item()
             if done % (4 * args.log_every) == 0 or done == steps:
                 with torch.no_grad():
-                    fields["val_loss_ema"] = gpt_loss(ema, encoder, vq, *val, preset, device, split="val").item()
-                    fields["val_loss"] = gpt_loss(model, encoder, vq, *val, preset, device, split="val").item()
+                    fields["val_loss_ema"] = gpt_loss(ema, encoder, vq, *val, preset, device, split="val")[0].item()
+                    fields["val_loss"] = gpt_loss(model, encoder, vq, *val, preset, device, split="val")[0].item()
             log(**fields, seconds=round(time.perf_counter() - t0, 1))
         if args.time_limit and time.perf_counter() - t0 > args.time_limit and done < steps:
             log(phase="gpt", stopped_early_at=done, of=steps)
             break
-    save_state(state_path, model, ema, opt, rng, done, steps, table)
+    save_state(state_path, model, ema, head, opt, rng, done, steps, table, recipe)
     meta = {"text_encoder": demo_text.NAME, "text_seed": str(demo_text.SEED), "image_size": str(preset["size"]),
             "data": "fast_inference/scenes.py", "trained_steps": str(before + done), "seed": str(args.seed),
             "planned_steps": str(before + steps)}
@@ -453,22 +516,45 @@ def train_gpt(args, preset, device, log):
     return done
 
 
-def save_state(path, model, ema, opt, rng, done, steps, table):
-    """What --resume needs to go on as if never stopped: weights, average, optimiser, schedule, random states."""
+RECIPE = ("gpt_batch", "gpt_lr", "entry_weight", "colour_weight")  # a run's flags that --resume keeps
+DEFAULT_WEIGHTS = dict(entry_weight=1.0, colour_weight=0.0)  # the plain loss
+
+
+def run_recipe(args, preset, state_path):
+    """The run's batch, peak LR and loss weights: the flags (else the preset's) for a new run, the stored run's on
+    --resume (a flag given there that differs from it: one error line)."""
+    flags = {k: getattr(args, k) for k in RECIPE}
+    new = {k: preset.get(k, DEFAULT_WEIGHTS.get(k)) if flags[k] is None else flags[k] for k in RECIPE}
+    if not args.resume:
+        return new
+    if not os.path.exists(state_path):
+        raise SystemExit(f"error: --resume: {state_path} does not exist; start the run without --resume")
+    stored = torch.load(state_path, map_location="cpu", weights_only=False).get("recipe") or new  # older: the flags'
+    for k in RECIPE:
+        if flags[k] is not None and flags[k] != stored[k]:
+            raise SystemExit(f"error: --resume goes on with the run's --{k.replace('_', '-')} {stored[k]}; leave "
+                             f"the flag out, or start a new run for {flags[k]}")
+    return stored
+
+
+def save_state(path, model, ema, head, opt, rng, done, steps, table, recipe):
+    """What --resume needs to go on as if never stopped: weights, average, colour head, optimiser, schedule, random
+    states, the run's recipe."""
     state = dict(model=model.state_dict(), ema=ema.state_dict(), opt=opt.state_dict(), step=done, steps=steps,
-                 numpy_rng=rng.get_state(), torch_rng=torch.get_rng_state(), table=table,
+                 numpy_rng=rng.get_state(), torch_rng=torch.get_rng_state(), table=table, recipe=recipe,
+                 colour_head=head.state_dict() if head else None,
                  cuda_rng=torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None)
     torch.save(state, path + ".tmp")
     os.replace(path + ".tmp", path)
 
 
-def resume(path, model, ema, opt, rng, device):
+def resume(path, model, ema, head, opt, rng, device):
     """Load --out's gpt_state.pt into the run -> (next step, planned steps, token pool)."""
-    if not os.path.exists(path):
-        raise SystemExit(f"error: --resume: {path} does not exist; start the run without --resume")
     state = torch.load(path, map_location=device, weights_only=False)  # our own file, written by save_state
     model.load_state_dict(state["model"])
     ema.load_state_dict(state["ema"])
+    if head:
+        head.load_state_dict(state["colour_head"])
     opt.load_state_dict(state["opt"])
     rng.set_state(state["numpy_rng"])
     torch.set_rng_state(state["torch_rng"].cpu())

@@ -102,18 +102,26 @@ def test_gpt_goes_on_from_a_trained_one(tmp_path):
 
 def test_a_run_stopped_and_resumed_is_the_run_never_stopped(tmp_path):
     """--time-limit stops after a step and saves the run's state; --resume goes on (schedule, data order, random
-    states, average): the same weights as one uninterrupted run, and the log says where it resumed."""
+    states, average, the colour head, the run's batch, LR and loss weights without their flags): the same weights as
+    one uninterrupted run, and the log says where it resumed; a recipe flag that differs from the run's is refused."""
     a, b = tmp_path / "a", tmp_path / "b"
-    train(a, "--gpt-steps", 12)  # an average of decay 1/6 from step 2 on
-    train(b, "--phase", "gpt", "--vq-from", a, "--gpt-steps", 12, "--time-limit", 1e-9)
+    recipe = ("--gpt-batch", 3, "--gpt-lr", 1e-3, "--entry-weight", 2, "--colour-weight", 0.5)
+    train(a, "--gpt-steps", 12, *recipe)  # an average of decay 1/6 from step 2 on
+    train(b, "--phase", "gpt", "--vq-from", a, "--gpt-steps", 12, "--time-limit", 1e-9, *recipe)
     assert read_metadata(b / "gpt.safetensors")["trained_steps"] == "1"
     for _ in range(11):
         train(b, "--phase", "gpt", "--vq-from", a, "--resume", "--time-limit", 1e-9)
     assert read_metadata(b / "gpt.safetensors")["trained_steps"] == "12"
     assert same_tensors(a / "gpt.safetensors", b / "gpt.safetensors")
-    assert '"resumed_at": 11' in (b / "train_log.jsonl").read_text()
+    log = (b / "train_log.jsonl").read_text()
+    assert '"resumed_at": 11' in log and '"colour_weight": 0.5' in log and "colour_accuracy_shapes" in log
+    c = tmp_path / "c"
+    train(c, "--gpt-steps", 12, "--gpt-batch", 3, "--gpt-lr", 1e-3, "--entry-weight", 2)  # no colour head
+    assert not same_tensors(a / "gpt.safetensors", c / "gpt.safetensors")
+    with pytest.raises(SystemExit, match="run's --colour-weight 0.5"):
+        train(b, "--phase", "gpt", "--vq-from", a, "--resume", "--colour-weight", 1)
     with pytest.raises(SystemExit, match="does not exist"):
-        train(tmp_path / "c", "--phase", "gpt", "--vq-from", a, "--resume")
+        train(tmp_path / "d", "--phase", "gpt", "--vq-from", a, "--resume")
 
 
 def test_a_short_runs_average_forgets_its_first_steps():
@@ -142,7 +150,7 @@ def test_the_gpu_trained_demo_model_loads_and_predicts_held_out_scenes():
         tokens = vq.encode(train_demo.images(range(4), 256, "cpu", "val")[2])
         encoder = demo_text.DemoTextEncoder(model.args.caption_dim, model.args.cls_token_num)
         loss = train_demo.gpt_loss(model.eval(), encoder, vq, range(4), types, np.zeros(4, bool), tokens, preset,
-                                   torch.device("cpu"), split="val").item()
+                                   torch.device("cpu"), split="val")[0].item()
     assert loss < 2.0, loss
 
 
@@ -181,8 +189,8 @@ def test_the_entry_weight_changes_the_loss_only_where_asked():
     args = (model.eval(), encoder, None, range(2), ["canny", "seg"], np.zeros(2, bool), tokens, preset,
             torch.device("cpu"))
     with torch.no_grad():
-        plain = train_demo.gpt_loss(*args).item()
-        weighted = train_demo.gpt_loss(*args, entry_weight=4.0).item()
+        plain = train_demo.gpt_loss(*args)[0].item()
+        weighted = train_demo.gpt_loss(*args, entry_weight=4.0)[0].item()
         batch = scenes.scenes(range(2), "train")
         rgb = scenes.render(batch, preset["size"])
         maps = train_demo.control_maps(batch, ["canny", "seg"], rgb, preset["size"], torch.device("cpu"))
@@ -194,3 +202,30 @@ def test_the_entry_weight_changes_the_loss_only_where_asked():
         w = train_demo.entry_weights(batch, preset["size"], n, 4.0, "cpu")
     assert abs(plain - per.mean().item()) < 1e-5
     assert abs(weighted - ((per * w).sum() / w.sum()).item()) < 1e-5 and abs(weighted - plain) > 1e-4
+
+
+def test_token_colours_name_each_tokens_region_colour():
+    """The colour head's targets: the palette colour of each token's region (its centre pixel's shape, else the
+    background part), checked token by token against the scenes; the loss leaves out rows whose caption was
+    dropped (nothing in them names a colour) and its accuracy counts shapes' tokens only."""
+    batch = scenes.scenes(range(8), "test")
+    size, grid = 128, 8
+    got = train_demo.token_colours(batch, size, grid, "cpu")
+    label, inside = scenes.labels(batch, size)
+    step = size // grid
+    for b, s in enumerate(batch):
+        for t in range(grid * grid):
+            y, x = (t // grid) * step + step // 2, (t % grid) * step + step // 2
+            shapes = [k for k in range(len(s.shapes)) if inside[b, k, y, x]]
+            name = s.shapes[shapes[0]].colour if shapes else (s.bottom if label[b, y, x] == 1 else s.top)
+            assert scenes.COLOURS[got[b, t]] == name, (b, t)
+    torch.manual_seed(0)
+    head = torch.nn.Linear(8, len(scenes.COLOURS))
+    hidden = torch.randn(len(batch), grid * grid, 8)
+    drop = torch.tensor([True, False] * 4)
+    loss, accuracy = train_demo.colour_loss(head, hidden, batch, size, drop)
+    logits = head(torch.nn.functional.rms_norm(hidden, (8,)))
+    per = torch.nn.functional.cross_entropy(logits.transpose(1, 2), got, reduction="none")
+    assert abs(loss.item() - per[~drop].mean().item()) < 1e-6 and abs(loss.item() - per.mean().item()) > 1e-4
+    in_shapes = (train_demo.token_regions(batch, size, grid, "cpu") >= 2) & ~drop[:, None]
+    assert accuracy.item() == (logits.argmax(-1) == got)[in_shapes].float().mean().item()

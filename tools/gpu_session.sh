@@ -30,7 +30,9 @@ usage: tools/gpu_session.sh STEP...      (steps run in order; each writes OUT/<s
           which lasts while the machine is warm); returns OUT/demo/ (the log, the weights cut in 15 MB parts:
           cat gpt.safetensors.part.* > gpt.safetensors) and with DEMO_EVAL=1 scripts/eval_demo.py's measures
           (OUT/demo_eval.json, OUT/demo_model.png) and tools/demo_binding.py's (OUT/demo_binding.txt).
-          DEMO_GPT_FROM (gpt): start from a trained GPT folder; DEMO_ENTRY_WEIGHT (gpt and resume): --entry-weight.
+          DEMO_GPT_FROM (gpt): start from a trained GPT folder; DEMO_ENTRY_WEIGHT, DEMO_COLOUR_WEIGHT, DEMO_GPT_BATCH,
+          DEMO_GPT_LR (gpt): --entry-weight, --colour-weight, --gpt-batch, --gpt-lr (resume keeps the run's own);
+          DEMO_TIMING="128 512": tools/train_step_timing.py at those batch sizes first (OUT/train_timing_B.txt).
           Issue 77's owed run, three calls while the machine stays warm:
               DEMO_PHASE=gpt DEMO_VQ=checkpoints/demo_gpu DEMO_GPT_FROM=checkpoints/demo_gpu DEMO_ENTRY_WEIGHT=8 \
                   DEMO_GPT_STEPS=5000 DEMO_SECONDS=470 tools/gpu_session.sh demo
@@ -244,8 +246,14 @@ step_demo() {
     # The run's state stays in DEMO_RUN, outside OUT: it lasts while the machine is warm, so the next call resumes.
     local run=${DEMO_RUN:-/root/demo_run} phase=${DEMO_PHASE:?set DEMO_PHASE to vq, gpt or resume} f
     local train=("$py" "$root/scripts/train_demo.py" --preset gpu --device cuda --log-every 100 --out "$run"
-                 --time-limit "${DEMO_SECONDS:-480}" --entry-weight "${DEMO_ENTRY_WEIGHT:-1}")
+                 --time-limit "${DEMO_SECONDS:-480}" ${DEMO_ENTRY_WEIGHT:+--entry-weight "$DEMO_ENTRY_WEIGHT"}
+                 ${DEMO_COLOUR_WEIGHT:+--colour-weight "$DEMO_COLOUR_WEIGHT"} ${DEMO_GPT_BATCH:+--gpt-batch "$DEMO_GPT_BATCH"}
+                 ${DEMO_GPT_LR:+--gpt-lr "$DEMO_GPT_LR"})
     mkdir -p "$run" "$out/demo"
+    for b in ${DEMO_TIMING:-}; do  # a training step's parts and kernels at these batch sizes, before training
+        "$py" "$here/train_step_timing.py" --device cuda --steps 20 --batch "$b" --entry-weight "${DEMO_ENTRY_WEIGHT:-1}" \
+            --colour-weight "${DEMO_COLOUR_WEIGHT:-0}" | tee "$out/train_timing_$b.txt"
+    done
     case $phase in
         vq) "${train[@]}" --phase vq --vq-steps "${DEMO_VQ_STEPS:-3000}" ;;
         gpt) "${train[@]}" --phase gpt --gpt-steps "${DEMO_GPT_STEPS:-2800}" --vq-from "${DEMO_VQ:?set DEMO_VQ to a trained VQ folder}" \

@@ -29,14 +29,15 @@ def parse_args(argv=None):
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--pool", type=int, default=1024, help="scenes tokenised for the timed steps")
     p.add_argument("--entry-weight", type=float, default=8.0)
+    p.add_argument("--colour-weight", type=float, default=0.0, help="with the colour head's loss (train_demo.py's)")
     return p.parse_args(argv)
 
 
-def step_parts(model, encoder, vq, opt, table, preset, rng, device, entry_weight, timer):
+def step_parts(model, encoder, vq, opt, table, preset, rng, device, args, head, timer):
     """One training step as train_demo.train_gpt takes it, cut into the parts timed."""
     with timer("batch: indices, scenes"):
         indices, types, drop = td.gpt_step_batch(0, preset, rng)
-        batch = scenes.scenes(indices)
+        batch = td.cached_scenes(indices, "train")
     with timer("render"):
         rgb = scenes.render(batch, preset["size"], device)
     with timer("control maps"):
@@ -44,14 +45,18 @@ def step_parts(model, encoder, vq, opt, table, preset, rng, device, entry_weight
     with timer("tokens from the pool"):
         tokens = td.tokens_of([i % table.shape[0] for i in indices], table, preset, vq, device)
     with timer("entry weights"):
-        w = td.entry_weights(batch, preset["size"], math.isqrt(tokens.shape[1]), entry_weight, device)
+        w = td.entry_weights(batch, preset["size"], math.isqrt(tokens.shape[1]), args.entry_weight, device)
     with timer("caption + adapter"), td.autocast(device):
         prefix, mask, controls = td.gpt_inputs(model, encoder, batch, maps, types, torch.as_tensor(drop, device=device))
     with timer("GPT forward + loss"):
         with td.autocast(device):
-            logits = td.teacher_forced_logits(model, prefix, mask, controls, tokens)
+            hidden = td.teacher_forced_hidden(model, prefix, mask, controls, tokens)
+            logits = model.logits(hidden)
         loss = F.cross_entropy(logits.flatten(0, 1), tokens.flatten(), reduction="none").view(tokens.shape)
         loss = (loss * w).sum() / w.sum()
+        if head is not None:
+            drop = torch.as_tensor(drop, device=device)
+            loss = loss + args.colour_weight * td.colour_loss(head, hidden, batch, preset["size"], drop)[0]
     with timer("backward"):
         opt.zero_grad(set_to_none=True)
         loss.backward()
@@ -94,18 +99,20 @@ def main(argv=None):
     td.init_gpt(model)
     model.train()
     encoder = demo_text.DemoTextEncoder(margs["caption_dim"], margs["cls_token_num"])
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, betas=(0.9, 0.95))
+    head = torch.nn.Linear(margs["dim"], len(scenes.COLOURS), device=device) if args.colour_weight else None
+    opt = torch.optim.AdamW(list(model.parameters()) + (list(head.parameters()) if head else []), lr=1e-4,
+                            betas=(0.9, 0.95))
     N = (preset["size"] // 16) ** 2
     vq = None  # the tokens come from a table of random codes: the step's work is the same as the pool's
     table = torch.randint(0, preset["vq"]["codebook_size"], (args.pool, N), device=device, dtype=torch.int16)
     rng = np.random.RandomState(0)
     warm = Timer(device)
     for _ in range(3):
-        step_parts(model, encoder, vq, opt, table, preset, rng, device, args.entry_weight, warm)
+        step_parts(model, encoder, vq, opt, table, preset, rng, device, args, head, warm)
     timer = Timer(device)
     t0 = time.perf_counter()
     for _ in range(args.steps):
-        step_parts(model, encoder, vq, opt, table, preset, rng, device, args.entry_weight, timer)
+        step_parts(model, encoder, vq, opt, table, preset, rng, device, args, head, timer)
     wall = time.perf_counter() - t0
     print(f"{args.preset} preset, batch {preset['gpt_batch']}, {device}: {1e3 * wall / args.steps:.1f} ms per step "
           f"synchronised part by part ({args.steps / wall:.2f} steps/s)")
@@ -116,13 +123,17 @@ def main(argv=None):
     from torch.profiler import ProfilerActivity, profile
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         for _ in range(3):
-            step_parts(model, encoder, vq, opt, table, preset, rng, device, args.entry_weight, Timer(device))
+            step_parts(model, encoder, vq, opt, table, preset, rng, device, args, head, Timer(device))
     kernels = [e for e in prof.key_averages() if e.device_type.name == "CUDA"]
     launches = sum(e.count for e in kernels) / 3
     busy = sum(e.self_device_time_total for e in kernels) / 3e3
     print(f"per step: {launches:.0f} kernels, {busy:.1f} ms of GPU time; the largest:")
     for e in sorted(kernels, key=lambda e: -e.self_device_time_total)[:20]:
         print(f"  {e.self_device_time_total / 3e3:8.2f} ms  {e.count / 3:6.0f}x  {e.key[:100]}")
+    ops = [e for e in prof.key_averages() if e.device_type.name == "CPU"]
+    print("per step, the host's largest ops by their own time (launches, Python-side work):")
+    for e in sorted(ops, key=lambda e: -e.self_cpu_time_total)[:15]:
+        print(f"  {e.self_cpu_time_total / 3e3:8.2f} ms  {e.count / 3:6.0f}x  {e.key[:100]}")
 
 
 if __name__ == "__main__":
