@@ -472,7 +472,7 @@ def train_gpt(args, preset, device, log):
     rng = np.random.RandomState(args.seed + 2)
     t0 = time.perf_counter()
     if args.resume:
-        start, steps, table = resume(state_path, model, ema, head, opt, rng, device)
+        start, steps, table, before = resume(state_path, model, ema, head, opt, rng, device)
         log(phase="gpt", resumed_at=start, of=steps, **recipe)
     else:
         table = token_pool(preset, vq, device)
@@ -507,7 +507,7 @@ def train_gpt(args, preset, device, log):
         if args.time_limit and time.perf_counter() - t0 > args.time_limit and done < steps:
             log(phase="gpt", stopped_early_at=done, of=steps)
             break
-    save_state(state_path, model, ema, head, opt, rng, done, steps, table, recipe)
+    save_state(state_path, model, ema, head, opt, rng, done, steps, table, recipe, before)
     meta = {"text_encoder": demo_text.NAME, "text_seed": str(demo_text.SEED), "image_size": str(preset["size"]),
             "data": "fast_inference/scenes.py", "trained_steps": str(before + done), "seed": str(args.seed),
             "planned_steps": str(before + steps)}
@@ -537,19 +537,19 @@ def run_recipe(args, preset, state_path):
     return stored
 
 
-def save_state(path, model, ema, head, opt, rng, done, steps, table, recipe):
+def save_state(path, model, ema, head, opt, rng, done, steps, table, recipe, before):
     """What --resume needs to go on as if never stopped: weights, average, colour head, optimiser, schedule, random
-    states, the run's recipe."""
+    states, the run's recipe, the steps of the --gpt-from model it started from (before)."""
     state = dict(model=model.state_dict(), ema=ema.state_dict(), opt=opt.state_dict(), step=done, steps=steps,
                  numpy_rng=rng.get_state(), torch_rng=torch.get_rng_state(), table=table, recipe=recipe,
-                 colour_head=head.state_dict() if head else None,
+                 colour_head=head.state_dict() if head else None, before=before,
                  cuda_rng=torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None)
     torch.save(state, path + ".tmp")
     os.replace(path + ".tmp", path)
 
 
 def resume(path, model, ema, head, opt, rng, device):
-    """Load --out's gpt_state.pt into the run -> (next step, planned steps, token pool)."""
+    """Load --out's gpt_state.pt into the run -> (next step, planned steps, token pool, steps before the run)."""
     state = torch.load(path, map_location=device, weights_only=False)  # our own file, written by save_state
     model.load_state_dict(state["model"])
     ema.load_state_dict(state["ema"])
@@ -560,7 +560,7 @@ def resume(path, model, ema, head, opt, rng, device):
     torch.set_rng_state(state["torch_rng"].cpu())
     if state["cuda_rng"] is not None and device.type == "cuda":
         torch.cuda.set_rng_state_all([s.cpu() for s in state["cuda_rng"]])
-    return state["step"], state["steps"], state["table"]
+    return state["step"], state["steps"], state["table"], state.get("before", 0)
 
 
 @torch.no_grad()

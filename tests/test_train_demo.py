@@ -92,7 +92,8 @@ def test_gpt_goes_on_from_a_trained_one(tmp_path):
     train(b, "--phase", "gpt", "--vq-from", a, "--gpt-from", a, "--gpt-steps", 0)
     assert same_tensors(a / "gpt.safetensors", b / "gpt.safetensors")  # no step: the weights it started from
     assert read_metadata(b / "gpt.safetensors")["trained_steps"] == "3"
-    train(c, "--phase", "gpt", "--vq-from", a, "--gpt-from", a)
+    train(c, "--phase", "gpt", "--vq-from", a, "--gpt-from", a, "--time-limit", 1e-9)
+    train(c, "--phase", "gpt", "--vq-from", a, "--resume")  # the steps of the model it started from still count
     assert read_metadata(c / "gpt.safetensors")["trained_steps"] == "6"
     assert not same_tensors(a / "gpt.safetensors", c / "gpt.safetensors")
     with pytest.raises(SystemExit, match="not this preset's model"):
