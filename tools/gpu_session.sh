@@ -33,11 +33,11 @@ usage: tools/gpu_session.sh STEP...      (steps run in order; each writes OUT/<s
           DEMO_GPT_FROM (gpt): start from a trained GPT folder; DEMO_ENTRY_WEIGHT, DEMO_COLOUR_WEIGHT, DEMO_GPT_BATCH,
           DEMO_GPT_LR (gpt): --entry-weight, --colour-weight, --gpt-batch, --gpt-lr (resume keeps the run's own);
           DEMO_TIMING="128 512": tools/train_step_timing.py at those batch sizes first (OUT/train_timing_B.txt).
-          Issue 77's owed run, three calls while the machine stays warm:
-              DEMO_PHASE=gpt DEMO_VQ=checkpoints/demo_gpu DEMO_GPT_FROM=checkpoints/demo_gpu DEMO_ENTRY_WEIGHT=8 \
-                  DEMO_GPT_STEPS=5000 DEMO_SECONDS=470 tools/gpu_session.sh demo
-              DEMO_PHASE=resume DEMO_ENTRY_WEIGHT=8 DEMO_SECONDS=500 tools/gpu_session.sh demo      # twice, the
-              second with DEMO_EVAL=1
+          Issue 77's owed run (the colour head at batch 512), two calls while the machine stays warm:
+              DEMO_TIMING="128 512" DEMO_PHASE=gpt DEMO_VQ=checkpoints/demo_gpu DEMO_GPT_FROM=checkpoints/demo_gpu \
+                  DEMO_ENTRY_WEIGHT=8 DEMO_COLOUR_WEIGHT=1 DEMO_GPT_BATCH=512 DEMO_GPT_LR=1e-3 DEMO_GPT_STEPS=2000 \
+                  DEMO_SECONDS=420 tools/gpu_session.sh demo
+              DEMO_PHASE=resume DEMO_SECONDS=420 DEMO_EVAL=1 tools/gpu_session.sh demo
   ownpos  the window kernels and the fused verify (issue 75), by default 1. and 3., < 9 min of an H100:
               OUT=/some/dir tools/gpu_session.sh ownpos
           1. their CUDA tests (tests/test_window_attention.py, test_own_positions.py, test_verify_triton.py -k cuda;
