@@ -65,6 +65,7 @@ DROP = 0.1  # caption and control dropped together, for CFG
 UNUSED_AT_INFERENCE = ("condition_embeddings.weight", "condition_mlp.uncond_embedding")  # not stored
 COMMIT = 0.25  # LlamaGen's commitment weight
 RESTART_EVERY = 200  # VQ steps between restarts of unused codes
+HIDE_SHARE = 0.5  # --colour-weight: the captioned rows with shapes that have one shape hidden before its onset
 ENTRY_TOKENS = 4  # --entry-weight's tokens per region: the first of a shape's top row, whose colour the rest copy
 FULL_EVERY = 4  # every 4th VQ step sees whole images (as many pixels as the other steps' random crops)
 
@@ -89,7 +90,7 @@ def parse_args(argv=None):
     p.add_argument("--entry-weight", type=float, default=None, help="loss weight of the first ENTRY_TOKENS tokens of "
                    "each shape and background part in raster order, where a colour is decided (1: plain loss)")
     p.add_argument("--colour-weight", type=float, default=None, help="weight of a training-only loss asking the GPT's "
-                   "last hidden state at each token which palette colour its region has (0: none)")
+                   "last hidden state where a shape begins, after tokens drawn without it, which colour it has (0: none)")
     p.add_argument("--gpt-batch", type=int, default=None, help="scenes per GPT step (default: the preset's)")
     p.add_argument("--gpt-lr", type=float, default=None, help="the GPT's peak learning rate (default: the preset's)")
     p.add_argument("--log-every", type=int, default=50)
@@ -396,26 +397,65 @@ def token_colours(batch, size, grid, device):
     return torch.tensor(table, device=device).gather(1, token_regions(batch, size, grid, device))
 
 
-def colour_loss(head, hidden, batch, size, drop):
-    """(cross-entropy, accuracy inside shapes) of the colour head: which palette colour each token's region has, read
-    from the GPT's last hidden state (the caption says it; rows whose caption was dropped are left out)."""
-    grid = math.isqrt(hidden.shape[1])
-    target = token_colours(batch, size, grid, hidden.device)
-    keep = ~drop[:, None].expand_as(target)
-    logits = head(F.rms_norm(hidden.float(), hidden.shape[-1:]))
-    loss = F.cross_entropy(logits[keep], target[keep])
-    shapes = keep & (token_regions(batch, size, grid, hidden.device) >= 2)
-    return loss, (logits.argmax(-1) == target)[shapes].float().mean()
+def without_shape(s, k):
+    """A copy of scene s without its shape k."""
+    s = copy.deepcopy(s)
+    s.shapes = [x for j, x in enumerate(s.shapes) if j != k]
+    return s
+
+
+def onsets(batch, slots, size, grid, device):
+    """(R,) each scene's shape slots[i] onset: the first token in raster order whose patch holds any of its pixels."""
+    _, inside = scenes.labels(batch, size, device)
+    step = size // grid
+    touched = inside.view(len(batch), 3, grid, step, grid, step).any(5).any(3).flatten(2)  # (R, 3, N)
+    return touched[torch.arange(len(batch), device=device), torch.as_tensor(slots, device=device)].int().argmax(1)
+
+
+def hide_before_onset(batch, tokens, vq, size, drop):
+    """--colour-weight's rows: in a random HIDE_SHARE of the captioned rows with shapes, the tokens before one random
+    shape's onset replaced by those of the scene drawn without it. The VQ's tokens next to a shape carry some of its
+    colour, so a model taught on true tokens reads a shape's colour from them, and at sampling, where nothing drew
+    them yet, guesses it (tools/demo_binding.py --colours). -> (tokens, rows (R,), onsets (R,), colours (R,))."""
+    count = torch.tensor([len(s.shapes) for s in batch])
+    picked = (torch.rand(len(batch)) < HIDE_SHARE) & (count > 0) & ~drop.cpu()
+    slot = (torch.rand(len(batch)) * count).long()  # uniform over the row's shapes
+    rows = picked.nonzero().flatten().tolist()
+    device = tokens.device
+    sub, ks = [batch[r] for r in rows], slot[rows].tolist()
+    colours = torch.tensor([scenes.COLOURS.index(s.shapes[k].colour) for s, k in zip(sub, ks)], device=device)
+    rows = torch.tensor(rows, dtype=torch.long, device=device)
+    if not len(sub):
+        return tokens, rows, rows, colours
+    at = onsets(sub, ks, size, math.isqrt(tokens.shape[1]), device)
+    with torch.no_grad():
+        clean = vq.encode(scenes.to_model_range(scenes.render([without_shape(s, k) for s, k in zip(sub, ks)],
+                                                               size, device)))
+    before = torch.arange(tokens.shape[1], device=device)[None] < at[:, None]
+    tokens = tokens.clone()
+    tokens[rows] = torch.where(before, clean.to(tokens.dtype), tokens[rows])
+    return tokens, rows, at, colours
+
+
+def colour_loss(head, hidden, rows, at, colours):
+    """(cross-entropy, accuracy) of the colour head at the hidden shapes' onsets: the colour of the shape about to
+    begin, from the GPT's last hidden state that predicts the onset token (only the caption and the control tell)."""
+    if not len(rows):
+        return hidden.new_zeros(()), torch.tensor(float("nan"))
+    logits = head(F.rms_norm(hidden[rows, at].float(), hidden.shape[-1:]))
+    return F.cross_entropy(logits, colours), (logits.argmax(-1) == colours).float().mean()
 
 
 def gpt_loss(model, encoder, vq, indices, types, drop, tokens, preset, device, split="train", entry_weight=1.0,
              colour=None):
-    """-> (the tokens' cross-entropy, entry-weighted; None). With colour = (head, weight): (that + weight x the colour
-    head's loss, the head's accuracy inside shapes)."""
+    """-> (the tokens' cross-entropy, entry-weighted; None). With colour = (head, weight): some rows' tokens before a
+    shape hidden (hide_before_onset), and (that + weight x the colour head's loss there, the head's accuracy)."""
     size = preset["size"]
     batch, rgb, _ = images(indices, size, device, split)
     maps = control_maps(batch, types, rgb, size, device)
     drop = torch.as_tensor(drop, device=device)
+    if colour is not None:
+        tokens, rows, at, colours = hide_before_onset(batch, tokens, vq, size, drop)
     with autocast(device):
         prefix, mask, controls = gpt_inputs(model, encoder, batch, maps, types, drop)
         hidden = teacher_forced_hidden(model, prefix, mask, controls, tokens)
@@ -429,7 +469,7 @@ def gpt_loss(model, encoder, vq, indices, types, drop, tokens, preset, device, s
     if colour is None:
         return loss, None
     head, weight = colour
-    extra, accuracy = colour_loss(head, hidden, batch, size, drop)
+    extra, accuracy = colour_loss(head, hidden, rows, at, colours)
     return loss + weight * extra, accuracy
 
 
@@ -498,7 +538,7 @@ def train_gpt(args, preset, device, log):
         if done % args.log_every == 0 or done == steps:
             fields = dict(phase="gpt", step=done, loss=loss.item(), lr=opt.param_groups[0]["lr"])
             if accuracy is not None:
-                fields["colour_accuracy_shapes"] = accuracy.item()
+                fields["colour_accuracy_at_onsets"] = accuracy.item()
             if done % (4 * args.log_every) == 0 or done == steps:
                 with torch.no_grad():
                     fields["val_loss_ema"] = gpt_loss(ema, encoder, vq, *val, preset, device, split="val")[0].item()

@@ -14,6 +14,7 @@ from fast_inference import demo_text, fast_engine, scenes
 from fast_inference.checkpoint import read_metadata
 from fast_inference.generate import prepare
 from fast_inference.model import ModelArgs, Transformer
+from fast_inference.vq import VQConfig, VQModel
 
 sys.path.insert(0, os.path.join(ROOT, "scripts"))
 import train_demo  # noqa: E402
@@ -115,7 +116,7 @@ def test_a_run_stopped_and_resumed_is_the_run_never_stopped(tmp_path):
     assert read_metadata(b / "gpt.safetensors")["trained_steps"] == "12"
     assert same_tensors(a / "gpt.safetensors", b / "gpt.safetensors")
     log = (b / "train_log.jsonl").read_text()
-    assert '"resumed_at": 11' in log and '"colour_weight": 0.5' in log and "colour_accuracy_shapes" in log
+    assert '"resumed_at": 11' in log and '"colour_weight": 0.5' in log and "colour_accuracy_at_onsets" in log
     c = tmp_path / "c"
     train(c, "--gpt-steps", 12, "--gpt-batch", 3, "--gpt-lr", 1e-3, "--entry-weight", 2)  # no colour head
     assert not same_tensors(a / "gpt.safetensors", c / "gpt.safetensors")
@@ -206,9 +207,8 @@ def test_the_entry_weight_changes_the_loss_only_where_asked():
 
 
 def test_token_colours_name_each_tokens_region_colour():
-    """The colour head's targets: the palette colour of each token's region (its centre pixel's shape, else the
-    background part), checked token by token against the scenes; the loss leaves out rows whose caption was
-    dropped (nothing in them names a colour) and its accuracy counts shapes' tokens only."""
+    """The palette colour of each token's region (its centre pixel's shape, else the background part), checked token by
+    token against the scenes."""
     batch = scenes.scenes(range(8), "test")
     size, grid = 128, 8
     got = train_demo.token_colours(batch, size, grid, "cpu")
@@ -220,13 +220,37 @@ def test_token_colours_name_each_tokens_region_colour():
             shapes = [k for k in range(len(s.shapes)) if inside[b, k, y, x]]
             name = s.shapes[shapes[0]].colour if shapes else (s.bottom if label[b, y, x] == 1 else s.top)
             assert scenes.COLOURS[got[b, t]] == name, (b, t)
+
+
+def test_a_shape_hidden_before_its_onset():
+    """--colour-weight's rows: tokens before the chosen shape's onset are the scene's drawn without it, from the onset
+    on the scene's own; the onset's patch is the first (raster order) to hold a pixel of the shape; only captioned
+    rows with shapes are chosen; the colour head is scored there, on the shape's colour."""
     torch.manual_seed(0)
+    size, grid = 128, 8
+    batch = scenes.scenes(range(16), "test")
+    vq = VQModel(VQConfig(codebook_size=64, ch=32, ch_mult=[1, 1, 1, 1, 1], z_channels=32, num_res_blocks=1,
+                          norm_groups=8)).eval()
+    with torch.no_grad():
+        tokens = vq.encode(scenes.to_model_range(scenes.render(batch, size)))
+    drop = torch.tensor([i % 4 == 0 for i in range(16)])
+    got, rows, at, colours = train_demo.hide_before_onset(batch, tokens, vq, size, drop)
+    assert 0 < len(rows) < 16 and not drop[rows].any()
+    _, inside = scenes.labels(batch, size)
+    patches = inside.view(16, 3, grid, 16, grid, 16).any(5).any(3).flatten(2)  # (B, 3, N)
+    for r, a, c in zip(rows.tolist(), at.tolist(), colours.tolist()):
+        s = batch[r]
+        k = [j for j, x in enumerate(s.shapes) if scenes.COLOURS.index(x.colour) == c][0]
+        assert patches[r, k, a] and not patches[r, k, :a].any()
+        with torch.no_grad():
+            alone = vq.encode(scenes.to_model_range(scenes.render([train_demo.without_shape(s, k)], size)))[0]
+        assert torch.equal(got[r, :a], alone[:a]) and torch.equal(got[r, a:], tokens[r, a:])
+        assert len(train_demo.without_shape(s, k).shapes) == len(s.shapes) - 1
+    others = [i for i in range(16) if i not in rows.tolist()]
+    assert torch.equal(got[others], tokens[others])
     head = torch.nn.Linear(8, len(scenes.COLOURS))
-    hidden = torch.randn(len(batch), grid * grid, 8)
-    drop = torch.tensor([True, False] * 4)
-    loss, accuracy = train_demo.colour_loss(head, hidden, batch, size, drop)
-    logits = head(torch.nn.functional.rms_norm(hidden, (8,)))
-    per = torch.nn.functional.cross_entropy(logits.transpose(1, 2), got, reduction="none")
-    assert abs(loss.item() - per[~drop].mean().item()) < 1e-6 and abs(loss.item() - per.mean().item()) > 1e-4
-    in_shapes = (train_demo.token_regions(batch, size, grid, "cpu") >= 2) & ~drop[:, None]
-    assert accuracy.item() == (logits.argmax(-1) == got)[in_shapes].float().mean().item()
+    hidden = torch.randn(16, grid * grid, 8)
+    loss, accuracy = train_demo.colour_loss(head, hidden, rows, at, colours)
+    logits = head(torch.nn.functional.rms_norm(hidden[rows, at], (8,)))
+    assert abs(loss.item() - torch.nn.functional.cross_entropy(logits, colours).item()) < 1e-6
+    assert accuracy.item() == (logits.argmax(-1) == colours).float().mean().item()

@@ -17,6 +17,14 @@ true caption on the shapes' first tokens.
 --kinds: whether the control adapter's features tell a shape's kind where its colour is decided: a linear probe
 (logistic regression) fitted on the features of 640 train scenes' shapes' first tokens (canny), its accuracy on
 256 test scenes' beside the majority kind's share, and the same over all of the shapes' tokens.
+
+--colours: whether the GPT's last hidden state holds the colour of the shape about to be drawn (what
+scripts/train_demo.py's --colour-weight trains): the same probe, of a shape's colour, fitted on 480 train scenes of
+two or more shapes (teacher forced, true caption, canny), its accuracy on 192 test scenes, beside picking one of the
+caption's shape colours at random (1 / shapes), at each shape's onset (the first token in raster order whose patch
+holds any of its pixels), at the same onset after every token before it is replaced by those of the scene drawn
+without that shape (the VQ's tokens next to a shape carry some of its colour: here only the caption and the control
+can tell it, as when sampling), and over all tokens inside shapes (the tokens before mostly show it already).
 """
 import argparse
 import copy
@@ -90,12 +98,67 @@ def kind_features(model, split, n, size, device):
     return [(torch.cat(xs), torch.cat(ys)) for xs, ys in (first, every)]
 
 
-def probe_accuracy(train, test, steps=500):
-    """A logistic regression of kinds on standardised features, fitted on train; its accuracy on test."""
+@torch.no_grad()
+def colour_features(model, vq, encoder, split, n, size, device):
+    """(hidden, colour, 1 / shapes) at the shapes' onsets, at their onsets with every token before drawn without the
+    shape, and at all their tokens, over the first n scenes of two or more shapes of the split: the GPT's last hidden
+    states predicting those tokens, teacher forced."""
+    onset, clean, every = ([], [], []), ([], [], []), ([], [], [])
+    picked = [s for s in scenes.scenes(range(4 * n), split) if len(s.shapes) >= 2][:n]
+    for start in range(0, len(picked), 32):
+        batch = picked[start:start + 32]
+        rgb = scenes.render(batch, size, device)
+        tokens = vq.encode(scenes.to_model_range(rgb))
+        types = ["canny"] * len(batch)
+        maps = train_demo.control_maps(batch, types, rgb, size, device)
+        keep = torch.zeros(len(batch), dtype=torch.bool, device=device)
+        prefix, mask, controls = train_demo.gpt_inputs(model, encoder, batch, maps, types, keep)
+        hidden = train_demo.teacher_forced_hidden(model, prefix, mask, controls, tokens).float()
+        grid = size // 16
+        colour = train_demo.token_colours(batch, size, grid, device)
+        shapes = train_demo.token_regions(batch, size, grid, device) >= 2
+        chance = torch.tensor([1 / len(s.shapes) for s in batch], device=device)[:, None].expand_as(colour)
+        every[0].append(hidden[shapes])
+        every[1].append(colour[shapes])
+        every[2].append(chance[shapes])
+        pairs = [(b, k) for b, s in enumerate(batch) for k in range(len(s.shapes))]
+        rows = torch.tensor([b for b, _ in pairs], device=device)
+        at = train_demo.onsets([batch[b] for b, _ in pairs], [k for _, k in pairs], size, grid, device)
+        target = torch.tensor([scenes.COLOURS.index(batch[b].shapes[k].colour) for b, k in pairs], device=device)
+        chance_pairs = torch.tensor([1 / len(batch[b].shapes) for b, _ in pairs], device=device)
+        onset[0].append(hidden[rows, at])
+        # the same onsets after tokens from the scene drawn without that shape: no token before shows its colour
+        without = [train_demo.without_shape(batch[b], k) for b, k in pairs]
+        spliced = tokens[rows].clone()
+        before = torch.arange(spliced.shape[1], device=device)[None] < at[:, None]
+        spliced[before] = vq.encode(scenes.to_model_range(scenes.render(without, size, device)))[before]
+        prefix, mask, controls = train_demo.gpt_inputs(model, encoder, [batch[b] for b, _ in pairs], maps[rows],
+                                                       [types[b] for b, _ in pairs], keep[rows])
+        clean[0].append(train_demo.teacher_forced_hidden(model, prefix, mask, controls, spliced).float()[
+            torch.arange(len(pairs), device=device), at])
+        for part in (onset, clean):
+            part[1].append(target)
+            part[2].append(chance_pairs)
+    return [tuple(torch.cat(x) for x in part) for part in (onset, clean, every)]
+
+
+def colours(model, vq, encoder, size, device):
+    train = colour_features(model, vq, encoder, "train", 480, size, device)
+    test = colour_features(model, vq, encoder, "test", 192, size, device)
+    for name, tr, te in (("at each shape's onset", train[0], test[0]),
+                         ("at each shape's onset, the tokens before it drawn without the shape", train[1], test[1]),
+                         ("inside shapes", train[2], test[2])):
+        accuracy = probe_accuracy(tr[:2], te[:2], classes=len(scenes.COLOURS))
+        print(f"a shape's colour from the GPT's last hidden state, {name}: {accuracy:.3f} on {len(te[1])} test tokens "
+              f"(one of the caption's shape colours at random: {te[2].mean():.3f})")
+
+
+def probe_accuracy(train, test, steps=500, classes=len(scenes.KINDS)):
+    """A logistic regression of labels on standardised features, fitted on train; its accuracy on test."""
     (x, y), (xt, yt) = train, test
     mu, sd = x.mean(0), x.std(0) + 1e-5
-    w = torch.zeros(x.shape[1], len(scenes.KINDS), device=x.device, requires_grad=True)
-    b = torch.zeros(len(scenes.KINDS), device=x.device, requires_grad=True)
+    w = torch.zeros(x.shape[1], classes, device=x.device, requires_grad=True)
+    b = torch.zeros(classes, device=x.device, requires_grad=True)
     opt = torch.optim.Adam([w, b], lr=1e-2)
     for _ in range(steps):
         loss = F.cross_entropy((x - mu) / sd @ w + b, y) + 1e-3 * (w**2).sum()
@@ -120,6 +183,8 @@ def main(argv=None):
     p.add_argument("--num", type=int, default=32, help="test scenes of two or more shapes")
     p.add_argument("--device", default="cpu")
     p.add_argument("--kinds", action="store_true", help="also the linear probe of kinds on the adapter's features")
+    p.add_argument("--colours", action="store_true", help="also the linear probe of shapes' colours on the GPT's "
+                   "last hidden states")
     args = p.parse_args(argv)
     device = torch.device(args.device)
     model, vq, margs = load(args.model, device)
@@ -128,6 +193,9 @@ def main(argv=None):
         with torch.enable_grad():
             kinds(model, size, device)
     encoder = demo_text.DemoTextEncoder(margs["caption_dim"], margs["cls_token_num"])
+    if args.colours:
+        with torch.enable_grad():  # the probe's fit; the features are taken without
+            colours(model, vq, encoder, size, device)
     batch = [s for s in scenes.scenes(range(10 * args.num), "test") if len(s.shapes) >= 2][: args.num]
     rgb = scenes.render(batch, size, device)
     tokens = vq.encode(scenes.to_model_range(rgb))

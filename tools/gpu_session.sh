@@ -252,7 +252,7 @@ step_demo() {
     mkdir -p "$run" "$out/demo"
     for b in ${DEMO_TIMING:-}; do  # a training step's parts and kernels at these batch sizes, before training
         "$py" "$here/train_step_timing.py" --device cuda --steps 20 --batch "$b" --entry-weight "${DEMO_ENTRY_WEIGHT:-1}" \
-            --colour-weight "${DEMO_COLOUR_WEIGHT:-0}" | tee "$out/train_timing_$b.txt"
+            | tee "$out/train_timing_$b.txt"
     done
     case $phase in
         vq) "${train[@]}" --phase vq --vq-steps "${DEMO_VQ_STEPS:-3000}" ;;

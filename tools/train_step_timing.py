@@ -29,11 +29,10 @@ def parse_args(argv=None):
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--pool", type=int, default=1024, help="scenes tokenised for the timed steps")
     p.add_argument("--entry-weight", type=float, default=8.0)
-    p.add_argument("--colour-weight", type=float, default=0.0, help="with the colour head's loss (train_demo.py's)")
     return p.parse_args(argv)
 
 
-def step_parts(model, encoder, vq, opt, table, preset, rng, device, args, head, timer):
+def step_parts(model, encoder, vq, opt, table, preset, rng, device, args, timer):
     """One training step as train_demo.train_gpt takes it, cut into the parts timed."""
     with timer("batch: indices, scenes"):
         indices, types, drop = td.gpt_step_batch(0, preset, rng)
@@ -54,9 +53,6 @@ def step_parts(model, encoder, vq, opt, table, preset, rng, device, args, head, 
             logits = model.logits(hidden)
         loss = F.cross_entropy(logits.flatten(0, 1), tokens.flatten(), reduction="none").view(tokens.shape)
         loss = (loss * w).sum() / w.sum()
-        if head is not None:
-            drop = torch.as_tensor(drop, device=device)
-            loss = loss + args.colour_weight * td.colour_loss(head, hidden, batch, preset["size"], drop)[0]
     with timer("backward"):
         opt.zero_grad(set_to_none=True)
         loss.backward()
@@ -99,20 +95,18 @@ def main(argv=None):
     td.init_gpt(model)
     model.train()
     encoder = demo_text.DemoTextEncoder(margs["caption_dim"], margs["cls_token_num"])
-    head = torch.nn.Linear(margs["dim"], len(scenes.COLOURS), device=device) if args.colour_weight else None
-    opt = torch.optim.AdamW(list(model.parameters()) + (list(head.parameters()) if head else []), lr=1e-4,
-                            betas=(0.9, 0.95))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, betas=(0.9, 0.95))
     N = (preset["size"] // 16) ** 2
     vq = None  # the tokens come from a table of random codes: the step's work is the same as the pool's
     table = torch.randint(0, preset["vq"]["codebook_size"], (args.pool, N), device=device, dtype=torch.int16)
     rng = np.random.RandomState(0)
     warm = Timer(device)
     for _ in range(3):
-        step_parts(model, encoder, vq, opt, table, preset, rng, device, args, head, warm)
+        step_parts(model, encoder, vq, opt, table, preset, rng, device, args, warm)
     timer = Timer(device)
     t0 = time.perf_counter()
     for _ in range(args.steps):
-        step_parts(model, encoder, vq, opt, table, preset, rng, device, args, head, timer)
+        step_parts(model, encoder, vq, opt, table, preset, rng, device, args, timer)
     wall = time.perf_counter() - t0
     print(f"{args.preset} preset, batch {preset['gpt_batch']}, {device}: {1e3 * wall / args.steps:.1f} ms per step "
           f"synchronised part by part ({args.steps / wall:.2f} steps/s)")
@@ -123,7 +117,7 @@ def main(argv=None):
     from torch.profiler import ProfilerActivity, profile
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         for _ in range(3):
-            step_parts(model, encoder, vq, opt, table, preset, rng, device, args, head, Timer(device))
+            step_parts(model, encoder, vq, opt, table, preset, rng, device, args, Timer(device))
     kernels = [e for e in prof.key_averages() if e.device_type.name == "CUDA"]
     launches = sum(e.count for e in kernels) / 3
     busy = sum(e.self_device_time_total for e in kernels) / 3e3
