@@ -430,11 +430,12 @@ def test_what_the_pass_cannot_run_is_refused():
 # ---- on a GPU: the captured pass -----------------------------------------------------------------------------------
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-@pytest.mark.parametrize("backend,tree", [("inductor", ()), ("eager", ()), ("inductor", (4, 3))])
+@pytest.mark.parametrize("backend,tree", [("inductor", ()), ("eager", ()), ("inductor", (4, 3)),
+                                          ("inductor", (2, 1, 2, 1))])
 def test_captured_pass_greedy_on_cuda(backend, tree):
     """GPT-XL's width (2 blocks, float32 so that no near tie turns): the pass captured as one CUDA graph (inductor)
     or run op by op (eager) gives the reference's greedy tokens, for 3 images whose rows accept different counts; a
-    draft tree's pass (pathwise) too."""
+    draft tree's pass (pathwise) too, with side branches."""
     model = tiny_model(dim=1280, n_head=20, n_layer=2, seed=4).cuda()
     cond, mask, condition = (t.cuda() for t in tiny_inputs(model, B=3, valid=(3, 8, 5)))
     kw = dict(emb_masks=mask, condition=condition, cfg_scale=4.0, control_strength=0.8, top_k=1)
