@@ -7,9 +7,9 @@ runners-up of the same race: the largest log q - log E after it), each followed 
 position, seeing its ancestors only (Context.window: one 64-bit word of ancestry per row). A branch the walk enters
 gives up to D tokens more than the chain's pass (its last node's target included).
 
-Side branches (WxD+SxE): the chain fails at its later drafts too (about half the passes of a chain of 32 on the demo
-model end past its first draft), where the token is most often its race's runner-up; each of the S chain drafts after
-the first gets that runner-up as a sibling, below the chain's node before it, with E - 1 chain drafts under it.
+Side branches (WxD+SxE): the chain fails at its later drafts too (about half its passes end past the first draft,
+docs/PERF_NOTES.md), most often where the token is the race's runner-up; each of the S chain drafts after the first
+gets that runner-up as a sibling, below the chain's node before it, with E - 1 chain drafts under it.
 
 Exact for pathwise passes only, and pathwise-exact there: a node's target (its race with the position's fixed noise)
 is the sequential sampler's token wherever the node's ancestors are the image's tokens, so walking from the root into
@@ -41,7 +41,7 @@ class Tree:
 
 
 def tree_size(window, width, depth, side=0, side_depth=0):
-    """The nodes of a width x depth tree over a window of L: the chain's L, (width - 1) branches of depth, and side
+    """The nodes of a width x depth tree over a window of L: the chain's L, (width - 1) branches of depth, and `side`
     side branches of side_depth."""
     return window + (width - 1) * depth + side * side_depth
 
