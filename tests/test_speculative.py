@@ -396,6 +396,9 @@ def test_side_branches_hang_below_the_chain():
     assert tree.rank == (0, 0, 0, 0, 0, 1, 1, 0, 1, 0) and draft_tree.tree_size(5, 2, 1, 2, 2) == tree.size
     assert draft_tree.ancestry(tree)[9] == 0b1100000111
     assert draft_tree.parse_tree("2x1+2x2") == (2, 1, 2, 2) and draft_tree.format_tree((2, 1, 2, 2)) == "2x1+2x2"
+    for bad in ("2x1+2", "2x1+", "2x1+1x1+1x1"):
+        with pytest.raises(ValueError, match=r"WxD\+SxE"):
+            draft_tree.parse_tree(bad)
     tokens = torch.tensor([[9, 1, 2, 3, 4, 5, 6, 3, 7, 4],   # 1 kept, its target 6: side node 6, then node 7's 3
                            [9, 1, 2, 3, 4, 5, 6, 3, 7, 4]])  # 1 and 2 kept, 2's target 7: side node 8, its target 8
     target = torch.tensor([[1, 6, 0, 0, 0, 0, 3, 5, 0, 0], [1, 2, 7, 0, 0, 0, 0, 0, 8, 0]])
