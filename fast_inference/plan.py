@@ -402,12 +402,13 @@ def jacobi_pass(s, block_scope, hand_capture, eager, window, want):
         width, depth, side, side_depth = (s.draft_tree + (0, 0))[:4]
         if not (width >= 1 and 1 <= depth < s.draft_window):
             raise PlanError(f"--draft-tree {width}x{depth}: a width of at least 1 and a depth of 1 to --draft-window - 1")
+        words = tree_words(s.draft_tree)
         if len(s.draft_tree) > 2 and not (side >= 1 and side_depth >= 1 and side + side_depth < s.draft_window):
-            raise PlanError(f"--draft-tree {tree_words(s.draft_tree)}: side branches SxE need S and E of at least 1 and "
-                            f"S + E below --draft-window")
+            raise PlanError(f"--draft-tree {words}: side branches SxE need S and E of at least 1 and S + E below "
+                            f"--draft-window")
         if nodes > 63:
-            raise PlanError(f"--draft-tree {tree_words(s.draft_tree)} with --draft-window {s.draft_window}: {nodes} rows "
-                            f"per image, the window's mask holds 63; use a smaller window or tree")
+            raise PlanError(f"--draft-tree {words} with --draft-window {s.draft_window}: {nodes} rows per image, the "
+                            f"window's mask holds 63; use a smaller window or tree")
     block, rows = "compiled" if compiled else "model", None
     if window[2] == "fused":
         if not (compiled and window[0] == "triton" and block_triton.fits(s.head_dim, dot=True)) or s.draft_tree:
