@@ -78,7 +78,7 @@ def parse_args(argv=None):
                                                                        BENCH_RANGES))
     p.add_argument("--draft-init", choices=list(DRAFT_INITS), default=DEFAULT_INIT)
     p.add_argument("--draft-coupling", choices=list(COUPLINGS), default=DEFAULT_COUPLING)
-    p.add_argument("--draft-tree", type=tree_arg, default=DEFAULT_TREE, metavar="WxD|none",
+    p.add_argument("--draft-tree", type=tree_arg, default=DEFAULT_TREE, metavar="WxD[+SxE]|none",
                    help="a draft tree per pass (fast_engine.py --help; --draft-coupling pathwise)")
     p.add_argument("--target-entropy", type=float, default=None,
                    help=ranged("target_entropy", "scale the output layer so that the sampled distributions' mean "

@@ -7,6 +7,10 @@ runners-up of the same race: the largest log q - log E after it), each followed 
 position, seeing its ancestors only (Context.window: one 64-bit word of ancestry per row). A branch the walk enters
 gives up to D tokens more than the chain's pass (its last node's target included).
 
+Side branches (WxD+SxE): the chain fails at its later drafts too (about half its passes end past the first draft,
+docs/PERF_NOTES.md), most often where the token is the race's runner-up; each of the S chain drafts after the first
+gets that runner-up as a sibling, below the chain's node before it, with E - 1 chain drafts under it.
+
 Exact for pathwise passes only, and pathwise-exact there: a node's target (its race with the position's fixed noise)
 is the sequential sampler's token wherever the node's ancestors are the image's tokens, so walking from the root into
 the child that holds each target, and keeping the targets along the walk, keeps the image the function of the noise
@@ -36,32 +40,45 @@ class Tree:
         return len(self.parent)
 
 
-def tree_size(window, width, depth):
-    """The nodes of a width x depth tree over a window of L: the chain's L and (width - 1) branches of depth."""
-    return window + (width - 1) * depth
+def tree_size(window, width, depth, side=0, side_depth=0):
+    """The nodes of a width x depth tree over a window of L: the chain's L, (width - 1) branches of depth, and `side`
+    side branches of side_depth."""
+    return window + (width - 1) * depth + side * side_depth
 
 
 def parse_tree(text):
-    """--draft-tree's value: "none" -> (), "WxD" -> (W, D) (a W x D tree, make_tree)."""
+    """--draft-tree's value: "none" -> (), "WxD" -> (W, D) (a W x D tree, make_tree), "WxD+SxE" -> (W, D, S, E)
+    (and S side branches of depth E)."""
     if text == "none":
         return ()
-    width, _, depth = text.partition("x")
-    if not (width.isdigit() and depth.isdigit()):
+    parts = [part.partition("x") for part in text.split("+")]
+    if not (len(parts) <= 2 and all(a.isdigit() and x and b.isdigit() for a, x, b in parts)):
         raise ValueError(f"--draft-tree {text!r}: give WxD (candidates of the first draft x their depth), e.g. 4x3, "
-                         f"or none")
-    return int(width), int(depth)
+                         f"WxD+SxE (and the runner-up of the next S drafts, each E deep), e.g. 4x3+11x2, or none")
+    return tuple(int(n) for a, _, b in parts for n in (a, b))
 
 
-def make_tree(window, width, depth):
-    """The root, the chain of window - 1 drafts below it, and width - 1 more candidates for the first draft's position,
-    each with the chain's next depth - 1 drafts below it."""
+def format_tree(tree):
+    """parse_tree's inverse: (4, 3, 11, 2) -> "4x3+11x2", () -> "none"."""
+    return "+".join(f"{a}x{b}" for a, b in zip(tree[::2], tree[1::2])) or "none"
+
+
+def make_tree(window, width, depth, side=0, side_depth=0):
+    """The root, the chain of window - 1 drafts below it, width - 1 more candidates for the first draft's position,
+    each with the chain's next depth - 1 drafts below it, and the runner-up of each chain draft at depths 2 to side + 1
+    below the chain's node before it, with the chain's next side_depth - 1 drafts below it."""
     parent, dep, rank = [-1] + list(range(window - 1)), list(range(window)), [0] * window
     for w in range(1, width):
         for d in range(1, depth + 1):
             parent.append(0 if d == 1 else len(parent) - 1)
             dep.append(d)
             rank.append(w if d == 1 else 0)
-    assert len(parent) == tree_size(window, width, depth)
+    for j in range(2, side + 2):
+        for d in range(j, j + side_depth):
+            parent.append(j - 1 if d == j else len(parent) - 1)
+            dep.append(d)
+            rank.append(1 if d == j else 0)
+    assert len(parent) == tree_size(window, width, depth, side, side_depth) and max(dep) < window
     return Tree(tuple(parent), tuple(dep), tuple(rank))
 
 
@@ -128,7 +145,8 @@ def compact(caches, start, line, count):
 
 
 class TreeRunner(JacobiRunner):
-    """JacobiRunner's passes with a draft tree (pathwise coupling only): each image's window as the tree's nodes."""
+    """JacobiRunner's passes with a draft tree (pathwise coupling only): each image's window as the tree's nodes;
+    tree_shape (W, D) or (W, D, S, E): make_tree's."""
 
     STATE = JacobiRunner.STATE + ("cands",)
 
@@ -139,13 +157,13 @@ class TreeRunner(JacobiRunner):
         super().__init__(model, plan, num_tokens, prefix_len, num_controls, top_k, keep_logits, init, width,
                          coupling)
         self.tree = make_tree(self.window, *tree_shape)
-        self.width_candidates = tree_shape[0]
+        self.width_candidates = max(self.tree.rank) + 1  # side branches take the runner-up even in a 1 x D tree
         device = self.out.device
         buf = lambda name, t: self.register_buffer(name, t, persistent=False)
         buf("depth", torch.tensor(self.tree.depth, device=device))
         buf("rank", torch.tensor(self.tree.rank, device=device))
         buf("ancestry", torch.tensor(ancestry(self.tree), device=device))
-        buf("cands", torch.zeros(self.batch, self.window, tree_shape[0], dtype=torch.long, device=device))
+        buf("cands", torch.zeros(self.batch, self.window, self.width_candidates, dtype=torch.long, device=device))
         child, first = links(self.tree, device)
         buf("child", child)
         buf("first", first)

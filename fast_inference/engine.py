@@ -89,7 +89,8 @@ class Engine:
     overrides ("key=value" strings, plan.OVERRIDES), on top of CONTROLAR_PLAN's. speculative "jacobi": lossless
     speculative Jacobi passes of draft_window positions (speculative.py) instead of one token per step, the window's
     initial drafts by draft_init (speculative.DRAFT_INITS), their redraws' noise by draft_coupling (COUPLINGS);
-    draft_tree (width, depth): each pass a draft tree of the window (draft_tree.py, pathwise coupling), () a chain."""
+    draft_tree (width, depth) or (width, depth, side, side depth): each pass a draft tree of the window (draft_tree.py,
+    pathwise coupling), () a chain."""
 
     def __init__(self, model, backend="inductor", compile_mode="reduce-overhead", cache_dir=None,
                  compile_prefill=False, compile_scope="block", fused_block=True, overrides=(), speculative="none",

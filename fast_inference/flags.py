@@ -116,9 +116,10 @@ def add_model_args(p):
                         "so that drafts move only where their distribution does (still lossless); none: fresh noise; "
                         "pathwise: every token's noise fixed too, so the image is a function of the seed alone and a "
                         "draft is kept where it is its position's token (lossless; needed by --draft-tree)")
-    p.add_argument("--draft-tree", type=tree_arg, default=DEFAULT_TREE, metavar="WxD|none",
+    p.add_argument("--draft-tree", type=tree_arg, default=DEFAULT_TREE, metavar="WxD[+SxE]|none",
                    help="each pass verifies W candidates of the window's first draft, each with D drafts below it, "
-                        "beside the chain (draft_tree.py; --draft-coupling pathwise); none: the chain alone")
+                        "beside the chain, and with +SxE the runner-up of each of the next S drafts, each with E "
+                        "drafts below it (draft_tree.py; --draft-coupling pathwise); none: the chain alone")
     p.add_argument("--plan", action="append", default=[], metavar="KEY=VALUE",
                    help="override the decode plan's choice (repeatable; also CONTROLAR_PLAN=KEY=VALUE,...): "
                         + "; ".join(f"{k}={'|'.join(v)}" for k, v in plans.OVERRIDES.items()))

@@ -94,7 +94,7 @@ class Situation:
     builds: Callable = field(default=lambda kernel, *key: True, compare=False)  # (CUDA C++ kernel, key) built?
     overrides: tuple = ()  # ((key, value), ...): OVERRIDES
     draft_window: int = 0  # speculative Jacobi passes over this many positions (speculative.py); 0: plain steps
-    draft_tree: tuple = ()  # (width, depth): each pass a draft tree (draft_tree.py); (): the window's chain
+    draft_tree: tuple = ()  # (width, depth[, side, side depth]): each pass a draft tree (draft_tree.py); (): a chain
     own_positions: bool = False  # each row at its own position: a server's batch (continuous.py)
 
     @property
@@ -399,12 +399,16 @@ def jacobi_pass(s, block_scope, hand_capture, eager, window, want):
     compiled = block_scope and not s.int8  # inductor turns int8 projections into slow kernels (as the steps)
     nodes = pass_nodes(s)
     if s.draft_tree:
-        width, depth = s.draft_tree
+        width, depth, side, side_depth = (s.draft_tree + (0, 0))[:4]
         if not (width >= 1 and 1 <= depth < s.draft_window):
             raise PlanError(f"--draft-tree {width}x{depth}: a width of at least 1 and a depth of 1 to --draft-window - 1")
+        words = tree_words(s.draft_tree)
+        if len(s.draft_tree) > 2 and not (side >= 1 and side_depth >= 1 and side + side_depth < s.draft_window):
+            raise PlanError(f"--draft-tree {words}: side branches SxE need S and E of at least 1 and S + E below "
+                            f"--draft-window")
         if nodes > 63:
-            raise PlanError(f"--draft-tree {width}x{depth} with --draft-window {s.draft_window}: {nodes} rows per image, "
-                            f"the window's mask holds 63; use a smaller window or tree")
+            raise PlanError(f"--draft-tree {words} with --draft-window {s.draft_window}: {nodes} rows per image, the "
+                            f"window's mask holds 63; use a smaller window or tree")
     block, rows = "compiled" if compiled else "model", None
     if window[2] == "fused":
         if not (compiled and window[0] == "triton" and block_triton.fits(s.head_dim, dot=True)) or s.draft_tree:
@@ -452,7 +456,13 @@ def pass_loses(s, want, jacobi):
 def pass_nodes(s):
     """A pass's query rows per image: the window, and a draft tree's branches (draft_tree.tree_size; the plan imports
     no runner)."""
-    return s.draft_window + ((s.draft_tree[0] - 1) * s.draft_tree[1] if s.draft_tree else 0)
+    width, depth, side, side_depth = (tuple(s.draft_tree) + (0, 0))[:4] if s.draft_tree else (1, 0, 0, 0)
+    return s.draft_window + (width - 1) * depth + side * side_depth
+
+
+def tree_words(tree):
+    """A draft tree as --draft-tree writes it: (4, 3, 11, 2) -> 4x3+11x2 (draft_tree.format_tree)."""
+    return "+".join(f"{a}x{b}" for a, b in zip(tree[::2], tree[1::2]))
 
 
 def pass_rows(rows):
@@ -737,7 +747,7 @@ def explain(p):
         j = p.jacobi
         blocks = (f"fused (Triton {j.rows.projection('qkv').impl.split('_')[1]})" if j.block == "fused" else
                   "compiled" if j.block == "compiled" else "eager")
-        tree = f" in a {s.draft_tree[0]}x{s.draft_tree[1]} draft tree of {j.nodes} nodes" if s.draft_tree else ""
+        tree = f" in a {tree_words(s.draft_tree)} draft tree of {j.nodes} nodes" if s.draft_tree else ""
         row("speculative", f"Jacobi passes of {j.window} positions{tree}: {s.rows * j.nodes} rows through the "
             f"{blocks} blocks and {window_words(j)}, inputs "
             f"{INPUT_WORDS[j.inputs]}, {'one CUDA graph' if j.graph else 'op by op'}; {describe_ops(j.ops)}")

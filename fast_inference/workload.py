@@ -7,6 +7,7 @@ import time
 
 import torch
 
+from fast_inference.draft_tree import format_tree
 from fast_inference.generate import generate
 from fast_inference.model import ModelArgs, Transformer
 
@@ -112,4 +113,4 @@ def bench_speculative(engine, B, N, args, kw, device):
     return dict(tok_s=B * N / d, decode_s=d, pass_ms=d / spec["batch_passes"] * 1e3, compile_s=compile_s,
                 passes_per_image=sum(spec["passes"]) / B, tokens_per_pass=spec["tokens_per_pass"],
                 batch_passes=spec["batch_passes"], window=args.draft_window, init=args.draft_init,
-                coupling=args.draft_coupling, tree="x".join(map(str, args.draft_tree)) or "none")
+                coupling=args.draft_coupling, tree=format_tree(args.draft_tree))

@@ -27,7 +27,7 @@ def greedy_case():
 @pytest.mark.parametrize("backend,init,window,coupling,tree", [
     ("eager", "random", 3, "none", ()), ("eager", "left", 4, "none", ()), ("eager", "above", 4, "none", ()),
     ("eager", "random", 4, "gumbel", ()), ("inductor", "random", 4, "none", ()), ("eager", "left", 4, "pathwise", ()),
-    ("eager", "left", 4, "pathwise", (4, 3))])
+    ("eager", "left", 4, "pathwise", (4, 3)), ("eager", "left", 4, "pathwise", (2, 1, 2, 1))])
 def test_greedy_tokens_equal_reference(backend, init, window, coupling, tree):
     model, cond, n, kw = greedy_case()
     ref = generate(model, cond, n, **kw)
@@ -129,8 +129,9 @@ def speculative_counts(model, cond, mask, condition, monkeypatch, init="random",
                     draft_coupling=coupling, draft_tree=tree)
     torch.manual_seed(0)
     out = engine.generate(cond[idx], N, emb_masks=mask[idx], condition=condition[idx], **SETTINGS)
-    if tree:  # the tree's branches must be taken for the test to say anything of them
-        assert engine.last_speculation["tokens_per_pass"] > TREE_GAIN * chain_tokens_per_pass(window, init), tree
+    if tree:  # the tree's branches (its side branches: beyond the tree without them) must be taken for the test
+        assert engine.last_speculation["tokens_per_pass"] > TREE_GAIN * chain_tokens_per_pass(window, init, tree[:2]
+                                                                                             if tree[2:] else ()), tree
     code = (out * V ** torch.arange(N - 1, -1, -1)).sum(1)
     return torch.stack([torch.bincount(code[idx == c], minlength=V**N) for c in range(cond.shape[0])]).double()
 
@@ -151,18 +152,19 @@ def goodness_of_fit(counts, probs):
     return out
 
 
-TREE_GAIN = 1.05  # a tree of the distribution test accepts more per pass than its chain (measured: 1.61 -> 1.74)
+TREE_GAIN = 1.05  # a tree of the distribution test accepts more per pass than its chain (measured: 1.61 -> 1.74),
+# side branches than the tree without them (2x1 -> 2x1+1x1: 1.61 -> 1.72)
 
 
 @functools.lru_cache(maxsize=None)
-def chain_tokens_per_pass(window, init):
-    """Tokens per pass of the pathwise chain in the distribution test's setting (its tree must beat it)."""
+def chain_tokens_per_pass(window, init, tree=()):
+    """Tokens per pass of the pathwise chain (or tree) in the distribution test's setting (a tree must beat it)."""
     model, cond, mask, condition = distribution_case()
     idx = torch.arange(SAMPLES) % cond.shape[0]
     with pytest.MonkeyPatch.context() as monkeypatch:
         repeat_prepare(monkeypatch, engine_module, cond, mask, condition, idx)
         engine = Engine(model, backend="eager", speculative="jacobi", draft_window=window, draft_init=init,
-                        draft_coupling="pathwise")
+                        draft_coupling="pathwise", draft_tree=tree)
         torch.manual_seed(0)
         engine.generate(cond[idx], N, emb_masks=mask[idx], condition=condition[idx], **SETTINGS)
     return engine.last_speculation["tokens_per_pass"]
@@ -211,6 +213,32 @@ def plant(monkeypatch, mistake):
         monkeypatch.setattr(draft_tree.TreeRunner, "advance_tree", sibling)
     elif mistake == "uncompacted":  # a tree's kept branch left in its slots: the next pass reads the chain's keys
         monkeypatch.setattr(draft_tree, "compact", lambda caches, start, line, count: None)
+    elif mistake == "side_sees_root":  # a side branch's mask without its chain ancestors: it sees the root only
+        real = draft_tree.ancestry
+
+        def root_only(tree):
+            window = next(k for k, d in enumerate(tree.depth) if d != k)  # the chain first: node k at depth k
+            chain = sum(1 << k for k in range(1, window))
+            return [m & ~chain if side else m for m, side in zip(real(tree), side_nodes(tree))]
+
+        monkeypatch.setattr(draft_tree, "ancestry", root_only)
+    elif mistake == "side_sibling":  # a side branch verified against its sibling's (the chain's) distribution
+        advance = draft_tree.TreeRunner.advance_tree
+
+        def sibling(self, p, tokens, start):
+            node = torch.arange(len(self.depth))
+            chain = torch.where(torch.tensor(side_nodes(self.tree)), self.depth, node)  # a side node -> the chain's
+            return advance(self, p[:, chain], tokens, start)
+
+        monkeypatch.setattr(draft_tree.TreeRunner, "advance_tree", sibling)
+
+
+def side_nodes(tree):
+    """Which of a tree's nodes are in its side branches: a runner-up past the first draft, or below one."""
+    side = []
+    for node, up in enumerate(tree.parent):
+        side.append(tree.rank[node] > 0 and tree.depth[node] >= 2 or up >= 0 and side[up])
+    return side
 
 
 @pytest.fixture(scope="module")
@@ -222,7 +250,8 @@ def reference():
 @pytest.mark.parametrize("init,window,coupling,tree", [
     ("random", WINDOW, "none", ()), ("left", WINDOW, "none", ()), ("above", 2, "none", ()),  # above: a 2 x 2 grid
     ("random", WINDOW, "gumbel", ()), ("left", WINDOW, "gumbel", ()), ("random", WINDOW, "pathwise", ()),
-    ("left", WINDOW, "pathwise", (3, 2)), ("random", WINDOW, "pathwise", (2, 1))])
+    ("left", WINDOW, "pathwise", (3, 2)), ("random", WINDOW, "pathwise", (2, 1)),
+    ("left", WINDOW, "pathwise", (2, 1, 1, 1))])  # a side branch at depth 2
 def test_sequence_distribution_is_the_reference_one(reference, monkeypatch, init, window, coupling, tree):
     case, probs = reference
     assert (probs > 0).sum(1).min() >= 40, "the test needs a spread distribution"
@@ -234,7 +263,7 @@ def test_sequence_distribution_is_the_reference_one(reference, monkeypatch, init
 @pytest.mark.parametrize("mistake,coupling,tree", [
     ("always_accept", "none", ()), ("residual_is_p", "none", ()), ("stale_q", "none", ()),
     ("past_mismatch", "pathwise", ()), ("fresh_at_mismatch", "pathwise", ()),
-    ("sibling_distribution", "pathwise", (3, 2))])
+    ("sibling_distribution", "pathwise", (3, 2)), ("side_sibling", "pathwise", (2, 1, 1, 1))])
 def test_planted_mistakes_change_the_distribution(reference, monkeypatch, mistake, coupling, tree):
     case, probs = reference
     init = "left" if tree else "random"
@@ -300,21 +329,23 @@ def pathwise_chain():
 
 
 @pytest.mark.parametrize("window,init,tree", [(3, "left", ()), (4, "above", ()), (8, "random", ()),
-                                              (4, "left", (2, 1)), (4, "above", (4, 3)), (6, "random", (3, 2))])
+                                              (4, "left", (2, 1)), (4, "above", (4, 3)), (6, "random", (3, 2)),
+                                              (4, "left", (2, 1, 2, 1)), (8, "left", (4, 3, 3, 3))])
 def test_pathwise_tokens_are_the_noise_s_function(pathwise_chain, monkeypatch, window, init, tree):
     """Pathwise passes give every image the tokens of the sequential sampler with the fixed noise, whatever the
     window, the initial drafts and the tree: the same tokens as the chain of 2 (each of which is checked against the
-    reference), and more tokens per pass for the tree than its chain."""
+    reference), and more tokens per pass for the tree than its chain (side branches: than the tree without them)."""
     case, chain, seed = pathwise_chain
     out, seed_, per_pass = pathwise_tokens(monkeypatch, case, window, init, tree)
     assert torch.equal(seed_, seed) and torch.equal(out, chain)
     if tree:
         with pytest.MonkeyPatch.context() as chain_patch:
-            assert per_pass > pathwise_tokens(chain_patch, case, window, init)[2]
+            assert per_pass > pathwise_tokens(chain_patch, case, window, init, tree[:2] if tree[2:] else ())[2]
 
 
 @pytest.mark.parametrize("mistake,tree", [("past_mismatch", ()), ("fresh_at_mismatch", ()),
-                                          ("sibling_distribution", (3, 2)), ("uncompacted", (3, 2))])
+                                          ("sibling_distribution", (3, 2)), ("uncompacted", (3, 2)),
+                                          ("side_sees_root", (2, 1, 2, 1)), ("side_sibling", (2, 1, 2, 1))])
 def test_planted_mistakes_change_pathwise_tokens(pathwise_chain, monkeypatch, mistake, tree):
     case, chain, seed = pathwise_chain
     plant(monkeypatch, mistake)
@@ -359,6 +390,25 @@ def test_tree_walk_takes_the_branch_holding_each_target():
     assert line.tolist() == [[0, 4, 5, 3], [0, 1, 2, 3], [0, 1, 2, 3]] and count.tolist() == [3, 4, 1]
 
 
+def test_side_branches_hang_below_the_chain():
+    """A 2 x 1 tree with 2 side branches of depth 2 over a window of 5 (make_tree), its ancestry, parse_tree's form,
+    and walk into a side branch: the runner-up of the chain's draft at depth 2 or 3, below the chain's node before
+    it."""
+    tree = draft_tree.make_tree(5, 2, 1, 2, 2)
+    assert tree.parent == (-1, 0, 1, 2, 3, 0, 1, 6, 2, 8) and tree.depth == (0, 1, 2, 3, 4, 1, 2, 3, 3, 4)
+    assert tree.rank == (0, 0, 0, 0, 0, 1, 1, 0, 1, 0) and draft_tree.tree_size(5, 2, 1, 2, 2) == tree.size
+    assert draft_tree.ancestry(tree)[9] == 0b1100000111
+    assert draft_tree.parse_tree("2x1+2x2") == (2, 1, 2, 2) and draft_tree.format_tree((2, 1, 2, 2)) == "2x1+2x2"
+    for bad in ("2x1+2", "2x1+", "2x1+1x1+1x1"):
+        with pytest.raises(ValueError, match=r"WxD\+SxE"):
+            draft_tree.parse_tree(bad)
+    tokens = torch.tensor([[9, 1, 2, 3, 4, 5, 6, 3, 7, 4],   # 1 kept, its target 6: side node 6, then node 7's 3
+                           [9, 1, 2, 3, 4, 5, 6, 3, 7, 4]])  # 1 and 2 kept, 2's target 7: side node 8, its target 8
+    target = torch.tensor([[1, 6, 0, 0, 0, 0, 3, 5, 0, 0], [1, 2, 7, 0, 0, 0, 0, 0, 8, 0]])
+    line, count = draft_tree.walk(*draft_tree.links(tree), tokens, target, 5)
+    assert line.tolist() == [[0, 1, 6, 7, 4], [0, 1, 2, 8, 9]] and count.tolist() == [4, 4]
+
+
 # ---- refusals ------------------------------------------------------------------------------------------------------
 
 def test_what_the_pass_cannot_run_is_refused():
@@ -379,16 +429,19 @@ def test_what_the_pass_cannot_run_is_refused():
         Engine(model, draft_window=4, draft_tree=(2, 4), **tree)
     with pytest.raises(PlanError, match="65 rows per image, the window's mask holds 63"):
         Engine(model, draft_window=32, draft_tree=(12, 3), **tree)
+    with pytest.raises(PlanError, match="side branches SxE need S and E of at least 1 and S \\+ E below"):
+        Engine(model, draft_window=4, draft_tree=(2, 1, 2, 2), **tree)
 
 
 # ---- on a GPU: the captured pass -----------------------------------------------------------------------------------
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-@pytest.mark.parametrize("backend,tree", [("inductor", ()), ("eager", ()), ("inductor", (4, 3))])
+@pytest.mark.parametrize("backend,tree", [("inductor", ()), ("eager", ()), ("inductor", (4, 3)),
+                                          ("inductor", (2, 1, 2, 1))])
 def test_captured_pass_greedy_on_cuda(backend, tree):
     """GPT-XL's width (2 blocks, float32 so that no near tie turns): the pass captured as one CUDA graph (inductor)
     or run op by op (eager) gives the reference's greedy tokens, for 3 images whose rows accept different counts; a
-    draft tree's pass (pathwise) too."""
+    draft tree's pass (pathwise) too, with side branches."""
     model = tiny_model(dim=1280, n_head=20, n_layer=2, seed=4).cuda()
     cond, mask, condition = (t.cuda() for t in tiny_inputs(model, B=3, valid=(3, 8, 5)))
     kw = dict(emb_masks=mask, condition=condition, cfg_scale=4.0, control_strength=0.8, top_k=1)

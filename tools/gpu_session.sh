@@ -187,6 +187,11 @@ step_trees() {
     "${bench[@]}" --target-entropy 3 --draft-coupling pathwise --tag _trees_path16
     "${bench[@]}" --target-entropy 3 --draft-coupling pathwise --draft-tree 4x3 --tag _trees_path16_4x3
     "${bench[@]}" --target-entropy 3 --draft-coupling pathwise --draft-window 32 --draft-tree 4x3 --tag _trees_path32_4x3
+    # side branches (issue 78): 62 and 63 rows per image
+    "${bench[@]}" --target-entropy 3 --draft-coupling pathwise --draft-window 32 --draft-tree 4x3+7x3 \
+        --tag _trees_path32_4x3+7x3
+    "${bench[@]}" --target-entropy 3 --draft-coupling pathwise --draft-window 48 --draft-tree 4x3+2x3 \
+        --tag _trees_path48_4x3+2x3
     "${bench[@]}" --target-entropy 1.5 --tag _trees_chain16_h1.5
     "${bench[@]}" --target-entropy 1.5 --draft-coupling pathwise --draft-window 32 --draft-tree 4x3 \
         --tag _trees_path32_4x3_h1.5
