@@ -427,14 +427,20 @@ def hide_before_onset(batch, tokens, vq, size, drop):
     rows = torch.tensor(rows, dtype=torch.long, device=device)
     if not len(sub):
         return tokens, rows, rows, colours
-    at = onsets(sub, ks, size, math.isqrt(tokens.shape[1]), device)
-    with torch.no_grad():
-        clean = vq.encode(scenes.to_model_range(scenes.render([without_shape(s, k) for s, k in zip(sub, ks)],
-                                                               size, device)))
-    before = torch.arange(tokens.shape[1], device=device)[None] < at[:, None]
     tokens = tokens.clone()
-    tokens[rows] = torch.where(before, clean.to(tokens.dtype), tokens[rows])
+    tokens[rows], at = shape_hidden(sub, ks, tokens[rows], vq, size)
     return tokens, rows, at, colours
+
+
+@torch.no_grad()
+def shape_hidden(batch, slots, tokens, vq, size):
+    """-> (tokens (R, N) with those before each scene's shape slots[i] onset taken from the scene drawn without it,
+    the onsets (R,))."""
+    at = onsets(batch, slots, size, math.isqrt(tokens.shape[1]), tokens.device)
+    clean = vq.encode(scenes.to_model_range(scenes.render([without_shape(s, k) for s, k in zip(batch, slots)],
+                                                           size, tokens.device)))
+    before = torch.arange(tokens.shape[1], device=tokens.device)[None] < at[:, None]
+    return torch.where(before, clean.to(tokens.dtype), tokens), at
 
 
 def colour_loss(head, hidden, rows, at, colours):
@@ -501,8 +507,11 @@ def train_gpt(args, preset, device, log):
     encoder = demo_text.DemoTextEncoder(margs["caption_dim"], margs["cls_token_num"])
     steps = preset["gpt_steps"] if args.gpt_steps is None else args.gpt_steps
     state_path, start = os.path.join(args.out, "gpt_state.pt"), 0
-    recipe = run_recipe(args, preset, state_path)
-    # the colour head: training only (not stored with the model), its loss asks for each region's colour everywhere
+    if args.resume and not os.path.exists(state_path):
+        raise SystemExit(f"error: --resume: {state_path} does not exist; start the run without --resume")
+    state = torch.load(state_path, map_location=device, weights_only=False) if args.resume else None  # our own file
+    recipe = run_recipe(args, preset, state)
+    # the colour head: training only (not stored with the model), it names a hidden shape's colour at its onset
     head = torch.nn.Linear(margs["dim"], len(scenes.COLOURS), device=device) if recipe["colour_weight"] else None
     trained = list(model.parameters()) + (list(head.parameters()) if head else [])
     decay = [p for p in trained if p.dim() >= 2]
@@ -512,7 +521,8 @@ def train_gpt(args, preset, device, log):
     rng = np.random.RandomState(args.seed + 2)
     t0 = time.perf_counter()
     if args.resume:
-        start, steps, table, before = resume(state_path, model, ema, head, opt, rng, device)
+        start, steps, table, before = resume(state, model, ema, head, opt, rng, device)
+        del state  # its copies of the weights and the pool
         log(phase="gpt", resumed_at=start, of=steps, **recipe)
     else:
         table = token_pool(preset, vq, device)
@@ -560,16 +570,14 @@ RECIPE = ("gpt_batch", "gpt_lr", "entry_weight", "colour_weight")  # a run's fla
 DEFAULT_WEIGHTS = dict(entry_weight=1.0, colour_weight=0.0)  # the plain loss
 
 
-def run_recipe(args, preset, state_path):
+def run_recipe(args, preset, state):
     """The run's batch, peak LR and loss weights: the flags (else the preset's) for a new run, the stored run's on
-    --resume (a flag given there that differs from it: one error line)."""
+    --resume, state its gpt_state.pt (a flag given there that differs from it: one error line)."""
     flags = {k: getattr(args, k) for k in RECIPE}
     new = {k: preset.get(k, DEFAULT_WEIGHTS.get(k)) if flags[k] is None else flags[k] for k in RECIPE}
-    if not args.resume:
+    if state is None:
         return new
-    if not os.path.exists(state_path):
-        raise SystemExit(f"error: --resume: {state_path} does not exist; start the run without --resume")
-    stored = torch.load(state_path, map_location="cpu", weights_only=False).get("recipe") or new  # older: the flags'
+    stored = state.get("recipe") or new  # a state from before recipes were stored: the flags'
     for k in RECIPE:
         if flags[k] is not None and flags[k] != stored[k]:
             raise SystemExit(f"error: --resume goes on with the run's --{k.replace('_', '-')} {stored[k]}; leave "
@@ -588,9 +596,8 @@ def save_state(path, model, ema, head, opt, rng, done, steps, table, recipe, bef
     os.replace(path + ".tmp", path)
 
 
-def resume(path, model, ema, head, opt, rng, device):
-    """Load --out's gpt_state.pt into the run -> (next step, planned steps, token pool, steps before the run)."""
-    state = torch.load(path, map_location=device, weights_only=False)  # our own file, written by save_state
+def resume(state, model, ema, head, opt, rng, device):
+    """Load --out's gpt_state.pt (state) into the run -> (next step, planned steps, token pool, steps before it)."""
     model.load_state_dict(state["model"])
     ema.load_state_dict(state["ema"])
     if head:

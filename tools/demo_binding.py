@@ -123,16 +123,14 @@ def colour_features(model, vq, encoder, split, n, size, device):
         every[2].append(chance[shapes])
         pairs = [(b, k) for b, s in enumerate(batch) for k in range(len(s.shapes))]
         rows = torch.tensor([b for b, _ in pairs], device=device)
-        at = train_demo.onsets([batch[b] for b, _ in pairs], [k for _, k in pairs], size, grid, device)
-        target = torch.tensor([scenes.COLOURS.index(batch[b].shapes[k].colour) for b, k in pairs], device=device)
-        chance_pairs = torch.tensor([1 / len(batch[b].shapes) for b, _ in pairs], device=device)
+        scenes_of, slots = [batch[b] for b, _ in pairs], [k for _, k in pairs]
+        # each shape's onset, and its tokens after those of the scene drawn without it: none before shows its colour
+        spliced, at = train_demo.shape_hidden(scenes_of, slots, tokens[rows], vq, size)
+        target = torch.tensor([scenes.COLOURS.index(s.shapes[k].colour) for s, k in zip(scenes_of, slots)],
+                              device=device)
+        chance_pairs = torch.tensor([1 / len(s.shapes) for s in scenes_of], device=device)
         onset[0].append(hidden[rows, at])
-        # the same onsets after tokens from the scene drawn without that shape: no token before shows its colour
-        without = [train_demo.without_shape(batch[b], k) for b, k in pairs]
-        spliced = tokens[rows].clone()
-        before = torch.arange(spliced.shape[1], device=device)[None] < at[:, None]
-        spliced[before] = vq.encode(scenes.to_model_range(scenes.render(without, size, device)))[before]
-        prefix, mask, controls = train_demo.gpt_inputs(model, encoder, [batch[b] for b, _ in pairs], maps[rows],
+        prefix, mask, controls = train_demo.gpt_inputs(model, encoder, scenes_of, maps[rows],
                                                        [types[b] for b, _ in pairs], keep[rows])
         clean[0].append(train_demo.teacher_forced_hidden(model, prefix, mask, controls, spliced).float()[
             torch.arange(len(pairs), device=device), at])
