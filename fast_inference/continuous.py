@@ -257,12 +257,19 @@ class Batch:
 
     @torch.no_grad()
     def remove(self, entry):
-        """A request out (done or cancelled): the requests after it move down into its slots, the last n go idle."""
+        """A request out (done or cancelled), the batch packed again and its last n slots idle: the last request moves
+        into its slots where it has as many images (one move of 2 x layers cache slices, not one per later request),
+        else the requests after it move down."""
         r, n = self.runner, entry.request.num_images
         self.entries.remove(entry)
-        for e in self.entries:
-            if e.slot > entry.slot:
-                r.move(e.slot, e.slot - n, e.request.num_images, r.prefix_len + e.done)  # the filled positions
-                e.slot -= n
+        later = [e for e in self.entries if e.slot > entry.slot]
+        if later and later[-1].request.num_images == n:  # the last request fills the hole: one move
+            moves = [(later[-1], entry.slot)]
+        else:  # the requests after it move down
+            moves = [(e, e.slot - n) for e in later]
+        for e, dst in moves:
+            r.move(e.slot, dst, e.request.num_images, r.prefix_len + e.done)  # the filled positions
+            e.slot = dst
+        self.entries.sort(key=lambda e: e.slot)
         self.used -= n
         r.leave(self.used, n)

@@ -112,6 +112,36 @@ def test_a_request_without_guidance_and_a_cancelled_one():
     assert torch.equal(done[id(kept)], want[1]) and torch.equal(done[id(late)], want[2])
 
 
+def test_the_last_request_fills_a_finished_ones_slots_in_one_move(monkeypatch):
+    """Three one-image requests joining at steps 0, 1 and 2: the first one cancelled half way, the last moves into its
+    slot (one move, the middle one stays), and both still get their own tokens."""
+    model = tiny_model(seed=4)
+    rs = [dataclasses.replace(r, num_images=1) for r in requests(model)[:3]]
+    want = [alone(model, r) for r in rs]
+    batch = Batch(Engine(model, backend="eager"), rs[0].shape, capacity=3)
+    moves = []
+    move = batch.runner.move
+    monkeypatch.setattr(batch.runner, "move", lambda *a: (moves.append(a[:3]), move(*a)))
+    entries = []
+    for r in rs:
+        entries.append(batch.admit(r))
+        batch.step()
+    filled = batch.runner.prefix_len + entries[2].done - 1  # its prefix and the keys of its tokens but the last
+    caches = lambda slot: [torch.cat([layer.attention.kv_cache.k_cache[batch.runner.rows_of(slot, 1), :, :filled],
+                                      layer.attention.kv_cache.v_cache[batch.runner.rows_of(slot, 1), :, :filled]])
+                           for layer in model.layers]
+    before = caches(2)
+    batch.remove(entries[0])
+    assert all(torch.equal(a, b) for a, b in zip(before, caches(0)))
+    assert moves == [(2, 0, 1)] and [e.slot for e in batch.entries] == [0, 1] and batch.entries[0] is entries[2]
+    done = {}
+    while len(done) < 2:
+        for e in batch.step():
+            done[id(e)] = batch.tokens(e)
+            batch.remove(e)
+    assert torch.equal(done[id(entries[1])], want[1]) and torch.equal(done[id(entries[2])], want[2])
+
+
 def test_captured_steps_per_bucket(monkeypatch):
     """Where the plan captures the steps (CUDA), one graph per bucket, replayed with the rows' buffers as they are
     then: stand-in graphs replay the captured function (CUDA graphs do not exist on the CPU), and the tokens are the
