@@ -109,9 +109,9 @@ for window, FUSED, SPLITS in ((4, False, "merge"), (16, False, "fold"), (4, True
     assert (getattr(r.pass_ctx.block, "func", None) is fused_block) == FUSED
     assert torch.equal(got, ref), (window, got, ref)
     checked += 1
-# the fused block at a pass's rows (2 images under CFG x 4 queries, dot path), each row at its own ragged positions,
+# the fused block at a pass's rows (2 images under CFG x 8 queries, dot path), each row at its own ragged positions,
 # a window past the image's end: the blocks' output and the caches as the model's own blocks with SDPA
-B, L, N = 2, 4, model.args.block_size
+B, L, N = 2, 8, model.args.block_size  # 32 rows: block_triton.DOT_CONFIG_ROWS[32]
 T = model.args.cls_token_num
 model.fuse_projections()  # as the Engine does
 model.setup_caches(2 * B, T + N, torch.float32)
@@ -161,10 +161,10 @@ print("ok", checked)
 def test_pass_and_server_step_on_window_kernels_in_interpreter():
     """Jacobi passes of 4 and 16 positions (the 16-token image: a window past its end) give the reference's greedy
     tokens through the window kernels, and passes of 4 and 16 through the fused block's kernels at the pass's rows too
-    (16 and 64 rows: the second past the plan's PASS_FUSED_ROWS, which the script overrides); the
-    fused block at 2 images x 4 ragged queries under CFG gives the model's blocks' output and caches (within 1e-4);
-    three requests joining a server's batch at steps 0, 0 and 3 get the plain engine's tokens (their own seeds and
-    settings)."""
+    (16 and 64 rows: the second past the plan's PASS_FUSED_ROWS, which the script overrides); the fused block at 2
+    images x 8 ragged queries under CFG (32 rows, their own tilings) gives the model's blocks' output and caches
+    (within 1e-4); three requests joining a server's batch at steps 0, 0 and 3 get the plain engine's tokens (their
+    own seeds and settings)."""
     out = early.result(SCRIPT, interpret.ENV)
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.split()[-2:] == ["ok", "8"], out.stdout

@@ -13,6 +13,7 @@ come from here.
 import argparse
 import dataclasses
 import itertools
+import json
 import os
 import sys
 
@@ -36,12 +37,12 @@ def time_us(f):
     return triton.testing.do_bench_cudagraph(f, return_mode="median") * 1e3
 
 
-def sweep(name, base, tilings, fused, table):
-    """(us, tiling) of the block with kernel `name` at each tiling (block_triton.<table>), the others
-    as in base; sorted."""
+def sweep(name, base, tilings, fused, use):
+    """(us, tiling) of the block with kernel `name` at each tiling (set as the kernels' table by use(table)), the
+    others as in base; sorted."""
     times = []
     for tiling in tilings:
-        setattr(block_triton, table, dict(base, **{name: tiling}))
+        use(dict(base, **{name: tiling}))
         try:
             times.append((time_us(fused(None)), tiling))  # PDL as the engine launches it
         except Exception as e:  # e.g. out of registers / shared memory
@@ -67,7 +68,10 @@ def main():
     ap.add_argument("--dot-splits", default="2,3,4,5,7",
                     help="dot path: split-K tried last, at the best tiling and at 128-wide K chunks")
     ap.add_argument("--quantize", choices=list(QUANTIZE_MODES), default="none", help="int8: the block's weights as int8")
+    ap.add_argument("--json", default=None, help="write each row count's best tiling and times here (pass_ab.py "
+                    "--dot-tilings reads it)")
     args = ap.parse_args()
+    found = {}
     args_xl = ModelArgs.from_name("GPT-XL", block_size=1024, condition_type="hed", n_layer=1)
     with torch.device("cuda"):
         model = Transformer(args_xl).to(torch.bfloat16).eval().requires_grad_(False)
@@ -93,7 +97,7 @@ def main():
                 q.transpose(1, 2), cache.k_cache, cache.v_cache, key_valid, pos,
                 fresh=(k.transpose(1, 2), v.transpose(1, 2), freqs))
             want = compiled(layer, x, freqs, plain, pos).float()
-            t = time_us(lambda: compiled(layer, x, freqs, plain, pos))
+            t = compiled_us = time_us(lambda: compiled(layer, x, freqs, plain, pos))
             print(f"rows {R}, position {args.position}: compiled block {t:.1f} us ({mb / t:.2f} TB/s)", flush=True)
 
             situation = plan.Situation(
@@ -101,7 +105,8 @@ def main():
                 dtype=torch.bfloat16, int8=args.quantize == "int8", dim=D, n_head=args_xl.n_head,
                 ffn_hidden=args_xl.ffn_hidden, max_seq=model.max_seq,
                 builds=lambda kernel, *key: block_cuda_builds(kernel, *key))
-            planned = plan.make(situation).guided
+            # past the fused rows the steps run the compiled block: time the fused kernels as a pass runs them
+            planned = plan.make(situation).guided if R <= plan.FUSED_ROWS else plan.pass_rows(R)
 
             def fused(pdl):
                 """The block with PDL as the plan launches it at R rows (pdl True or None) or without."""
@@ -116,7 +121,17 @@ def main():
             dot = R > plan.GEMV_ROWS
             int8 = args.quantize == "int8"
             table = ("DOT_CONFIG_INT8" if int8 else "DOT_CONFIG") if dot else "CONFIG_INT8" if int8 else "CONFIG"
-            default = dict(getattr(block_triton, table))
+            key = triton.next_power_of_2(R)
+            by_rows = dot and not int8 and R > 16  # block_triton.DOT_CONFIG_ROWS: tilings of their own at these rows
+            default = dict(block_triton.DOT_CONFIG_ROWS.get(key, block_triton.DOT_CONFIG) if by_rows
+                           else getattr(block_triton, table))
+            saved = dict(block_triton.DOT_CONFIG_ROWS)
+
+            def use(t):
+                if by_rows:
+                    block_triton.DOT_CONFIG_ROWS = {**saved, key: t}
+                else:
+                    setattr(block_triton, table, t)
             for pdl in (False, True):
                 err = ((fused(pdl)().float() - want).norm() / want.norm()).item()
                 t = time_us(fused(pdl))
@@ -129,21 +144,27 @@ def main():
                                                                      if c)] or [best[name]]
                 else:
                     first = list(itertools.product(map(int, args.tilings.split(",")), (4, 8)))
-                times = sweep(name, best, first, fused, table)
+                times = sweep(name, best, first, fused, use)
                 if dot and args.dot_tilings:  # then warps and stages around the best rows and chunk
                     bn, bk = times[0][1][:2]
                     more = [(bn, bk, 8, 3, 1)] + [(bn, bk, 4, int(st), 1) for st in args.dot_stages.split(",")]
-                    times = sorted(times + sweep(name, best, more, fused, table))
+                    times = sorted(times + sweep(name, best, more, fused, use))
                 if dot and args.dot_splits:  # then split-K
                     bn, bk, warps, stages, _ = times[0][1]
                     splits = [(bn, c, warps, stages, int(k)) for k in args.dot_splits.split(",") for c in {bk, 128}]
-                    times = sorted(times + sweep(name, best, splits, fused, table))
+                    times = sorted(times + sweep(name, best, splits, fused, use))
                 best[name] = times[0][1]
                 print(f"  {name:8s}: " + ", ".join(f"{c} {t:.1f}" for t, c in times[:5]), flush=True)
-            setattr(block_triton, table, best)
+            use(best)
             t = time_us(fused(None))
             print(f"  fused, best {best}: {t:.1f} us ({mb / t:.2f} TB/s)", flush=True)
-            setattr(block_triton, table, default)
+            if by_rows:
+                found[key] = dict(best=best, us=t, compiled_us=compiled_us)
+            use(default)
+            if args.json:  # after each row count, so that a cut run keeps what it found
+                with open(args.json, "w") as f:
+                    json.dump({r: dict(v, best={n: list(c) for n, c in v["best"].items()}) for r, v in found.items()},
+                              f, indent=1)
         # top-k 2000 of one row: PyTorch picks its single-block or multi-block radix select by width.
         for width in (16384, 20000, 20480, 32768):
             logits = torch.randn(1, width, device="cuda")

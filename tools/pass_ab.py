@@ -24,6 +24,7 @@ import torch
 from step_timeline import by_name, kernels
 from fast_inference.workload import bench_fast, bench_speculative, inputs, random_gpt_xl, scale_to_entropy
 from fast_inference.engine import Engine
+from fast_inference.kernels import block_triton
 from fast_inference.speculative import DEFAULT_COUPLING, DEFAULT_INIT
 
 N = 1024  # 512 px
@@ -52,7 +53,14 @@ def main():
     ap.add_argument("--runs", type=int, default=3, help="timed images per engine after a warm-up one")
     ap.add_argument("--profile-dir", default=None)
     ap.add_argument("--json", default=None)
+    ap.add_argument("--dot-tilings", default=None, help="tools/bench_block.py --json's file: its best dot-path "
+                    "tilings at each row count become block_triton.DOT_CONFIG_ROWS for every plan here")
     args = ap.parse_args()
+    if args.dot_tilings:
+        with open(args.dot_tilings) as f:
+            found = json.load(f)
+        block_triton.DOT_CONFIG_ROWS = {int(r): {n: tuple(c) for n, c in v["best"].items()} for r, v in found.items()}
+        print(f"dot-path tilings by rows: {block_triton.DOT_CONFIG_ROWS}", flush=True)
     if not torch.cuda.is_available():
         sys.exit("pass_ab.py needs a CUDA GPU")
     model = random_gpt_xl()

@@ -54,6 +54,11 @@ PIECES = ("gate_up",)  # GEMV kernels that hold K in warp-wide pieces rather tha
 DOT_CONFIG = dict(qkv=(32, 256, 4, 3, 1), wo=(16, 128, 4, 3, 4), gate_up=(32, 256, 4, 4, 1), w2=(16, 128, 4, 4, 3),
                   output=(64, 128, 8, 4, 1))
 DOT_CONFIG_INT8 = dict(DOT_CONFIG, wo=(16, 256, 4, 3, 1), w2=(16, 256, 4, 6, 3), output=(16, 256, 4, 3, 1))
+# float tilings of the fused block at a pass's rows (window_block=fused: 2 x L = 32 at n = 1), by rows rounded up to a
+# power of two (tools/bench_block.py --rows 32: the block 89.4 -> 79.0 us, PERF_NOTES "at a pass's rows"); other row
+# counts, and the compiled block's `down`, take DOT_CONFIG
+DOT_CONFIG_ROWS = {32: dict(DOT_CONFIG, qkv=(16, 128, 4, 6, 1), wo=(32, 128, 4, 4, 2), gate_up=(32, 128, 4, 4, 1),
+                            w2=(32, 256, 4, 6, 3))}
 
 
 if triton is not None:
@@ -467,10 +472,11 @@ def rows_per_program(rows, warps, tiles, weight, width):
     return min(rows, 1 << (cap.bit_length() - 1))
 
 
-def tiling(name, x, weight, tiles, pdl, dot, progress=None):
+def tiling(name, x, weight, tiles, pdl, dot, progress=None, by_rows=True):
     """(weight rows per program, kernel arguments) of kernel `name` for x (R, K) and weight (N, K) on the GEMV path,
     or the dot path if dot (the plan's choice); `tiles` weight tiles (rows_a, rows_b) per program; pdl the launch mode.
-    progress: an int32 count the kernel's first program adds one to as it starts (prefetch_triton.py), or None."""
+    progress: an int32 count the kernel's first program adds one to as it starts (prefetch_triton.py), or None.
+    by_rows: float tilings from DOT_CONFIG_ROWS where it has the rows."""
     (R, K), p2 = x.shape, triton.next_power_of_2
     kw = dict(PREC="ieee" if x.dtype == torch.float32 else "tf32",  # fp32 (tests): exact dots
               PROGRESS=x if progress is None else progress, BUMP=progress is not None, **launch(pdl))
@@ -479,7 +485,9 @@ def tiling(name, x, weight, tiles, pdl, dot, progress=None):
         width = piece_width(name, weight)
         return rows_per_program(rows, warps, tiles, weight, width), dict(kw, DOT=False, RP=max(2, p2(R)), PW=width,
                                                                     BK=16, SPLIT=1, num_warps=warps)
-    rows, bk, warps, stages, split = (DOT_CONFIG_INT8 if weight.dtype == torch.int8 else DOT_CONFIG)[name]
+    table = DOT_CONFIG_INT8 if weight.dtype == torch.int8 else DOT_CONFIG_ROWS.get(p2(R), DOT_CONFIG) if by_rows \
+        else DOT_CONFIG
+    rows, bk, warps, stages, split = table[name]
     if x.element_size() > 2:  # float32 (tests): a quarter of the chunk, an eighth in the pair kernels, or they spill
         bk = max(16, bk // (4 * tiles))
     if tiles == 2 and R > 16:  # the pair kernels at a pass's rows (plan.pass_rows): half the chunk (256 at 32 rows
@@ -525,7 +533,8 @@ def _or(t, x):
     return x if t is None else t  # a kernel's unused pointer argument
 
 
-def linear(x, weight, scales=None, residual=None, name="wo", pdl=False, dot=False, progress=None, then=None):
+def linear(x, weight, scales=None, residual=None, name="wo", pdl=False, dot=False, progress=None, then=None,
+           by_rows=True):
     """residual + x @ weight.T for x (R, K) contiguous, with kernel `name`'s tiling (the dot path if dot); an int8
     weight with its row scales (quantize.py) as model.int8_linear; then + `then` (R, N) if given, rounded
     again. With pdl.EARLY, `residual` and `then` must not be written by the kernel just before (the GEMV path
@@ -533,7 +542,7 @@ def linear(x, weight, scales=None, residual=None, name="wo", pdl=False, dot=Fals
     `then` the step's control rows); under FIRST and LATE it reads them after its wait."""
     R, K = x.shape
     N = weight.shape[0]
-    bn, kw = tiling(name, x, weight, 1, pdl, dot, progress)
+    bn, kw = tiling(name, x, weight, 1, pdl, dot, progress, by_rows)
     grid, part, counts = split_buffers(x, triton.cdiv(N, bn), kw, bn)
     out = torch.empty(R, N, device=x.device, dtype=x.dtype)
     _linear_kernel[grid](x, weight, _or(scales, x), residual, _or(then, x), out, part, counts, R=R, N=N, K=K, BN=bn,
@@ -585,7 +594,8 @@ def down(a, w2, h, progress=None, pdl=0):
 @torch.library.custom_op("fast_inference::down", mutates_args=("progress",))
 def down_op(a: torch.Tensor, weight: torch.Tensor, h: torch.Tensor, progress: torch.Tensor, count: bool,
             pdl: int) -> torch.Tensor:
-    return linear(a, weight, residual=h, name="w2", pdl=pdl, dot=True, progress=progress if count else None)
+    return linear(a, weight, residual=h, name="w2", pdl=pdl, dot=True, progress=progress if count else None,
+                  by_rows=False)  # as measured for the plain steps (#41)
 
 
 @down_op.register_fake
