@@ -213,7 +213,8 @@ def main(argv=None):
                   lone_request_s=round(statistics.median(lone), 4) if lone else None, server_exit=code)
     if args.compare:
         result["fast_eval"] = time_eval(args.model, folder, args.requests, args.size, args.eval_batch)
-        result["fast_engine_one_image_s"] = time_cli(args.model, folder, args.size)["seconds"]
+        cli = time_cli(args.model, folder, args.size)
+        result["fast_engine_one_image_s"], result["fast_engine_stages_s"] = cli["seconds"], cli["stages"]
     load = result["load"]
     print(f"{load['requests']} requests from {args.clients} clients on {info['model']} ({', '.join(result['engines'])}"
           f", {args.size}x{args.size}): answered once {load['answered_once']}, lost {load['lost']}, 503 retries "
@@ -221,7 +222,8 @@ def main(argv=None):
           f" a lone request {result['lone_request_s']}s")
     if args.compare:
         print(f"fast_eval.py --batch {args.eval_batch}: {result['fast_eval']['images_per_s']} images/s; "
-              f"fast_engine.py one image: {result['fast_engine_one_image_s']}s (in-process stages)")
+              f"fast_engine.py one image: {result['fast_engine_one_image_s']}s (in-process stages: "
+              f"{result['fast_engine_stages_s']})")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1)
