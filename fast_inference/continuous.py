@@ -45,6 +45,7 @@ class ContinuousRunner(ShapeRunner):
         buf("one_query", torch.ones(1, dtype=torch.long, device=device))  # the window kernel's mask: its own key
         self.settings = [None] * B  # per slot on the host: (top_k, top_p), to take the filters' scalar paths
         self.ctx = self.head = None  # the steps' Context and head (Engine.continuous); inputs_fn: window_inputs
+        self.fused_rows, self.fused_block = 0, None  # steps at up to fused_rows rows: fused_block(rows) as the block
         self.graphs = Graphs() if plan.own_positions.graph else None
         self.buckets = plan.own_positions.buckets
 
@@ -114,9 +115,12 @@ class ContinuousRunner(ShapeRunner):
         """The blocks and the head over the first `bucket` slots, each row at its position: logits into `logits`. The
         part a CUDA graph captures (the draw reads each request's generator, outside it)."""
         R = bucket * self.halves
+        steps_ctx = self.ctx
+        if R <= self.fused_rows:  # the fused block's kernels, which add the next block's control rows themselves
+            steps_ctx = replace(steps_ctx, block=self.fused_block(R), block_adds_control=True)
 
         def forward():
-            ctx = self.ctx
+            ctx = steps_ctx
             if self.inputs_fn is None:
                 x = self.model.tok_embeddings(self.token[:R])
             else:  # each row's embedding, RoPE row and control rows in one kernel (window_inputs)

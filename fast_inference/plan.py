@@ -185,6 +185,7 @@ class OwnPositions:
     attention: str = "sdpa"  # as JacobiPass's, at a window of one query per row
     inputs: str = "model"
     splits: str = "fold"  # as JacobiPass's
+    fused_rows: int = 0  # steps at up to this many rows run the fused block's kernels (pass_rows), inductor's above
 
 
 @dataclass(frozen=True)
@@ -237,6 +238,7 @@ OVERRIDES = dict(
     window_inputs=("model", "triton"),  # ... and their inputs
     window_splits=("fold", "merge"),  # the window attention in one launch, or a split per tile + merge (WINDOW_FOLD)
     window_block=("compiled", "fused"),  # a pass's block: inductor's, or the fused kernels at its rows (with the above)
+    server_block=("compiled", "fused"),  # a server step's block up to FUSED_ROWS rows: inductor's, or the fused kernels
     verify=("torch", "triton"),  # a pass's verify: speculative.py's ops, or verify_triton's kernels (VERIFY_KERNELS)
     jacobi=("auto", "on"),  # --speculative jacobi: plain steps where the pass measured a loss (PASS_GAINS), or always
 )
@@ -357,7 +359,7 @@ def make(s: Situation) -> Plan:
     if plain_instead:
         jacobi = None
     if s.own_positions:  # a server's steps replace the plain ones; its prefills write rows inside the batch
-        own = own_positions(s, eager, window)
+        own = own_positions(s, eager, window, want)
         prefill, prefill_ops, text_sums, windows, prefetch = "eager", dataclasses.replace(eager, rope="torch"), \
             "none", 1, "none"
     return Plan(own_positions=own if s.own_positions else None, jacobi=jacobi, plain_instead=plain_instead, situation=s, step="hand_graph" if hand_capture else "compiled_step" if s.backend == "inductor"
@@ -475,17 +477,26 @@ def pass_rows(rows):
 BUCKETS = (1, 2, 4, 8, 16, 32, 64)  # a server's step sizes: graphs captured at a few, idle slots computed up to the next
 
 
-def own_positions(s, eager, window):
+def own_positions(s, eager, window, want):
     """A server's steps: inductor's compiled block and head where it compiles (its steps' own), else the eager blocks
-    with the backend's ops and torch's per-row RoPE; one CUDA graph per bucket where the backend captures steps."""
+    with the backend's ops and torch's per-row RoPE; one CUDA graph per bucket where the backend captures steps. The
+    override server_block=fused runs the steps of up to FUSED_ROWS rows on the fused block's kernels, as a pass's
+    window_block=fused (off by default: not measured on a GPU yet)."""
     if s.draft_window:
         raise PlanError("a server decodes one token per step; speculative passes run from fast_engine.py")
     compiled = s.backend == "inductor" and not s.int8  # inductor turns int8 projections into slow kernels
     buckets = tuple(b for b in BUCKETS if b < s.batch) + (s.batch,)
+    fused_rows = 0
+    if want.get("server_block", "compiled") == "fused":
+        if not (compiled and window[0] == "triton" and window[1] == "triton" and block_triton.fits(s.head_dim, True)):
+            raise PlanError("plan override server_block=fused needs the inductor backend on a CUDA device with Triton, "
+                            "float weights, a head dim the fused block takes, window_attention=triton and "
+                            "window_inputs=triton; use server_block=compiled")
+        fused_rows = FUSED_ROWS
     return OwnPositions(block="compiled" if compiled else "model", head="compiled" if compiled else "model",
                         ops=EagerOps() if compiled else dataclasses.replace(eager, rope="torch"),
                         graph=s.cuda and s.backend != "eager", buckets=buckets, attention=window[0],
-                        inputs=window[1], splits=window[3])
+                        inputs=window[1], splits=window[3], fused_rows=fused_rows)
 
 
 def block_pdl(s, rows):
@@ -781,6 +792,8 @@ def describe_ops(o):
 def describe_own_positions(o):
     """The server step's line of explain."""
     blocks = "compiled" if o.block == "compiled" else "eager"
+    if o.fused_rows:
+        blocks = f"fused (Triton, up to {o.fused_rows} rows) or {blocks}"
     runs = "a CUDA graph per step size" if o.graph else "op by op"
     return (f"each row at its own position (a server's batch): the {blocks} blocks and {window_words(o)}, "
             f"inputs {INPUT_WORDS[o.inputs]}, {runs} ({'/'.join(map(str, o.buckets))} images); each request's draws "

@@ -38,6 +38,13 @@ def test_the_plan_takes_them_by_its_default_and_by_the_overrides():
     assert p.jacobi.block == "compiled" and p.jacobi.rows is None
     with pytest.raises(plan.PlanError, match="window_block=fused needs"):
         plan.make(dataclasses.replace(hopper, overrides=(("window_attention", "sdpa"), ("window_block", "fused"))))
+    # a server's steps: inductor's block by default, the fused block's kernels up to FUSED_ROWS rows by the override
+    steps = dataclasses.replace(hopper, draft_window=0, own_positions=True)
+    assert plan.make(steps).own_positions.fused_rows == 0
+    server = plan.make(dataclasses.replace(steps, overrides=on + (("server_block", "fused"),))).own_positions
+    assert server.fused_rows == plan.FUSED_ROWS and "fused (Triton, up to 16 rows)" in plan.describe_own_positions(server)
+    with pytest.raises(plan.PlanError, match="server_block=fused needs"):
+        plan.make(dataclasses.replace(steps, overrides=(("window_attention", "sdpa"), ("server_block", "fused"))))
     # the window attention's splits: folded into its one launch by default, the merge kernel's form by the override
     assert p.jacobi.splits == ("fold" if plan.WINDOW_FOLD else "merge") and "one launch" in plan.explain(
         plan.make(dataclasses.replace(hopper, overrides=on + (("window_splits", "fold"),))))
@@ -74,6 +81,7 @@ make = plan.make
 
 FUSED = False  # the pass's block: the fused block's kernels at its rows
 SPLITS = "fold"  # the window attention's form: its splits folded into one launch, or a split per tile + merge
+SERVER_FUSED = False  # the server's steps on the fused block's kernels (server_block=fused)
 
 
 def with_window_kernels(s):
@@ -85,7 +93,8 @@ def with_window_kernels(s):
         p = dataclasses.replace(p, jacobi=dataclasses.replace(p.jacobi, attention="triton", inputs="triton",
                                                               splits=SPLITS, **fused))
     if p.own_positions is not None:
-        own = dataclasses.replace(p.own_positions, attention="triton", inputs="triton", splits="fold")
+        own = dataclasses.replace(p.own_positions, attention="triton", inputs="triton", splits="fold",
+                                  fused_rows=plan.FUSED_ROWS if SERVER_FUSED else 0)
         p = dataclasses.replace(p, own_positions=own)
     return p
 
@@ -143,17 +152,23 @@ for (k, v), (wk, wv) in zip([(l.attention.kv_cache.k_cache, l.attention.kv_cache
     worst = max(worst, (k - wk)[:, :, : T + N - 1].abs().max().item(), (v - wv)[:, :, : T + N - 1].abs().max().item())
 assert worst < 1e-4, worst
 checked += 1
-# the server: requests joining a running batch at other positions get the plain engine's tokens
+# the server: requests joining a running batch at other positions get the plain engine's tokens, its steps (2 to 8
+# rows: GEMV and dot paths) on the compiled or eager blocks, then on the fused block's kernels
 model = tiny_model()
 rs = requests(model)[:3]
 want = [alone(model, r) for r in rs]
-batch = Batch(Engine(model, backend="eager"), rs[0].shape, capacity=4)
-assert batch.runner.ctx.attention is attention_triton.window_attention
-assert batch.runner.inputs_fn is inputs_triton.window_inputs
-got = run(batch, {0: rs[:2], 3: [rs[2]]})
-for i in range(3):
-    assert torch.equal(got[i], want[i]), i
-    checked += 1
+blocks_run = []  # the fused block's calls in the server's steps
+engine_module.fused_block = lambda *a, **k: (blocks_run.append(a[0]), fused_block(*a, **k))[1]
+for SERVER_FUSED in (False, True):
+    batch = Batch(Engine(model, backend="eager"), rs[0].shape, capacity=4)
+    assert batch.runner.ctx.attention is attention_triton.window_attention
+    assert batch.runner.inputs_fn is inputs_triton.window_inputs
+    assert batch.runner.fused_rows == (plan.FUSED_ROWS if SERVER_FUSED else 0)
+    got = run(batch, {0: rs[:2], 3: [rs[2]]})
+    assert bool(blocks_run) == SERVER_FUSED
+    for i in range(3):
+        assert torch.equal(got[i], want[i]), (SERVER_FUSED, i)
+        checked += 1
 print("ok", checked)
 """
 
@@ -164,10 +179,10 @@ def test_pass_and_server_step_on_window_kernels_in_interpreter():
     (16 and 64 rows: the second past the plan's PASS_FUSED_ROWS, which the script overrides); the fused block at 2
     images x 8 ragged queries under CFG (32 rows, their own tilings) gives the model's blocks' output and caches
     (within 1e-4); three requests joining a server's batch at steps 0, 0 and 3 get the plain engine's tokens (their
-    own seeds and settings)."""
+    own seeds and settings), its steps on the eager blocks and on the fused block's kernels (server_block=fused)."""
     out = early.result(SCRIPT, interpret.ENV)
     assert out.returncode == 0, out.stderr[-3000:]
-    assert out.stdout.split()[-2:] == ["ok", "8"], out.stdout
+    assert out.stdout.split()[-2:] == ["ok", "11"], out.stdout
 
 
 # The CUDA pass cases: (window, the pass's block, images). The fused block runs up to plan.PASS_FUSED_ROWS rows, so

@@ -60,7 +60,8 @@ usage: tools/gpu_session.sh STEP...      (steps run in order; each writes OUT/<s
           clients, 200 requests, images/s and latency p50/p95, against fast_eval.py --batch 32 over the same inputs
           and one image through fast_engine.py against a lone request, in one run (tools/load_serve.py --compare;
           OUT/serve.json). The device has no package index: first, here, pip download -d .whl --only-binary=:all:
-          --python-version 3.12 -r requirements-serve.txt, and carry .whl in the device call
+          --python-version 3.12 -r requirements-serve.txt, and carry .whl in the device call. SERVE_PLAN: the
+          server's plan overrides (e.g. server_block=fused: its steps of up to 16 rows on the fused block's kernels)
 
 OUT (default sample/gpu) receives the logs; PYTHON picks the interpreter.
 USAGE
@@ -244,7 +245,7 @@ step_serve() {
     fi
     (cd "$root" && "$py" -m pytest -q -p no:cacheprovider tests/test_continuous.py tests/test_scheduler.py)
     "$py" "$here/load_serve.py" --clients 32 --requests 200 --size 512 --compare --eval-batch 32 \
-        --json "$out/serve.json" -- --gpt-model GPT-XL
+        --json "$out/serve.json" -- --gpt-model GPT-XL ${SERVE_PLAN:+--plan "$SERVE_PLAN"}
 }
 
 step_demo() {
