@@ -188,7 +188,8 @@ class Engine:
         if p.jacobi is None:
             r = ShapeRunner(self.model, p, num_tokens, prefix_len, num_controls, top_k, keep_logits)
         else:
-            runner, extra = (TreeRunner, (self.draft_tree,)) if self.draft_tree else (JacobiRunner, ())
+            tree = p.jacobi.tree  # the asked tree, unless the plan runs the chain (p.chain_instead)
+            runner, extra = (TreeRunner, (tree,)) if tree else (JacobiRunner, ())
             r = runner(self.model, p, num_tokens, prefix_len, num_controls, top_k, keep_logits, self.draft_init,
                        grid_width(num_tokens), self.draft_coupling, *extra)
         self._wire(r, p)

@@ -58,6 +58,10 @@ VERIFY_KERNELS = True  # a pass's verify in verify_triton's kernels: faster than
 # below its own.
 # Where it is under 1 the pass loses and the plan runs plain steps instead (the `jacobi=on` override runs it anyway).
 PASS_GAINS = {(False, 1): 1.20, (False, 8): 0.96, (True, 1): 1.43, (True, 8): 1.43}
+# --draft-tree's tok/s over plain steps on an H100 (GPT-XL 512 px, 3 nats, pathwise; the best of 4x3+7x3 at 32 and
+# 4x3+2x3 at 48: their passes run the generic path, 4.4-7.2 plain steps), by images as PASS_GAINS; where it is under
+# 1 the plan runs the chain of the same window instead (the `draft_tree=on` override keeps the tree)
+TREE_GAINS = {1: 1.24, 8: 0.62}
 
 # Where one operation keeps two kernels, and why (the cudagraph backend is the mission's backend without Triton):
 #   attention  Triton (split-KV, whole) | CUDA C++ without Triton (n = 1 1.46 -> 1.34 ms/step over SDPA, #69, #77)
@@ -168,6 +172,7 @@ class JacobiPass:
     rows: Optional[Rows] = None  # the fused block's projections at the pass's rows (block fused)
     splits: str = "fold"  # attention triton: fold (one launch, window_tiles' splits) | merge (a split per tile + merge)
     verify: str = "torch"  # torch (speculative.py's ops over (images, L, V)) | triton (kernels/verify_triton.py)
+    tree: tuple = ()  # the draft tree the passes walk (Situation.draft_tree, unless the plan runs the chain instead)
 
 
 @dataclass(frozen=True)
@@ -212,6 +217,7 @@ class Plan:
     unguided: Optional[Rows]  # after cfg_interval: the conditional half (None without CFG)
     jacobi: Optional[JacobiPass] = None  # speculative passes instead of the steps (draft_window > 0)
     plain_instead: str = ""  # why plain steps run where --speculative jacobi was asked (the pass measured a loss)
+    chain_instead: str = ""  # why the chain runs where --draft-tree was asked (the tree's pass measured a loss)
     own_positions: Optional[OwnPositions] = None  # a server's steps, rows at their own positions
 
     def rows(self, r):
@@ -241,6 +247,7 @@ OVERRIDES = dict(
     server_block=("compiled", "fused"),  # a server step's block up to FUSED_ROWS rows: inductor's, or the fused kernels
     verify=("torch", "triton"),  # a pass's verify: speculative.py's ops, or verify_triton's kernels (VERIFY_KERNELS)
     jacobi=("auto", "on"),  # --speculative jacobi: plain steps where the pass measured a loss (PASS_GAINS), or always
+    draft_tree=("auto", "on"),  # --draft-tree: the chain where the tree's pass measured a loss (TREE_GAINS), or always
 )
 
 
@@ -354,6 +361,10 @@ def make(s: Situation) -> Plan:
     guided = step_rows(s, want, s.rows, s.rows, block, cuda_block, attention, prefetch, draw)
     unguided = step_rows(s, want, s.batch, s.rows, block, cuda_block, attention, prefetch, draw) if s.cfg else None
     window = window_kernels(s, want) if s.draft_window or s.own_positions else None
+    chain_instead = tree_loses(s, want)
+    if chain_instead:  # the pass as the same window's chain
+        s = dataclasses.replace(s, draft_tree=())
+        window = window_kernels(s, want)
     jacobi = jacobi_pass(s, block_scope, hand_capture, eager, window, want) if s.draft_window else None
     plain_instead = pass_loses(s, want, jacobi)
     if plain_instead:
@@ -362,7 +373,8 @@ def make(s: Situation) -> Plan:
         own = own_positions(s, eager, window, want)
         prefill, prefill_ops, text_sums, windows, prefetch = "eager", dataclasses.replace(eager, rope="torch"), \
             "none", 1, "none"
-    return Plan(own_positions=own if s.own_positions else None, jacobi=jacobi, plain_instead=plain_instead, situation=s, step="hand_graph" if hand_capture else "compiled_step" if s.backend == "inductor"
+    return Plan(own_positions=own if s.own_positions else None, jacobi=jacobi, plain_instead=plain_instead,
+                chain_instead=chain_instead, situation=s, step="hand_graph" if hand_capture else "compiled_step" if s.backend == "inductor"
                 and not block_scope else "eager", inputs=inputs, inputs_pdl=inputs == "triton" and s.pdl,
                 block=block, cuda_block=cuda_block, head=head, draw=draw, draw_pdl=draw == "triton" and s.pdl,
                 head_noise=head == "fused" and draw == "triton" and s.sample, prefetch=prefetch,
@@ -422,7 +434,7 @@ def jacobi_pass(s, block_scope, hand_capture, eager, window, want):
     return JacobiPass(window=s.draft_window, nodes=nodes, block=block, head="compiled" if compiled else "model",
                       ops=EagerOps() if compiled else dataclasses.replace(eager, rope="torch"), graph=hand_capture,
                       attention=window[0], inputs=window[1], rows=rows, splits=window[3],
-                      verify=choose_verify(s, want))
+                      verify=choose_verify(s, want), tree=tuple(s.draft_tree))
 
 
 def choose_verify(s, want):
@@ -453,6 +465,19 @@ def pass_loses(s, want, jacobi):
         return ""
     return (f"plain steps: --speculative jacobi measured {gain:.2f}x the plain engine's tok/s at this batch with the "
             f"window kernels {'on' if kernels else 'off'} (PASS_GAINS; --plan jacobi=on runs the passes anyway)")
+
+
+def tree_loses(s, want):
+    """Why the chain replaces the asked draft tree ("" where the tree runs): on a CUDA device where TREE_GAINS (the
+    largest measured n at or below the batch) says the tree's passes lost to plain steps, unless draft_tree=on."""
+    if not s.draft_tree or not s.cuda or s.interpret or want.get("draft_tree", "auto") == "on":
+        return ""
+    measured = sorted(n for n in TREE_GAINS if n <= s.batch)
+    gain = TREE_GAINS[measured[-1]] if measured else None
+    if gain is None or gain >= 1.0:
+        return ""
+    return (f"the chain: --draft-tree {tree_words(s.draft_tree)} measured {gain:.2f}x the plain engine's tok/s at this "
+            f"batch (TREE_GAINS; --plan draft_tree=on runs the tree anyway)")
 
 
 def pass_nodes(s):
@@ -765,6 +790,8 @@ def explain(p):
         row("verify", VERIFY_WORDS[j.verify])
     if p.plain_instead:
         row("speculative", p.plain_instead)
+    if p.chain_instead:
+        row("draft tree", p.chain_instead)
     row("VQ norms", p.vq_norm)
     return "\n".join(lines)
 

@@ -188,6 +188,26 @@ def test_jacobi_falls_back_to_plain_steps_where_the_pass_measured_a_loss():
     assert plan.make(dataclasses.replace(gpu, device="cpu", capability=None, dtype=torch.float32)).jacobi is not None
 
 
+def test_a_draft_tree_falls_back_to_the_chain_where_it_measured_a_loss():
+    """TREE_GAINS: on a CUDA device --draft-tree runs the chain of the same window where the tree's passes measured a
+    loss against plain steps (n = 8 on an H100), says so in --explain, and keeps the tree with draft_tree=on, where it
+    gained (n = 1) and on the CPU (no table)."""
+    tree = (4, 3, 7, 3)
+    gpu = plan.Situation(device="cuda", capability=(9, 0), dtype=torch.bfloat16, draft_window=32, draft_tree=tree)
+    for batch in (1, 8, 32):
+        s = dataclasses.replace(gpu, batch=batch)
+        p = plan.make(s)
+        loses = plan.TREE_GAINS[max(n for n in plan.TREE_GAINS if n <= batch)] < 1
+        assert (p.jacobi.tree == ()) == loses and (p.jacobi.nodes == 32 if loses else p.jacobi.nodes == 62), batch
+        assert ("draft tree    the chain: --draft-tree 4x3+7x3 measured" in plan.explain(p)) == loses
+        assert "draft tree of 62 nodes" in plan.explain(p) or loses
+        forced = plan.make(dataclasses.replace(s, overrides=(("draft_tree", "on"),))).jacobi
+        assert forced.tree == tree and forced.nodes == 62
+    assert any(g < 1 for g in plan.TREE_GAINS.values()) and any(g >= 1 for g in plan.TREE_GAINS.values())
+    cpu = dataclasses.replace(gpu, device="cpu", capability=None, dtype=torch.float32, batch=8)
+    assert plan.make(cpu).jacobi.tree == tree
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("coupling", ["gumbel", "none"])
 def test_fused_verify_gives_the_torch_verify_s_tokens_on_cuda(coupling):
