@@ -1,6 +1,10 @@
 """A server's batch (continuous.py): requests joining a running batch at any step, at their own positions, each
 get the tokens the engine gives it alone with the same seed (CPU, fp32, tiny random models)."""
 import dataclasses
+import json
+import os
+import subprocess
+import sys
 from types import SimpleNamespace
 
 import pytest
@@ -225,3 +229,15 @@ def test_captured_steps_on_cuda_give_the_reference_greedy_tokens():
     sampled = [dataclasses.replace(r, top_k=50) for r in rs]
     twice = [run(batch, {0: sampled[:1], 3: sampled[1:]}) for _ in range(2)]
     assert all(torch.equal(twice[0][i], twice[1][i]) for i in range(3))
+
+
+def test_server_step_tool_runs_on_a_tiny_model(tmp_path):
+    """tools/server_step.py --tiny (its CPU smoke run): a table row per size and the JSON beside it."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = subprocess.run([sys.executable, os.path.join(root, "tools", "server_step.py"), "--tiny", "--sizes", "1,2",
+                          "--steps", "5", "--json", str(tmp_path / "s.json")], capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    rows = json.loads((tmp_path / "s.json").read_text())["rows"]
+    assert [r["n"] for r in rows] == [1, 2] and all(r["batch_ms"] > 0 and r["plain_ms"] > 0 for r in rows)
+    assert out.stdout.count("\n| ") >= 3  # the header's separator and a row per size

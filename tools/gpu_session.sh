@@ -63,6 +63,10 @@ usage: tools/gpu_session.sh STEP...      (steps run in order; each writes OUT/<s
           --python-version 3.12 -r requirements-serve.txt, and carry .whl in the device call. SERVE_PLAN: the
           server's plan overrides (e.g. server_block=fused: its steps of up to 16 rows on the fused block's kernels)
 
+  serverstep  where a server's step goes (tools/server_step.py): the continuous batch of n one-image requests
+          against the plain engine's step at n (SERVER_SIZES, default 1,8,32), its forward graph alone, the host's
+          time, and both steps' kernels by name (OUT/server_step_profile.txt); SERVE_PLAN as the serve step's
+
 OUT (default sample/gpu) receives the logs; PYTHON picks the interpreter.
 USAGE
 }
@@ -248,6 +252,12 @@ step_serve() {
         --json "$out/serve.json" -- --gpt-model GPT-XL ${SERVE_PLAN:+--plan "$SERVE_PLAN"}
 }
 
+step_serverstep() {
+    # where a server's step goes: the continuous batch against the plain step at n = 1, 8, 32, kernels by name
+    "$py" "$here/server_step.py" --sizes "${SERVER_SIZES:-1,8,32}" ${SERVE_PLAN:+--plan "$SERVE_PLAN"} \
+        --profile-dir "$out" --json "$out/server_step.json"
+}
+
 step_demo() {
     # The run's state stays in DEMO_RUN, outside OUT: it lasts while the machine is warm, so the next call resumes.
     local run=${DEMO_RUN:-/root/demo_run} phase=${DEMO_PHASE:?set DEMO_PHASE to vq, gpt or resume} f
@@ -283,7 +293,8 @@ step_demo() {
 
 for step in "$@"; do
     case $step in
-        kernel | equiv | bench | cli | eval2 | gputests | ab | abbench | jacobi | trees | ownpos | demo | serve)
+        kernel | equiv | bench | cli | eval2 | gputests | ab | abbench | jacobi | trees | ownpos | demo | serve \
+            | serverstep)
             "step_$step" 2>&1 | tee "$out/$step.log" ;;
         *) echo "error: unknown step '$step'" >&2; usage >&2; exit 2 ;;
     esac

@@ -34,9 +34,14 @@ BLOCK = ("_qkv_kernel", "_partial_kernel", "_merge_kernel", "_linear_kernel", "_
 
 def kernels(graph, replays):
     """The kernel events of `replays` replays of graph, in start order."""
+    return kernel_events(graph.replay, replays)
+
+
+def kernel_events(run, times):
+    """The kernel events of `times` calls of run(), in start order."""
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(replays):
-            graph.replay()
+        for _ in range(times):
+            run()
         torch.cuda.synchronize()
     with tempfile.TemporaryDirectory() as d:
         path = os.path.join(d, "trace.json")
