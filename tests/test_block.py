@@ -41,10 +41,10 @@ class Counter:  # a prefetch_triton.Prefetcher's count, as the fused block sees 
 tiling, read = block_triton.tiling, []
 
 
-def recording(name, x, weight, tiles, pdl, dot, progress=None):  # the counting kernels' weights, in launch order
-    if progress is not None:
+def recording(name, x, weight, tiles, pdl, dot, progress=None, by_rows=True):  # the counting kernels' weights, in
+    if progress is not None:  # launch order
         read.append(weight.data_ptr())
-    return tiling(name, x, weight, tiles, pdl, dot, progress)
+    return tiling(name, x, weight, tiles, pdl, dot, progress, by_rows)
 
 
 block_triton.tiling = recording
