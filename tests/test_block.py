@@ -41,8 +41,9 @@ class Counter:  # a prefetch_triton.Prefetcher's count, as the fused block sees 
 tiling, read = block_triton.tiling, []
 
 
-def recording(name, x, weight, tiles, pdl, dot, progress=None, by_rows=True):  # the counting kernels' weights, in
-    if progress is not None:  # launch order
+# the counting kernels' weights, in launch order
+def recording(name, x, weight, tiles, pdl, dot, progress=None, by_rows=True):
+    if progress is not None:
         read.append(weight.data_ptr())
     return tiling(name, x, weight, tiles, pdl, dot, progress, by_rows)
 
