@@ -7,9 +7,11 @@ consecutive slots. Joining runs its prefill into its rows of the running batch's
 and draws its first token; a step runs the blocks and the head over the first `bucket` slots, each row at its own
 position (the model's per-row positions, as a speculative pass), then the draw. Everything a slot's tokens depend on
 is its own: its prefix, control rows, text mask, positions, settings (cfg scale, temperature, top-k, top-p, one per
-slot, as sampling.py takes them) and its request's random stream, the Exp(1) noise its own generator makes, (n, V)
-per token as fast_engine.py's race draws it for n images: the same seed gives fast_engine.py's images, whatever
-shares the batch.
+slot, as sampling.py takes them) and its request's random stream, drawn as fast_engine.py draws its images for the
+request's seed: where the plan takes the Triton draw (`keyed`), draw_triton's race keyed by a Philox key the request's
+generator makes once, at the counter of the image's place in its request (draw_triton.draw_images, inside the step's
+graph); else, and for top-p < 1 (which fast_engine.py draws with sampling.py's ops), the Exp(1) noise its own
+generator makes, (n, V) per token. The same seed gives fast_engine.py's images, whatever shares the batch.
 """
 from dataclasses import dataclass, replace
 from typing import Optional
@@ -18,6 +20,7 @@ import torch
 
 from fast_inference.generate import prepare
 from fast_inference.graphs import Graphs
+from fast_inference.kernels import draw_triton
 from fast_inference.runner import ShapeRunner
 from fast_inference.sampling import cfg_merge, sample
 
@@ -27,6 +30,7 @@ class ContinuousRunner(ShapeRunner):
     move run on the device without a host sync. The Engine wires its Context, head and graphs (Engine.continuous)."""
 
     STATE = ("logits",)  # what a step's capture warm-up changes besides the caches (it rewrites the same keys)
+    KEYED_STATE = ("logits", "token", "input_pos", "out", "slot_token", "slot_pos")  # and where the draw is inside
 
     def __init__(self, model, plan, num_tokens, prefix_len, num_controls):
         super().__init__(model, plan, num_tokens, prefix_len, num_controls, top_k=0, keep_logits=False)
@@ -43,6 +47,16 @@ class ContinuousRunner(ShapeRunner):
         buf("slot_top_p", torch.ones(B, 1, device=device))
         buf("noise", torch.ones(B, V, device=device))  # each slot's Exp(1) draws, made by its request's generator
         buf("one_query", torch.ones(1, dtype=torch.long, device=device))  # the window kernel's mask: its own key
+        # keyed draws (draw_triton.draw_images): each slot's Philox key, its image's place in its request, its k
+        self.keyed = plan.own_positions.draw == "keyed"
+        buf("slot_seed", torch.zeros(B, dtype=torch.long, device=device))
+        buf("slot_image", torch.zeros(B, dtype=torch.int32, device=device))
+        buf("slot_images", torch.ones(B, dtype=torch.int32, device=device))
+        buf("slot_k", torch.full((B,), V, dtype=torch.int32, device=device))
+        buf("slot_token", torch.zeros(B, 1, dtype=torch.long, device=device))  # the draw's tokens, one per slot
+        buf("slot_pos", torch.zeros(B, dtype=torch.long, device=device))  # the position each slot's draw is at
+        if self.keyed:
+            self.STATE = self.KEYED_STATE
         self.settings = [None] * B  # per slot on the host: (top_k, top_p), to take the filters' scalar paths
         self.ctx = self.head = None  # the steps' Context and head (Engine.continuous); inputs_fn: window_inputs
         self.fused_rows, self.fused_block = 0, None  # steps at up to fused_rows rows: fused_block(rows) as the block
@@ -64,10 +78,11 @@ class ContinuousRunner(ShapeRunner):
 
     # ---- a request in and out -------------------------------------------------------------------------------------
 
-    def join(self, slot, p, settings, noise):
+    def join(self, slot, p, settings, noise=None, key=None):
         """Request into slots slot..slot+n-1: prepared inputs p (generate.Prepared, 2n rows under CFG), settings
-        (cfg_scale, temperature, top_k, top_p), noise (n, V) its first token's Exp(1) draws. Runs its prefill into its
-        rows of the caches and draws its first token into out[:, 0]."""
+        (cfg_scale, temperature, top_k, top_p), and its draws: noise (n, V) its first token's Exp(1) draws, or key
+        (a 0-d int64 tensor) its Philox key (keyed). Runs its prefill into its rows of the caches and draws its first
+        token into out[:, 0]."""
         n = p.prefix.shape[0] // self.halves
         rows, T = self.rows_of(slot, n), self.prefix_len
         self.key_valid[rows] = p.key_valid(self.model.max_seq)
@@ -81,8 +96,16 @@ class ContinuousRunner(ShapeRunner):
         positions = torch.arange(T, device=rows.device)
         logits = self.model(p.prefix, positions, self.key_valid[rows], self.controls[:, rows], last_only=True,
                             ctx=replace(self.prefill_ctx, rows=rows))[:, -1]
-        token = self.draw(logits, slot, n, noise)
-        self.out[slot : slot + n, 0] = token[:, 0]
+        if key is None:
+            token = self.draw(logits, slot, n, noise)
+            self.out[slot : slot + n, 0] = token[:, 0]
+        else:  # as ShapeRunner.first_token: the position whose next token is drawn
+            self.slot_seed[slot : slot + n] = key
+            self.slot_image[slot : slot + n] = torch.arange(n, device=rows.device)
+            self.slot_images[slot : slot + n] = n
+            self.slot_k[slot : slot + n] = draw_triton.image_k(int(top_k), self.noise.shape[1])
+            self.slot_pos[slot : slot + n] = T - 1
+            token = self.keyed_draw(logits.contiguous(), slot, n)
         self.token[rows] = token.repeat(self.halves, 1)
         self.input_pos[rows] = T  # token 0 goes in at the first image position
         self.live[rows] = 1
@@ -105,7 +128,8 @@ class ContinuousRunner(ShapeRunner):
         for t in (self.key_valid, self.token, self.input_pos, self.live):
             t[b] = t[a]
         self.controls[:, b] = self.controls[:, a]
-        for t in (self.out, self.cfg_scale, self.temperature, self.slot_top_k, self.slot_top_p):
+        for t in (self.out, self.cfg_scale, self.temperature, self.slot_top_k, self.slot_top_p, self.slot_seed,
+                  self.slot_image, self.slot_images, self.slot_k):
             t[dst : dst + n] = t[src : src + n].clone()
         self.settings[dst : dst + n] = self.settings[src : src + n]
 
@@ -134,24 +158,65 @@ class ContinuousRunner(ShapeRunner):
 
         return forward
 
+    def step_fn(self, bucket):
+        """What a step's graph holds: the forward, and where the draws are keyed the draw, the tokens written and
+        the positions advanced too (no host call per request)."""
+        forward = self.forward_fn(bucket)
+        if not self.keyed:
+            return forward
+
+        def step():
+            forward()
+            R = bucket * self.halves
+            self.slot_pos[:bucket].copy_(self.input_pos[: R : self.halves].view(bucket))
+            token = self.keyed_draw(self.cfg_first(self.logits[:R]), 0, bucket)
+            self.token[:R].copy_(token.repeat_interleave(self.halves, 0))
+            self.input_pos[:R] += self.live[:R]
+
+        return step
+
+    def cfg_first(self, logits):
+        """Logits of rows in slot order -> [conditional; unconditional], as prepare() orders them."""
+        return torch.cat([logits[0::2], logits[1::2]]) if self.halves == 2 else logits
+
     def step(self, bucket):
-        """One token for every live slot among the first `bucket` (their noise made first, in `noise`): the forward
-        (replayed from its graph where the plan captures one), the draw, tokens written, positions advanced."""
+        """One token for every live slot among the first `bucket` (their noise made first, in `noise`, unless keyed):
+        the forward (replayed from its graph where the plan captures one), the draw, tokens written, positions
+        advanced. Keyed: all of it in step_fn (its graph); a request drawing with its generator redraws then."""
         R = bucket * self.halves
         if self.graphs is None:
-            self.forward_fn(bucket)()
+            self.step_fn(bucket)()
         elif bucket in self.graphs:
             self.graphs.replay(bucket)
         else:
-            self.graphs.capture(bucket, self.forward_fn(bucket), state=self)
-        logits = self.logits[:R]
-        if self.halves == 2:  # [conditional; unconditional], as prepare() orders them
-            logits = torch.cat([logits[0::2], logits[1::2]])
-        token = self.draw(logits, 0, bucket, self.noise[:bucket])
+            self.graphs.capture(bucket, self.step_fn(bucket), state=self)
+        if self.keyed:
+            return
+        token = self.draw(self.cfg_first(self.logits[:R]), 0, bucket, self.noise[:bucket])
         at = (self.input_pos[: R : self.halves] - self.prefix_len + 1).clamp(0, self.num_tokens - 1)
         self.out[:bucket].scatter_(1, at, token)  # idle slots write their own rows only
         self.token[:R] = token.repeat_interleave(self.halves, 0)
         self.input_pos[:R] += self.live[:R]
+
+    def keyed_draw(self, logits, slot, n):
+        """Logits (2n or n rows, conditional first) of slots slot..slot+n-1 -> their tokens (n, 1), written to
+        `slot_token` and to out at slot_pos: draw_triton's race, each slot keyed by its request (draw_images)."""
+        token = self.slot_token[slot : slot + n]
+        draw_triton.draw_images(logits, token, self.out[slot : slot + n], self.slot_pos[slot : slot + n],
+                                self.slot_seed[slot : slot + n], self.slot_image[slot : slot + n],
+                                self.slot_images[slot : slot + n], self.cfg_scale[slot : slot + n],
+                                self.temperature[slot : slot + n], self.slot_k[slot : slot + n], self.prefix_len,
+                                self.cfg, self.noise[slot : slot + n], self.draws)
+        return token
+
+    def redraw(self, slot, n, noise):
+        """Keyed steps: slots slot..slot+n-1 of a request that draws with its generator (top-p < 1) take the token of
+        this step's logits and noise (n, V), its Exp(1) draws, instead of the keyed draw's."""
+        rows = self.rows_of(slot, n)  # conditional rows first
+        token = self.draw(self.logits[rows], slot, n, noise)
+        at = self.input_pos[rows[:n]] - self.prefix_len  # advanced past the position drawn at
+        self.out[slot : slot + n].scatter_(1, at, token)
+        self.token[rows] = token.repeat(self.halves, 1)
 
     def draw(self, logits, slot, n, noise):
         """Logits (rows, V) of slots slot..slot+n-1, conditional rows first -> their tokens (n, 1): the CFG merge and
@@ -194,11 +259,12 @@ class Request:
 
 @dataclass(eq=False)
 class Entry:
-    """A request in a batch: its first slot, its tokens done (the first drawn at its prefill) and its generator."""
+    """A request in a batch: its first slot, its tokens done (the first drawn at its prefill) and its generator (None
+    where its draws are keyed: the step's own)."""
     request: Request
     slot: int
     done: int
-    generator: torch.Generator
+    generator: Optional[torch.Generator]
 
     @property
     def finished(self):
@@ -207,7 +273,7 @@ class Entry:
 
 class Batch:
     """One engine's running batch of one shape: requests in consecutive slots packed at the front, each with its
-    own generator; admit at a step boundary, step, remove (the ones after it move down)."""
+    own random stream (a key or a generator); admit at a step boundary, step, remove (the ones after it move down)."""
 
     def __init__(self, engine, shape, capacity):
         H, W, cfg = shape
@@ -231,8 +297,13 @@ class Batch:
         p = prepare(self.engine.model, cond, condition, mask, request.cfg_scale, request.control_strength,
                     request.condition_type)
         generator = torch.Generator(device).manual_seed(request.seed)  # fast_engine.py's torch.manual_seed(seed)
-        noise = torch.empty(n, r.noise.shape[1], device=device).exponential_(1, generator=generator)
-        r.join(self.used, p, (request.cfg_scale, request.temperature, request.top_k, request.top_p), noise)
+        settings = (request.cfg_scale, request.temperature, request.top_k, request.top_p)
+        if r.keyed and request.top_p >= 1.0:  # the key Engine.generate draws first from torch's generator
+            r.join(self.used, p, settings, key=torch.randint(0, 2**62, (), generator=generator, device=device))
+            generator = None
+        else:
+            r.join(self.used, p, settings, torch.empty(n, r.noise.shape[1], device=device).exponential_(
+                1, generator=generator))
         entry = Entry(request, self.used, 1, generator)
         self.entries.append(entry)
         self.used += n
@@ -244,9 +315,16 @@ class Batch:
         r = self.runner
         if any(e.finished for e in self.entries):  # a step would write its last token again, past its end
             raise RuntimeError("a finished request is still in the batch; remove it before the next step")
-        for e in self.entries:
-            r.noise[e.slot : e.slot + e.request.num_images].exponential_(1, generator=e.generator)
+        drawn = [e for e in self.entries if e.generator is not None]  # each from its own generator
+        if not r.keyed:
+            for e in drawn:
+                r.noise[e.slot : e.slot + e.request.num_images].exponential_(1, generator=e.generator)
         r.step(r.bucket(self.used))
+        if r.keyed:  # top-p < 1: sampling.py's draw over its generator's noise, in place of the keyed draw's token
+            for e in drawn:
+                n = e.request.num_images
+                r.redraw(e.slot, n, torch.empty(n, r.noise.shape[1], device=r.out.device).exponential_(
+                    1, generator=e.generator))
         for e in self.entries:
             e.done += 1
         return [e for e in self.entries if e.finished]

@@ -179,9 +179,10 @@ class JacobiPass:
 class OwnPositions:
     """How a server's steps run (continuous.py): each image's rows at their own position, as requests join a running batch
     and leave it. The one-query decode kernels (fused block, decode attention, inputs, draw) take one position for all
-    rows, so these steps run SDPA with each row's mask (or the window kernels), as a speculative pass does; the draw
-    stays out of the graph,
-    where each request's own generator makes its noise (its images those of fast_engine.py with the same seed)."""
+    rows, so these steps run SDPA with each row's mask (or the window kernels), as a speculative pass does. The draw:
+    keyed where the plan draws with Triton (draw_triton.draw_images in the step's graph, each request's Philox key made
+    by its generator once), else out of the graph from each request's own generator; either way a request's images are
+    fast_engine.py's with the same seed."""
     block: str  # compiled (inductor's block) | model (eager blocks)
     head: str  # compiled | model
     ops: EagerOps  # the eager blocks' element-wise kernels (RoPE: torch's, per row)
@@ -191,6 +192,7 @@ class OwnPositions:
     inputs: str = "model"
     splits: str = "fold"  # as JacobiPass's
     fused_rows: int = 0  # steps at up to this many rows run the fused block's kernels (pass_rows), inductor's above
+    draw: str = "generator"  # generator (sampling.py's ops, each request's Exp(1) noise) | keyed (draw_images)
 
 
 @dataclass(frozen=True)
@@ -370,7 +372,7 @@ def make(s: Situation) -> Plan:
     if plain_instead:
         jacobi = None
     if s.own_positions:  # a server's steps replace the plain ones; its prefills write rows inside the batch
-        own = own_positions(s, eager, window, want)
+        own = own_positions(s, eager, window, want, draw)
         prefill, prefill_ops, text_sums, windows, prefetch = "eager", dataclasses.replace(eager, rope="torch"), \
             "none", 1, "none"
     return Plan(own_positions=own if s.own_positions else None, jacobi=jacobi, plain_instead=plain_instead,
@@ -502,11 +504,12 @@ def pass_rows(rows):
 BUCKETS = (1, 2, 4, 8, 16, 32, 64)  # a server's step sizes: graphs captured at a few, idle slots computed up to the next
 
 
-def own_positions(s, eager, window, want):
+def own_positions(s, eager, window, want, draw):
     """A server's steps: inductor's compiled block and head where it compiles (its steps' own), else the eager blocks
     with the backend's ops and torch's per-row RoPE; one CUDA graph per bucket where the backend captures steps. The
     override server_block=fused runs the steps of up to FUSED_ROWS rows on the fused block's kernels, as a pass's
-    window_block=fused (off by default: not measured on a GPU yet)."""
+    window_block=fused (off by default: not measured on a GPU yet). Draws keyed where the plan draws with Triton (a
+    request's top-p < 1 keeps its generator, as fast_engine.py's torch draw)."""
     if s.draft_window:
         raise PlanError("a server decodes one token per step; speculative passes run from fast_engine.py")
     compiled = s.backend == "inductor" and not s.int8  # inductor turns int8 projections into slow kernels
@@ -521,7 +524,8 @@ def own_positions(s, eager, window, want):
     return OwnPositions(block="compiled" if compiled else "model", head="compiled" if compiled else "model",
                         ops=EagerOps() if compiled else dataclasses.replace(eager, rope="torch"),
                         graph=s.cuda and s.backend != "eager", buckets=buckets, attention=window[0],
-                        inputs=window[1], splits=window[3], fused_rows=fused_rows)
+                        inputs=window[1], splits=window[3], fused_rows=fused_rows,
+                        draw="keyed" if draw == "triton" else "generator")
 
 
 def block_pdl(s, rows):
@@ -816,6 +820,10 @@ def describe_ops(o):
     return f"RMSNorm {o.rms_norm}, SiLU x up {o.silu_mul}, RoPE + cache {o.rope}"
 
 
+DRAW_WORDS = {"generator": "each request's draws from its own generator",
+              "keyed": "each request's draws keyed by its seed (draw_triton's kernels, in the step)"}
+
+
 def describe_own_positions(o):
     """The server step's line of explain."""
     blocks = "compiled" if o.block == "compiled" else "eager"
@@ -823,8 +831,8 @@ def describe_own_positions(o):
         blocks = f"fused (Triton, up to {o.fused_rows} rows) or {blocks}"
     runs = "a CUDA graph per step size" if o.graph else "op by op"
     return (f"each row at its own position (a server's batch): the {blocks} blocks and {window_words(o)}, "
-            f"inputs {INPUT_WORDS[o.inputs]}, {runs} ({'/'.join(map(str, o.buckets))} images); each request's draws "
-            f"from its own generator; {describe_ops(o.ops)}")
+            f"inputs {INPUT_WORDS[o.inputs]}, {runs} ({'/'.join(map(str, o.buckets))} images); {DRAW_WORDS[o.draw]}; "
+            f"{describe_ops(o.ops)}")
 
 
 def explain_server(s):

@@ -153,6 +153,61 @@ def test_draw_matches_sampling_in_interpreter():
     assert out.stdout.split()[-3] == "ok", out.stdout
 
 
+IMAGES_SCRIPT = r"""
+import interpret  # first: the interpreter without its re-patching per call (tests/interpret.py)
+import torch
+from fast_inference.kernels import draw_triton as ds
+
+# A server's batch of three requests (2, 1 and 2 images), each with its own seed, position, cfg scale, temperature and
+# top-k: draw_images over the batch gives each image the token draw() gives it in its request's batch alone, and the
+# token to its out row at its position. The counter taken as the slot and the batch (not the image's place in its
+# request) draws other tokens: the check can fail.
+g = torch.Generator().manual_seed(3)
+V, prefix = 300, 4
+requests = [dict(n=2, seed=5, pos=prefix + 2, cfg=3.0, temp=0.7, k=5), dict(n=1, seed=9, pos=prefix - 1, cfg=1.5,
+            temp=1.0, k=0), dict(n=2, seed=5, pos=prefix + 6, cfg=4.0, temp=1.3, k=2000)]
+m = sum(r["n"] for r in requests)
+for guided in (True, False):
+    parts = [torch.randn(2 * r["n"] if guided else r["n"], V, generator=g) for r in requests]
+    halves = lambda i: parts[i].chunk(2) if guided else (parts[i],)
+    logits = torch.cat([torch.cat([halves(i)[h] for i in range(3)]) for h in range(2 if guided else 1)])
+    per = lambda key, dtype=None: torch.tensor([r[key] for r in requests for _ in range(r["n"])], dtype=dtype)
+    image = torch.tensor([b for r in requests for b in range(r["n"])], dtype=torch.int32)
+    images = per("n", torch.int32)
+    k = torch.tensor([ds.image_k(r["k"], V) for r in requests for _ in range(r["n"])], dtype=torch.int32)
+    want_token, want_out = [], []
+    for i, r in enumerate(requests):
+        token, out = torch.zeros(r["n"], 1, dtype=torch.long), torch.full((r["n"], 12), -1, dtype=torch.long)
+        ds.draw(parts[i], token, out, torch.tensor([r["pos"]]), torch.tensor(r["seed"]), torch.tensor(r["cfg"]),
+                torch.tensor(r["temp"]), prefix, r["k"], guided, True)
+        want_token.append(token)
+        want_out.append(out)
+    want_token, want_out = torch.cat(want_token), torch.cat(want_out)
+    draws = []
+    for counter in ((image, images), (torch.arange(m, dtype=torch.int32), torch.full((m,), m, dtype=torch.int32))):
+        token, out = torch.zeros(m, 1, dtype=torch.long), torch.full((m, 12), -1, dtype=torch.long)
+        count = torch.zeros(1 + m, dtype=torch.long)
+        pos = per("pos")
+        ds.draw_images(logits, token, out, pos, per("seed"), *counter, per("cfg", torch.float32),
+                       per("temp", torch.float32), k, prefix, guided, torch.empty(m, V), count)
+        assert not count.any() and torch.equal(pos, per("pos"))
+        draws.append((token, out))
+    assert torch.equal(draws[0][0], want_token) and torch.equal(draws[0][1], want_out), (draws[0], want_token)
+    assert not torch.equal(draws[1][0], want_token)
+    assert len(want_token.unique()) > 2
+print("ok")
+"""
+
+
+def test_per_image_draw_gives_each_image_its_requests_draw_in_interpreter():
+    """draw_images over a server's batch of three requests (2, 1 and 2 images; their own seeds, positions, cfg scales,
+    temperatures and top-k, none included), with and without CFG: each image's token and out row equal draw()'s for
+    its request's batch alone; the counter taken as the slot's draws others."""
+    out = early.result(IMAGES_SCRIPT, ENV)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split()[-1] == "ok", out.stdout
+
+
 AOT_SCRIPT = r"""
 import itertools
 
@@ -173,9 +228,17 @@ for V, logits, guided, noise in itertools.chain(itertools.product([16384], ("*bf
     for batch in (1, 32):
         n = ds.splits(batch, VP, RC)
         common = {"V": V, "GUIDED": guided, "SAMPLE": True, "SPLITS": n, "SPAN": VP // n, "VP": VP, "RC": RC, "PDL": 1}
-        build(ds._race_kernel, {**race, "LOGITS": logits}, {**common, "NOISE_READY": noise, "CHUNK": chunk}, options)
-        build(ds._draw_kernel, {**draw, "LOGITS": logits},
-              {**common, "TOP_K": 2000 if V > 2000 else 100, "ADVANCE": noise, "TRIES": ds.TRIES}, options)
+        plain = {"IMAGE": None, "IMAGES": None, "PER_IMAGE": False}
+        build(ds._race_kernel, {**race, "LOGITS": logits}, {**common, **plain, "NOISE_READY": noise, "CHUNK": chunk},
+              options)
+        build(ds._draw_kernel, {**draw, "LOGITS": logits}, {**common, "TOPK": None, "PER_IMAGE": False,
+              "TOP_K": 2000 if V > 2000 else 100, "ADVANCE": noise, "TRIES": ds.TRIES}, options)
+        if noise:  # a server's batch (draw_images): each image's own seed, position, settings and counter
+            images = {"IMAGE": "*i32", "IMAGES": "*i32"}
+            build(ds._race_kernel, {**race, **images, "LOGITS": logits, "batch": "i32"},
+                  {**common, "PER_IMAGE": True, "NOISE_READY": False, "CHUNK": chunk}, options)
+            build(ds._draw_kernel, {**draw, "TOPK": "*i32", "LOGITS": logits}, {**common, "PER_IMAGE": True,
+                  "TOP_K": 0, "ADVANCE": False, "TRIES": ds.TRIES}, options)
 print("compiled")
 """
 
@@ -190,4 +253,5 @@ def test_draw_kernel_compiles_for_sm90():
 
 # Minutes in the interpreter, seconds of ptxas: started beside the other tests (early.py)
 EARLY = {"test_draw_matches_sampling_in_interpreter": (SCRIPT, ENV),
+         "test_per_image_draw_gives_each_image_its_requests_draw_in_interpreter": (IMAGES_SCRIPT, ENV),
          "test_draw_kernel_compiles_for_sm90": (AOT_SCRIPT, sm90.env())}

@@ -185,6 +185,82 @@ def test_pass_and_server_step_on_window_kernels_in_interpreter():
     assert out.stdout.split()[-2:] == ["ok", "11"], out.stdout
 
 
+def test_the_plan_keys_a_servers_draws_where_it_draws_with_triton():
+    """A server's draws are keyed (draw_triton.draw_images) where the plan draws with Triton (inductor on CUDA), and
+    come from each request's generator elsewhere (the cudagraph backend's CUDA C++ draw, the CPU); explain says so."""
+    hopper = plan.Situation(device="cuda", capability=(9, 0), dtype=torch.bfloat16, own_positions=True,
+                            builds=lambda *key: True)
+    p = plan.make(hopper)
+    assert (p.draw, p.own_positions.draw) == ("triton", "keyed") and "keyed by its seed" in plan.explain(p)
+    for where in (dict(backend="cudagraph"), dict(device="cpu", capability=None)):
+        o = plan.make(dataclasses.replace(hopper, **where)).own_positions
+        assert o.draw == "generator" and "from its own generator" in plan.describe_own_positions(o)
+
+
+KEYED_SCRIPT = r"""
+import interpret  # first: the interpreter without its re-patching per call (tests/interpret.py)
+import dataclasses
+from types import SimpleNamespace
+import torch
+from fast_inference import engine as engine_module, plan
+from fast_inference.continuous import Batch
+from fast_inference.engine import Engine
+from fast_inference.kernels import draw_triton
+from test_continuous import alone, requests, run
+from test_reference import tiny_model
+
+make = plan.make
+GRAPHS = False  # the server's steps through stand-in graphs that replay the captured function
+
+
+def with_triton_draw(s):
+    # the plan with draw_triton's kernels where a CUDA device with Triton takes them (top-p 1); run by the interpreter
+    p = make(s)
+    if p.draw == "torch" and s.top_p >= 1.0:
+        p = dataclasses.replace(p, draw="triton")
+    if p.own_positions is not None:
+        p = dataclasses.replace(p, own_positions=dataclasses.replace(p.own_positions, draw="keyed", graph=GRAPHS))
+    return p
+
+
+def capture(self, key, fn, state=None):
+    captured.append(key)
+    fn()
+    self.graphs[key] = SimpleNamespace(replay=fn)
+
+
+model = tiny_model(vocab_size=300)
+rs = requests(model)[:4]  # seeds 1 to 4; rs[1] two images (temperature 0.7, top-k 5), rs[2] top-p 0.8 (its generator)
+rs[3] = dataclasses.replace(rs[3], cfg_scale=2.5, temperature=1.3)
+plain = alone(model, rs[0])  # sampling.py's draw with torch's generator
+engine_module.plans.make = with_triton_draw
+engine_module.Graphs.capture = capture
+want = [alone(model, r) for r in rs]
+assert not torch.equal(plain, want[0])  # the engine alone drew with the Triton draw
+checked = 0
+for GRAPHS in (False, True):
+    captured = []
+    batch = Batch(Engine(model, backend="eager"), rs[0].shape, capacity=4)
+    assert batch.runner.keyed
+    got = run(batch, {0: rs[:2], 3: [rs[2]], 5: [rs[3]]})  # rs[3] joins once slots are free
+    assert bool(captured) == GRAPHS
+    for i in range(4):
+        assert torch.equal(got[i], want[i]), (GRAPHS, i, got[i], want[i])
+        checked += 1
+print("ok", checked)
+"""
+
+
+def test_server_draws_with_each_requests_key_in_interpreter():
+    """Where the plan takes the Triton draw, a server's requests joining a running batch at other steps (seeds of their
+    own, one of two images, their own cfg scale, temperature and top-k; one with top-p < 1 on its generator beside
+    them) get the tokens the engine gives each alone with its seed and the same draw, the steps run as they come and
+    through stand-in graphs (the draw inside the step)."""
+    out = early.result(KEYED_SCRIPT, interpret.ENV)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.split()[-2:] == ["ok", "8"], out.stdout
+
+
 # The CUDA pass cases: (window, the pass's block, images). The fused block runs up to plan.PASS_FUSED_ROWS rows, so
 # its L = 16 case is one image (2 x 16 = 32 rows); at 2 images (64 rows) the plan takes the compiled block.
 CUDA_PASSES = [(4, "compiled", 2), (16, "compiled", 2), (4, "fused", 2), (16, "fused", 1)]
@@ -226,7 +302,8 @@ def test_pass_on_window_kernels_gives_the_plain_engines_greedy_tokens_on_cuda(wi
     assert torch.equal(engine.generate(cond, 256, **kw), want)  # replayed
 
 
-EARLY = {"test_pass_and_server_step_on_window_kernels_in_interpreter": (SCRIPT, interpret.ENV)}
+EARLY = {"test_pass_and_server_step_on_window_kernels_in_interpreter": (SCRIPT, interpret.ENV),
+         "test_server_draws_with_each_requests_key_in_interpreter": (KEYED_SCRIPT, interpret.ENV)}
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -256,3 +333,32 @@ def test_server_steps_on_window_kernels_give_the_plain_engines_tokens_on_cuda():
             batch.remove(e)
     for i in range(2):
         assert torch.equal(done[i].cpu(), want[i].cpu()), i
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_server_draws_with_each_requests_key_on_cuda():
+    """fp32 on CUDA with Triton (inductor: the Triton draw in the plain engine and in the server's captured steps):
+    sampled requests joining a server's batch at other steps, one of two images, get the tokens the engine gives each
+    alone with its seed."""
+    from fast_inference.continuous import Batch
+    from test_continuous import requests, run
+    from test_reference import tiny_model
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    model = tiny_model(seed=6).cuda()
+    rs = [dataclasses.replace(r, cond=r.cond.cuda(), mask=r.mask.cuda(), control=r.control.cuda(), top_k=50 if i else 0)
+          for i, r in enumerate(requests(model)[:2])]  # seeds 1 and 2, the second of two images
+    rs.append(dataclasses.replace(rs[0], seed=7, cfg_scale=2.5, temperature=1.3))
+    want = []
+    for r in rs:
+        n = r.num_images
+        torch.manual_seed(r.seed)
+        want.append(engine.Engine(model).generate(
+            r.cond.repeat_interleave(n, 0), r.num_tokens, emb_masks=r.mask.repeat_interleave(n, 0),
+            cfg_scale=r.cfg_scale, condition=r.control[None].expand(n, -1, -1, -1), temperature=r.temperature,
+            top_k=r.top_k))
+    batch = Batch(engine.Engine(model), rs[0].shape, capacity=4)
+    assert batch.runner.keyed
+    got = run(batch, {0: rs[:1], 2: rs[1:2], 5: rs[2:]})
+    for i in range(3):
+        assert torch.equal(got[i].cpu(), want[i].cpu()), i

@@ -6,10 +6,11 @@ random weights, cfg 4, top-k 2000.
 
 Per n: the plain engine's ms/step (workload.bench_fast); the batch's ms/step over --steps steps (wall, synchronised at
 the end) and the host's time to issue them (before the synchronisation: near the wall time, the steps wait on the
-host); its forward graph replayed alone (the blocks and the head) and so the rest (the requests' noise, the draw, the
-tokens written) by difference. --profile-dir: the kernels of the plain step and of one batch step by name, largest
-first, per n (DIR/server_step_profile.txt). --tiny: a tiny random model on the CPU (a smoke run of the
-script itself; its times mean nothing).
+host); its step graph replayed alone (the blocks and the head; where the draws are keyed, the draw and the tokens
+written too) and so the rest (the requests' noise, the draw, the tokens written; keyed: the host's work) by
+difference. --profile-dir: the kernels of the plain step and of one batch step by name, largest first, per n
+(DIR/server_step_profile.txt). --tiny: a tiny random model on the CPU (a smoke run of the script itself; its times mean
+nothing).
 """
 import argparse
 import json
@@ -58,16 +59,20 @@ def time_steps(batch, steps, device):
 
 
 def time_replays(batch, steps, device):
-    """ms per replay of the batch's forward graph alone (None where the plan captures none)."""
+    """ms per replay of the batch's step graph alone (None where the plan captures none), the rows held at their
+    positions (a keyed step's graph advances them: the steps after stay inside the caches)."""
     r = batch.runner
     if r.graphs is None:
         return None
     bucket = r.bucket(batch.used)
+    live = r.live.clone()
+    r.live.zero_()
     sync(device)
     t0 = time.perf_counter()
     for _ in range(steps):
         r.graphs.replay(bucket)
     sync(device)
+    r.live.copy_(live)
     return 1e3 * (time.perf_counter() - t0) / steps
 
 

@@ -118,12 +118,13 @@ if triton is not None:
         return top, tl.min(tl.where(run == top, lane, VP), 0)
 
     @triton.jit
-    def _first_two(LOGITS, NOISE, b, batch, V: tl.constexpr, scale, temperature, lo, hi, seed, pos,
+    def _first_two(LOGITS, NOISE, b, batch, V: tl.constexpr, scale, temperature, lo, hi, seed, pos, image, images,
                    GUIDED: tl.constexpr, SAMPLE: tl.constexpr, MAKE_NOISE: tl.constexpr, VP: tl.constexpr,
                    CHUNK: tl.constexpr, RC: tl.constexpr):
         """The race's first two winners among logits lo..hi-1, (score, index) each, in _next_winner's order, in
         one pass: each lane keeps its best two, so the second is the first's lane's second or another lane's
-        best. MAKE_NOISE: log E made here (race_noise) and stored to NOISE for later passes, else read there."""
+        best. MAKE_NOISE: log E made here (race_noise, at the counter of image `image` of `images`) and stored to NOISE
+        for later passes, else read there."""
         t = tl.arange(0, RC)
         run = tl.full([RC], float("-inf"), tl.float32)
         run2 = tl.full([RC], float("-inf"), tl.float32)
@@ -133,7 +134,7 @@ if triton is not None:
             x = _tempered(LOGITS, b, batch, V, c + t, scale, temperature, GUIDED)
             if SAMPLE:
                 if MAKE_NOISE:
-                    log_e = race_noise(seed, pos, b, batch, c + t, VP, CHUNK)
+                    log_e = race_noise(seed, pos, image, images, c + t, VP, CHUNK)
                     tl.store(NOISE + b * V + c + t, log_e, mask=c + t < V)
                 else:
                     log_e = tl.load(NOISE + b * V + c + t, mask=c + t < V, other=0.0)
@@ -165,19 +166,30 @@ if triton is not None:
         return tl.sum(n, 0), tl.sum(n2, 0)
 
     @triton.jit
-    def _race_kernel(LOGITS, NOISE, CAND_S, CAND_T, POS, SEED, CFG_SCALE, TEMPERATURE, batch, V: tl.constexpr,
-                     GUIDED: tl.constexpr, SAMPLE: tl.constexpr, NOISE_READY: tl.constexpr, SPLITS: tl.constexpr,
-                     SPAN: tl.constexpr, VP: tl.constexpr, CHUNK: tl.constexpr, RC: tl.constexpr,
-                     PDL: tl.constexpr):
+    def _race_kernel(LOGITS, NOISE, CAND_S, CAND_T, POS, SEED, CFG_SCALE, TEMPERATURE, IMAGE, IMAGES, batch,
+                     V: tl.constexpr, GUIDED: tl.constexpr, SAMPLE: tl.constexpr, NOISE_READY: tl.constexpr,
+                     PER_IMAGE: tl.constexpr, SPLITS: tl.constexpr, SPAN: tl.constexpr, VP: tl.constexpr,
+                     CHUNK: tl.constexpr, RC: tl.constexpr, PDL: tl.constexpr):
         """The draw's first kernel: program (b, s) races image b's logits s*SPAN..(s+1)*SPAN-1 (their log E made
-        first, unless NOISE_READY) and stores its first two winners, (score, index) each, to CAND_*[b, s]."""
+        first, unless NOISE_READY) and stores its first two winners, (score, index) each, to CAND_*[b, s].
+        PER_IMAGE: image b's own seed, position, settings and counter (image IMAGE[b] of IMAGES[b]) at + b."""
         b = tl.program_id(0)
         s = tl.program_id(1)
-        scale, temperature = _scale_and_temperature(CFG_SCALE, TEMPERATURE)
-        seed = tl.load(SEED)  # before the wait too: set before the prefill
+        if PER_IMAGE:  # a server's batch: each image keyed by its request (draw_images)
+            scale, temperature = _scale_and_temperature(CFG_SCALE + b, TEMPERATURE + b)
+            seed = tl.load(SEED + b)
+            image, images = tl.load(IMAGE + b), tl.load(IMAGES + b)
+        else:
+            scale, temperature = _scale_and_temperature(CFG_SCALE, TEMPERATURE)
+            seed = tl.load(SEED)  # before the wait too: set before the prefill
+            image, images = b, batch
         pdl_wait(PDL)  # the position after it: the prefill sets it right before its draw
+        if PER_IMAGE:
+            pos = tl.load(POS + b)
+        else:
+            pos = tl.load(POS)
         top, token, top2, token2 = _first_two(LOGITS, NOISE, b, batch, V, scale, temperature, s * SPAN, s * SPAN + SPAN,
-                                              seed, tl.load(POS), GUIDED, SAMPLE, SAMPLE and not NOISE_READY, VP,
+                                              seed, pos, image, images, GUIDED, SAMPLE, SAMPLE and not NOISE_READY, VP,
                                               CHUNK, RC)
         at = (b * SPLITS + s) * 2
         tl.store(CAND_S + at, top)
@@ -186,20 +198,27 @@ if triton is not None:
         tl.store(CAND_T + at + 1, token2)
 
     @triton.jit
-    def _draw_kernel(LOGITS, NOISE, CAND_S, CAND_T, TOKEN, OUT, POS, CFG_SCALE, TEMPERATURE, COUNT, batch, stride_out,
-                     prefix_len, V: tl.constexpr, TOP_K: tl.constexpr, GUIDED: tl.constexpr, SAMPLE: tl.constexpr,
-                     ADVANCE: tl.constexpr, TRIES: tl.constexpr, SPLITS: tl.constexpr, SPAN: tl.constexpr,
-                     VP: tl.constexpr, RC: tl.constexpr, PDL: tl.constexpr):
+    def _draw_kernel(LOGITS, NOISE, CAND_S, CAND_T, TOKEN, OUT, POS, CFG_SCALE, TEMPERATURE, TOPK, COUNT, batch,
+                     stride_out, prefix_len, V: tl.constexpr, TOP_K: tl.constexpr, GUIDED: tl.constexpr,
+                     SAMPLE: tl.constexpr, ADVANCE: tl.constexpr, PER_IMAGE: tl.constexpr, TRIES: tl.constexpr,
+                     SPLITS: tl.constexpr, SPAN: tl.constexpr, VP: tl.constexpr, RC: tl.constexpr, PDL: tl.constexpr):
         """The draw's second kernel: image b's token, from _race_kernel's winners, to TOKEN[b] and OUT[b, POS -
         prefix_len + 1]. Program (b, s) counts the logits s*SPAN..(s+1)*SPAN-1 above the first two winners'; the
         last of image b's SPLITS programs decides. COUNT (int64 zeros, left at zero): [0] the images decided,
         [1 + b] image b's programs done and their two counts in one word (bits 0, 16 and 40). ADVANCE: POS + 1
-        to POS, by the last image's."""
+        to POS, by the last image's. PER_IMAGE: image b's own position, settings and k (TOPK[b], V: none) at + b,
+        its filter's counts always run (TOP_K unused), ADVANCE off."""
         b = tl.program_id(0)
         s = tl.program_id(1)
         offs = tl.arange(0, VP)
         ok = offs < V
-        scale, temperature = _scale_and_temperature(CFG_SCALE, TEMPERATURE)
+        FILTER: tl.constexpr = PER_IMAGE or TOP_K > 0
+        if PER_IMAGE:
+            scale, temperature = _scale_and_temperature(CFG_SCALE + b, TEMPERATURE + b)
+            k = tl.load(TOPK + b)
+        else:
+            scale, temperature = _scale_and_temperature(CFG_SCALE, TEMPERATURE)
+            k = TOP_K
         pdl_wait(PDL)
         # The race's winner over all tokens is top-k's if fewer than k logits exceed its own (x_i >= the k-th
         # largest exactly then); else it drops out and the next in (score, -index) order races, TRIES in all.
@@ -218,7 +237,7 @@ if triton is not None:
         best2 = tl.max(rest, 0)
         token2 = tl.min(tl.where((rest == best2) & (cand_t != token), cand_t, VP), 0)
         decides = s == 0
-        if TOP_K > 0:
+        if FILTER:
             x = _tempered(LOGITS, b, batch, V, token, scale, temperature, GUIDED)
             x2 = _tempered(LOGITS, b, batch, V, token2, scale, temperature, GUIDED)
             n, n2 = _count_above(LOGITS, b, batch, V, scale, temperature, x, x2, s * SPAN, s * SPAN + SPAN, GUIDED, RC)
@@ -226,29 +245,32 @@ if triton is not None:
             word = tl.atomic_add(COUNT + 1 + b, mine, sem="relaxed", scope="gpu") + mine
             decides = (word & 0xFFFF) == SPLITS
         if decides:
-            if TOP_K > 0:
+            if FILTER:
                 tl.store(COUNT + 1 + b, 0)
                 above = ((word >> 16) & 0xFFFFFF).to(tl.int32)
                 if TRIES == 0:
                     pending = tl.full((), 1, tl.int32)
                 else:
-                    pending = ((above >= TOP_K) | (best == float("-inf"))).to(tl.int32)
+                    pending = ((above >= k) | (best == float("-inf"))).to(tl.int32)
                     if TRIES >= 2:
                         if pending != 0:
                             best, token = best2, token2
-                            pending = (((word >> 40).to(tl.int32) >= TOP_K) | (best2 == float("-inf"))).to(tl.int32)
+                            pending = (((word >> 40).to(tl.int32) >= k) | (best2 == float("-inf"))).to(tl.int32)
                 for _try in tl.static_range(max(TRIES - 2, 0)):  # then one winner per two passes, here
                     if pending != 0:
                         best, token = _next_winner(LOGITS, NOISE, b, batch, V, scale, temperature, float("-inf"),
                                                    best, token, GUIDED, SAMPLE, VP, RC)
                         x = _tempered(LOGITS, b, batch, V, token, scale, temperature, GUIDED)
                         above, _ = _count_above(LOGITS, b, batch, V, scale, temperature, x, x, 0, VP, GUIDED, RC)
-                        pending = ((above >= TOP_K) | (best == float("-inf"))).to(tl.int32)
+                        pending = ((above >= k) | (best == float("-inf"))).to(tl.int32)
                 if pending != 0:  # then the race among the logits >= the k-th largest
-                    kth = _kth_largest(_tempered(LOGITS, b, batch, V, offs, scale, temperature, GUIDED), ok, TOP_K)
+                    kth = _kth_largest(_tempered(LOGITS, b, batch, V, offs, scale, temperature, GUIDED), ok, k)
                     best, token = _next_winner(LOGITS, NOISE, b, batch, V, scale, temperature, kth, float("inf"), -1,
                                                GUIDED, SAMPLE, VP, RC)
-            pos = tl.load(POS)  # here: held through the tries it spilled
+            if PER_IMAGE:  # here: held through the tries it spilled
+                pos = tl.load(POS + b)
+            else:
+                pos = tl.load(POS)
             tl.store(TOKEN + b, token.to(tl.int64))
             tl.store(OUT + b * stride_out + pos - prefix_len + 1, token.to(tl.int64))
             if ADVANCE:  # every image's deciding program has read the position once the count reaches batch
@@ -289,26 +311,53 @@ def draw(logits, token, out, input_pos, seed, cfg_scale, temperature, prefix_len
     EARLY on sm_90+; before its wait each reads only cfg_scale, temperature and the seed, set before the prefill).
     Tensors stay on the device: no sync."""
     batch, V = token.shape[0], logits.shape[-1]
-    assert logits.shape[0] == (2 * batch if guided else batch) and logits.is_contiguous()
-    assert V < 1 << 23  # the counts' 24 bits in COUNT's words
     if noise is None:
         assert not noise_ready
         noise = torch.empty(batch, V, device=logits.device)
-    assert noise.shape == (batch, V) and noise.is_contiguous()
     scratch = torch.zeros(1 + batch, dtype=torch.long, device=logits.device) if count is None else count
+    k = min(top_k, V) if top_k > 0 else 0
+    _launch(logits, token, out, input_pos, seed, cfg_scale, temperature, prefix_len, guided, sample_logits, noise,
+            scratch, dict(NOISE_READY=noise_ready, TOP_K=0 if k == V else k, ADVANCE=count is not None,
+                          PER_IMAGE=False), (None, None, None), pdl)
+
+
+def image_k(top_k, V):
+    """draw_images' k of an image drawn with top_k (0: none) from V logits: V where nothing is filtered."""
+    return min(top_k, V) if top_k > 0 else V
+
+
+def draw_images(logits, token, out, input_pos, seed, image, images, cfg_scale, temperature, top_k, prefix_len, guided,
+                noise, count):
+    """draw for a server's batch, each image b keyed by its own request: its seed[b], position input_pos[b],
+    cfg_scale[b], temperature[b] and top_k[b] (image_k's), and the race's counter of image image[b] of images[b]
+    (its place in its request), so that it draws the tokens draw() gives it in its request's batch alone. Tokens
+    (batch, 1) to `token` and to out[b, input_pos[b] - prefix_len + 1]; the positions are not advanced. noise (batch,
+    V) float32: scratch for the race's log E; count: int64 zeros (1 + batch,), left at zero. No PDL: the settings are
+    read after the wait."""
+    _launch(logits, token, out, input_pos, seed, cfg_scale, temperature, prefix_len, guided, True, noise, count,
+            dict(NOISE_READY=False, TOP_K=0, ADVANCE=False, PER_IMAGE=True), (image, images, top_k), False)
+
+
+def _launch(logits, token, out, input_pos, seed, cfg_scale, temperature, prefix_len, guided, sample_logits, noise,
+            scratch, flags, per_image, pdl):
+    """The draw's two kernels over `batch` images; flags: their constexprs NOISE_READY, TOP_K, ADVANCE, PER_IMAGE;
+    per_image: (IMAGE, IMAGES, TOPK), or Nones."""
+    batch, V = token.shape[0], logits.shape[-1]
+    assert logits.shape[0] == (2 * batch if guided else batch) and logits.is_contiguous()
+    assert V < 1 << 23  # the counts' 24 bits in COUNT's words
+    assert noise.shape == (batch, V) and noise.is_contiguous()
     assert scratch.dtype == torch.long and scratch.numel() >= 1 + batch
     VP, chunk = layout(V)
     RC = min(VP, RACE_CHUNK)
     n = splits(batch, VP, RC)
     cand_s = torch.empty(batch, n, 2, device=logits.device)
     cand_t = torch.empty(batch, n, 2, dtype=torch.int32, device=logits.device)
-    k = min(top_k, V) if top_k > 0 else 0
     warps, registers = warps_and_registers(VP)
-    common = dict(V=V, GUIDED=guided, SAMPLE=sample_logits, SPLITS=n, SPAN=VP // n, VP=VP, RC=RC, num_warps=warps,
-                  maxnreg=registers, enable_fp_fusion=False, **launch(pdl))
-    _race_kernel[(batch, n)](logits, noise, cand_s, cand_t, input_pos, seed, cfg_scale, temperature, batch,
-                             NOISE_READY=noise_ready, CHUNK=chunk, **common)
-    _draw_kernel[(batch, n)](logits, noise, cand_s, cand_t, token, out, input_pos, cfg_scale, temperature, scratch,
-                             batch, out.stride(0), prefix_len, TOP_K=0 if k == V else k, ADVANCE=count is not None,
+    image, images, top_k = per_image
+    common = dict(V=V, GUIDED=guided, SAMPLE=sample_logits, PER_IMAGE=flags["PER_IMAGE"], SPLITS=n, SPAN=VP // n,
+                  VP=VP, RC=RC, num_warps=warps, maxnreg=registers, enable_fp_fusion=False, **launch(pdl))
+    _race_kernel[(batch, n)](logits, noise, cand_s, cand_t, input_pos, seed, cfg_scale, temperature, image, images,
+                             batch, NOISE_READY=flags["NOISE_READY"], CHUNK=chunk, **common)
+    _draw_kernel[(batch, n)](logits, noise, cand_s, cand_t, token, out, input_pos, cfg_scale, temperature, top_k,
+                             scratch, batch, out.stride(0), prefix_len, TOP_K=flags["TOP_K"], ADVANCE=flags["ADVANCE"],
                              TRIES=TRIES, **common)
-
