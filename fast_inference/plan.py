@@ -70,6 +70,9 @@ TREE_GAINS = {1: 1.24, 8: 0.62}
 #   inputs     Triton | CUDA C++ without Triton (the model's ~13 kernels a step); the model's ops on the CPU
 #   eager ops  Triton | CUDA C++ without Triton (the eager prefill's ~850 small kernels, #61); torch's in compiled code
 #   VQ norms   Triton | torch's without Triton (4.5 of a 512 px decode's 9.4 ms, #40)
+#   own rows   the window kernels (attention, inputs; a pass's and a server's rows) beside the plain steps' one-position
+#              kernels: the window forms at L = 1 are not yet timed against those in one run (tools/server_step.py:
+#              a server's step against the plain step at n = 1, 8, 32, owed to a GPU), so the plain steps keep theirs
 
 
 @dataclass(frozen=True)
