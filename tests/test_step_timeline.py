@@ -1,5 +1,6 @@
 """tools/step_timeline.py on the CPU: its per-name summary on made-up kernel events (the profile itself needs a
 GPU), and its --setting checked before anything runs."""
+import io
 import os
 import subprocess
 import sys
@@ -18,6 +19,17 @@ def test_by_name_counts_and_sums_each_kernel_name_largest_first():
     assert rows == [("_partial_kernel", 2, 102.5), ("nvjet_sm90_tst_64x16", 2, 9.0),
                     (("triton_poi_fused_add_" + "x" * 80)[:30], 2, 3.0)]
     assert step_timeline.by_name([]) == []
+
+
+def test_write_by_name_summarises_the_second_of_three_runs():
+    runs = [[dict(name="_qkv_kernel", dur=10.0 * r), dict(name="_draw_kernel", dur=1.0 * r),
+             dict(name="_qkv_kernel", dur=30.0 * r)] for r in (1, 2, 3)]
+    out = io.StringIO()
+    step_timeline.write_by_name([e for run in runs for e in run], 3, "step", out)
+    lines = out.getvalue().splitlines()
+    assert lines[0] == "step: 3 kernels, 82.0 us of kernel time"
+    assert lines[1].split() == ["2", "x", "80.0", "us", "97.6%", "_qkv_kernel"]
+    assert lines[2].split() == ["1", "x", "2.0", "us", "2.4%", "_draw_kernel"] and len(lines) == 3
 
 
 def test_a_setting_that_is_not_python_is_a_usage_error():

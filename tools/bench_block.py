@@ -122,7 +122,7 @@ def main():
             int8 = args.quantize == "int8"
             table = ("DOT_CONFIG_INT8" if int8 else "DOT_CONFIG") if dot else "CONFIG_INT8" if int8 else "CONFIG"
             key = triton.next_power_of_2(R)
-            by_rows = dot and not int8 and R > 16  # block_triton.DOT_CONFIG_ROWS: tilings of their own at these rows
+            by_rows = dot and not int8 and R > plan.FUSED_ROWS  # block_triton.DOT_CONFIG_ROWS: these rows' own tilings
             default = dict(block_triton.DOT_CONFIG_ROWS.get(key, block_triton.DOT_CONFIG) if by_rows
                            else getattr(block_triton, table))
             saved = dict(block_triton.DOT_CONFIG_ROWS)

@@ -21,7 +21,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch
 
-from step_timeline import by_name, kernels
+from step_timeline import kernels, write_by_name
 from fast_inference.workload import bench_fast, bench_speculative, inputs, random_gpt_xl, scale_to_entropy
 from fast_inference.engine import Engine
 from fast_inference.kernels import block_triton
@@ -34,14 +34,7 @@ def profile(graph, label, out):
     """One replay's kernels of graph (of 3 under the profiler) by name, largest time first, to out."""
     for _ in range(2):
         graph.replay()
-    events = kernels(graph, 3)
-    per = len(events) // 3
-    rows = by_name(events[per: 2 * per])
-    total = sum(us for _, _, us in rows)
-    out.write(f"{label}: {per} kernels, {total:.1f} us of kernel time\n")
-    for name, n, us in rows[:25]:
-        out.write(f"  {n:4d} x {us:8.1f} us  {100 * us / max(total, 1e-9):5.1f}%  {name}\n")
-    out.flush()
+    write_by_name(kernels(graph, 3), 3, label, out)
 
 
 def main():

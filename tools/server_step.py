@@ -78,16 +78,9 @@ def time_replays(batch, steps, device):
 
 def profile_step(batch, label, out):
     """One batch step's kernels (of 3 under the profiler, the second) by name, largest first, to out."""
-    from step_timeline import by_name, kernel_events
+    from step_timeline import kernel_events, write_by_name
 
-    events = kernel_events(batch.step, 3)
-    per = len(events) // 3
-    rows = by_name(events[per : 2 * per])
-    total = sum(us for _, _, us in rows)
-    out.write(f"{label}: {per} kernels, {total:.1f} us of kernel time\n")
-    for name, n, us in rows[:25]:
-        out.write(f"  {n:4d} x {us:8.1f} us  {100 * us / max(total, 1e-9):5.1f}%  {name}\n")
-    out.flush()
+    write_by_name(kernel_events(batch.step, 3), 3, label, out)
 
 
 def main():

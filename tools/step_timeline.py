@@ -60,6 +60,18 @@ def by_name(step, width=70):
     return [(name, count[name], total[name]) for name in sorted(total, key=lambda n: -total[n])]
 
 
+def write_by_name(events, runs, label, out, top=25):
+    """The second of `runs` runs' kernel events (in start order, as kernel_events gives them) by name, largest time
+    first, to the open file out under label."""
+    per = len(events) // runs
+    rows = by_name(events[per : 2 * per])
+    total = sum(us for _, _, us in rows)
+    out.write(f"{label}: {per} kernels, {total:.1f} us of kernel time\n")
+    for name, n, us in rows[:top]:
+        out.write(f"  {n:4d} x {us:8.1f} us  {100 * us / max(total, 1e-9):5.1f}%  {name}\n")
+    out.flush()
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--batch-sizes", default="1,8")
