@@ -25,7 +25,9 @@ from step_timeline import kernels, write_by_name
 from fast_inference.workload import bench_fast, bench_speculative, inputs, random_gpt_xl, scale_to_entropy
 from fast_inference.engine import Engine
 from fast_inference.kernels import block_triton
-from fast_inference.speculative import DEFAULT_COUPLING, DEFAULT_INIT
+from fast_inference.draft_tree import format_tree
+from fast_inference.flags import tree_arg
+from fast_inference.speculative import COUPLINGS, DEFAULT_COUPLING, DEFAULT_INIT
 
 N = 1024  # 512 px
 
@@ -43,6 +45,9 @@ def main():
     ap.add_argument("--entropy", type=float, default=3.0, help="mean sampled entropy in nats (bench.py's)")
     ap.add_argument("--plans", nargs="+", default=[""], help="comma-separated plan overrides, one set per engine")
     ap.add_argument("--draft-window", type=int, default=16)
+    ap.add_argument("--draft-coupling", choices=COUPLINGS, default=DEFAULT_COUPLING)
+    ap.add_argument("--draft-tree", type=tree_arg, default=(), metavar="WxD[+SxE]|none",
+                    help="each pass a draft tree (needs --draft-coupling pathwise); the plan's draft_tree=on is added")
     ap.add_argument("--runs", type=int, default=3, help="timed images per engine after a warm-up one")
     ap.add_argument("--profile-dir", default=None)
     ap.add_argument("--json", default=None)
@@ -59,11 +64,12 @@ def main():
     model = random_gpt_xl()
     kw = dict(cfg_scale=4.0, top_k=2000, temperature=1.0, top_p=1.0)
     bargs = argparse.Namespace(image_size=512, fast_runs=args.runs, draft_window=args.draft_window,
-                               draft_init=DEFAULT_INIT, draft_coupling=DEFAULT_COUPLING, draft_tree=())
+                               draft_init=DEFAULT_INIT, draft_coupling=args.draft_coupling, draft_tree=args.draft_tree)
     with torch.no_grad():
         scale, entropy = scale_to_entropy(model, args.entropy, bargs, kw, "cuda")
     print(f"{torch.cuda.get_device_name()} | GPT-XL bf16 512 px, output x {scale:.3g} (mean entropy {entropy:.2f} "
-          f"nats), cfg 4, top-k 2000 | L = {args.draft_window}, {DEFAULT_INIT} drafts, {DEFAULT_COUPLING} coupling",
+          f"nats), cfg 4, top-k 2000 | L = {args.draft_window}, {DEFAULT_INIT} drafts, {args.draft_coupling} coupling, "
+          f"tree {format_tree(args.draft_tree)}",
           flush=True)
     print("| n | plan | plain ms/step | pass ms | pass / step | tokens per pass | tok/s | x plain |", flush=True)
     print("|---|---|---|---|---|---|---|---|", flush=True)
@@ -83,8 +89,10 @@ def main():
             for overrides in args.plans:
                 model.clear_caches()
                 plain.runner = None  # the speculative engine takes the caches
+                tree = ("draft_tree=on",) if args.draft_tree else ()
                 engine = Engine(model, speculative="jacobi", draft_window=args.draft_window,
-                                overrides=tuple(o for o in overrides.split(",") if o) + ("jacobi=on",))
+                                draft_coupling=args.draft_coupling, draft_tree=args.draft_tree,
+                                overrides=tuple(o for o in overrides.split(",") if o) + ("jacobi=on",) + tree)
                 spec = bench_speculative(engine, B, N, bargs, kw, "cuda")
                 row = dict(n=B, plan=overrides or "(default)", step_ms=fast["step_ms"], pass_ms=spec["pass_ms"],
                            pass_vs_step=spec["pass_ms"] / fast["step_ms"], tokens_per_pass=spec["tokens_per_pass"],
