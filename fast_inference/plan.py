@@ -249,6 +249,7 @@ OVERRIDES = dict(
     window_inputs=("model", "triton"),  # ... and their inputs
     window_splits=("fold", "merge"),  # the window attention in one launch, or a split per tile + merge (WINDOW_FOLD)
     window_block=("compiled", "fused"),  # a pass's block: inductor's, or the fused kernels at its rows (with the above)
+    window_block_pdl=("off", "late", "first"),  # ... the fused block's dot projections there launched under PDL or not
     server_block=("compiled", "fused"),  # a server step's block up to FUSED_ROWS rows: inductor's, or the fused kernels
     verify=("torch", "triton"),  # a pass's verify: speculative.py's ops, or verify_triton's kernels (VERIFY_KERNELS)
     jacobi=("auto", "on"),  # --speculative jacobi: plain steps where the pass measured a loss (PASS_GAINS), or always
@@ -435,7 +436,7 @@ def jacobi_pass(s, block_scope, hand_capture, eager, window, want):
                             "device with Triton, float weights, a head dim the fused block takes, "
                             "window_attention=triton and no draft tree (its QKV writes each key at its position)")
         if s.rows * s.draft_window <= PASS_FUSED_ROWS:
-            block, rows = "fused", pass_rows(s.rows * s.draft_window)
+            block, rows = "fused", pass_rows(s.rows * s.draft_window, pass_pdl(s, want))
     return JacobiPass(window=s.draft_window, nodes=nodes, block=block, head="compiled" if compiled else "model",
                       ops=EagerOps() if compiled else dataclasses.replace(eager, rope="torch"), graph=hand_capture,
                       attention=window[0], inputs=window[1], rows=rows, splits=window[3],
@@ -497,11 +498,23 @@ def tree_words(tree):
     return "+".join(f"{a}x{b}" for a, b in zip(tree[::2], tree[1::2]))
 
 
-def pass_rows(rows):
+def pass_rows(rows, pdl=NONE):
     """The fused block's projections at a pass's rows: Triton's (block_cuda's QKV takes one position for every row),
-    GEMV or dot by GEMV_ROWS, without PDL (the window attention between them launches without it)."""
+    GEMV or dot by GEMV_ROWS, without PDL (the window attention between them launches without it) or, on the dot path,
+    in PDL mode pdl (pass_pdl)."""
     impl = "triton_gemv" if rows <= GEMV_ROWS else "triton_dot"
-    return Rows(rows=rows, projections=tuple((name, Projection(impl)) for name in PROJECTIONS), attention="triton")
+    pdl = pdl if impl == "triton_dot" else NONE
+    return Rows(rows=rows, projections=tuple((name, Projection(impl, pdl)) for name in PROJECTIONS), attention="triton")
+
+
+def pass_pdl(s, want):
+    """A pass's fused dot projections' PDL mode: none, or by the override window_block_pdl=late|first for an A/B with
+    their weights loaded before the wait (block_triton.DOT_AHEAD; issue 75, not measured on a GPU yet)."""
+    mode = dict(off=NONE, late=LATE, first=FIRST)[want.get("window_block_pdl", "off")]
+    if mode and not s.pdl:
+        raise PlanError("plan override window_block_pdl=late|first needs PDL (a CUDA GPU of sm_90 or later); use "
+                        "window_block_pdl=off")
+    return mode
 
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 64)  # a server's step sizes: graphs captured at a few, idle slots computed up to the next
@@ -788,7 +801,8 @@ def explain(p):
         row("rows apart", describe_own_positions(p.own_positions))
     if p.jacobi is not None:
         j = p.jacobi
-        blocks = (f"fused (Triton {j.rows.projection('qkv').impl.split('_')[1]})" if j.block == "fused" else
+        qkv = j.rows.projection("qkv") if j.block == "fused" else None
+        blocks = (f"fused (Triton {qkv.impl.split('_')[1]}{', ' + PDL_NAMES[qkv.pdl] if qkv.pdl else ''})" if qkv else
                   "compiled" if j.block == "compiled" else "eager")
         tree = f" in a {tree_words(s.draft_tree)} draft tree of {j.nodes} nodes" if s.draft_tree else ""
         row("speculative", f"Jacobi passes of {j.window} positions{tree}: {s.rows * j.nodes} rows through the "

@@ -34,6 +34,13 @@ def test_the_plan_takes_them_by_its_default_and_by_the_overrides():
     fused = on + (("window_block", "fused"),)
     p = plan.make(dataclasses.replace(hopper, overrides=fused))  # 2 x 1 image x 16 queries: the fused block
     assert p.jacobi.block == "fused" and p.jacobi.rows.rows == 32 and "fused (Triton dot)" in plan.explain(p)
+    assert {proj.pdl for _, proj in p.jacobi.rows.projections} == {plan.NONE}  # its dot projections without PDL
+    late = plan.make(dataclasses.replace(hopper, overrides=fused + (("window_block_pdl", "late"),)))
+    assert {proj for _, proj in late.jacobi.rows.projections} == {plan.Projection("triton_dot", plan.LATE)}
+    assert "fused (Triton dot, PDL late) blocks" in plan.explain(late)
+    with pytest.raises(plan.PlanError, match=r"window_block_pdl=late\|first needs PDL"):
+        plan.make(dataclasses.replace(hopper, capability=(8, 0), overrides=fused + (("window_block_pdl", "first"),)))
+    assert plan.pass_rows(4, plan.LATE).projection("wo") == plan.Projection("triton_gemv")  # the GEMV path: none
     p = plan.make(dataclasses.replace(hopper, overrides=fused, batch=8))  # 256 rows: the compiled block
     assert p.jacobi.block == "compiled" and p.jacobi.rows is None
     with pytest.raises(plan.PlanError, match="window_block=fused needs"):
