@@ -517,22 +517,26 @@ def pass_pdl(s, want):
     return mode
 
 
+# A server's steps of up to FUSED_ROWS rows on the fused block's kernels: H100, tools/server_step.py, ms/step against
+# inductor's block at n = 1 / 8: 1.445 / 1.686 against 1.710 / 1.965 (docs/PERF_NOTES.md, "Sixth session")
+SERVER_FUSED = True
 BUCKETS = (1, 2, 4, 8, 16, 32, 64)  # a server's step sizes: graphs captured at a few, idle slots computed up to the next
 
 
 def own_positions(s, eager, window, want, draw):
     """A server's steps: inductor's compiled block and head where it compiles (its steps' own), else the eager blocks
     with the backend's ops and torch's per-row RoPE; one CUDA graph per bucket where the backend captures steps. The
-    override server_block=fused runs the steps of up to FUSED_ROWS rows on the fused block's kernels, as a pass's
-    window_block=fused (off by default: not measured on a GPU yet). Draws keyed where the plan draws with Triton (a
+    steps of up to FUSED_ROWS rows run on the fused block's kernels where the window kernels run (SERVER_FUSED; the
+    override server_block=compiled keeps inductor's block there). Draws keyed where the plan draws with Triton (a
     request's top-p < 1 keeps its generator, as fast_engine.py's torch draw)."""
     if s.draft_window:
         raise PlanError("a server decodes one token per step; speculative passes run from fast_engine.py")
     compiled = s.backend == "inductor" and not s.int8  # inductor turns int8 projections into slow kernels
     buckets = tuple(b for b in BUCKETS if b < s.batch) + (s.batch,)
+    fusable = compiled and window[0] == "triton" and window[1] == "triton" and block_triton.fits(s.head_dim, True)
     fused_rows = 0
-    if want.get("server_block", "compiled") == "fused":
-        if not (compiled and window[0] == "triton" and window[1] == "triton" and block_triton.fits(s.head_dim, True)):
+    if want.get("server_block", "fused" if SERVER_FUSED and fusable else "compiled") == "fused":
+        if not fusable:
             raise PlanError("plan override server_block=fused needs the inductor backend on a CUDA device with Triton, "
                             "float weights, a head dim the fused block takes, window_attention=triton and "
                             "window_inputs=triton; use server_block=compiled")

@@ -45,9 +45,14 @@ def test_the_plan_takes_them_by_its_default_and_by_the_overrides():
     assert p.jacobi.block == "compiled" and p.jacobi.rows is None
     with pytest.raises(plan.PlanError, match="window_block=fused needs"):
         plan.make(dataclasses.replace(hopper, overrides=(("window_attention", "sdpa"), ("window_block", "fused"))))
-    # a server's steps: inductor's block by default, the fused block's kernels up to FUSED_ROWS rows by the override
+    # a server's steps: the fused block's kernels up to FUSED_ROWS rows where the window kernels run (SERVER_FUSED),
+    # inductor's block by the override server_block=compiled or without the window kernels
     steps = dataclasses.replace(hopper, draft_window=0, own_positions=True)
-    assert plan.make(steps).own_positions.fused_rows == 0
+    server = plan.make(dataclasses.replace(steps, overrides=on)).own_positions
+    assert server.fused_rows == (plan.FUSED_ROWS if plan.SERVER_FUSED else 0)
+    assert plan.make(dataclasses.replace(steps, overrides=(("window_attention", "sdpa"),))).own_positions.fused_rows == 0
+    assert plan.make(dataclasses.replace(steps, overrides=on + (("server_block", "compiled"),))).own_positions \
+        .fused_rows == 0
     server = plan.make(dataclasses.replace(steps, overrides=on + (("server_block", "fused"),))).own_positions
     assert server.fused_rows == plan.FUSED_ROWS and "fused (Triton, up to 16 rows)" in plan.describe_own_positions(server)
     with pytest.raises(plan.PlanError, match="server_block=fused needs"):
@@ -314,9 +319,10 @@ EARLY = {"test_pass_and_server_step_on_window_kernels_in_interpreter": (SCRIPT, 
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_server_steps_on_window_kernels_give_the_plain_engines_tokens_on_cuda():
-    """fp32 at GPT-XL's width: requests joining a server's batch on the window kernels (captured steps per bucket) get
-    the plain engine's greedy tokens."""
+@pytest.mark.parametrize("block", ["fused", "compiled"])
+def test_server_steps_on_window_kernels_give_the_plain_engines_tokens_on_cuda(block):
+    """fp32 at GPT-XL's width: requests joining a server's batch on the window kernels (captured steps per bucket), on
+    the fused block's kernels or inductor's block, get the plain engine's greedy tokens."""
     from fast_inference.continuous import Batch, Request
     from fast_inference.engine import Engine
     from test_reference import tiny_inputs, tiny_model
@@ -326,9 +332,10 @@ def test_server_steps_on_window_kernels_give_the_plain_engines_tokens_on_cuda():
     rs = [Request(cond=cond[b : b + 1], mask=mask[b : b + 1], control=condition[b], seed=b, top_k=1) for b in (0, 1)]
     want = [Engine(model).generate(r.cond, r.num_tokens, emb_masks=r.mask, cfg_scale=r.cfg_scale,
                                    condition=r.control[None], top_k=1) for r in rs]
-    engine = Engine(model, overrides=("window_attention=triton", "window_inputs=triton"))
+    engine = Engine(model, overrides=("window_attention=triton", "window_inputs=triton", f"server_block={block}"))
     batch = Batch(engine, rs[0].shape, capacity=2)
-    assert (engine.plan.own_positions.attention, engine.plan.own_positions.inputs) == ("triton", "triton")
+    own = engine.plan.own_positions
+    assert (own.attention, own.inputs, own.fused_rows > 0) == ("triton", "triton", block == "fused")
     entries = [batch.admit(rs[0])]
     for _ in range(5):  # the second request joins 5 steps later, at other positions
         batch.step()

@@ -8,7 +8,7 @@ Per n: the plain engine's ms/step (workload.bench_fast); the batch's ms/step ove
 the end) and the host's time to issue them (before the synchronisation: near the wall time, the steps wait on the
 host); its step graph replayed alone (the blocks and the head; where the draws are keyed, the draw and the tokens
 written too) and so the rest (the requests' noise, the draw, the tokens written; keyed: the host's work) by
-difference. --profile-dir: the kernels of the plain step and of one batch step by name, largest first, per n
+difference; and the time to admit one request between steps (its prefill and first token, synchronised). --profile-dir: the kernels of the plain step and of one batch step by name, largest first, per n
 (DIR/server_step_profile.txt). --tiny: a tiny random model on the CPU (a smoke run of the script itself; its times mean
 nothing).
 """
@@ -76,6 +76,20 @@ def time_replays(batch, steps, device):
     return 1e3 * (time.perf_counter() - t0) / steps
 
 
+def time_admit(batch, request, device, rounds=5):
+    """ms to admit one request into the running batch (its prefill and first token, as serve.py's engine thread does
+    between steps), synchronised: the median of `rounds` removals and re-admissions of its last request."""
+    times = []
+    for _ in range(rounds):
+        batch.remove(batch.entries[-1])
+        sync(device)
+        t0 = time.perf_counter()
+        batch.admit(request)
+        sync(device)
+        times.append(1e3 * (time.perf_counter() - t0))
+    return sorted(times)[len(times) // 2]
+
+
 def profile_step(batch, label, out):
     """One batch step's kernels (of 3 under the profiler, the second) by name, largest first, to out."""
     from step_timeline import kernel_events, write_by_name
@@ -108,8 +122,9 @@ def main():
     name = torch.cuda.get_device_name() if device == "cuda" else "CPU"
     print(f"{name} | {'tiny' if args.tiny else 'GPT-XL'} t2i {side} px, random weights, cfg 4, top-k 2000 | batch plan "
           f"{','.join(args.plan) or '(default)'}", flush=True)
-    print("| n | plain ms/step | batch ms/step | x plain | host ms/step | forward graph ms | the rest ms |", flush=True)
-    print("|---|---|---|---|---|---|---|", flush=True)
+    print("| n | plain ms/step | batch ms/step | x plain | host ms/step | forward graph ms | the rest ms | admit ms |",
+          flush=True)
+    print("|---|---|---|---|---|---|---|---|", flush=True)
     results = []
     with torch.no_grad():
         for n in map(int, args.sizes.split(",")):
@@ -137,12 +152,13 @@ def main():
                 batch.step()
             wall, host = time_steps(batch, steps, device)
             forward = time_replays(batch, steps, device)
+            admit = time_admit(batch, rs[-1], device)
             row = dict(n=n, plain_ms=fast["step_ms"], batch_ms=wall, host_ms=host, forward_ms=forward,
-                       rest_ms=None if forward is None else wall - forward)
+                       rest_ms=None if forward is None else wall - forward, admit_ms=admit)
             results.append(row)
             cell = lambda v: "-" if v is None else f"{v:.3f}"
             print(f"| {n} | {fast['step_ms']:.3f} | {wall:.3f} | {wall / fast['step_ms']:.2f} | {host:.3f} | "
-                  f"{cell(forward)} | {cell(row['rest_ms'])} |", flush=True)
+                  f"{cell(forward)} | {cell(row['rest_ms'])} | {admit:.1f} |", flush=True)
             if prof is not None:
                 profile_step(batch, f"server step, n = {n}, {','.join(args.plan) or 'default plan'}", prof)
             if args.json:  # after each row: a run cut by its time limit keeps what it measured
