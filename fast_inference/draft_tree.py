@@ -90,65 +90,90 @@ def ancestry(tree):
     return masks
 
 
-def candidates(q, drafts, noise, width):
+def candidates(q, drafts, log_noise, width):
     """(images, L, width) tokens per window position: the draft, then the width - 1 tokens after it in the race of q
-    (images, L, V) with the position's noise (images, L, V): the likeliest winners where the position's distribution
-    moves a little (better than the left and above tokens next: docs/PERF_NOTES.md). Distinct tokens."""
-    score = (q.clamp_min(1e-30).log() - noise.clamp_min(torch.finfo(noise.dtype).tiny).log())
+    (images, L, V) with the position's noise (log_noise (images, L, V): its log, clamped as coupled_race's): the
+    likeliest winners where the position's distribution moves a little (better than the left and above tokens next:
+    docs/PERF_NOTES.md). Distinct tokens."""
+    score = q.clamp_min(1e-30).log() - log_noise
     return score.scatter(-1, drafts[..., None], float("inf")).topk(width, dim=-1).indices
 
 
-def links(tree, device=None):
-    """The tree's edges as tensors: child (S, S) bool, [parent, child]; first (S,): each node's rank-0 child, -1 none."""
-    child = torch.zeros(tree.size, tree.size, dtype=torch.bool)
-    first = torch.full((tree.size,), -1, dtype=torch.long)
-    for node, up in enumerate(tree.parent):
-        if up >= 0:
-            child[up, node] = True
-            if tree.rank[node] == 0:
-                first[up] = node
-    return child.to(device), first.to(device)
+def line_from(tree, end, window):
+    """walk's line where the walk ends at node `end`: its ancestors and itself by depth, then the chain below it (its
+    rank-0 child while it has one, then the main chain's node at each depth), whose distributions give the next
+    window."""
+    first = {up: node for node, up in enumerate(tree.parent) if up >= 0 and tree.rank[node] == 0}
+    line = [end]
+    while tree.parent[line[-1]] >= 0:
+        line.append(tree.parent[line[-1]])
+    line.reverse()
+    for d in range(len(line), window):
+        line.append(first.get(line[-1], d))  # the main chain's node d has node d + 1 below it
+    return line
 
 
-def walk(child, first, tokens, target, window):
-    """The path a pass keeps per image over a tree's links (child, first) and window: from the root, into the child
-    whose token (tokens (images, S)) is its parent's target (images, S), while one is. -> line (images, window): the
-    node at each depth (past the walk's end, the chain below its last node, whose distributions give the next window),
-    count (images,): the targets kept (the walk's nodes)."""
-    B = tokens.shape[0]
-    rows = torch.arange(B, device=tokens.device)
-    at = torch.zeros(B, dtype=torch.long, device=tokens.device)
-    alive = torch.ones(B, dtype=torch.bool, device=tokens.device)
-    line, count = [at], torch.ones(B, dtype=torch.long, device=tokens.device)
-    for d in range(1, window):
-        match = child[at] & (tokens == target[rows, at][:, None])
-        alive = alive & match.any(-1)
-        below = torch.where(first[at] >= 0, first[at], d)  # the chain: node d is the main chain's at depth d
-        at = torch.where(alive, match.to(torch.long).argmax(-1), below)
-        line.append(at)
-        count = count + alive.to(torch.long)
-    return torch.stack(line, 1), count
+def links(tree, window, device=None):
+    """walk's tables for a tree over a window: up (S,): each node's parent (the root's: itself, never read);
+    outside (S, S) bool: [node, other] whether `other` is neither `node` nor one of its ancestors (the root counts as
+    none: it is never drafted); lines (S, window): line_from each node."""
+    up = torch.tensor([max(u, 0) for u in tree.parent])
+    outside = torch.ones(tree.size, tree.size, dtype=torch.bool)
+    for node in range(1, tree.size):
+        at = node
+        while at > 0:
+            outside[node, at] = False
+            at = tree.parent[at]
+    lines = torch.tensor([line_from(tree, end, window) for end in range(tree.size)])
+    return up.to(device), outside.to(device), lines.to(device)
+
+
+def walk(up, outside, depth, lines, tokens, target):
+    """The path a pass keeps per image over a tree's links (links()) and node depths (S,): from the root, into the
+    child whose token (tokens (images, S)) is its parent's target (images, S), while one is. Siblings hold distinct
+    tokens (candidates()), so the nodes whose tokens and ancestors' all match their parents' targets are one path
+    from the root, and its deepest node fixes the line. -> line (images, window): the node at each depth (past the
+    walk's end, the chain below its last node, whose distributions give the next window), count (images,): the
+    targets kept (the walk's nodes). A few ops, no loop over depths (one CUDA graph's kernels: issue 78)."""
+    match = tokens == target[:, up]  # each node's token is its parent's target
+    kept = (match[:, None, :] | outside).all(-1)  # ... and every ancestor's: the walk's nodes, the root's too
+    end = (kept * depth).argmax(-1)  # the deepest (the root where no child matched: every product 0, the first)
+    return lines[end], depth[end] + 1
+
+
+def stacked(caches):
+    """The one tensor (2, layers, rows, heads, slots, head dim) whose [0, i] and [1, i] are caches[i]'s keys and
+    values (model.setup_caches), or None where they are not in one (caches of their own, or after a .to())."""
+    k, layers = caches[0].k_cache.detach(), len(caches)
+    n = k.numel()
+    if not k.is_contiguous() or k.storage_offset() + 2 * layers * n > k.untyped_storage().nbytes() // k.element_size():
+        return None  # no room after the first layer's keys for the rest
+    kv = k.as_strided((2, layers) + k.shape, (layers * n, n) + k.stride(), k.storage_offset())
+    alike = all(t.shape == k.shape and t.is_contiguous() for c in caches for t in (c.k_cache, c.v_cache))
+    at = all(c.k_cache.data_ptr() == kv[0, i].data_ptr() and c.v_cache.data_ptr() == kv[1, i].data_ptr()
+             for i, c in enumerate(caches))
+    return kv if alike and at else None
 
 
 def compact(caches, start, line, count):
     """The kept path's keys and values to their positions: slot start + d takes slot start + line[:, d] for the walk's
     d < count (line (images, L), count (images,)); start (rows,): each cache row's window, the images' CFG halves after
-    them."""
+    them. Every layer's keys and values in one gather and one write where the caches are views of one tensor."""
     reps = start.shape[0] // line.shape[0]
     depth = torch.arange(line.shape[1], device=line.device)
     src = start[:, None] + torch.where(depth < count[:, None], line, depth).repeat(reps, 1)
     dst = start[:, None] + depth
     rows = torch.arange(start.shape[0], device=start.device)[:, None]
-    for cache in caches:
-        for t in (cache.k_cache, cache.v_cache):
-            t[rows, :, dst] = t[rows, :, src]
+    kv = stacked(caches)
+    for t in [kv] if kv is not None else [t for cache in caches for t in (cache.k_cache, cache.v_cache)]:
+        t[..., rows, :, dst, :] = t[..., rows, :, src, :]
 
 
 class TreeRunner(JacobiRunner):
     """JacobiRunner's passes with a draft tree (pathwise coupling only): each image's window as the tree's nodes;
     tree_shape (W, D) or (W, D, S, E): make_tree's."""
 
-    STATE = JacobiRunner.STATE + ("cands",)
+    STATE = JacobiRunner.STATE + ("cands", "log_noise")
 
     def __init__(self, model, plan, num_tokens, prefix_len, num_controls, top_k, keep_logits, init, width,
                  coupling, tree_shape):
@@ -164,18 +189,22 @@ class TreeRunner(JacobiRunner):
         buf("rank", torch.tensor(self.tree.rank, device=device))
         buf("ancestry", torch.tensor(ancestry(self.tree), device=device))
         buf("cands", torch.zeros(self.batch, self.window, self.width_candidates, dtype=torch.long, device=device))
-        child, first = links(self.tree, device)
-        buf("child", child)
-        buf("first", first)
+        # the window positions' log noise: the candidates' race and the next pass's draw (the same positions)
+        buf("log_noise", torch.zeros_like(self.q))
+        up, outside, lines = links(self.tree, self.window, device)
+        buf("up", up)
+        buf("outside", outside)
+        buf("lines", lines)
 
     def start(self):
         super().start()
         self.renew_candidates()
 
     def renew_candidates(self):
-        """The window's candidates (candidates()) from its drafts and their q."""
+        """The window's noise (log_noise) and candidates (candidates()) from its drafts and their q."""
         noise = position_noise(self.noise_seed, self.n[:, None] + self.steps, self.q.shape[-1])
-        self.cands.copy_(candidates(self.q, self.drafts, noise, self.width_candidates))
+        torch.log(noise.clamp_min_(torch.finfo(noise.dtype).tiny), out=self.log_noise)  # as coupled_race clamps it
+        self.cands.copy_(candidates(self.q, self.drafts, self.log_noise, self.width_candidates))
 
     def jacobi_pass(self):
         """One pass over the tree's nodes: each its own row and cache slot, its depth's position and ancestry."""
@@ -200,8 +229,8 @@ class TreeRunner(JacobiRunner):
     def advance_tree(self, p, tokens, start):
         """The walk over this pass's node distributions p (images, S, V): the kept path's targets written and its
         cache slots compacted; the next window from the path's line (walk), and its candidates."""
-        target = self.draw(p, self.n[:, None] + self.depth)
-        line, count = walk(self.child, self.first, tokens, target, self.window)
+        target = p.log().sub_(self.log_noise[:, self.depth]).argmax(-1)  # draw(): coupled_race at the nodes' positions
+        line, count = walk(self.up, self.outside, self.depth, self.lines, tokens, target)
         count = count * (self.n < self.num_tokens)
         compact([layer.attention.kv_cache for layer in self.model.layers], start, line, count)
         dist = p.gather(1, line[..., None].expand(-1, -1, p.shape[-1]))

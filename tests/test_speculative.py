@@ -1,5 +1,6 @@
 """Speculative Jacobi decoding (speculative.py) against the reference sampler: greedy identity, and the exact
 distribution of whole token sequences on a tiny vocabulary, which planted mistakes must break."""
+import copy
 import functools
 import itertools
 import math
@@ -369,11 +370,11 @@ def test_window_mask_of_a_chain_is_the_causal_mask():
 def test_candidates_are_the_draft_then_the_race():
     """A position's candidates: its draft first, then the race of q with the position's noise; all distinct."""
     q = torch.tensor([[[0.1, 0.2, 0.3, 0.4, 0.0, 0.0]]])
-    noise = torch.ones(1, 1, 6)
-    assert draft_tree.candidates(q, torch.tensor([[5]]), noise, 4).tolist() == [[[5, 3, 2, 1]]]
-    assert draft_tree.candidates(q, torch.tensor([[2]]), noise, 3).tolist() == [[[2, 3, 1]]]
-    noise[..., 3] = 100.0  # token 3 loses the race: log 0.4 - log 100 is below log 0.1 - log 1
-    assert draft_tree.candidates(q, torch.tensor([[2]]), noise, 3).tolist() == [[[2, 1, 0]]]
+    log_noise = torch.zeros(1, 1, 6)  # the noise 1 at every token
+    assert draft_tree.candidates(q, torch.tensor([[5]]), log_noise, 4).tolist() == [[[5, 3, 2, 1]]]
+    assert draft_tree.candidates(q, torch.tensor([[2]]), log_noise, 3).tolist() == [[[2, 3, 1]]]
+    log_noise[..., 3] = math.log(100.0)  # token 3 loses the race: log 0.4 - log 100 is below log 0.1 - log 1
+    assert draft_tree.candidates(q, torch.tensor([[2]]), log_noise, 3).tolist() == [[[2, 1, 0]]]
 
 
 def test_tree_walk_takes_the_branch_holding_each_target():
@@ -386,7 +387,7 @@ def test_tree_walk_takes_the_branch_holding_each_target():
                            [9, 1, 2, 3, 5, 2, 6, 2],   # root target 1: the chain to its end
                            [9, 1, 2, 3, 5, 2, 6, 2]])  # root target 7: no child holds it
     target = torch.tensor([[5, 0, 0, 0, 2, 3, 0, 0], [1, 2, 3, 0, 0, 0, 0, 0], [7, 0, 0, 0, 0, 0, 0, 0]])
-    line, count = draft_tree.walk(*draft_tree.links(tree), tokens, target, 4)
+    line, count = tree_walk(tree, 4, tokens, target)
     assert line.tolist() == [[0, 4, 5, 3], [0, 1, 2, 3], [0, 1, 2, 3]] and count.tolist() == [3, 4, 1]
 
 
@@ -405,8 +406,136 @@ def test_side_branches_hang_below_the_chain():
     tokens = torch.tensor([[9, 1, 2, 3, 4, 5, 6, 3, 7, 4],   # 1 kept, its target 6: side node 6, then node 7's 3
                            [9, 1, 2, 3, 4, 5, 6, 3, 7, 4]])  # 1 and 2 kept, 2's target 7: side node 8, its target 8
     target = torch.tensor([[1, 6, 0, 0, 0, 0, 3, 5, 0, 0], [1, 2, 7, 0, 0, 0, 0, 0, 8, 0]])
-    line, count = draft_tree.walk(*draft_tree.links(tree), tokens, target, 5)
+    line, count = tree_walk(tree, 5, tokens, target)
     assert line.tolist() == [[0, 1, 6, 7, 4], [0, 1, 2, 8, 9]] and count.tolist() == [4, 4]
+
+
+def tree_walk(tree, window, tokens, target):
+    """draft_tree.walk over make_tree's tree (as TreeRunner calls it)."""
+    up, outside, lines = draft_tree.links(tree, window)
+    return draft_tree.walk(up, outside, torch.tensor(tree.depth), lines, tokens, target)
+
+
+def looped_walk(tree, tokens, target, window):
+    """walk as a loop over the window's depths (before issue 78), the reference for walk's few ops: from the root,
+    into the child holding its parent's target while one does; past the walk's end, the last node's rank-0 child
+    where it has one, else the main chain's node at that depth."""
+    child = torch.zeros(tree.size, tree.size, dtype=torch.bool)
+    first = torch.full((tree.size,), -1)
+    for node, up in enumerate(tree.parent):
+        if up >= 0:
+            child[up, node] = True
+            if tree.rank[node] == 0:
+                first[up] = node
+    rows = torch.arange(tokens.shape[0])
+    at, alive = torch.zeros_like(rows), torch.ones_like(rows, dtype=torch.bool)
+    line, count = [at], torch.ones_like(rows)
+    for d in range(1, window):
+        match = child[at] & (tokens == target[rows, at][:, None])
+        alive = alive & match.any(-1)
+        at = torch.where(alive, match.to(torch.long).argmax(-1), torch.where(first[at] >= 0, first[at], d))
+        line.append(at)
+        count = count + alive.to(torch.long)
+    return torch.stack(line, 1), count
+
+
+def tree_shapes():
+    """Every make_tree shape over windows 2 to 6 (side branches as the plan allows: S + E below the window), and the
+    issue's 4x3+2x3 and 4x3+7x3 over 48 and 32."""
+    for window in range(2, 7):
+        for width, depth in itertools.product(range(1, 5), range(1, window)):
+            yield window, (width, depth)
+            for side, side_depth in itertools.product(range(1, window), range(1, window)):
+                if side + side_depth < window:
+                    yield window, (width, depth, side, side_depth)
+    yield 48, (4, 3, 2, 3)
+    yield 32, (4, 3, 7, 3)
+
+
+def random_pass(tree, window, images, g):
+    """Tokens (images, S) as a pass's (each node its position's candidate of its rank: distinct per position, from a
+    vocabulary of width + 1) and targets (images, S) that are one of the node's children's tokens 3 times in 4 (a
+    random token else): walks of every length."""
+    width = max(tree.rank) + 1
+    cands = torch.rand(images, window, width + 1, generator=g).argsort(-1)[..., :width]
+    depth, rank = torch.tensor(tree.depth), torch.tensor(tree.rank)
+    tokens = cands[:, depth, rank]
+    target = torch.randint(0, width + 1, (images, tree.size), generator=g)
+    for node in range(tree.size):
+        kids = [k for k, up in enumerate(tree.parent) if up == node]
+        if kids:
+            pick = torch.tensor(kids)[torch.randint(0, len(kids), (images,), generator=g)]
+            take = torch.rand(images, generator=g) < 0.75
+            target[:, node] = torch.where(take, tokens.gather(1, pick[:, None])[:, 0], target[:, node])
+    return tokens, target
+
+
+def plant_walk(links, tree, window, mistake):
+    """A mistake in walk's tables that the comparison with the loop must catch."""
+    up, outside, lines = links
+    depth = torch.tensor(tree.depth)
+    if mistake == "ancestors_ignored":  # a node kept where its own token matches, whatever its ancestors'
+        outside = ~torch.eye(tree.size, dtype=torch.bool)
+    elif mistake == "chain_below_ignored":  # past the walk's end the main chain's nodes, not the last node's branch
+        lines = torch.where(torch.arange(window) > depth[:, None], torch.arange(window), lines)
+    elif mistake == "depth_off_by_one":  # one target fewer kept per walk
+        depth = (depth - 1).clamp(min=0)
+    return up, outside, depth, lines
+
+
+def test_siblings_hold_distinct_tokens():
+    """walk's assumption: a node's children sit at one depth with distinct ranks (make_tree), and a position's
+    candidates are distinct tokens (candidates(), even where q is 0 at most tokens and the noise ties)."""
+    for window, shape in tree_shapes():
+        tree = draft_tree.make_tree(window, *shape)
+        for node in range(tree.size):
+            kids = [k for k, up in enumerate(tree.parent) if up == node]
+            assert len({tree.depth[k] for k in kids}) <= 1 and len({tree.rank[k] for k in kids}) == len(kids)
+    g = torch.Generator().manual_seed(0)
+    q = torch.rand(3, 5, 16, generator=g) * (torch.rand(3, 5, 16, generator=g) < 0.2)
+    cands = draft_tree.candidates(q, torch.randint(0, 16, (3, 5), generator=g), torch.zeros(3, 5, 16), 6)
+    assert all(len(set(c)) == 6 for c in cands.flatten(0, 1).tolist())
+
+
+@pytest.mark.parametrize("mistake", [None, "ancestors_ignored", "chain_below_ignored", "depth_off_by_one"])
+def test_walk_is_the_loop_over_depths(mistake):
+    """walk's few ops give the loop's line and count (looped_walk) for every make_tree shape, on random passes with
+    walks of every length; each planted mistake in its tables gives another for some tree."""
+    g = torch.Generator().manual_seed(78)
+    same, lengths = [], set()
+    for window, shape in tree_shapes():
+        tree = draft_tree.make_tree(window, *shape)
+        tokens, target = random_pass(tree, window, 64, g)
+        want = looped_walk(tree, tokens, target, window)
+        line, count = draft_tree.walk(*plant_walk(draft_tree.links(tree, window), tree, window, mistake), tokens,
+                                      target)
+        same.append(torch.equal(line, want[0]) and torch.equal(count, want[1]))
+        lengths.update(want[1].tolist())
+    assert lengths >= set(range(1, 7)), lengths  # walks ending at every depth of the small windows, and deeper
+    assert all(same) if mistake is None else not all(same)
+
+
+def test_compact_moves_every_layer_at_once():
+    """model.setup_caches' caches are views of one tensor (draft_tree.stacked), which compact moves in one gather and
+    one write: the same caches as a copy per layer's keys and values (caches of their own, after a .to())."""
+    model = tiny_model(n_layer=3)
+    model.setup_caches(4, 24, torch.float32)
+    kv = draft_tree.stacked([layer.attention.kv_cache for layer in model.layers])
+    assert kv is not None and kv.shape[:2] == (2, 3)
+    kv.normal_(generator=torch.Generator().manual_seed(0))
+    start, line, count = torch.tensor([3, 7, 3, 7]), torch.tensor([[0, 4, 5, 2], [0, 1, 6, 3]]), torch.tensor([3, 2])
+    own = [copy.deepcopy(layer.attention.kv_cache) for layer in model.layers]  # tensors of their own
+    assert draft_tree.stacked(own) is None
+    before = kv.clone()
+    draft_tree.compact([layer.attention.kv_cache for layer in model.layers], start, line, count)
+    draft_tree.compact(own, start, line, count)
+    for layer, cache in zip(model.layers, own):
+        assert torch.equal(layer.attention.kv_cache.k_cache, cache.k_cache)
+        assert torch.equal(layer.attention.kv_cache.v_cache, cache.v_cache)
+    moved = own[1].v_cache[2, :, 3 + 1]  # row 2 is image 0's CFG half: its slot 3 + 1 took slot 3 + 4
+    assert torch.equal(moved, before[1, 1, 2, :, 3 + 4]) and not torch.equal(moved, before[1, 1, 2, :, 3 + 1])
+    model.to(torch.float64)  # each layer's cache cast to a tensor of its own: no longer one
+    assert draft_tree.stacked([layer.attention.kv_cache for layer in model.layers]) is None
 
 
 # ---- refusals ------------------------------------------------------------------------------------------------------
