@@ -141,32 +141,18 @@ def walk(up, outside, depth, lines, tokens, target):
     return lines[end], depth[end] + 1
 
 
-def stacked(caches):
-    """The one tensor (2, layers, rows, heads, slots, head dim) whose [0, i] and [1, i] are caches[i]'s keys and
-    values (model.setup_caches), or None where they are not in one (caches of their own, or after a .to())."""
-    k, layers = caches[0].k_cache.detach(), len(caches)
-    n = k.numel()
-    if not k.is_contiguous() or k.storage_offset() + 2 * layers * n > k.untyped_storage().nbytes() // k.element_size():
-        return None  # no room after the first layer's keys for the rest
-    kv = k.as_strided((2, layers) + k.shape, (layers * n, n) + k.stride(), k.storage_offset())
-    alike = all(t.shape == k.shape and t.is_contiguous() for c in caches for t in (c.k_cache, c.v_cache))
-    at = all(c.k_cache.data_ptr() == kv[0, i].data_ptr() and c.v_cache.data_ptr() == kv[1, i].data_ptr()
-             for i, c in enumerate(caches))
-    return kv if alike and at else None
-
-
 def compact(caches, start, line, count):
     """The kept path's keys and values to their positions: slot start + d takes slot start + line[:, d] for the walk's
     d < count (line (images, L), count (images,)); start (rows,): each cache row's window, the images' CFG halves after
-    them. Every layer's keys and values in one gather and one write where the caches are views of one tensor."""
+    them."""
     reps = start.shape[0] // line.shape[0]
     depth = torch.arange(line.shape[1], device=line.device)
     src = start[:, None] + torch.where(depth < count[:, None], line, depth).repeat(reps, 1)
     dst = start[:, None] + depth
     rows = torch.arange(start.shape[0], device=start.device)[:, None]
-    kv = stacked(caches)
-    for t in [kv] if kv is not None else [t for cache in caches for t in (cache.k_cache, cache.v_cache)]:
-        t[..., rows, :, dst, :] = t[..., rows, :, src, :]
+    for cache in caches:  # per layer: caches that are views of one tensor would alias in the compiled block's inputs
+        for t in (cache.k_cache, cache.v_cache):
+            t[rows, :, dst] = t[rows, :, src]
 
 
 class TreeRunner(JacobiRunner):

@@ -180,7 +180,6 @@ class Engine:
         if r is not None:
             log.info("new shape (batch %d, %d tokens): building new caches and graphs", batch, num_tokens)
         self.runner, self.graphs = None, Graphs()  # a new pool (prepare()'s graph is captured again at its next image)
-        r = None  # its cache is a view: it would hold every layer's old caches (model.setup_caches) while new ones come
         self.model.clear_caches()
         p = plans.make(self.situation(batch, cfg, top_p, sample_logits, prefix_len + num_tokens))
         self.plan = p

@@ -317,13 +317,11 @@ class FeedForward(nn.Module):
 class KVCache(nn.Module):
     """Static cache of keys (after RoPE) and values, written in place by absolute position."""
 
-    def __init__(self, max_batch, n_head, max_seq, head_dim, dtype, buffers=None):
-        """buffers: (keys, values) of that shape to use instead of new zeros (views of the model's one buffer)."""
+    def __init__(self, max_batch, n_head, max_seq, head_dim, dtype):
         super().__init__()
         shape = (max_batch, n_head, max_seq, head_dim)
-        k, v = buffers or (torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype))
-        self.register_buffer("k_cache", k, persistent=False)
-        self.register_buffer("v_cache", v, persistent=False)
+        self.register_buffer("k_cache", torch.zeros(shape, dtype=dtype), persistent=False)
+        self.register_buffer("v_cache", torch.zeros(shape, dtype=dtype), persistent=False)
         # A decode attention kernel's text partial, (sums, counts, T): the prefix's first T keys (zero: RoPE's zero
         # rows) as one partial, their values' sum and count (the engine's, after each prefill); None: it reads them
         self.text = None
@@ -430,15 +428,10 @@ class Transformer(nn.Module):
         cache = self.layers[0].attention.kv_cache
         if cache is not None and (self.max_batch, self.max_seq, cache.k_cache.dtype) == (max_batch, max_seq, dtype):
             return
-        self.clear_caches()  # the old caches freed (where nothing else holds them) before the new ones are made
         self.max_batch, self.max_seq = max_batch, max_seq
-        H, hd = self.args.n_head, self.args.head_dim
-        # every layer's keys and values in one tensor: a copy across layers is one op (draft_tree.compact); its views
-        # detached, so that a forward with grad writes into a layer's alone, as into a tensor of its own
-        kv = torch.zeros(2, len(self.layers), max_batch, H, max_seq, hd, dtype=dtype, device=self.output.weight.device)
-        for i, layer in enumerate(self.layers):
-            views = (kv[0, i].detach(), kv[1, i].detach())
-            layer.attention.kv_cache = KVCache(max_batch, H, max_seq, hd, dtype, buffers=views)
+        device = self.output.weight.device
+        for layer in self.layers:
+            layer.attention.kv_cache = KVCache(max_batch, self.args.n_head, max_seq, self.args.head_dim, dtype).to(device)
 
     def clear_caches(self):
         for layer in self.layers:

@@ -515,27 +515,25 @@ def test_walk_is_the_loop_over_depths(mistake):
     assert all(same) if mistake is None else not all(same)
 
 
-def test_compact_moves_every_layer_at_once():
-    """model.setup_caches' caches are views of one tensor (draft_tree.stacked), which compact moves in one gather and
-    one write: the same caches as a copy per layer's keys and values (caches of their own, after a .to())."""
-    model = tiny_model(n_layer=3)
+def test_compact_moves_the_kept_path_to_its_positions():
+    """draft_tree.compact: slot start + d of every layer's keys and values takes slot start + line[d] for d < count,
+    each image's CFG half as the image; the slots past count keep theirs."""
+    model = tiny_model(n_layer=2)
     model.setup_caches(4, 24, torch.float32)
-    kv = draft_tree.stacked([layer.attention.kv_cache for layer in model.layers])
-    assert kv is not None and kv.shape[:2] == (2, 3)
-    kv.normal_(generator=torch.Generator().manual_seed(0))
+    caches = [layer.attention.kv_cache for layer in model.layers]
+    for i, c in enumerate(caches):
+        c.k_cache.normal_(generator=torch.Generator().manual_seed(2 * i))
+        c.v_cache.normal_(generator=torch.Generator().manual_seed(2 * i + 1))
+    before = [(c.k_cache.clone(), c.v_cache.clone()) for c in caches]
     start, line, count = torch.tensor([3, 7, 3, 7]), torch.tensor([[0, 4, 5, 2], [0, 1, 6, 3]]), torch.tensor([3, 2])
-    own = [copy.deepcopy(layer.attention.kv_cache) for layer in model.layers]  # tensors of their own
-    assert draft_tree.stacked(own) is None
-    before = kv.clone()
-    draft_tree.compact([layer.attention.kv_cache for layer in model.layers], start, line, count)
-    draft_tree.compact(own, start, line, count)
-    for layer, cache in zip(model.layers, own):
-        assert torch.equal(layer.attention.kv_cache.k_cache, cache.k_cache)
-        assert torch.equal(layer.attention.kv_cache.v_cache, cache.v_cache)
-    moved = own[1].v_cache[2, :, 3 + 1]  # row 2 is image 0's CFG half: its slot 3 + 1 took slot 3 + 4
-    assert torch.equal(moved, before[1, 1, 2, :, 3 + 4]) and not torch.equal(moved, before[1, 1, 2, :, 3 + 1])
-    model.to(torch.float64)  # each layer's cache cast to a tensor of its own: no longer one
-    assert draft_tree.stacked([layer.attention.kv_cache for layer in model.layers]) is None
+    draft_tree.compact(caches, start, line, count)
+    for c, old in zip(caches, before):
+        for t, o in zip((c.k_cache, c.v_cache), old):
+            for row in range(4):
+                image, s = row % 2, int(start[row])
+                for d in range(4):
+                    src = int(line[image, d]) if d < count[image] else d
+                    assert torch.equal(t[row, :, s + d], o[row, :, s + src]), (row, d)
 
 
 # ---- refusals ------------------------------------------------------------------------------------------------------
