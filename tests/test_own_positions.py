@@ -50,7 +50,8 @@ def test_the_plan_takes_them_by_its_default_and_by_the_overrides():
     steps = dataclasses.replace(hopper, draft_window=0, own_positions=True)
     server = plan.make(dataclasses.replace(steps, overrides=on)).own_positions
     assert server.fused_rows == (plan.FUSED_ROWS if plan.SERVER_FUSED else 0)
-    assert plan.make(dataclasses.replace(steps, overrides=(("window_attention", "sdpa"),))).own_positions.fused_rows == 0
+    sdpa = (("window_attention", "sdpa"),)
+    assert plan.make(dataclasses.replace(steps, overrides=sdpa)).own_positions.fused_rows == 0
     assert plan.make(dataclasses.replace(steps, overrides=on + (("server_block", "compiled"),))).own_positions \
         .fused_rows == 0
     server = plan.make(dataclasses.replace(steps, overrides=on + (("server_block", "fused"),))).own_positions
