@@ -446,7 +446,7 @@ class Engine:
         r.inputs_fn = inputs_triton.window_inputs if own.inputs == "triton" else None
         if own.fused_rows:  # steps at up to these rows on the fused block's kernels (server_block=fused)
             r.fused_rows, r.fused_block = own.fused_rows, lambda R: functools.partial(fused_block,
-                                                                                      rows=plans.pass_rows(R))
+                                                                                      rows=plans.pass_rows(R, own.pdl))
         if own.head == "compiled":
             if self.compiled_logits is None:
                 self.compiled_logits = torch.compile(self.model.logits, fullgraph=True, dynamic=False)

@@ -195,6 +195,7 @@ class OwnPositions:
     inputs: str = "model"
     splits: str = "fold"  # as JacobiPass's
     fused_rows: int = 0  # steps at up to this many rows run the fused block's kernels (pass_rows), inductor's above
+    pdl: int = NONE  # their projections' PDL mode (pass_pdl: the override window_block_pdl)
     draw: str = "generator"  # generator (sampling.py's ops, each request's Exp(1) noise) | keyed (draw_images)
 
 
@@ -249,7 +250,7 @@ OVERRIDES = dict(
     window_inputs=("model", "triton"),  # ... and their inputs
     window_splits=("fold", "merge"),  # the window attention in one launch, or a split per tile + merge (WINDOW_FOLD)
     window_block=("compiled", "fused"),  # a pass's block: inductor's, or the fused kernels at its rows (with the above)
-    window_block_pdl=("off", "late", "first"),  # ... the fused block's dot projections there launched under PDL or not
+    window_block_pdl=("off", "late", "first"),  # the fused block at own positions (a pass, a server step) under PDL or not
     server_block=("compiled", "fused"),  # a server step's block up to FUSED_ROWS rows: inductor's, or the fused kernels
     verify=("torch", "triton"),  # a pass's verify: speculative.py's ops, or verify_triton's kernels (VERIFY_KERNELS)
     jacobi=("auto", "on"),  # --speculative jacobi: plain steps where the pass measured a loss (PASS_GAINS), or always
@@ -499,17 +500,18 @@ def tree_words(tree):
 
 
 def pass_rows(rows, pdl=NONE):
-    """The fused block's projections at a pass's rows: Triton's (block_cuda's QKV takes one position for every row),
-    GEMV or dot by GEMV_ROWS, without PDL (the window attention between them launches without it) or, on the dot path,
-    in PDL mode pdl (pass_pdl)."""
+    """The fused block's projections at a pass's rows (or a server step's): Triton's (block_cuda's QKV takes one
+    position for every row), GEMV or dot by GEMV_ROWS, without PDL (the window attention between them launches without
+    it) or under it (pass_pdl): the dot path in mode pdl, the GEMV path in its own (GEMV_PDL: weights before the wait)."""
     impl = "triton_gemv" if rows <= GEMV_ROWS else "triton_dot"
-    pdl = pdl if impl == "triton_dot" else NONE
+    pdl = pdl if impl == "triton_dot" or not pdl else GEMV_PDL
     return Rows(rows=rows, projections=tuple((name, Projection(impl, pdl)) for name in PROJECTIONS), attention="triton")
 
 
 def pass_pdl(s, want):
-    """A pass's fused dot projections' PDL mode: none, or by the override window_block_pdl=late|first for an A/B with
-    their weights loaded before the wait (block_triton.DOT_AHEAD; issue 75, not measured on a GPU yet)."""
+    """The PDL mode of the fused block's projections at rows of their own positions (a pass's, a server step's): none,
+    or by the override window_block_pdl=late|first (a pass at n = 1 on an H100: 1.983 -> 1.945 ms, one run; the server's
+    steps not measured: docs/PERF_NOTES.md, "Sixth session")."""
     mode = dict(off=NONE, late=LATE, first=FIRST)[want.get("window_block_pdl", "off")]
     if mode and not s.pdl:
         raise PlanError("plan override window_block_pdl=late|first needs PDL (a CUDA GPU of sm_90 or later); use "
@@ -541,10 +543,11 @@ def own_positions(s, eager, window, want, draw):
                             "float weights, a head dim the fused block takes, window_attention=triton and "
                             "window_inputs=triton; use server_block=compiled")
         fused_rows = FUSED_ROWS
+    pdl = pass_pdl(s, want) if fused_rows else NONE
     return OwnPositions(block="compiled" if compiled else "model", head="compiled" if compiled else "model",
                         ops=EagerOps() if compiled else dataclasses.replace(eager, rope="torch"),
                         graph=s.cuda and s.backend != "eager", buckets=buckets, attention=window[0],
-                        inputs=window[1], splits=window[3], fused_rows=fused_rows,
+                        inputs=window[1], splits=window[3], fused_rows=fused_rows, pdl=pdl,
                         draw="keyed" if draw == "triton" else "generator")
 
 
@@ -849,7 +852,8 @@ def describe_own_positions(o):
     """The server step's line of explain."""
     blocks = "compiled" if o.block == "compiled" else "eager"
     if o.fused_rows:
-        blocks = f"fused (Triton, up to {o.fused_rows} rows) or {blocks}"
+        pdl = f", {PDL_NAMES[o.pdl]}" if o.pdl else ""
+        blocks = f"fused (Triton, up to {o.fused_rows} rows{pdl}) or {blocks}"
     runs = "a CUDA graph per step size" if o.graph else "op by op"
     return (f"each row at its own position (a server's batch): the {blocks} blocks and {window_words(o)}, "
             f"inputs {INPUT_WORDS[o.inputs]}, {runs} ({'/'.join(map(str, o.buckets))} images); {DRAW_WORDS[o.draw]}; "

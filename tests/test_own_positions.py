@@ -40,7 +40,9 @@ def test_the_plan_takes_them_by_its_default_and_by_the_overrides():
     assert "fused (Triton dot, PDL late) blocks" in plan.explain(late)
     with pytest.raises(plan.PlanError, match=r"window_block_pdl=late\|first needs PDL"):
         plan.make(dataclasses.replace(hopper, capability=(8, 0), overrides=fused + (("window_block_pdl", "first"),)))
-    assert plan.pass_rows(4, plan.LATE).projection("wo") == plan.Projection("triton_gemv")  # the GEMV path: none
+    # the GEMV path under PDL in its own mode (weights before the wait), without PDL where none is asked
+    assert plan.pass_rows(4, plan.LATE).projection("wo") == plan.Projection("triton_gemv", plan.GEMV_PDL)
+    assert plan.pass_rows(4).projection("wo") == plan.Projection("triton_gemv")
     p = plan.make(dataclasses.replace(hopper, overrides=fused, batch=8))  # 256 rows: the compiled block
     assert p.jacobi.block == "compiled" and p.jacobi.rows is None
     with pytest.raises(plan.PlanError, match="window_block=fused needs"):
@@ -56,6 +58,9 @@ def test_the_plan_takes_them_by_its_default_and_by_the_overrides():
         .fused_rows == 0
     server = plan.make(dataclasses.replace(steps, overrides=on + (("server_block", "fused"),))).own_positions
     assert server.fused_rows == plan.FUSED_ROWS and "fused (Triton, up to 16 rows)" in plan.describe_own_positions(server)
+    assert server.pdl == plan.NONE
+    server = plan.make(dataclasses.replace(steps, overrides=on + (("window_block_pdl", "first"),))).own_positions
+    assert server.pdl == plan.FIRST and "up to 16 rows, PDL first" in plan.describe_own_positions(server)
     with pytest.raises(plan.PlanError, match="server_block=fused needs"):
         plan.make(dataclasses.replace(steps, overrides=(("window_attention", "sdpa"), ("server_block", "fused"))))
     # the window attention's splits: folded into its one launch by default, the merge kernel's form by the override
@@ -320,10 +325,10 @@ EARLY = {"test_pass_and_server_step_on_window_kernels_in_interpreter": (SCRIPT, 
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-@pytest.mark.parametrize("block", ["fused", "compiled"])
+@pytest.mark.parametrize("block", ["fused", "compiled", "fused,window_block_pdl=first"])
 def test_server_steps_on_window_kernels_give_the_plain_engines_tokens_on_cuda(block):
     """fp32 at GPT-XL's width: requests joining a server's batch on the window kernels (captured steps per bucket), on
-    the fused block's kernels or inductor's block, get the plain engine's greedy tokens."""
+    the fused block's kernels (under PDL too) or inductor's block, get the plain engine's greedy tokens."""
     from fast_inference.continuous import Batch, Request
     from fast_inference.engine import Engine
     from test_reference import tiny_inputs, tiny_model
@@ -333,10 +338,11 @@ def test_server_steps_on_window_kernels_give_the_plain_engines_tokens_on_cuda(bl
     rs = [Request(cond=cond[b : b + 1], mask=mask[b : b + 1], control=condition[b], seed=b, top_k=1) for b in (0, 1)]
     want = [Engine(model).generate(r.cond, r.num_tokens, emb_masks=r.mask, cfg_scale=r.cfg_scale,
                                    condition=r.control[None], top_k=1) for r in rs]
-    engine = Engine(model, overrides=("window_attention=triton", "window_inputs=triton", f"server_block={block}"))
+    on = ("window_attention=triton", "window_inputs=triton")
+    engine = Engine(model, overrides=on + tuple(f"server_block={block}".split(",")))
     batch = Batch(engine, rs[0].shape, capacity=2)
     own = engine.plan.own_positions
-    assert (own.attention, own.inputs, own.fused_rows > 0) == ("triton", "triton", block == "fused")
+    assert (own.attention, own.inputs, own.fused_rows > 0) == ("triton", "triton", block.startswith("fused"))
     entries = [batch.admit(rs[0])]
     for _ in range(5):  # the second request joins 5 steps later, at other positions
         batch.step()
