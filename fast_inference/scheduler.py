@@ -239,7 +239,10 @@ class Worker:
     def __init__(self, scheduler, index, engine, vq, capacity):
         self.scheduler, self.index, self.engine, self.vq, self.capacity = scheduler, index, engine, vq, capacity
         self.batch, self.entries = None, {}  # Entry -> Job
-        self.steps = 0
+        self.steps, self.rows_stepped = 0, 0  # steps, and their requests' images summed (the batch's mean occupancy)
+        # wall seconds of the engine's thread waiting for work, admitting (prefills) and stepping (issuing the steps:
+        # where nothing synchronises, the GPU runs behind), and of the decoder thread's VQ decoding: /v1/info's
+        self.seconds = dict(idle=0.0, admit=0.0, step=0.0, decode=0.0)
         self.thread = threading.Thread(target=self.run, name=f"engine-{index}", daemon=True)
         # finished jobs' VQ decoding beside the steps (on the CPU it takes longer than a small image's steps)
         self.decoder = ThreadPoolExecutor(1, thread_name_prefix=f"vq-{index}")
@@ -256,14 +259,21 @@ class Worker:
     def run(self):
         with torch.no_grad():
             while True:
-                job = self.scheduler.next_job(self, block=not self.busy)
+                job = self.timed("idle", self.scheduler.next_job, self, block=not self.busy)
                 if job is not None:
-                    self.admit(job)
+                    self.timed("admit", self.admit, job)
                 elif self.busy:
-                    self.step()
+                    self.timed("step", self.step)
                 elif self.scheduler.stopping:
                     self.decoder.shutdown(wait=True)
                     return
+
+    def timed(self, what, fn, *args, **kw):
+        t0 = time.perf_counter()
+        try:
+            return fn(*args, **kw)
+        finally:
+            self.seconds[what] += time.perf_counter() - t0
 
     def admit(self, job):
         """A job into the batch (a new batch if its shape is another): its prefill and first token."""
@@ -296,8 +306,10 @@ class Worker:
         try:
             capture = self.cuda and self.batch.captures()
             with self.scheduler.gpu.exclusive() if capture else self.shared():
+                used = self.batch.used
                 finished = self.batch.step()
                 self.steps += 1
+                self.rows_stepped += used
                 for entry, job in self.entries.items():
                     self.progress(entry, job)
                 for entry in finished:
@@ -311,7 +323,7 @@ class Worker:
         """A finished entry out of the batch, its tokens to the decoder thread."""
         job, tokens = self.entries[entry], self.batch.tokens(entry)
         self.remove(entry)
-        self.decoder.submit(self.finish, job, tokens)
+        self.decoder.submit(self.timed, "decode", self.finish, job, tokens)
 
     def remove(self, entry):
         self.batch.remove(entry)

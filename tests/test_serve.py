@@ -447,6 +447,13 @@ def test_load_every_request_answered_once(server):
     assert load["images_per_s"] > 0 and load["p95_s"] >= load["p50_s"] > 0
     steps = [e["steps"] for e in call(f"{server.url}/v1/info")[2]["engines"]]
     assert len(steps) == 2 and min(steps) > 0, steps  # the scheduler spread the work over both engines
+    # where the engines' time went in the timed phase: steps of 1 to 4 images (the batch), time admitting, stepping
+    # and decoding, no more wall time than the phase's in any of a thread's parts
+    threads = result["engine_threads"]
+    assert sum(e["steps"] for e in threads) > 0 and all(0 < e["mean_images"] <= 4 for e in threads if e["steps"])
+    assert all(set(e["seconds"]) == {"idle", "admit", "step", "decode"} for e in threads)
+    assert sum(e["seconds"]["admit"] for e in threads) > 0 and sum(e["seconds"]["decode"] for e in threads) > 0
+    assert all(0 < e["seconds"]["step"] <= load["seconds"] + 1 for e in threads if e["steps"]), threads
 
 
 VIEWPORTS = dict(desktop=dict(viewport={"width": 1200, "height": 900}),

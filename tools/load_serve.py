@@ -185,6 +185,15 @@ def time_cli(model, folder, size):
     return dict(stages=stages, seconds=round(sum(stages.values()), 4))
 
 
+def engine_time(before, after):
+    """An engine's work between two /v1/info answers: its steps, their mean images, and its threads' wall seconds
+    (waiting for work, admitting, issuing steps, VQ decoding)."""
+    steps = after["steps"] - before["steps"]
+    images = after["images_stepped"] - before["images_stepped"]
+    return dict(steps=steps, mean_images=round(images / max(steps, 1), 2),
+                seconds={k: round(after["seconds"][k] - before["seconds"][k], 2) for k in after["seconds"]})
+
+
 def main(argv=None):
     args = parse_args(argv)
     folder = tempfile.mkdtemp(prefix="load_split_")
@@ -203,6 +212,7 @@ def main(argv=None):
             status, out, _ = post(args.url + "/v1/generate", bodies[i % len(bodies)], args.timeout)
             lone.append(time.perf_counter() - t0)
             assert status == 200, out
+        before = json.load(urllib.request.urlopen(args.url + "/v1/info"))
         answers, retries, seconds = run_clients(args.url, bodies, args.clients, args.timeout)
         info = json.load(urllib.request.urlopen(args.url + "/v1/info"))
     finally:
@@ -210,7 +220,8 @@ def main(argv=None):
     result = dict(clients=args.clients, size=args.size, model=info["model"], engines=[e["device"] for e in
                                                                                       info["engines"]],
                   load=summarize(answers, len(bodies), seconds, retries),
-                  lone_request_s=round(statistics.median(lone), 4) if lone else None, server_exit=code)
+                  lone_request_s=round(statistics.median(lone), 4) if lone else None, server_exit=code,
+                  engine_threads=[engine_time(a, b) for a, b in zip(before["engines"], info["engines"])])
     if args.compare:
         result["fast_eval"] = time_eval(args.model, folder, args.requests, args.size, args.eval_batch)
         cli = time_cli(args.model, folder, args.size)
@@ -220,6 +231,10 @@ def main(argv=None):
           f", {args.size}x{args.size}): answered once {load['answered_once']}, lost {load['lost']}, 503 retries "
           f"{load['retries_503']}; {load['images_per_s']} images/s, latency p50 {load['p50_s']}s p95 {load['p95_s']}s;"
           f" a lone request {result['lone_request_s']}s")
+    for i, e in enumerate(result["engine_threads"]):
+        spent = ", ".join(f"{k} {v}s" for k, v in e["seconds"].items())
+        print(f"engine {i} in the timed phase: {e['steps']} steps of {e['mean_images']} images on average; its "
+              f"threads' wall time: {spent}")
     if args.compare:
         print(f"fast_eval.py --batch {args.eval_batch}: {result['fast_eval']['images_per_s']} images/s; "
               f"fast_engine.py one image: {result['fast_engine_one_image_s']}s (in-process stages: "
