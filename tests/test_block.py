@@ -306,17 +306,6 @@ for dt, D, F, hd, int8 in (("bf16", 1280, 3584, 64, False), ("bf16", 4096, 11008
             else:
                 kw.pop("EPS")
                 build(db._linear_kernel, lin, dict(kw, BN=bn, THEN=name == "w2"), options)
-    # ... gate/up and w2 with a K chunk of weights before the wait, under PDL's late trigger (window_block_pdl=late;
-    # QKV and wo: test_sass_loads.py)
-    if dt == "bf16" and D == 1280 and not int8:
-        for name, K, tiles in (("gate_up", D, 2), ("w2", F, 1)):
-            bn, kw, options = args(name, dtype, 32, K, tiles, int8)
-            kw.update(BUMP=False, AHEAD=1)
-            if name == "gate_up":
-                build(db._gate_up_kernel, gu, dict(kw, BN=bn), options)
-            else:
-                kw.pop("EPS")
-                build(db._linear_kernel, lin, dict(kw, BN=bn, THEN=True), options)
     if D == 1280 and not int8:  # down(): w2 with its residual add in the compiled block, counting, under PDL
         for rows in (32, 64):
             bn, kw, options = args("w2", dtype, rows, F, 1, int8)
@@ -348,80 +337,17 @@ def test_kernels_compile_for_sm90():
     """GPT-XL and GPT-7B shapes in bf16, GPT-XL in fp32 and with int8 weights, at 2 rows (GEMV path, its
     tiling capped for wide K, with programmatic dependent launch), GPT-XL also at 4 (the GEMV path's most rows,
     gate/up's pieces the most registers) and 8 and 16 rows (dot path, with PDL's late
-    trigger), a pass's 32 rows (gate/up and w2 also with a K chunk of weights before the wait),
-    each projection (counting for a prefetcher) and the head (with the draw's noise and without),
+    trigger), each projection (counting for a prefetcher) and the head (with the draw's noise and without),
     the residual read after the wait where the GEMV path lets the next kernel launch before it (plan.GEMV_PDL's FIRST),
     w2 as `down` at 32 and 64 rows (bf16 and fp32, with PDL's late trigger), and the prefetcher's kernel: an H100/H200 cubin with Triton's bundled ptxas, and no register spills (a
     GEMV whose weight rows spill would crawl)."""
     sm90.run(AOT_SCRIPT)
 
 
-AHEAD_SCRIPT = r"""
-import interpret  # first: the interpreter without its re-patching per call (tests/interpret.py)
-import types
-import torch
-import triton.language as tl
-from fast_inference.kernels import block_triton as db
-from fast_inference.plan import FIRST, LATE
-
-tl.extra.cuda.gdc_wait = tl.extra.cuda.gdc_launch_dependents = lambda *args, **kwargs: None
-g = torch.Generator()
-rand = lambda *shape: torch.randn(*shape, generator=g)
-# float32: a quarter of the tables' chunk (an eighth in the pair kernels, a sixteenth at 32 rows): 16-wide chunks
-db.DOT_CONFIG = dict(qkv=(16, 256, 4, 2, 1), wo=(16, 64, 4, 2, 5), gate_up=(16, 128, 4, 2, 4), w2=(16, 64, 4, 2, 1))
-db.DOT_CONFIG_INT8 = db.DOT_CONFIG
-db.DOT_CONFIG_ROWS = {32: db.DOT_CONFIG}
-
-
-def runs(R, pdl):
-    # Each dot-path kernel's outputs at R rows: K = 80 and 72 in 16-wide chunks (neither a multiple of 2 chunks, 72 not
-    # of one), wo split 5 ways (a chunk each: fewer than AHEAD) and gate/up 4 (runs of 2, 2, 1 and 0 chunks), int8
-    # weights in gate/up, and the QKV kernel (K = 64) with rows at their own positions (WINDOW 16) and at one
-    g.manual_seed(0)
-    norm = types.SimpleNamespace(weight=1 + 0.1 * rand(72), eps=1e-5)
-    x72, x80, w, res = rand(R, 72), rand(R, 80), rand(40, 80), rand(R, 40)
-    w13 = torch.randint(-127, 128, (2 * 24, 72), generator=g, dtype=torch.int8)
-    out = [db.linear(x80, w, residual=res, name="wo", pdl=pdl, dot=True),
-           db.linear(x72, w[:, :72].contiguous(), residual=res, name="w2", pdl=pdl, dot=True),
-           db.gate_up(x72, norm, w13, 0.01 + rand(48).abs() / 100, pdl=pdl, dot=True)]
-    D, H, x, wqkv = 64, 2, rand(R, 64), rand(3 * 64, 64)
-    for window in (0, 16):
-        caches = [torch.zeros(R // 16 if window else R, H, 40, D // H) for _ in range(2)]
-        pos = torch.arange(5, 5 + R) % 40 if window else torch.tensor([9])
-        freqs = rand(len(pos), D // H // 2, 2)
-        q = db.qkv_rope(x, types.SimpleNamespace(weight=norm.weight[:D], eps=1e-5), wqkv, None,
-                        freqs if window else freqs[0], pos, *caches, H, pdl=pdl, dot=True, window=window)
-        out += [q, *caches]
-    return out
-
-
-same = True
-for R, pdl in ((32, 0), (32, LATE), (16, FIRST)):
-    db.DOT_AHEAD = {}
-    want = runs(R, pdl)
-    for ahead in (1, 2):
-        db.DOT_AHEAD = {R: dict(qkv=ahead, wo=ahead, gate_up=ahead, w2=ahead)}
-        same = same and all(torch.equal(a, b) for a, b in zip(want, runs(R, pdl)))
-print(same)
-"""
-
-
-def test_weights_loaded_ahead_of_the_wait_change_no_bit_in_interpreter():
-    """The dot path with 1 and 2 K chunks of weights loaded before the PDL wait (block_triton.DOT_AHEAD, issue 75)
-    equals it with none bit for bit: wo and w2 (split into more runs than chunks, and not), gate/up with int8 weights split
-    into runs of 2, 2, 1 and 0 chunks, K not a multiple of the chunks ahead nor of one chunk, and QKV with rows at one
-    position and at their own (WINDOW), at 32 rows without PDL and under LATE, at 16 under FIRST. (Skipping the chunks
-    ahead, or letting them run past a split's run, fails it.)"""
-    out = early.result(AHEAD_SCRIPT, ENV)
-    assert out.returncode == 0, out.stderr[-2000:]
-    assert out.stdout.split()[-1] == "True", out.stdout
-
-
 # Minutes each in the interpreter, a minute of ptxas: started beside the other tests (early.py)
 EARLY = {"test_fused_block_matches_model_in_interpreter": (SCRIPT, ENV),
          "test_engine_runs_the_fused_block_in_interpreter": (ENGINE_SCRIPT, ENV),
-         "test_kernels_compile_for_sm90": (AOT_SCRIPT, sm90.env()),
-         "test_weights_loaded_ahead_of_the_wait_change_no_bit_in_interpreter": (AHEAD_SCRIPT, ENV)}
+         "test_kernels_compile_for_sm90": (AOT_SCRIPT, sm90.env())}
 
 
 DOWN_SCRIPT = r"""

@@ -1,7 +1,7 @@
 """tools/sass_loads.py: its folding of SASS lines on made-up ones, and with nvcc (no GPU needed) the kernels' memory
 operations in order, where #85's norm must issue every load before its first store, and block_triton's GEMVs
 their weights' before the PDL wait and, at 4 rows, x's and the residual's before their first barrier (#90;
-docs/PERF_NOTES.md), and its dot kernels theirs only where block_triton.DOT_AHEAD asks (issue 75)."""
+docs/PERF_NOTES.md)."""
 import os
 import shutil
 import subprocess
@@ -56,22 +56,3 @@ def test_the_gemv_paths_triton_kernels_load_their_weights_before_their_wait():
         assert runs.startswith("LDG x") and ", ACQBULK, LDG" in runs, (name, runs)
         if name.startswith(("block_triton_wo_4", "block_triton_w2_4")):
             assert "LDG" not in runs.split(", BAR, ", 1)[1], (name, runs)
-
-
-@pytest.mark.skipif(not os.path.exists(sass_loads.cuobjdump()), reason="no cuobjdump")
-def test_the_dot_paths_kernels_load_weights_before_their_wait_only_when_asked():
-    """block_triton's QKV (rows at their own positions) and wo dot kernels at a pass's 32 rows under PDL's late
-    trigger, unspilled: with a K chunk of weights ahead (DOT_AHEAD) its loads come before the wait (ACQBULK), with none
-    nothing is loaded before it (issue 75)."""
-    out = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "sass_loads.py"), "block_triton_ahead"],
-                         capture_output=True, text=True, env=dict(os.environ, TRITON_INTERPRET="0"))
-    if "ptxas" in out.stderr and "not found" in out.stderr.lower():
-        pytest.skip("Triton's ptxas is not available here")
-    assert out.returncode == 0, out.stderr[-2000:]
-    kernels = dict(zip(*[iter(line.strip() for line in out.stdout.splitlines() if line.strip())] * 2))
-    assert {name.split(":")[0] for name in kernels} == {f"block_triton_{p}_32_ahead{a}" for p in ("qkv", "wo")
-                                                        for a in (0, 1)}
-    for name, runs in kernels.items():
-        before = runs.split("ACQBULK")[0]
-        assert "STACK:0" in name and "ACQBULK" in runs, (name, runs)
-        assert ("LDG" in before) == ("_ahead1:" in name), (name, runs)  # LDG or LDGSTS

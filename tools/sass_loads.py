@@ -2,8 +2,7 @@
 CUDA C++ ones, and block_triton's GEMVs), built as the engine builds them (nvcc, Triton, Triton's bundled
 cuobjdump; no GPU needed): where a kernel's loads wait on each other.
 
-    python tools/sass_loads.py [eager_ops_cuda inputs_cuda draw_cuda block_cuda attention_cuda block_triton
-                                block_triton_ahead] [--all]
+    python tools/sass_loads.py [eager_ops_cuda inputs_cuda draw_cuda block_cuda attention_cuda block_triton] [--all]
 
 A load the compiler may not issue before a store to memory it might alias, or after a branch (an IEEE division's
 check), or whose register a store must free first, waits for the one before it to land: an L2 round trip each,
@@ -11,9 +10,7 @@ check), or whose register a store must free first, waits for the one before it t
 operations in program order, runs of one kind folded ("LDG x8": issued back to back). Not every break in a run is a
 wait (a branch over a predicated-off element is not), so read the folded lines with the source. --all: every SASS line
 of those kinds, unfolded. block_triton: the default engine's Triton projections at 2 and 4 rows (n = 1 and 2 under CFG) as it
-launches them (PDL; ACQBULK is the wait), built by Triton for sm_90 (its bundled ptxas). block_triton_ahead: its QKV and
-wo dot kernels at a pass's 32 rows under PDL's late trigger (window_block_pdl=late), with 0 and 1 K chunks of weights
-loaded before the wait (block_triton.DOT_AHEAD).
+launches them (PDL; ACQBULK is the wait), built by Triton for sm_90 (its bundled ptxas).
 """
 import argparse
 import os
@@ -49,10 +46,9 @@ def cuda_sources():
                                                                         attention_cuda.U))]))
 
 
-def triton_cubins(rows=2, names=("qkv", "wo", "w2"), ahead=None):
-    """{kernel: cubin} of block_triton's kernels `names` (of qkv, wo and w2) for GPT-XL in bf16 at `rows` rows, as the
-    engine launches them under PDL on an H100/H200 (past the fused rows: a pass's, rows at their own positions); with
-    `ahead`, that many K chunks of weights before the wait on the dot path (else DOT_AHEAD's)."""
+def triton_cubins(rows=2):
+    """{kernel: cubin} of block_triton's qkv, wo and w2 kernels for GPT-XL in bf16 at `rows` rows, as the engine
+    launches them under PDL on an H100/H200."""
     import torch
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource, compile
@@ -67,25 +63,22 @@ def triton_cubins(rows=2, names=("qkv", "wo", "w2"), ahead=None):
                qkv={"X": t, "NW": t, "W": t, "S": t, "FREQS": "*fp32", "POS": "*i64", "Q": t, "KC": t, "VC": t,
                     **split, "R": "i32", "stride_cr": "i32", "stride_ch": "i32", "stride_cn": "i32"})
     out = {}
-    kernels = dict(qkv=(D, db._qkv_kernel, 2), wo=(D, db._linear_kernel, 1), w2=(F, db._linear_kernel, 1))
-    for name in names:
-        K, kernel, tiles = kernels[name]
+    for name, K, kernel, tiles in (("qkv", D, db._qkv_kernel, 2), ("wo", D, db._linear_kernel, 1),
+                                   ("w2", F, db._linear_kernel, 1)):
         x, w = (torch.empty(n, K, dtype=torch.bfloat16, device="meta") for n in (rows, 1))
         bn, kw = db.tiling(name, x, w, tiles, pdl, dot)
         options = {o: kw.pop(o) for o in ("launch_pdl", "num_warps", "num_stages") if o in kw}
         kw = dict(kw, QUANT=False, BUMP=False)
-        if ahead is not None and dot:
-            kw["AHEAD"] = ahead
         del kw["PROGRESS"]
         if name == "qkv":
-            kw.update(EPS=1e-5, D=D, HD=64, BP=min(bn, 32), WINDOW=16 if rows > plan.FUSED_ROWS else 0)
+            kw.update(EPS=1e-5, D=D, HD=64, BP=min(bn, 32), WINDOW=0)
         else:
             kw.update(K=K, BN=bn, THEN=False)
         signature = dict(sig["qkv" if name == "qkv" else "linear"], **{k: "constexpr" for k in kw})
         attrs = {(i,): [["tt.divisibility", 16]] for i, v in enumerate(signature.values()) if v.startswith("*")}
         k = compile(ASTSource(kernel, signature, constexprs=kw, attrs=attrs), target=GPUTarget("cuda", 90, 32),
                     options=options)
-        out[f"block_triton_{name}_{rows}" + ("" if ahead is None else f"_ahead{ahead}")] = k.asm["cubin"]
+        out[f"block_triton_{name}_{rows}"] = k.asm["cubin"]
     return out
 
 
@@ -99,8 +92,6 @@ def cubins(module):
     """{kernel name, or None for the cubin's own names: cubin} of `module`'s kernels as the engine builds them."""
     if module == "block_triton":
         return {**triton_cubins(2), **triton_cubins(4)}
-    if module == "block_triton_ahead":
-        return {k: v for ahead in (0, 1) for k, v in triton_cubins(32, ("qkv", "wo"), ahead).items()}
     with tempfile.TemporaryDirectory() as d:
         path = os.path.join(d, "k.cu")
         with open(path, "w") as f:
@@ -144,7 +135,7 @@ def folded(lines):
 
 
 def main():
-    modules = (*cuda_sources(), "block_triton", "block_triton_ahead")
+    modules = (*cuda_sources(), "block_triton")
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("modules", nargs="*", help=f"of {', '.join(modules)} (all)")
     ap.add_argument("--all", action="store_true", help="every line of those kinds, unfolded")

@@ -13,9 +13,8 @@ at kernel boundaries. Two ways to multiply, one set of kernels (the plan picks o
   GEMV (a few rows): a program holds whole rows of the weight (all of K) in registers, loaded before
                     the wait, and multiplies on the CUDA cores, the rows unrolled; with float weights
                     it lets the next kernel launch before its own wait (pdl.FIRST): two kernels ahead load;
-  dot (up to 16 rows): a program walks K in chunks on the tensor cores (tl.dot), fetching before the wait
-                    only its first chunks of weights where DOT_AHEAD asks (none by default): the next kernel
-                    may launch once the results are computed
+  dot (up to 16 rows): a program walks K in chunks on the tensor cores (tl.dot), with nothing to fetch
+                    before the wait: the next kernel may launch once the results are computed
                     (pdl.LATE; right after the wait its programs slowed this one); a
                     projection may split K over several programs per tile (split-K), the last of
                     them to finish adding the partial sums in split order (the same bits every run).
@@ -60,9 +59,6 @@ DOT_CONFIG_INT8 = dict(DOT_CONFIG, wo=(16, 256, 4, 3, 1), w2=(16, 256, 4, 6, 3),
 # counts, and the compiled block's `down`, take DOT_CONFIG
 DOT_CONFIG_ROWS = {32: dict(DOT_CONFIG, qkv=(16, 128, 4, 6, 1), wo=(32, 128, 4, 4, 2), gate_up=(32, 128, 4, 4, 1),
                             w2=(32, 256, 4, 6, 3))}
-# dot path: K chunks of its weights each program loads before the PDL wait (_dots), by rows rounded up to a power of
-# two and kernel; 0 (the kernel before issue 75) where absent: not measured yet (tools/bench_block.py --dot-ahead)
-DOT_AHEAD = {}
 
 
 if triton is not None:
@@ -232,38 +228,13 @@ if triton is not None:
         return a, b, e
 
     @triton.jit
-    def _x_chunk(xs, NW, rstd, r_ok, k0, k_end, BK: tl.constexpr, NORM: tl.constexpr):
-        """The rows xs at K chunk k0, zero from k_end on, RMS-normalised (rstd, the weights NW) if NORM."""
-        offs_k = tl.arange(0, BK)
-        k_ok = k0 + offs_k < k_end
-        x = tl.load(xs + k0, mask=r_ok[:, None] & k_ok[None, :], other=0.0)
-        if NORM:
-            x = _rmsnorm(x, rstd, tl.load(NW + k0 + offs_k, mask=k_ok, other=0.0)[None, :])
-        return x
-
-    @triton.jit
     def _dots(X, NW, W, rows_a, rows_b, rows_ok, R, EPS: tl.constexpr, K: tl.constexpr, RP: tl.constexpr,
               BN: tl.constexpr, BK: tl.constexpr, NORM: tl.constexpr, PAIR: tl.constexpr, PDL: tl.constexpr,
-              PREC: tl.constexpr, SPLIT: tl.constexpr, AHEAD: tl.constexpr):
+              PREC: tl.constexpr, SPLIT: tl.constexpr):
         """The same on the tensor cores, K in BK chunks; RMSNorm's statistics in a first pass over X.
-        With SPLIT > 1, program (i, s) sums only the s-th of SPLIT runs of chunks. AHEAD: the first AHEAD chunks of
-        this program's run of weights are loaded before the wait (they stream while the previous kernel drains, as
-        the GEMV path's weights) and multiplied first; X and the norm's statistics are read after it."""
-        KS: tl.constexpr = (K + BK * SPLIT - 1) // (BK * SPLIT) * BK  # K per split, whole chunks
-        ahead = ()
-        if AHEAD:  # weights: no kernel of the step writes them
-            k_lo = tl.program_id(1) * KS
-            k_hi = tl.minimum(k_lo + KS, K)
-            for j in tl.static_range(AHEAD):  # zero past this program's run (a split may hold fewer chunks)
-                offs_k = k_lo + j * BK + tl.arange(0, BK)
-                w_ok = rows_ok[:, None] & (offs_k < k_hi)[None, :]
-                at = W + offs_k[None, :]
-                w_a = tl.load(at + rows_a[:, None] * K, mask=w_ok, other=0.0)
-                w_b = w_a
-                if PAIR:
-                    w_b = tl.load(at + rows_b[:, None] * K, mask=w_ok, other=0.0)
-                ahead = ahead + ((w_a, w_b),)
+        With SPLIT > 1, program (i, s) sums only the s-th of SPLIT runs of chunks."""
         pdl_wait(PDL)
+        KS: tl.constexpr = (K + BK * SPLIT - 1) // (BK * SPLIT) * BK  # K per split, whole chunks
         k_lo = tl.program_id(1) * KS
         offs_r = tl.arange(0, RP)
         offs_k = tl.arange(0, BK)
@@ -281,13 +252,7 @@ if triton is not None:
             rstd = tl.rsqrt(tl.sum(squares, 1) / K + EPS)
         a = tl.zeros([RP, BN], tl.float32)
         b = tl.zeros([RP, BN], tl.float32)
-        for j in tl.static_range(AHEAD):  # the chunks loaded ahead first, then the rest of the run
-            x = _x_chunk(xs, NW, rstd, r_ok, k_lo + j * BK, k_hi, BK, NORM)
-            a = tl.dot(x, tl.trans(ahead[j][0].to(x.dtype)), a, input_precision=PREC)
-            if PAIR:
-                b = tl.dot(x, tl.trans(ahead[j][1].to(x.dtype)), b, input_precision=PREC)
-        # the rest of the run (x written out here: through _x_chunk, the head kernel's SASS at AHEAD 0 changed)
-        for k0 in range(k_lo + AHEAD * BK, tl.minimum(k_lo + KS, K), BK):
+        for k0 in range(k_lo, tl.minimum(k_lo + KS, K), BK):
             k_ok = k0 + offs_k < K
             x = tl.load(xs + k0, mask=r_ok[:, None] & k_ok[None, :], other=0.0)
             if NORM:
@@ -328,8 +293,7 @@ if triton is not None:
     def _project(X, NW, W, S, PART, COUNT, rows_a, rows_b, rows_ok, R, E, e_at, e_ok, EPS: tl.constexpr,
                  K: tl.constexpr, PW: tl.constexpr, RP: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                  NORM: tl.constexpr, PAIR: tl.constexpr, DOT: tl.constexpr, PDL: tl.constexpr, PREC: tl.constexpr,
-                 SPLIT: tl.constexpr, QUANT: tl.constexpr, READ_E: tl.constexpr, AHEAD: tl.constexpr,
-                 dt: tl.constexpr):
+                 SPLIT: tl.constexpr, QUANT: tl.constexpr, READ_E: tl.constexpr, dt: tl.constexpr):
         """[RMSNorm](X) @ W[rows_a].T and, if PAIR, @ W[rows_b].T: (RP, BN) each, rounded to dt as the
         model's linear outputs are, returned in float32; the rows this program stores: R, or 0 where
         another program of its tile does (split-K: the last of them); and on the GEMV path E[e_at] where e_ok unless
@@ -344,8 +308,7 @@ if triton is not None:
                 s_b = tl.load(S + rows_b, mask=rows_ok, other=0.0).to(tl.float32)
         live = R
         if DOT:
-            a, b = _dots(X, NW, W, rows_a, rows_b, rows_ok, R, EPS, K, RP, BN, BK, NORM, PAIR, PDL, PREC, SPLIT,
-                          AHEAD)
+            a, b = _dots(X, NW, W, rows_a, rows_b, rows_ok, R, EPS, K, RP, BN, BK, NORM, PAIR, PDL, PREC, SPLIT)
             if SPLIT > 1:
                 a, b, last = _split_sum(PART, COUNT, a, b, RP, BN, PAIR, SPLIT)
                 live = tl.where(last, R, 0)
@@ -363,7 +326,7 @@ if triton is not None:
     def _linear_kernel(X, W, S, RES, ADD, OUT, PART, COUNT, PROGRESS, R, N, K: tl.constexpr, PW: tl.constexpr,
                        RP: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, DOT: tl.constexpr, PDL: tl.constexpr,
                        PREC: tl.constexpr, SPLIT: tl.constexpr, QUANT: tl.constexpr, THEN: tl.constexpr,
-                       BUMP: tl.constexpr, AHEAD: tl.constexpr):
+                       BUMP: tl.constexpr):
         """OUT = RES + X @ W.T for X (R, K), W (N, K): the output and down projections; with THEN, + ADD (R, N)
         after that, rounded again (the next block's control rows, as the model adds them)."""
         bump(PROGRESS, BUMP)
@@ -381,7 +344,7 @@ if triton is not None:
         if THEN and not DOT and PDL != 3:
             add = tl.load(ADD + at, mask=r_ok, other=0.0, cache_modifier=".cg").to(tl.float32)
         y, _, live, res = _project(X, X, W, S, PART, COUNT, rows, rows, rows_ok, R, RES, at, r_ok, 0.0, K, PW, RP, BN,
-                                   BK, False, False, DOT, PDL, PREC, SPLIT, QUANT, READ_E, AHEAD, dt)
+                                   BK, False, False, DOT, PDL, PREC, SPLIT, QUANT, READ_E, dt)
         ok = (offs_r < live)[:, None] & rows_ok[None, :]
         if DOT or READ_E == 0:  # after the products (the dot path: ahead of the wait, n = 4 and 8 ran ~1.3% slower)
             res = tl.load(RES + at, mask=ok, other=0.0).to(tl.float32)
@@ -397,7 +360,7 @@ if triton is not None:
                      K: tl.constexpr, PW: tl.constexpr, RP: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                      DOT: tl.constexpr, PDL: tl.constexpr, PREC: tl.constexpr, SPLIT: tl.constexpr,
                      QUANT: tl.constexpr, IMAGES: tl.constexpr, IP: tl.constexpr, VP: tl.constexpr,
-                     CHUNK: tl.constexpr, BUMP: tl.constexpr, AHEAD: tl.constexpr):
+                     CHUNK: tl.constexpr, BUMP: tl.constexpr):
         """OUT = RMSNorm(X) @ W.T, the logits; with IMAGES > 0 also the draw's race noise of these tokens for
         images 0..IMAGES-1 to NOISE (IMAGES, N) (draw_triton.race_noise): made before the wait from the
         seed and the position, which no kernel of the step writes, and stored after it."""
@@ -410,7 +373,7 @@ if triton is not None:
             log_e = race_noise(tl.load(SEED), tl.load(POS, cache_modifier=".cg"), img, IMAGES, rows[None, :], VP,
                                CHUNK)
         y, _, live, _ = _project(X, NW, W, S, PART, COUNT, rows, rows, rows_ok, R, X, rows, rows_ok, EPS, K, PW, RP,
-                                 BN, BK, True, False, DOT, PDL, PREC, SPLIT, QUANT, 0, AHEAD, dt)
+                                 BN, BK, True, False, DOT, PDL, PREC, SPLIT, QUANT, 0, dt)
         offs_r = tl.arange(0, RP)
         tl.store(OUT + offs_r[:, None] * N + rows[None, :], y.to(dt), mask=(offs_r < live)[:, None] & rows_ok[None, :])
         if IMAGES > 0:  # (a tile mask: the interpreter takes no scalar one)
@@ -421,8 +384,7 @@ if triton is not None:
     def _qkv_kernel(X, NW, W, S, FREQS, POS, Q, KC, VC, PART, COUNT, PROGRESS, R, stride_cr, stride_ch, stride_cn,
                     EPS: tl.constexpr, D: tl.constexpr, PW: tl.constexpr, HD: tl.constexpr, RP: tl.constexpr,
                     BP: tl.constexpr, BK: tl.constexpr, DOT: tl.constexpr, PDL: tl.constexpr, PREC: tl.constexpr,
-                    SPLIT: tl.constexpr, QUANT: tl.constexpr, BUMP: tl.constexpr, WINDOW: tl.constexpr,
-                    AHEAD: tl.constexpr):
+                    SPLIT: tl.constexpr, QUANT: tl.constexpr, BUMP: tl.constexpr, WINDOW: tl.constexpr):
         """RMSNorm(X) @ Wqkv.T, RoPE on q and k, q to Q (R, D), k and v into the caches at POS.
 
         A program owns BP adjacent (even, odd) column pairs of one head, so the rotation is local. WINDOW > 0: rows at
@@ -438,7 +400,7 @@ if triton is not None:
         if not DOT and WINDOW == 0:  # GEMV: before the wait (the previous step wrote it)
             pos = tl.load(POS, cache_modifier=".cg")
         ye, yo, live, _ = _project(X, NW, W, S, PART, COUNT, col, col + 1, all_ok, R, X, col, all_ok, EPS, D, PW, RP,
-                                   BP, BK, True, True, DOT, PDL, PREC, SPLIT, QUANT, 0, AHEAD, dt)
+                                   BP, BK, True, True, DOT, PDL, PREC, SPLIT, QUANT, 0, dt)
         offs_r = tl.arange(0, RP)
         r_ok = offs_r < live
         cache_r = offs_r[:, None]
@@ -474,14 +436,14 @@ if triton is not None:
     def _gate_up_kernel(X, NW, W, S, OUT, PART, COUNT, PROGRESS, R, F, EPS: tl.constexpr, K: tl.constexpr,
                         PW: tl.constexpr, RP: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, DOT: tl.constexpr,
                         PDL: tl.constexpr, PREC: tl.constexpr, SPLIT: tl.constexpr, QUANT: tl.constexpr,
-                        BUMP: tl.constexpr, AHEAD: tl.constexpr):
+                        BUMP: tl.constexpr):
         """OUT = SiLU(g) * u where [g | u] = RMSNorm(X) @ W13.T, W13 (2F, K) = [w1; w3]."""
         bump(PROGRESS, BUMP)
         rows = tl.program_id(0) * BN + tl.arange(0, BN)
         rows_ok = rows < F
         dt = OUT.dtype.element_ty
         g, u, live, _ = _project(X, NW, W, S, PART, COUNT, rows, rows + F, rows_ok, R, X, rows, rows_ok, EPS, K, PW, RP,
-                                 BN, BK, True, True, DOT, PDL, PREC, SPLIT, QUANT, 0, AHEAD, dt)
+                                 BN, BK, True, True, DOT, PDL, PREC, SPLIT, QUANT, 0, dt)
         silu = (g / (1.0 + tl.exp(-g))).to(dt).to(tl.float32)
         offs_r = tl.arange(0, RP)
         ok = (offs_r < live)[:, None] & rows_ok[None, :]
@@ -514,7 +476,7 @@ def tiling(name, x, weight, tiles, pdl, dot, progress=None, by_rows=True):
     """(weight rows per program, kernel arguments) of kernel `name` for x (R, K) and weight (N, K) on the GEMV path,
     or the dot path if dot (the plan's choice); `tiles` weight tiles (rows_a, rows_b) per program; pdl the launch mode.
     progress: an int32 count the kernel's first program adds one to as it starts (prefetch_triton.py), or None.
-    by_rows: float tilings from DOT_CONFIG_ROWS where it has the rows, and DOT_AHEAD's chunks."""
+    by_rows: float tilings from DOT_CONFIG_ROWS where it has the rows."""
     (R, K), p2 = x.shape, triton.next_power_of_2
     kw = dict(PREC="ieee" if x.dtype == torch.float32 else "tf32",  # fp32 (tests): exact dots
               PROGRESS=x if progress is None else progress, BUMP=progress is not None, **launch(pdl))
@@ -522,7 +484,7 @@ def tiling(name, x, weight, tiles, pdl, dot, progress=None, by_rows=True):
         rows, warps = (CONFIG_INT8 if weight.dtype == torch.int8 else CONFIG)[name]
         width = piece_width(name, weight)
         return rows_per_program(rows, warps, tiles, weight, width), dict(kw, DOT=False, RP=max(2, p2(R)), PW=width,
-                                                                    BK=16, SPLIT=1, AHEAD=0, num_warps=warps)
+                                                                    BK=16, SPLIT=1, num_warps=warps)
     table = DOT_CONFIG_INT8 if weight.dtype == torch.int8 else DOT_CONFIG_ROWS.get(p2(R), DOT_CONFIG) if by_rows \
         else DOT_CONFIG
     rows, bk, warps, stages, split = table[name]
@@ -530,9 +492,8 @@ def tiling(name, x, weight, tiles, pdl, dot, progress=None, by_rows=True):
         bk = max(16, bk // (4 * tiles))
     if tiles == 2 and R > 16:  # the pair kernels at a pass's rows (plan.pass_rows): half the chunk (256 at 32 rows
         bk = max(16, bk // 2)  # spilled 16 B in qkv and gate/up)
-    ahead = DOT_AHEAD.get(p2(R), {}).get(name, 0) if by_rows else 0
     return rows, dict(kw, DOT=True, RP=max(16, p2(R)), PW=16, BK=bk, num_warps=warps, num_stages=stages,
-                      SPLIT=min(split, triton.cdiv(K, bk)), AHEAD=ahead)
+                      SPLIT=min(split, triton.cdiv(K, bk)))
 
 
 def fits(head_dim, dot):
