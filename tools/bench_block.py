@@ -2,10 +2,9 @@
 kernels (kernels/block.py, as the plan picks them for this GPU), with and without programmatic dependent launch, and a sweep of each kernel's tiling with
 the others at their default: (rows per program, warps) on the GEMV path (<= 4 rows), (rows per program,
 K chunk, warps, stages, split-K) on the dot path (more rows; any row count, so where the dot path stops
-beating the compiled block shows), then with --dot-ahead the K chunks of weights each dot kernel loads before its PDL
-wait (block_triton.DOT_AHEAD), PDL as the engine launches them (a pass's rows, past the fused rows: as --pass-pdl).
+beating the compiled block shows), PDL as the engine launches them (a pass's rows, past the fused rows: as --pass-pdl).
 
-    python tools/bench_block.py [--rows 2,4,16,32] [--position 700] [--quantize int8] [--dot-ahead 0,1,2]
+    python tools/bench_block.py [--rows 2,4,16,32] [--position 700] [--quantize int8] [--pass-pdl late]
 
 CUDA-graph timed (blocks back to back, as in the captured step), bf16, random weights; prints us per
 block and the block's weight bytes over that time. block_triton.CONFIG, CONFIG_INT8 and DOT_CONFIG
@@ -68,8 +67,6 @@ def main():
     ap.add_argument("--dot-stages", default="4,6", help="dot path: pipeline stages tried at the best rows and chunk")
     ap.add_argument("--dot-splits", default="2,3,4,5,7",
                     help="dot path: split-K tried last, at the best tiling and at 128-wide K chunks")
-    ap.add_argument("--dot-ahead", default="", help="dot path: K chunks of weights loaded before the PDL wait, tried "
-                    "last for each kernel at its best tiling (e.g. 0,1,2; empty: DOT_AHEAD's)")
     ap.add_argument("--pass-pdl", choices=("off", "late", "first"), default="off", help="past the fused rows, the "
                     "pass's dot projections' PDL mode (the plan override window_block_pdl)")
     ap.add_argument("--quantize", choices=list(QUANTIZE_MODES), default="none", help="int8: the block's weights as int8")
@@ -131,8 +128,7 @@ def main():
             by_rows = dot and not int8 and R > plan.FUSED_ROWS  # block_triton.DOT_CONFIG_ROWS: these rows' own tilings
             default = dict(block_triton.DOT_CONFIG_ROWS.get(key, block_triton.DOT_CONFIG) if by_rows
                            else getattr(block_triton, table))
-            saved, saved_ahead = dict(block_triton.DOT_CONFIG_ROWS), dict(block_triton.DOT_AHEAD)
-            ahead = dict(saved_ahead.get(key, {}))  # block_triton.DOT_AHEAD at these rows, as swept
+            saved = dict(block_triton.DOT_CONFIG_ROWS)
 
             def use(t):
                 if by_rows:
@@ -162,29 +158,12 @@ def main():
                     times = sorted(times + sweep(name, best, splits, fused, use))
                 best[name] = times[0][1]
                 print(f"  {name:8s}: " + ", ".join(f"{c} {t:.1f}" for t, c in times[:5]), flush=True)
-                if dot and args.dot_ahead:  # then the weight chunks loaded before the wait, at the best tiling
-                    use(best)
-                    chunks, outs = [], {}
-                    for n in map(int, args.dot_ahead.split(",")):
-                        block_triton.DOT_AHEAD = {**saved_ahead, key: dict(ahead, **{name: n})}
-                        try:
-                            outs[n] = fused(None)().clone()  # the same bits at every n (tests/test_block.py)
-                            chunks.append((time_us(fused(None)), n))
-                        except Exception as e:  # e.g. out of registers / shared memory
-                            print(f"  {name} ahead {n}: failed ({type(e).__name__})", flush=True)
-                    ahead[name] = min(chunks)[1] if chunks else ahead.get(name, 0)
-                    block_triton.DOT_AHEAD = {**saved_ahead, key: ahead}
-                    out0 = next(iter(outs.values()), None)
-                    print(f"  {name:8s} chunks ahead: " + ", ".join(
-                        f"{n} {t:.1f}" + ("" if torch.equal(outs[n], out0) else " (OTHER BITS)")
-                        for t, n in sorted(chunks)), flush=True)
             use(best)
             t = time_us(fused(None))
-            print(f"  fused, best {best}, chunks ahead {ahead}: {t:.1f} us ({mb / t:.2f} TB/s)", flush=True)
+            print(f"  fused, best {best}: {t:.1f} us ({mb / t:.2f} TB/s)", flush=True)
             if by_rows:
-                found[key] = dict(best=best, ahead=ahead, pass_pdl=args.pass_pdl, us=t, compiled_us=compiled_us)
+                found[key] = dict(best=best, pass_pdl=args.pass_pdl, us=t, compiled_us=compiled_us)
             use(default)
-            block_triton.DOT_AHEAD = saved_ahead
             if args.json:  # after each row count, so that a cut run keeps what it found
                 with open(args.json, "w") as f:
                     json.dump({r: dict(v, best={n: list(c) for n, c in v["best"].items()}) for r, v in found.items()},

@@ -52,17 +52,15 @@ def main():
     ap.add_argument("--profile-dir", default=None)
     ap.add_argument("--json", default=None)
     ap.add_argument("--dot-tilings", default=None, help="tools/bench_block.py --json's file: its best dot-path "
-                    "tilings at each row count become block_triton.DOT_CONFIG_ROWS for every plan here, and its chunks "
-                    "loaded before the wait (--dot-ahead) block_triton.DOT_AHEAD")
+                    "tilings at each row count become block_triton.DOT_CONFIG_ROWS for every plan here")
     args = ap.parse_args()
     if args.dot_tilings:
         with open(args.dot_tilings) as f:
             found = json.load(f)
         block_triton.DOT_CONFIG_ROWS = {int(r): {n: tuple(c) for n, c in v["best"].items()} for r, v in found.items()}
-        block_triton.DOT_AHEAD = {int(r): dict(v.get("ahead", {})) for r, v in found.items()}
         modes = ", ".join(v.get("pass_pdl", "off") for v in found.values())
-        print(f"dot-path tilings by rows: {block_triton.DOT_CONFIG_ROWS}; chunks ahead: {block_triton.DOT_AHEAD} "
-              f"(swept with bench_block.py --pass-pdl {modes}: the plan's window_block_pdl)", flush=True)
+        print(f"dot-path tilings by rows: {block_triton.DOT_CONFIG_ROWS} (swept with bench_block.py --pass-pdl {modes}: "
+              f"the plan's window_block_pdl)", flush=True)
     if not torch.cuda.is_available():
         sys.exit("pass_ab.py needs a CUDA GPU")
     model = random_gpt_xl()
