@@ -22,6 +22,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from fast_inference.kernels import tree_triton
 from fast_inference.speculative import JacobiRunner, position_noise, probabilities
 
 
@@ -125,6 +126,8 @@ def links(tree, window, device=None):
             outside[node, at] = False
             at = tree.parent[at]
     lines = torch.tensor([line_from(tree, end, window) for end in range(tree.size)])
+    # depth d's node is the chain's node d or a branch node (past the chain): compact moves no slot it moves into
+    assert ((lines == torch.arange(window)) | (lines >= window)).all()
     return up.to(device), outside.to(device), lines.to(device)
 
 
@@ -181,6 +184,10 @@ class TreeRunner(JacobiRunner):
         buf("up", up)
         buf("outside", outside)
         buf("lines", lines)
+        # compact's and the window noise's kernels (the plan's tree_ops), bound to the caches as the graphs are
+        caches = [layer.attention.kv_cache for layer in model.layers]
+        self.tree_kernels = plan.jacobi.tree_ops == "triton"
+        self.cache_table = tree_triton.cache_table(caches) if self.tree_kernels else None
 
     def start(self):
         super().start()
@@ -188,7 +195,11 @@ class TreeRunner(JacobiRunner):
 
     def renew_candidates(self):
         """The window's noise (log_noise) and candidates (candidates()) from its drafts and their q."""
-        noise = position_noise(self.noise_seed, self.n[:, None] + self.steps, self.q.shape[-1])
+        positions = self.n[:, None] + self.steps
+        if not self.tree_kernels:
+            noise = position_noise(self.noise_seed, positions, self.q.shape[-1])
+        else:  # the keys' uniforms in one kernel, position_noise's logs torch's (the same bits)
+            noise = tree_triton.position_uniforms(self.noise_seed, positions, self.log_noise).log_().neg_()
         torch.log(noise.clamp_min_(torch.finfo(noise.dtype).tiny), out=self.log_noise)  # as coupled_race clamps it
         self.cands.copy_(candidates(self.q, self.drafts, self.log_noise, self.width_candidates))
 
@@ -218,7 +229,11 @@ class TreeRunner(JacobiRunner):
         target = p.log().sub_(self.log_noise[:, self.depth]).argmax(-1)  # draw(): coupled_race at the nodes' positions
         line, count = walk(self.up, self.outside, self.depth, self.lines, tokens, target)
         count = count * (self.n < self.num_tokens)
-        compact([layer.attention.kv_cache for layer in self.model.layers], start, line, count)
+        caches = [layer.attention.kv_cache for layer in self.model.layers]
+        if not self.tree_kernels:
+            compact(caches, start, line, count)
+        else:  # every layer's keys and values in one launch
+            tree_triton.compact(caches, start, line, count, self.cache_table)
         dist = p.gather(1, line[..., None].expand(-1, -1, p.shape[-1]))
         on_line = target.gather(1, line)
         self.settle(dist, on_line, count, on_line)

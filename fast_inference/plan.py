@@ -176,6 +176,7 @@ class JacobiPass:
     splits: str = "fold"  # attention triton: fold (one launch, window_tiles' splits) | merge (a split per tile + merge)
     verify: str = "torch"  # torch (speculative.py's ops over (images, L, V)) | triton (kernels/verify_triton.py)
     tree: tuple = ()  # the draft tree the passes walk (Situation.draft_tree, unless the plan runs the chain instead)
+    tree_ops: str = "torch"  # a tree's compact and window noise: torch (draft_tree's ops) | triton (tree_triton)
 
 
 @dataclass(frozen=True)
@@ -441,7 +442,8 @@ def jacobi_pass(s, block_scope, hand_capture, eager, window, want):
     return JacobiPass(window=s.draft_window, nodes=nodes, block=block, head="compiled" if compiled else "model",
                       ops=EagerOps() if compiled else dataclasses.replace(eager, rope="torch"), graph=hand_capture,
                       attention=window[0], inputs=window[1], rows=rows, splits=window[3],
-                      verify=choose_verify(s, want), tree=tuple(s.draft_tree))
+                      verify=choose_verify(s, want), tree=tuple(s.draft_tree),
+                      tree_ops="triton" if s.draft_tree and s.triton and s.cuda else "torch")  # fewer launches
 
 
 def choose_verify(s, want):
@@ -816,6 +818,8 @@ def explain(p):
             f"{blocks} blocks and {window_words(j)}, inputs "
             f"{INPUT_WORDS[j.inputs]}, {'one CUDA graph' if j.graph else 'op by op'}; {describe_ops(j.ops)}")
         row("verify", VERIFY_WORDS[j.verify])
+        if j.tree:
+            row("tree ops", TREE_OPS_WORDS[j.tree_ops])
     if p.plain_instead:
         row("speculative", p.plain_instead)
     if p.chain_instead:
@@ -838,6 +842,11 @@ INPUT_WORDS = dict(model="by the model's ops", triton="in one Triton kernel (win
 VERIFY_WORDS = dict(torch="speculative.py's ops over (images, L, V) tensors (CFG, top-k/top-p, softmax, races)",
                     triton="three Triton kernels (verify_triton: CFG, top-k, softmax's sums, the accept test's p, "
                            "the residual race, the redraws and the next window's q; no (images, L, V) temporaries)")
+
+
+TREE_OPS_WORDS = dict(torch="draft_tree.py's ops (a layer's keys and values moved apart, the noise's hash op by op)",
+                      triton="two Triton kernels (tree_triton: every layer's kept keys and values in one launch, the "
+                             "noise's uniforms)")
 
 
 def describe_ops(o):

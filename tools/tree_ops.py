@@ -1,11 +1,12 @@
 """The ops of a draft tree's pass on the CPU (issue 78): a proxy for its CUDA graph's kernels, counted per part.
 
-    python tools/tree_ops.py [--window 48] [--tree 4x3+2x3] [--layers 36]
+    python tools/tree_ops.py [--window 48] [--tree 4x3+2x3] [--layers 36] [--triton]
 
 A tiny model (dim 64, 2 heads, `--layers` blocks, an 8 x 8 grid, 512 tokens), eager, one image with CFG: after a
 generate() the runner's pass runs once more under torch.profiler, and the aten ops that would launch a kernel (the
 leaves of the op tree, less views and allocations) are counted inside advance_tree, walk, compact, settle and
-renew_candidates, and over the whole pass.
+renew_candidates, and over the whole pass. --triton: the profiled pass with tree_triton's kernels (compact, the
+window noise's uniforms), run by Triton's CPU interpreter, each launch counted as one kernel.
 """
 import argparse
 import collections
@@ -15,11 +16,15 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
 
+if "--triton" in sys.argv:  # before triton's import: its CPU interpreter
+    os.environ["TRITON_INTERPRET"] = "1"
+
 import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
 from fast_inference import draft_tree
 from fast_inference.engine import Engine
+from fast_inference.kernels import tree_triton
 from fast_inference.speculative import JacobiRunner
 from test_reference import tiny_inputs, tiny_model
 
@@ -32,6 +37,7 @@ NO_KERNEL = {"aten::view", "aten::reshape", "aten::_reshape_alias", "aten::expan
              "aten::item", "aten::_local_scalar_dense", "aten::result_type", "aten::numpy_T", "aten::dim",
              "aten::size", "aten::stride", "aten::is_same_size", "aten::_has_compatible_shallow_copy_type"}
 PARTS = ("advance_tree", "walk", "compact", "settle", "renew_candidates")
+TRITON = "triton::"  # a Triton launch's range: one kernel, whatever the interpreter runs under it
 
 
 def labelled(name, fn):
@@ -43,6 +49,8 @@ def labelled(name, fn):
 
 def launches(e):
     """Whether e is an aten op of one kernel: not a view or an allocation, and no op under it launches one."""
+    if e.name.startswith(TRITON):
+        return True
     return e.name.startswith("aten::") and e.name not in NO_KERNEL and not any(map(has_kernel, e.cpu_children))
 
 
@@ -63,7 +71,8 @@ def inside(events, label):
         while stack:
             e = stack.pop()
             out.append(e)
-            stack.extend(e.cpu_children)
+            if not e.name.startswith(TRITON):
+                stack.extend(e.cpu_children)
     return out
 
 
@@ -73,6 +82,7 @@ def main():
     ap.add_argument("--tree", default="4x3+2x3")
     ap.add_argument("--layers", type=int, default=36)
     ap.add_argument("--top", type=int, default=12, help="the commonest ops of each part to list")
+    ap.add_argument("--triton", action="store_true", help="the profiled pass with tree_triton's kernels (interpreted)")
     args = ap.parse_args()
     torch.set_num_threads(2)
     model = tiny_model(n_layer=args.layers, block_size=64, vocab_size=512)
@@ -85,7 +95,13 @@ def main():
         r = engine.runner
         for name in ("advance_tree", "settle", "renew_candidates"):  # on the instance: the class stays as it is
             setattr(r, name, labelled(name, getattr(r, name)))
+        if args.triton:  # the generate above ran the torch ops (faster in the interpreter); the counted pass the kernels
+            r.tree_kernels = True
+            r.cache_table = tree_triton.cache_table([layer.attention.kv_cache for layer in model.layers])
         real_walk, real_compact = draft_tree.walk, draft_tree.compact
+        real_kernels = tree_triton.compact, tree_triton.position_uniforms
+        tree_triton.compact = labelled("compact", labelled(TRITON + "compact", tree_triton.compact))
+        tree_triton.position_uniforms = labelled(TRITON + "position_uniforms", tree_triton.position_uniforms)
         draft_tree.walk, draft_tree.compact = labelled("walk", real_walk), labelled("compact", real_compact)
         try:
             with profile(activities=[ProfilerActivity.CPU]) as prof:
@@ -93,12 +109,14 @@ def main():
                     r.jacobi_pass()
         finally:
             draft_tree.walk, draft_tree.compact = real_walk, real_compact
+            tree_triton.compact, tree_triton.position_uniforms = real_kernels
     events = prof.events()
-    print(f"window {args.window}, tree {args.tree} ({r.tree.size} nodes), {args.layers} blocks, 1 image with CFG")
+    print(f"window {args.window}, tree {args.tree} ({r.tree.size} nodes), {args.layers} blocks, 1 image with CFG, "
+          f"{'tree_triton' if args.triton else 'torch'}'s compact and noise")
     for label in ("pass",) + PARTS:
         print(f"{label:>17}: {sum(kernel_ops(inside(events, label)).values()):5d} kernel ops")
     for label in PARTS:
-        print(f"{label}'s commonest:", ", ".join(f"{n[6:]} {c}" for n, c in
+        print(f"{label}'s commonest:", ", ".join(f"{n.partition('::')[2]} {c}" for n, c in
                                               kernel_ops(inside(events, label)).most_common(args.top)))
 
 
