@@ -256,6 +256,7 @@ OVERRIDES = dict(
     verify=("torch", "triton"),  # a pass's verify: speculative.py's ops, or verify_triton's kernels (VERIFY_KERNELS)
     jacobi=("auto", "on"),  # --speculative jacobi: plain steps where the pass measured a loss (PASS_GAINS), or always
     draft_tree=("auto", "on"),  # --draft-tree: the chain where the tree's pass measured a loss (TREE_GAINS), or always
+    tree_ops=("torch", "triton"),  # a tree pass's compact and window noise: torch's ops, or tree_triton's two kernels
 )
 
 
@@ -442,8 +443,18 @@ def jacobi_pass(s, block_scope, hand_capture, eager, window, want):
     return JacobiPass(window=s.draft_window, nodes=nodes, block=block, head="compiled" if compiled else "model",
                       ops=EagerOps() if compiled else dataclasses.replace(eager, rope="torch"), graph=hand_capture,
                       attention=window[0], inputs=window[1], rows=rows, splits=window[3],
-                      verify=choose_verify(s, want), tree=tuple(s.draft_tree),
-                      tree_ops="triton" if s.draft_tree and s.triton and s.cuda else "torch")  # fewer launches
+                      verify=choose_verify(s, want), tree=tuple(s.draft_tree), tree_ops=choose_tree_ops(s, want))
+
+
+def choose_tree_ops(s, want):
+    """A tree pass's compact and window noise: tree_triton's two kernels where Triton runs on CUDA (one launch for what
+    took 144 at GPT-XL's 36 layers, and one for about 50; not timed on a GPU yet), else draft_tree.py's ops; the
+    override tree_ops=torch|triton for an A/B."""
+    ok = s.triton and s.cuda
+    chosen = want.get("tree_ops", "triton" if ok and s.draft_tree else "torch")
+    if chosen == "triton" and not ok:
+        raise PlanError("plan override tree_ops=triton needs Triton on a CUDA device; use tree_ops=torch")
+    return chosen
 
 
 def choose_verify(s, want):

@@ -170,6 +170,11 @@ def test_the_plan_runs_the_tree_kernels_where_triton_runs_on_cuda():
     assert plan.make(hopper).jacobi.tree_ops == "triton" and "tree_triton" in plan.explain(plan.make(hopper))
     for where in (dict(device="cpu", capability=None, dtype=torch.float32), dict(triton=False), dict(draft_tree=())):
         assert plan.make(dataclasses.replace(hopper, **where)).jacobi.tree_ops == "torch", where
+    # the override: torch's ops anywhere, the kernels only where Triton runs on CUDA
+    torch_ops = dataclasses.replace(hopper, overrides=hopper.overrides + (("tree_ops", "torch"),))
+    assert plan.make(torch_ops).jacobi.tree_ops == "torch"
+    with pytest.raises(plan.PlanError, match="tree_ops=triton needs Triton on a CUDA device"):
+        plan.make(dataclasses.replace(hopper, triton=False, overrides=hopper.overrides + (("tree_ops", "triton"),)))
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
