@@ -61,7 +61,8 @@ def test_code_shares(demo, tmp_path):
 
 def test_trace_records_the_drawing_distribution(demo, tmp_path):
     """Every token drawn has mass under the traced (CFG-merged, top-k filtered) distribution, which sums to 1 over
-    the classes at each position; with top-k 1 the drawn token holds all of it (the logits are the sampler's)."""
+    the classes at each position; with top-k 1 the drawn token holds all of it (the logits are the sampler's); the
+    teacher-forced contexts' distributions too."""
     margs, device, backend, model, size, vq = demo
     cache = str(tmp_path / "shares.pt")
     trace.code_shares(vq, size, device, n=4, cache=cache)
@@ -75,6 +76,12 @@ def test_trace_records_the_drawing_distribution(demo, tmp_path):
         assert r["right"] == (r["final"] == r["named"])
     text, summary = trace.report(shapes, backgrounds)
     assert "| onset" in text and 0 <= summary["shapes_right"] <= 1
+    forced = trace.teacher_forced(model, vq, margs, batch, size, device, cache)
+    assert len(forced) == 5 and all(abs(sum(m) - 1) < 1e-4 for v in list(forced.values())[1:] for m in v.values())
+    # hiding the tokens before the onset leaves e1's context after the onset as it was; before e1, it changes
+    hidden = forced["tokens before the onset without the shape"]
+    assert hidden["onset"] == pytest.approx(forced["tokens before e1 without the shape"]["onset"], abs=1e-5)
+    assert hidden["e1"] != pytest.approx(forced["tokens before e1 without the shape"]["e1"], abs=1e-5)
     margs.top_k = 1
     shapes, _, _ = trace.trace(model, engine, vq, margs, batch, size, device, cache)
     assert all(abs(p - 1) < 1e-4 for r in shapes for p in r["p_drawn"].values())

@@ -10,8 +10,8 @@ the logits each token was drawn from, CFG-merged and top-k filtered as the sampl
 
 A token's colours: the mean, over the true 16x16 patches the VQ encodes as that code in 192 train scenes, of the share
 of the patch's pixels nearest each palette colour (eval_demo's rule, per pixel): shares[code, colour] (a code decoded
-alone is no guide: border and edge codes decode to other colours out of context; unused codes show no colour). A token SHOWS colour c where c covers at
-least SHOW of its patch. Tokens are classed, per region:
+alone is no guide: border and edge codes decode to other colours out of context; unused codes show no colour).
+A token SHOWS colour c where c covers at least SHOW of its patch. Tokens are classed, per region:
   shape k (named colour c, background colours B):  named = shows c;  swap = shows another of the caption's shape
       colours and not c;  other = shows a colour outside B and not c;  bg = only B's colours
   background (named top colour t):  named = the patch's dominant colour is t;  other = anything else
@@ -24,6 +24,7 @@ the class of the token drawn. Then the shape's final colour in the decoded image
 whether the first interior token drawn showing a non-background colour names it (the rest copy it) or it drifts.
 """
 import argparse
+import copy
 import json
 import os
 import sys
@@ -207,6 +208,13 @@ def trace(model, engine, vq, margs, batch, size, device, shares_cache=None):
     return shapes, backgrounds, images
 
 
+def recoloured(s, k):
+    """A copy of scene s with its shape k in the first palette colour neither its background's nor a shape's."""
+    s = copy.deepcopy(s)
+    s.shapes[k].colour = next(c for c in scenes.COLOURS if c not in {s.top, s.bottom} | {x.colour for x in s.shapes})
+    return s
+
+
 @torch.no_grad()
 def teacher_forced(model, vq, margs, batch, size, device, shares_cache=None):
     """The same guided, filtered distribution at each shape's onset and e1 with the scene's TRUE tokens before them
@@ -222,6 +230,18 @@ def teacher_forced(model, vq, margs, batch, size, device, shares_cache=None):
     tokens = vq.encode(scenes.to_model_range(scenes.render(rows, size, device)))
     spliced, at = train_demo.shape_hidden(rows, slots, tokens, vq, size)
     where = first_tokens(rows, size, size // 16, "cpu")
+    # also every token before the shape's first interior one (e1) from the scene drawn without it: the sliver of
+    # tokens from the onset to e1, which --colour-weight's rows leave true, shows the colour too
+    clean = vq.encode(scenes.to_model_range(scenes.render([train_demo.without_shape(s, k) for s, k in zip(rows, slots)],
+                                                          size, device)))
+    e1 = torch.tensor([(where[r]["shapes"][k]["positions"] + [0, 0])[1] for r, k in enumerate(slots)], device=device)
+    before_e1 = torch.arange(tokens.shape[1], device=device)[None] < e1[:, None]
+    spliced_e1 = torch.where(before_e1, clean.to(tokens.dtype), tokens)
+    # and every token before e1 from the scene with the shape in another colour (one neither the background's nor a
+    # caption shape's): a sliver drawn in a wrong colour, as the samples often draw it
+    wrong = vq.encode(scenes.to_model_range(scenes.render([recoloured(s, k) for s, k in zip(rows, slots)], size,
+                                                          device)))
+    recoloured_e1 = torch.where(before_e1, wrong.to(tokens.dtype), tokens)
     encoder = DemoTextEncoder(model.args.caption_dim, model.args.cls_token_num)
     emb, mask = encoder.encode_left_padded([s.caption for s in rows])
     control = scenes.to_model_range(scenes.control(rows, "canny", size)).to(device)
@@ -237,7 +257,9 @@ def teacher_forced(model, vq, margs, batch, size, device, shares_cache=None):
                                          [scenes.COLOURS.index(y.colour) for y in s.shapes], background)
                 cls.append(masks[:, int(tokens[r, positions[index]])].float().tolist())
         out["the true token's class"][pos_name] = [mean([c[i] for c in cls]) for i in range(4)]
-    for name, seq in (("true tokens before", tokens), ("tokens before the onset without the shape", spliced)):
+    for name, seq in (("true tokens before", tokens), ("tokens before the onset without the shape", spliced),
+                      ("tokens before e1 without the shape", spliced_e1),
+                      ("tokens before e1 with the shape in another colour", recoloured_e1)):
         x = torch.cat([seq, seq]) if margs.cfg_scale > 1.0 else seq
         logits = train_demo.teacher_forced_logits(model, p.prefix, p.text_mask, p.controls, x).float()
         if margs.cfg_scale > 1.0:
@@ -278,7 +300,8 @@ def report(shapes, backgrounds):
                      + " | ".join(f"{v:.2f}" for v in d) + " |")
     for key, title in (("mass_cond", "the caption's branch alone"), ("mass_uncond", "the null branch alone")):
         if shapes and key in shapes[0]:
-            lines += ["", f"{title} (top-k filtered, along the same guided samples):", lines[0].split(" drawn named")[0],
+            lines += ["", f"{title} (top-k filtered, along the same guided samples):",
+                      lines[0].split(" drawn named")[0],
                       "|---|---|---|---|---|"]
             for name in POSITIONS:
                 m = [mean([r[key][name][i] for r in shapes if name in r[key]]) for i in range(4)]
@@ -327,10 +350,12 @@ def report(shapes, backgrounds):
                    mode_is_named=mode_named, final_is_mode=final_mode, background_all=bg_all,
                    decider=decider)
     lines += ["",
-              f"shapes in their named colour (eval_demo's rule): {right:.3f} of {len(shapes)}; the first interior token "
+              f"shapes in their named colour (eval_demo's rule): {right:.3f} of {len(shapes)}; the first interior "
+              f"token "
               f"drawn that shows a non-background colour shows the final colour {predicts:.3f} of the time and the "
               f"named one {first_named:.3f} ({len(first)} shapes); later interior tokens agree with the final colour "
-              f"{later:.3f}; right when e1 drawn named {right_if_e1:.3f} ({len(e_named)}), otherwise {right_if_not:.3f}",
+              f"{later:.3f}; right when e1 drawn named {right_if_e1:.3f} ({len(e_named)}), otherwise "
+              f"{right_if_not:.3f}",
               f"background named (eval_demo's rule): {bg_right:.3f} of {len(backgrounds)}; mass on tokens of the named "
               f"colour at its first {train_demo.ENTRY_TOKENS} tokens: " + ", ".join(f"{v:.3f}" for v in bg_mass)
               + "; drawn named: " + ", ".join(f"{v:.2f}" for v in bg_drawn)
@@ -359,19 +384,26 @@ def main(argv=None):
     p.add_argument("--model", required=True, help="folder of gpt.json, gpt.safetensors, vq.json, vq.safetensors")
     p.add_argument("--num", type=int, default=16, help="test scenes 0..num-1, one batch")
     p.add_argument("--shares", default=None, help="cache file of the codes' colour shares (per VQ)")
+    p.add_argument("--teacher-only", action="store_true", help="only the teacher-forced measures (no sampling)")
     p.add_argument("--json", default=None, help="write the per-shape records and the summary here")
     args, rest = p.parse_known_args(argv)
-    files = ["--gpt-model", os.path.join(args.model, "gpt.json"), "--gpt-ckpt", os.path.join(args.model, "gpt.safetensors"),
+    files = ["--gpt-model", os.path.join(args.model, "gpt.json"),
+             "--gpt-ckpt", os.path.join(args.model, "gpt.safetensors"),
              "--vq-model", os.path.join(args.model, "vq.json"), "--vq-ckpt", os.path.join(args.model, "vq.safetensors")]
     margs = eval_demo.parse_args(files + ["--device", "cpu"] + rest).model
     device, _, backend, model, size, vq = eval_demo.load(margs)
     engine = eval_demo.make_engine(margs, model, backend)
     t0 = time.perf_counter()
     batch = scenes.scenes(range(args.num), "test")
+    if args.teacher_only:
+        for name, v in teacher_forced(model, vq, margs, batch, size, device, args.shares).items():
+            print(name + ": " + "; ".join(f"{pos} " + " / ".join(f"{x:.3f}" for x in m) for pos, m in v.items()))
+        return None
     shapes, backgrounds, _ = trace(model, engine, vq, margs, batch, size, device, args.shares)
     text, summary = report(shapes, backgrounds)
     summary["teacher_forced"] = teacher_forced(model, vq, margs, batch, size, device, args.shares)
-    text += "\n\nteacher forced, the same guided filtered distribution (mass on named / swap / other / background only):"
+    text += ("\n\nteacher forced, the same guided filtered distribution (mass on named / swap / other / background "
+             "only):")
     for name, v in summary["teacher_forced"].items():
         text += "\n  " + name + ": " + "; ".join(f"{pos} " + " / ".join(f"{x:.3f}" for x in m) for pos, m in v.items())
     print(f"{args.model}: {args.num} test scenes, {size} px, cfg {margs.cfg_scale}, top-k {margs.top_k}, "
