@@ -22,6 +22,9 @@ At these positions of each shape (from the scene's geometry, which the control d
 and at the background's first ENTRY_TOKENS tokens (the top-left ones): the distribution's mass on each class, and
 the class of the token drawn. Then the shape's final colour in the decoded image (eval_demo.colour_checks), and
 whether the first interior token drawn showing a non-background colour names it (the rest copy it) or it drifts.
+Last, the same guided mass at the onset and e1 teacher forced on the scenes' own tokens: with the true tokens before,
+with those before the onset from the scene without the shape (--colour-weight's rows), with those before e1 from
+it, and with those before e1 from the scene with the shape in another colour (--teacher-only: only these).
 """
 import argparse
 import copy
