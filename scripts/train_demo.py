@@ -66,6 +66,7 @@ UNUSED_AT_INFERENCE = ("condition_embeddings.weight", "condition_mlp.uncond_embe
 COMMIT = 0.25  # LlamaGen's commitment weight
 RESTART_EVERY = 200  # VQ steps between restarts of unused codes
 HIDE_SHARE = 0.5  # --colour-weight: the captioned rows with shapes that have one shape hidden before its onset
+RECOLOUR_SHARE = 0.5  # --hide-until e1: the hidden rows whose context shows the shape in a wrong colour
 ENTRY_TOKENS = 4  # --entry-weight's tokens per region: the first of a shape's top row, whose colour the rest copy
 FULL_EVERY = 4  # every 4th VQ step sees whole images (as many pixels as the other steps' random crops)
 
@@ -91,6 +92,9 @@ def parse_args(argv=None):
                    "each shape and background part in raster order, where a colour is decided (1: plain loss)")
     p.add_argument("--colour-weight", type=float, default=None, help="weight of a training-only loss asking the GPT's "
                    "last hidden state where a shape begins, after tokens drawn without it, which colour it has (0: none)")
+    p.add_argument("--hide-until", choices=["onset", "e1"], default=None, help="--colour-weight's hidden context "
+                   "ends at the shape's onset (default), or at e1, its first token whose patch centre is inside it, "
+                   "the context then half without the shape, half with it in a wrong colour; the head reads there")
     p.add_argument("--gpt-batch", type=int, default=None, help="scenes per GPT step (default: the preset's)")
     p.add_argument("--gpt-lr", type=float, default=None, help="the GPT's peak learning rate (default: the preset's)")
     p.add_argument("--log-every", type=int, default=50)
@@ -404,6 +408,15 @@ def without_shape(s, k):
     return s
 
 
+def recoloured(s, k, pick=0):
+    """A copy of scene s with its shape k in the pick-th (cyclic) palette colour that is neither its background's
+    nor a shape's (a wrong colour: --hide-until e1, tools/demo_colour_trace.py)."""
+    free = [c for c in scenes.COLOURS if c not in {s.top, s.bottom} | {x.colour for x in s.shapes}]
+    s = copy.deepcopy(s)
+    s.shapes[k].colour = free[pick % len(free)]
+    return s
+
+
 def onsets(batch, slots, size, grid, device):
     """(R,) each scene's shape slots[i] onset: the first token in raster order whose patch holds any of its pixels."""
     _, inside = scenes.labels(batch, size, device)
@@ -412,11 +425,20 @@ def onsets(batch, slots, size, grid, device):
     return touched[torch.arange(len(batch), device=device), torch.as_tensor(slots, device=device)].int().argmax(1)
 
 
-def hide_before_onset(batch, tokens, vq, size, drop):
+def entries(batch, slots, size, grid, device):
+    """(R,) each scene's shape slots[i] e1: its first token in raster order whose patch centre pixel is inside it
+    (token_regions == 2 + k); the onset where no centre is inside."""
+    inner = token_regions(batch, size, grid, device) == 2 + torch.as_tensor(slots, device=device)[:, None]
+    return torch.where(inner.any(1), inner.int().argmax(1), onsets(batch, slots, size, grid, device))
+
+
+def hide_before_onset(batch, tokens, vq, size, drop, until="onset"):
     """--colour-weight's rows: in a random HIDE_SHARE of the captioned rows with shapes, the tokens before one random
     shape's onset replaced by those of the scene drawn without it. The VQ's tokens next to a shape carry some of its
     colour, so a model taught on true tokens reads a shape's colour from them, and at sampling, where nothing drew
-    them yet, guesses it (tools/demo_binding.py --colours). -> (tokens, rows (R,), onsets (R,), colours (R,))."""
+    them yet, guesses it (tools/demo_binding.py --colours). until "e1": hidden up to the shape's e1 instead, in a
+    RECOLOUR_SHARE of those rows by the scene with the shape in a wrong colour. -> (tokens, rows (R,), onsets or e1s
+    (R,), colours (R,))."""
     count = torch.tensor([len(s.shapes) for s in batch])
     picked = (torch.rand(len(batch)) < HIDE_SHARE) & (count > 0) & ~drop.cpu()
     slot = (torch.rand(len(batch)) * count).long()  # uniform over the row's shapes
@@ -427,18 +449,25 @@ def hide_before_onset(batch, tokens, vq, size, drop):
     rows = torch.tensor(rows, dtype=torch.long, device=device)
     if not len(sub):
         return tokens, rows, rows, colours
+    recolour = None
+    if until == "e1":  # drawn after onset mode's draws, so that mode's stay as they were
+        wrong = (torch.rand(len(sub)) < RECOLOUR_SHARE).tolist()
+        pick = torch.randint(0, len(scenes.COLOURS), (len(sub),)).tolist()
+        recolour = [p if w else None for w, p in zip(wrong, pick)]
     tokens = tokens.clone()
-    tokens[rows], at = shape_hidden(sub, ks, tokens[rows], vq, size)
+    tokens[rows], at = shape_hidden(sub, ks, tokens[rows], vq, size, until, recolour)
     return tokens, rows, at, colours
 
 
 @torch.no_grad()
-def shape_hidden(batch, slots, tokens, vq, size):
-    """-> (tokens (R, N) with those before each scene's shape slots[i] onset taken from the scene drawn without it,
-    the onsets (R,))."""
-    at = onsets(batch, slots, size, math.isqrt(tokens.shape[1]), tokens.device)
-    clean = vq.encode(scenes.to_model_range(scenes.render([without_shape(s, k) for s, k in zip(batch, slots)],
-                                                           size, tokens.device)))
+def shape_hidden(batch, slots, tokens, vq, size, until="onset", recolour=None):
+    """-> (tokens (R, N) with those before each scene's shape slots[i] onset (until "e1": e1) taken from the scene
+    drawn without it (recolour[i] not None: with it in recoloured's colour recolour[i]), the onsets or e1s (R,))."""
+    find = entries if until == "e1" else onsets
+    at = find(batch, slots, size, math.isqrt(tokens.shape[1]), tokens.device)
+    recolour = recolour or [None] * len(batch)
+    hidden = [without_shape(s, k) if p is None else recoloured(s, k, p) for s, k, p in zip(batch, slots, recolour)]
+    clean = vq.encode(scenes.to_model_range(scenes.render(hidden, size, tokens.device)))
     before = torch.arange(tokens.shape[1], device=tokens.device)[None] < at[:, None]
     return torch.where(before, clean.to(tokens.dtype), tokens), at
 
@@ -453,15 +482,16 @@ def colour_loss(head, hidden, rows, at, colours):
 
 
 def gpt_loss(model, encoder, vq, indices, types, drop, tokens, preset, device, split="train", entry_weight=1.0,
-             colour=None):
+             colour=None, hide_until="onset"):
     """-> (the tokens' cross-entropy, entry-weighted; None). With colour = (head, weight): some rows' tokens before a
-    shape hidden (hide_before_onset), and (that + weight x the colour head's loss there, the head's accuracy)."""
+    shape's onset or e1 (hide_until) hidden (hide_before_onset), and (that + weight x the colour head's loss there,
+    the head's accuracy)."""
     size = preset["size"]
     batch, rgb, _ = images(indices, size, device, split)
     maps = control_maps(batch, types, rgb, size, device)
     drop = torch.as_tensor(drop, device=device)
     if colour is not None:
-        tokens, rows, at, colours = hide_before_onset(batch, tokens, vq, size, drop)
+        tokens, rows, at, colours = hide_before_onset(batch, tokens, vq, size, drop, hide_until)
     with autocast(device):
         prefix, mask, controls = gpt_inputs(model, encoder, batch, maps, types, drop)
         hidden = teacher_forced_hidden(model, prefix, mask, controls, tokens)
@@ -511,6 +541,8 @@ def train_gpt(args, preset, device, log):
         raise SystemExit(f"error: --resume: {state_path} does not exist; start the run without --resume")
     state = torch.load(state_path, map_location=device, weights_only=False) if args.resume else None  # our own file
     recipe = run_recipe(args, preset, state)
+    if recipe["hide_until"] != "onset" and not recipe["colour_weight"]:
+        raise SystemExit("error: --hide-until moves --colour-weight's hidden context; give --colour-weight too")
     # the colour head: training only (not stored with the model), it names a hidden shape's colour at its onset
     head = torch.nn.Linear(margs["dim"], len(scenes.COLOURS), device=device) if recipe["colour_weight"] else None
     trained = list(model.parameters()) + (list(head.parameters()) if head else [])
@@ -538,7 +570,8 @@ def train_gpt(args, preset, device, log):
         indices, types, drop = gpt_step_batch(step, preset, rng)
         loss, accuracy = gpt_loss(model, encoder, vq, indices, types, drop,
                                   tokens_of(indices, table, preset, vq, device), preset, device,
-                                  entry_weight=recipe["entry_weight"], colour=colour)
+                                  entry_weight=recipe["entry_weight"], colour=colour,
+                                  hide_until=recipe["hide_until"])
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(trained, 1.0)
@@ -566,8 +599,8 @@ def train_gpt(args, preset, device, log):
     return done
 
 
-RECIPE = ("gpt_batch", "gpt_lr", "entry_weight", "colour_weight")  # a run's flags that --resume keeps
-DEFAULT_WEIGHTS = dict(entry_weight=1.0, colour_weight=0.0)  # the plain loss
+RECIPE = ("gpt_batch", "gpt_lr", "entry_weight", "colour_weight", "hide_until")  # a run's flags that --resume keeps
+DEFAULT_WEIGHTS = dict(entry_weight=1.0, colour_weight=0.0, hide_until="onset")  # the plain loss
 
 
 def run_recipe(args, preset, state):
@@ -578,6 +611,7 @@ def run_recipe(args, preset, state):
     if state is None:
         return new
     stored = state.get("recipe") or new  # a state from before recipes were stored: the flags'
+    stored = {"hide_until": "onset", **stored}  # one from before --hide-until: the onset
     for k in RECIPE:
         if flags[k] is not None and flags[k] != stored[k]:
             raise SystemExit(f"error: --resume goes on with the run's --{k.replace('_', '-')} {stored[k]}; leave "

@@ -254,3 +254,122 @@ def test_a_shape_hidden_before_its_onset():
     logits = head(torch.nn.functional.rms_norm(hidden[rows, at], (8,)))
     assert abs(loss.item() - torch.nn.functional.cross_entropy(logits, colours).item()) < 1e-6
     assert accuracy.item() == (logits.argmax(-1) == colours).float().mean().item()
+
+
+def onset_reference(batch, tokens, vq, size, drop):
+    """hide_before_onset as it was before --hide-until (commit e566959): the onset mode must stay it, draw for draw."""
+    count = torch.tensor([len(s.shapes) for s in batch])
+    picked = (torch.rand(len(batch)) < train_demo.HIDE_SHARE) & (count > 0) & ~drop.cpu()
+    slot = (torch.rand(len(batch)) * count).long()
+    rows = picked.nonzero().flatten().tolist()
+    sub, ks = [batch[r] for r in rows], slot[rows].tolist()
+    colours = torch.tensor([scenes.COLOURS.index(s.shapes[k].colour) for s, k in zip(sub, ks)])
+    rows = torch.tensor(rows, dtype=torch.long)
+    at = train_demo.onsets(sub, ks, size, 8, "cpu")
+    with torch.no_grad():
+        clean = vq.encode(scenes.to_model_range(scenes.render([train_demo.without_shape(s, k) for s, k in zip(sub, ks)],
+                                                              size)))
+    tokens = tokens.clone()
+    before = torch.arange(tokens.shape[1])[None] < at[:, None]
+    tokens[rows] = torch.where(before, clean.to(tokens.dtype), tokens[rows])
+    return tokens, rows, at, colours
+
+
+def first_centre_inside(inside, b, k, grid, step):
+    """The first token (raster order) whose patch centre pixel lies inside shape k of scene b, counted pixel by pixel."""
+    for t in range(grid * grid):
+        if inside[b, k, (t // grid) * step + step // 2, (t % grid) * step + step // 2]:
+            return t
+    return None
+
+
+def encode(vq, batch, size):
+    with torch.no_grad():
+        return vq.encode(scenes.to_model_range(scenes.render(batch, size)))
+
+
+def test_hide_until_onset_is_todays_hiding_draw_for_draw():
+    """--hide-until onset (the default): the same tokens, rows, onsets, colours and random draws as before the flag."""
+    size, batch = 128, scenes.scenes(range(12), "test")
+    vq = VQModel(VQConfig(codebook_size=64, ch=32, ch_mult=[1, 1, 1, 1, 1], z_channels=32, num_res_blocks=1,
+                          norm_groups=8)).eval()
+    tokens, drop = encode(vq, batch, size), torch.tensor([i % 5 == 0 for i in range(12)])
+    torch.manual_seed(3)
+    want, after = onset_reference(batch, tokens, vq, size, drop), torch.rand(4)
+    for until in ((), ("onset",)):
+        torch.manual_seed(3)
+        got = train_demo.hide_before_onset(batch, tokens, vq, size, drop, *until)
+        assert all(torch.equal(x, y) for x, y in zip(got, want)) and torch.equal(torch.rand(4), after)
+
+
+def test_hide_until_e1_hides_up_to_the_first_interior_token(monkeypatch):
+    """--hide-until e1: the tokens before the picked shape's e1 (its first token whose patch centre is inside it,
+    counted here pixel by pixel) come from the scene without it or, in some rows, with it in a wrong colour (never the
+    background's or a shape's), from e1 on the scene's own; the wrong colour's tokens differ from the true scene's and
+    the shape-removed one's where the shape shows; the colour head reads at the e1s. The trained VQ, so that colours
+    show in the tokens (hiding through e1 inclusive fails here)."""
+    size, grid, step = 128, 8, 16
+    batch = scenes.scenes(range(20), "test")
+    vq = train_demo.load_vq(os.path.join(ROOT, "checkpoints", "demo_gpu"), torch.device("cpu"))
+    tokens, drop = encode(vq, batch, size), torch.zeros(20, dtype=torch.bool)
+    made, recoloured = {}, train_demo.recoloured
+    monkeypatch.setattr(train_demo, "recoloured", lambda s, k, p=0: made.setdefault(id(s), recoloured(s, k, p)))
+    torch.manual_seed(0)
+    got, rows, at, colours = train_demo.hide_before_onset(batch, tokens, vq, size, drop, "e1")
+    _, inside = scenes.labels(batch, size)
+    touched = inside.view(20, 3, grid, step, grid, step).any(5).any(3).flatten(2)  # (B, 3, N)
+    ks = [[j for j, x in enumerate(batch[r].shapes) if scenes.COLOURS.index(x.colour) == c][0]
+          for r, c in zip(rows.tolist(), colours.tolist())]
+    e1 = [first_centre_inside(inside, r, k, grid, step) for r, k in zip(rows.tolist(), ks)]
+    assert None not in e1 and at.tolist() == e1  # the head's positions
+    sub = [batch[r] for r in rows.tolist()]
+    wrong = [s for s in sub if id(s) in made]
+    assert 0 < len(wrong) < len(sub)  # both kinds of row
+    without = encode(vq, [train_demo.without_shape(s, k) for s, k in zip(sub, ks)], size)
+    other = encode(vq, [made.get(id(s), s) for s in sub], size)
+    differs_at_e1, sliver = 0, 0
+    for i, (r, k, a) in enumerate(zip(rows.tolist(), ks, e1)):
+        s, shown = batch[r], touched[r, k, :a]
+        assert torch.equal(got[r, a:], tokens[r, a:])
+        differs_at_e1 += int(without[i, a] != tokens[r, a])
+        if id(s) not in made:
+            assert torch.equal(got[r, :a], without[i, :a])
+            continue
+        colour = made[id(s)].shapes[k].colour
+        assert colour not in {s.top, s.bottom} | {x.colour for x in s.shapes}
+        assert [x.colour for j, x in enumerate(made[id(s)].shapes) if j != k] == [x.colour for j, x in
+                                                                                   enumerate(s.shapes) if j != k]
+        assert torch.equal(got[r, :a], other[i, :a])
+        if shown.any():  # a sliver above e1 (else e1 is the onset)
+            sliver += 1
+            assert (got[r, :a][shown] != tokens[r, :a][shown]).any()
+            assert (got[r, :a][shown] != without[i, :a][shown]).any()
+    assert differs_at_e1 > 0 and sliver > 0  # so that hiding e1 too, or a recolour not shown, would show
+    others = [i for i in range(20) if i not in rows.tolist()]
+    assert torch.equal(got[others], tokens[others])
+
+
+def test_recoloured_never_takes_a_background_or_shape_colour():
+    for s in scenes.scenes(range(40), "test"):
+        for k in range(len(s.shapes)):
+            for p in range(len(scenes.COLOURS)):
+                t = train_demo.recoloured(s, k, p)
+                assert t.shapes[k].colour not in {s.top, s.bottom} | {x.colour for x in s.shapes}
+                assert s.shapes[k].colour != t.shapes[k].colour and t.caption != "" and s.shapes[k] is not t.shapes[k]
+
+
+def test_hide_until_is_part_of_the_runs_recipe(tmp_path):
+    """--hide-until: logged with the recipe, kept by --resume (another value refused), refused without
+    --colour-weight; a state stored before the flag resumes as onset."""
+    a = tmp_path / "a"
+    train(a, "--gpt-steps", 2, "--colour-weight", 1, "--hide-until", "e1", "--time-limit", 1e-9)
+    train(a, "--phase", "gpt", "--resume")
+    log = (a / "train_log.jsonl").read_text()
+    assert log.count('"hide_until": "e1"') == 2 and '"resumed_at": 1' in log
+    with pytest.raises(SystemExit, match="run's --hide-until e1"):
+        train(a, "--phase", "gpt", "--resume", "--hide-until", "onset")
+    with pytest.raises(SystemExit, match="give --colour-weight"):
+        train(tmp_path / "b", "--phase", "gpt", "--vq-from", a, "--hide-until", "e1")
+    args = train_demo.parse_args(["--out", "x"])
+    old = dict(gpt_batch=3, gpt_lr=1e-3, entry_weight=2.0, colour_weight=0.5)
+    assert train_demo.run_recipe(args, train_demo.PRESETS["test"], dict(recipe=old)) == dict(old, hide_until="onset")

@@ -27,7 +27,6 @@ with those before the onset from the scene without the shape (--colour-weight's 
 it, and with those before e1 from the scene with the shape in another colour (--teacher-only: only these).
 """
 import argparse
-import copy
 import json
 import os
 import sys
@@ -211,13 +210,6 @@ def trace(model, engine, vq, margs, batch, size, device, shares_cache=None):
     return shapes, backgrounds, images
 
 
-def recoloured(s, k):
-    """A copy of scene s with its shape k in the first palette colour neither its background's nor a shape's."""
-    s = copy.deepcopy(s)
-    s.shapes[k].colour = next(c for c in scenes.COLOURS if c not in {s.top, s.bottom} | {x.colour for x in s.shapes})
-    return s
-
-
 @torch.no_grad()
 def teacher_forced(model, vq, margs, batch, size, device, shares_cache=None):
     """The same guided, filtered distribution at each shape's onset and e1 with the scene's TRUE tokens before them
@@ -237,13 +229,13 @@ def teacher_forced(model, vq, margs, batch, size, device, shares_cache=None):
     # tokens from the onset to e1, which --colour-weight's rows leave true, shows the colour too
     clean = vq.encode(scenes.to_model_range(scenes.render([train_demo.without_shape(s, k) for s, k in zip(rows, slots)],
                                                           size, device)))
-    e1 = torch.tensor([(where[r]["shapes"][k]["positions"] + [0, 0])[1] for r, k in enumerate(slots)], device=device)
+    e1 = train_demo.entries(rows, slots, size, size // 16, device)  # (a shape without one is skipped below)
     before_e1 = torch.arange(tokens.shape[1], device=device)[None] < e1[:, None]
     spliced_e1 = torch.where(before_e1, clean.to(tokens.dtype), tokens)
     # and every token before e1 from the scene with the shape in another colour (one neither the background's nor a
     # caption shape's): a sliver drawn in a wrong colour, as the samples often draw it
-    wrong = vq.encode(scenes.to_model_range(scenes.render([recoloured(s, k) for s, k in zip(rows, slots)], size,
-                                                          device)))
+    wrong = vq.encode(scenes.to_model_range(scenes.render([train_demo.recoloured(s, k) for s, k in zip(rows, slots)],
+                                                          size, device)))
     recoloured_e1 = torch.where(before_e1, wrong.to(tokens.dtype), tokens)
     encoder = DemoTextEncoder(model.args.caption_dim, model.args.cls_token_num)
     emb, mask = encoder.encode_left_padded([s.caption for s in rows])

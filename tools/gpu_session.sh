@@ -30,14 +30,16 @@ usage: tools/gpu_session.sh STEP...      (steps run in order; each writes OUT/<s
           which lasts while the machine is warm); returns OUT/demo/ (the log, the weights cut in 15 MB parts:
           cat gpt.safetensors.part.* > gpt.safetensors) and with DEMO_EVAL=1 scripts/eval_demo.py's measures
           (OUT/demo_eval.json, OUT/demo_model.png) and tools/demo_binding.py's (OUT/demo_binding.txt).
-          DEMO_GPT_FROM (gpt): start from a trained GPT folder; DEMO_ENTRY_WEIGHT, DEMO_COLOUR_WEIGHT, DEMO_GPT_BATCH,
-          DEMO_GPT_LR (gpt): --entry-weight, --colour-weight, --gpt-batch, --gpt-lr (resume keeps the run's own);
+          DEMO_GPT_FROM (gpt): start from a trained GPT folder; DEMO_ENTRY_WEIGHT, DEMO_COLOUR_WEIGHT, DEMO_HIDE_UNTIL
+          (onset | e1), DEMO_GPT_BATCH, DEMO_GPT_LR (gpt): --entry-weight, --colour-weight, --hide-until, --gpt-batch,
+          --gpt-lr (resume keeps the run's own);
           DEMO_TIMING="128 512": tools/train_step_timing.py at those batch sizes first (OUT/train_timing_B.txt).
-          Issue 77's owed run (the colour head at batch 512), two calls while the machine stays warm:
-              DEMO_TIMING="128 512" DEMO_PHASE=gpt DEMO_VQ=checkpoints/demo_gpu DEMO_GPT_FROM=checkpoints/demo_gpu \
-                  DEMO_ENTRY_WEIGHT=8 DEMO_COLOUR_WEIGHT=1 DEMO_GPT_BATCH=512 DEMO_GPT_LR=1e-3 DEMO_GPT_STEPS=2000 \
-                  DEMO_SECONDS=420 tools/gpu_session.sh demo
-              DEMO_PHASE=resume DEMO_SECONDS=420 DEMO_EVAL=1 tools/gpu_session.sh demo
+          Issue 77's owed run (the colour head at e1 against a wrong-coloured sliver, docs/PERF_NOTES.md "Where
+          sampled colours go wrong"), then DEMO_PHASE=resume ... DEMO_EVAL=1 while the machine stays warm if it stops
+          early:
+              DEMO_PHASE=gpt DEMO_VQ=checkpoints/demo_gpu DEMO_GPT_FROM=checkpoints/demo_gpu DEMO_ENTRY_WEIGHT=8 \
+                  DEMO_COLOUR_WEIGHT=1 DEMO_HIDE_UNTIL=e1 DEMO_GPT_LR=3e-4 DEMO_GPT_STEPS=2400 DEMO_SECONDS=500 \
+                  DEMO_EVAL=1 tools/gpu_session.sh demo
   ownpos  the window kernels and the fused verify (issue 75), by default 1. and 3., < 9 min of an H100:
               OUT=/some/dir tools/gpu_session.sh ownpos
           1. their CUDA tests (tests/test_window_attention.py, test_own_positions.py, test_verify_triton.py -k cuda;
@@ -269,7 +271,7 @@ step_demo() {
     local train=("$py" "$root/scripts/train_demo.py" --preset gpu --device cuda --log-every 100 --out "$run"
                  --time-limit "${DEMO_SECONDS:-480}" ${DEMO_ENTRY_WEIGHT:+--entry-weight "$DEMO_ENTRY_WEIGHT"}
                  ${DEMO_COLOUR_WEIGHT:+--colour-weight "$DEMO_COLOUR_WEIGHT"} ${DEMO_GPT_BATCH:+--gpt-batch "$DEMO_GPT_BATCH"}
-                 ${DEMO_GPT_LR:+--gpt-lr "$DEMO_GPT_LR"})
+                 ${DEMO_GPT_LR:+--gpt-lr "$DEMO_GPT_LR"} ${DEMO_HIDE_UNTIL:+--hide-until "$DEMO_HIDE_UNTIL"})
     mkdir -p "$run" "$out/demo"
     for b in ${DEMO_TIMING:-}; do  # a training step's parts and kernels at these batch sizes, before training
         "$py" "$here/train_step_timing.py" --device cuda --steps 20 --batch "$b" --entry-weight "${DEMO_ENTRY_WEIGHT:-1}" \
