@@ -417,11 +417,16 @@ def recoloured(s, k, pick=0):
     return s
 
 
-def onsets(batch, slots, size, grid, device):
-    """(R,) each scene's shape slots[i] onset: the first token in raster order whose patch holds any of its pixels."""
+def touched_tokens(batch, size, grid, device):
+    """(B, 3, grid * grid): whether each token's patch holds any pixel of shape slot k."""
     _, inside = scenes.labels(batch, size, device)
     step = size // grid
-    touched = inside.view(len(batch), 3, grid, step, grid, step).any(5).any(3).flatten(2)  # (R, 3, N)
+    return inside.view(len(batch), 3, grid, step, grid, step).any(5).any(3).flatten(2)
+
+
+def onsets(batch, slots, size, grid, device):
+    """(R,) each scene's shape slots[i] onset: the first token in raster order whose patch holds any of its pixels."""
+    touched = touched_tokens(batch, size, grid, device)
     return touched[torch.arange(len(batch), device=device), torch.as_tensor(slots, device=device)].int().argmax(1)
 
 

@@ -93,10 +93,8 @@ def first_tokens(batch, size, grid, device):
     region = train_demo.token_regions(batch, size, grid, device)
     out = []
     for b, s in enumerate(batch):
-        onset = train_demo.onsets([s] * len(s.shapes), list(range(len(s.shapes))), size, grid, device).tolist()
-        _, inside = scenes.labels([s], size, device)
-        step = size // grid
-        touched = inside.view(3, grid, step, grid, step).any(4).any(2).flatten(1)  # (3, N)
+        touched = train_demo.touched_tokens([s], size, grid, device)[0]  # (3, N)
+        onset = touched.int().argmax(1).tolist()  # train_demo.onsets of each slot
         shapes = []
         for k in range(len(s.shapes)):
             inner = (region[b] == 2 + k).nonzero().flatten().tolist()
