@@ -119,12 +119,9 @@ def links(tree, window, device=None):
     outside (S, S) bool: [node, other] whether `other` is neither `node` nor one of its ancestors (the root counts as
     none: it is never drafted); lines (S, window): line_from each node."""
     up = torch.tensor([max(u, 0) for u in tree.parent])
-    outside = torch.ones(tree.size, tree.size, dtype=torch.bool)
-    for node in range(1, tree.size):
-        at = node
-        while at > 0:
-            outside[node, at] = False
-            at = tree.parent[at]
+    masks = ancestry(tree)
+    outside = torch.tensor([[other == 0 or not masks[node] >> other & 1 for other in range(tree.size)]
+                            for node in range(tree.size)])
     lines = torch.tensor([line_from(tree, end, window) for end in range(tree.size)])
     # depth d's node is the chain's node d or a branch node (past the chain): compact moves no slot it moves into
     assert ((lines == torch.arange(window)) | (lines >= window)).all()
