@@ -239,7 +239,7 @@ class Worker:
     def __init__(self, scheduler, index, engine, vq, capacity):
         self.scheduler, self.index, self.engine, self.vq, self.capacity = scheduler, index, engine, vq, capacity
         self.batch, self.entries = None, {}  # Entry -> Job
-        self.steps, self.rows_stepped = 0, 0  # steps, and their requests' images summed (the batch's mean occupancy)
+        self.steps, self.images_stepped = 0, 0  # steps, and their requests' images summed (the batch's mean occupancy)
         # wall seconds of the engine's thread waiting for work, admitting (prefills) and stepping (issuing the steps:
         # where nothing synchronises, the GPU runs behind), and of the decoder thread's VQ decoding: /v1/info's
         self.seconds = dict(idle=0.0, admit=0.0, step=0.0, decode=0.0)
@@ -309,7 +309,7 @@ class Worker:
                 used = self.batch.used
                 finished = self.batch.step()
                 self.steps += 1
-                self.rows_stepped += used
+                self.images_stepped += used
                 for entry, job in self.entries.items():
                     self.progress(entry, job)
                 for entry in finished:

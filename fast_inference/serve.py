@@ -221,7 +221,8 @@ class Service:
                                 max_queue=self.args.max_queue),
                     accepting=self.scheduler.accepting,
                     engines=[dict(device=str(w.engine.device), busy=w.busy, steps=w.steps,
-                                  images_stepped=w.rows_stepped, seconds={k: round(v, 3) for k, v in w.seconds.items()})
+                                  images_stepped=w.images_stepped,
+                                  seconds={k: round(v, 3) for k, v in w.seconds.items()})
                              for w in self.scheduler.workers],
                     queue=dict(active=self.scheduler.active, pending=len(self.scheduler.pending)),
                     backend=self.backend, precision=str(self.dtype).replace("torch.", ""))
