@@ -76,6 +76,15 @@ def window_attention(p):
     return functools.partial(attention_triton.window_attention, fold=False)
 
 
+def compile_static(fn, **kw):
+    """torch.compile(fn): whole graphs at static shapes. An engine compiles its block once per cache window and row
+    count, and one process may build several engines (a server, tests), more than dynamo's 8 graphs per function."""
+    import torch._dynamo
+
+    torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
+    return torch.compile(fn, fullgraph=True, dynamic=False, **kw)
+
+
 def run_block(layer, x, freqs, attend, input_pos, ops=TORCH_OPS, down=False, down_pdl=0, progress=None):
     """A block as the model's Context.block: the layer itself with its element-wise ops; with down, its w2 and
     residual add as block_triton's kernel (launched in PDL mode down_pdl, counted for a prefetcher's progress). The
@@ -241,9 +250,7 @@ class Engine:
         r.pass_inputs = inputs_triton.window_inputs if j.inputs == "triton" else None
         r.verify = verify_triton if j.verify == "triton" else None
         if j.head == "compiled":
-            if self.compiled_logits is None:
-                self.compiled_logits = torch.compile(self.model.logits, fullgraph=True, dynamic=False)
-            r.pass_head = self.compiled_logits
+            r.pass_head = self.compiled_head()
         else:
             r.pass_head = functools.partial(self.model.logits, ops=ops)
 
@@ -282,8 +289,14 @@ class Engine:
             self.inductor_pdl()
             if self.device.type == "cuda":
                 block_triton.tile_counts(self.device)  # for down(): made before tracing, so that it persists
-            self.block_fn = torch.compile(run_block, mode=mode, fullgraph=True, dynamic=False)
+            self.block_fn = compile_static(run_block, mode=mode)
         return self.block_fn
+
+    def compiled_head(self):
+        """The final norm and output projection, compiled once (~40 small kernels eager)."""
+        if self.compiled_logits is None:
+            self.compiled_logits = compile_static(self.model.logits)
+        return self.compiled_logits
 
     def inductor_pdl(self):
         """Inductor's programmatic dependent launch on Hopper+ where the plan's settings allow it: process-wide, as the
@@ -304,21 +317,16 @@ class Engine:
             r.prefill_ctx = replace(r.prefill_ctx, block=self.compiled_block())
         elif p.prefill == "compiled_whole":
             self.inductor_pdl()
-            self.prefill_fn = torch.compile(r.prefill, fullgraph=True, dynamic=False)
+            self.prefill_fn = compile_static(r.prefill)
         self.step_fns = {(guided, w): r.step_fn(guided, w) for guided in (True, False) for w in range(len(r.kv_lens))}
         if p.head == "compiled":  # the final norm and output projection (~40 small kernels eager)
-            if self.compiled_logits is None:
-                self.compiled_logits = torch.compile(self.model.logits, fullgraph=True, dynamic=False)
-            r.heads = dict.fromkeys(r.heads, self.compiled_logits)
+            r.heads = dict.fromkeys(r.heads, self.compiled_head())
         elif p.head == "compiled_finish":  # with CFG merge, top-k and the draw; fallback_random: eager's random stream
-            r.finish_fn = torch.compile(ShapeRunner.finish, fullgraph=True, dynamic=False,
-                                        options={"fallback_random": True})
+            r.finish_fn = compile_static(ShapeRunner.finish, options={"fallback_random": True})
         if p.step == "compiled_step":
             self.inductor_pdl()
-            compile_kw = dict(mode=self.compile_mode, fullgraph=True, dynamic=False)
-            if self.device.type == "cpu":
-                compile_kw.pop("mode")  # CUDA graphs do not exist on the CPU
-            self.step_fns = {key: torch.compile(f, **compile_kw) for key, f in self.step_fns.items()}
+            compile_kw = dict(mode=self.compile_mode) if self.device.type != "cpu" else {}  # no CUDA graphs on the CPU
+            self.step_fns = {key: compile_static(f, **compile_kw) for key, f in self.step_fns.items()}
         self.warm = dict.fromkeys(self.step_fns, False)
 
     def _run_prefill(self, r, prefix):
@@ -448,9 +456,7 @@ class Engine:
             r.fused_rows, r.fused_block = own.fused_rows, lambda R: functools.partial(fused_block,
                                                                                       rows=plans.pass_rows(R, own.pdl))
         if own.head == "compiled":
-            if self.compiled_logits is None:
-                self.compiled_logits = torch.compile(self.model.logits, fullgraph=True, dynamic=False)
-            r.head = self.compiled_logits
+            r.head = self.compiled_head()
         else:
             r.head = functools.partial(self.model.logits, ops=eager_ops(own.ops))
         # the prefill as fast_engine.py's: the same cache length read, so a request's first token is the same

@@ -731,9 +731,6 @@ def serve(args):
     except ImportError:
         raise UserError("the server needs Starlette and uvicorn: pip install -r requirements-serve.txt") from None
     check_args(args)
-    import torch._dynamo
-
-    torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)  # a graph per step size
     t0 = time.perf_counter()
     service = Service(args)
     app = create_app(service)

@@ -402,3 +402,26 @@ def test_a_dropped_engine_is_freed_at_once():
         assert [r() for r in refs] == [None] * len(refs)
     finally:
         gc.enable()
+
+
+def test_compile_static_takes_more_shapes_than_dynamos_default(monkeypatch):
+    """An engine compiles its block once per cache window and row count, and a process may hold several engines: more
+    than dynamo's 8 graphs per function, which fullgraph=True turns into an error (seen on CUDA in one pytest run)."""
+    import torch._dynamo
+
+    monkeypatch.setattr(torch._dynamo.config, "cache_size_limit", 8)
+
+    def scale(x):
+        return x * 2
+
+    shapes = range(1, 11)
+    compiled = engine_module.compile_static(scale, backend="eager")
+    for n in shapes:
+        assert torch.equal(compiled(torch.ones(n)), torch.full((n,), 2.0))
+    torch._dynamo.reset()
+    torch._dynamo.config.cache_size_limit = 8  # as torch.compile alone: the same shapes fail
+    plain = torch.compile(scale, fullgraph=True, dynamic=False, backend="eager")
+    with pytest.raises(torch._dynamo.exc.FailOnRecompileLimitHit):
+        for n in shapes:
+            plain(torch.ones(n))
+    torch._dynamo.reset()

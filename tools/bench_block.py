@@ -24,7 +24,7 @@ import triton
 
 from fast_inference import plan
 from fast_inference.workload import weight_bytes
-from fast_inference.engine import run_block
+from fast_inference.engine import compile_static, run_block
 from fast_inference.kernels import block_triton
 from fast_inference.kernels.attention_triton import decode_attention
 from fast_inference.kernels.block import fused_block
@@ -82,7 +82,7 @@ def main():
         quantize_int8(model)
     layer, D = model.layers[0], args_xl.dim
     block_triton.tile_counts(torch.device("cuda", torch.cuda.current_device()))  # as the engine, before tracing
-    compiled = torch.compile(run_block, fullgraph=True, dynamic=False)
+    compiled = compile_static(run_block)
     mb = weight_bytes(layer) / 1e6
     with torch.no_grad():
         for R in map(int, args.rows.split(",")):
