@@ -453,8 +453,8 @@ class Engine:
                         attention=window_attention(own))
         r.inputs_fn = inputs_triton.window_inputs if own.inputs == "triton" else None
         if own.fused_rows:  # steps at up to these rows on the fused block's kernels (server_block=fused)
-            r.fused_rows, r.fused_block = own.fused_rows, lambda R: functools.partial(fused_block,
-                                                                                      rows=plans.pass_rows(R, own.pdl))
+            rows = lambda R: plans.pass_rows(R, own.pdl, own.gemv_pdl)
+            r.fused_rows, r.fused_block = own.fused_rows, lambda R: functools.partial(fused_block, rows=rows(R))
         if own.head == "compiled":
             r.head = self.compiled_head()
         else:

@@ -58,10 +58,10 @@ VERIFY_KERNELS = True  # a pass's verify in verify_triton's kernels: faster than
 # below its own.
 # Where it is under 1 the pass loses and the plan runs plain steps instead (the `jacobi=on` override runs it anyway).
 PASS_GAINS = {(False, 1): 1.20, (False, 8): 0.96, (True, 1): 1.43, (True, 8): 1.43}
-# --draft-tree's tok/s over plain steps on an H100 (GPT-XL 512 px, 3 nats, pathwise; the best of 4x3+7x3 at 32 and
-# 4x3+2x3 at 48: their passes run the generic path, 4.4-7.2 plain steps), by images as PASS_GAINS; where it is under
-# 1 the plan runs the chain of the same window instead (the `draft_tree=on` override keeps the tree)
-TREE_GAINS = {1: 1.24, 8: 0.62}
+# --draft-tree's tok/s over plain steps on an H100 (GPT-XL 512 px, 3 nats, pathwise, 4x3+2x3 at 48; n = 1 with
+# tree_ops=triton, a pass 2.49 plain steps; n = 8 before it, 7.15), by images as PASS_GAINS; where it is under 1 the
+# plan runs the chain of the same window instead (the `draft_tree=on` override keeps the tree)
+TREE_GAINS = {1: 1.92, 8: 0.62}
 
 # Where one operation keeps two kernels, and why (the cudagraph backend is the mission's backend without Triton):
 #   attention  Triton (split-KV, whole) | CUDA C++ without Triton (n = 1 1.46 -> 1.34 ms/step over SDPA, #69, #77)
@@ -196,7 +196,8 @@ class OwnPositions:
     inputs: str = "model"
     splits: str = "fold"  # as JacobiPass's
     fused_rows: int = 0  # steps at up to this many rows run the fused block's kernels (pass_rows), inductor's above
-    pdl: int = NONE  # their projections' PDL mode (pass_pdl: the override window_block_pdl)
+    pdl: int = NONE  # their dot projections' PDL mode (pass_pdl: the override window_block_pdl)
+    gemv_pdl: bool = False  # their GEMV projections under PDL (pass_gemv_pdl)
     draw: str = "generator"  # generator (sampling.py's ops, each request's Exp(1) noise) | keyed (draw_images)
 
 
@@ -251,7 +252,8 @@ OVERRIDES = dict(
     window_inputs=("model", "triton"),  # ... and their inputs
     window_splits=("fold", "merge"),  # the window attention in one launch, or a split per tile + merge (WINDOW_FOLD)
     window_block=("compiled", "fused"),  # a pass's block: inductor's, or the fused kernels at its rows (with the above)
-    window_block_pdl=("off", "late", "first"),  # the fused block at own positions (a pass, a server step) under PDL or not
+    window_block_pdl=("gemv", "off", "late", "first"),  # the fused block at own positions (a pass, a server step):
+    # its GEMVs under PDL (gemv), nothing under it (off), or its dots too (late, first)
     server_block=("compiled", "fused"),  # a server step's block up to FUSED_ROWS rows: inductor's, or the fused kernels
     verify=("torch", "triton"),  # a pass's verify: speculative.py's ops, or verify_triton's kernels (VERIFY_KERNELS)
     jacobi=("auto", "on"),  # --speculative jacobi: plain steps where the pass measured a loss (PASS_GAINS), or always
@@ -439,7 +441,7 @@ def jacobi_pass(s, block_scope, hand_capture, eager, window, want):
                             "device with Triton, float weights, a head dim the fused block takes, "
                             "window_attention=triton and no draft tree (its QKV writes each key at its position)")
         if s.rows * s.draft_window <= PASS_FUSED_ROWS:
-            block, rows = "fused", pass_rows(s.rows * s.draft_window, pass_pdl(s, want))
+            block, rows = "fused", pass_rows(s.rows * s.draft_window, pass_pdl(s, want), pass_gemv_pdl(s, want))
     return JacobiPass(window=s.draft_window, nodes=nodes, block=block, head="compiled" if compiled else "model",
                       ops=EagerOps() if compiled else dataclasses.replace(eager, rope="torch"), graph=hand_capture,
                       attention=window[0], inputs=window[1], rows=rows, splits=window[3],
@@ -512,24 +514,32 @@ def tree_words(tree):
     return "+".join(f"{a}x{b}" for a, b in zip(tree[::2], tree[1::2]))
 
 
-def pass_rows(rows, pdl=NONE):
+def pass_rows(rows, pdl=NONE, gemv_pdl=False):
     """The fused block's projections at a pass's rows (or a server step's): Triton's (block_cuda's QKV takes one
-    position for every row), GEMV or dot by GEMV_ROWS, without PDL (the window attention between them launches without
-    it) or under it (pass_pdl): the dot path in mode pdl, the GEMV path in its own (GEMV_PDL: weights before the wait)."""
+    position for every row), GEMV or dot by GEMV_ROWS; the dot path in mode pdl (pass_pdl; NONE: the window attention
+    between them launches without it), the GEMV path under PDL in its own mode (GEMV_PDL: weights before the wait)
+    where gemv_pdl or pdl says so."""
     impl = "triton_gemv" if rows <= GEMV_ROWS else "triton_dot"
-    pdl = pdl if impl == "triton_dot" or not pdl else GEMV_PDL
+    if impl == "triton_gemv":
+        pdl = GEMV_PDL if gemv_pdl or pdl else NONE
     return Rows(rows=rows, projections=tuple((name, Projection(impl, pdl)) for name in PROJECTIONS), attention="triton")
 
 
 def pass_pdl(s, want):
-    """The PDL mode of the fused block's projections at rows of their own positions (a pass's, a server step's): none,
-    or by the override window_block_pdl=late|first (a pass at n = 1 on an H100: 1.983 -> 1.945 ms, one run; the server's
-    steps not measured: docs/PERF_NOTES.md, "Sixth session")."""
-    mode = dict(off=NONE, late=LATE, first=FIRST)[want.get("window_block_pdl", "off")]
-    if mode and not s.pdl:
-        raise PlanError("plan override window_block_pdl=late|first needs PDL (a CUDA GPU of sm_90 or later); use "
+    """The PDL mode of the fused block's dot projections at rows of their own positions (a pass's, a server step's):
+    none, or by the override window_block_pdl=late|first (a pass at n = 1 on an H100: 1.983 -> 1.945 ms, one run; a
+    server step at n = 8: 2.153 -> 2.360 ms under first, so not by default: docs/PERF_NOTES.md, "Seventh session")."""
+    mode = dict(gemv=NONE, off=NONE, late=LATE, first=FIRST)[want.get("window_block_pdl", "gemv")]
+    if "window_block_pdl" in want and want["window_block_pdl"] != "off" and not s.pdl:
+        raise PlanError("plan override window_block_pdl=gemv|late|first needs PDL (a CUDA GPU of sm_90 or later); use "
                         "window_block_pdl=off")
     return mode
+
+
+def pass_gemv_pdl(s, want):
+    """Whether the fused block's GEMV projections at their own positions launch under PDL: on sm_90+ unless the
+    override window_block_pdl=off (a server step at n = 1 on an H100: 1.539 -> 1.397 ms, "Seventh session")."""
+    return s.pdl and want.get("window_block_pdl", "gemv") != "off"
 
 
 # A server's steps of up to FUSED_ROWS rows on the fused block's kernels: H100, tools/server_step.py, ms/step against
@@ -557,10 +567,11 @@ def own_positions(s, eager, window, want, draw):
                             "window_inputs=triton; use server_block=compiled")
         fused_rows = FUSED_ROWS
     pdl = pass_pdl(s, want) if fused_rows else NONE
+    gemv_pdl = bool(fused_rows) and pass_gemv_pdl(s, want)
     return OwnPositions(block="compiled" if compiled else "model", head="compiled" if compiled else "model",
                         ops=EagerOps() if compiled else dataclasses.replace(eager, rope="torch"),
                         graph=s.cuda and s.backend != "eager", buckets=buckets, attention=window[0],
-                        inputs=window[1], splits=window[3], fused_rows=fused_rows, pdl=pdl,
+                        inputs=window[1], splits=window[3], fused_rows=fused_rows, pdl=pdl, gemv_pdl=gemv_pdl,
                         draw="keyed" if draw == "triton" else "generator")
 
 
@@ -872,7 +883,7 @@ def describe_own_positions(o):
     """The server step's line of explain."""
     blocks = "compiled" if o.block == "compiled" else "eager"
     if o.fused_rows:
-        pdl = f", {PDL_NAMES[o.pdl]}" if o.pdl else ""
+        pdl = f", {PDL_NAMES[o.pdl]}" if o.pdl else ", GEMVs under PDL" if o.gemv_pdl else ""
         blocks = f"fused (Triton, up to {o.fused_rows} rows{pdl}) or {blocks}"
     runs = "a CUDA graph per step size" if o.graph else "op by op"
     return (f"each row at its own position (a server's batch): the {blocks} blocks and {window_words(o)}, "

@@ -38,11 +38,13 @@ def test_the_plan_takes_them_by_its_default_and_by_the_overrides():
     late = plan.make(dataclasses.replace(hopper, overrides=fused + (("window_block_pdl", "late"),)))
     assert {proj for _, proj in late.jacobi.rows.projections} == {plan.Projection("triton_dot", plan.LATE)}
     assert "fused (Triton dot, PDL late) blocks" in plan.explain(late)
-    with pytest.raises(plan.PlanError, match=r"window_block_pdl=late\|first needs PDL"):
+    with pytest.raises(plan.PlanError, match=r"window_block_pdl=gemv\|late\|first needs PDL"):
         plan.make(dataclasses.replace(hopper, capability=(8, 0), overrides=fused + (("window_block_pdl", "first"),)))
     # the GEMV path under PDL in its own mode (weights before the wait), without PDL where none is asked
     assert plan.pass_rows(4, plan.LATE).projection("wo") == plan.Projection("triton_gemv", plan.GEMV_PDL)
     assert plan.pass_rows(4).projection("wo") == plan.Projection("triton_gemv")
+    assert plan.pass_rows(4, gemv_pdl=True).projection("wo") == plan.Projection("triton_gemv", plan.GEMV_PDL)
+    assert plan.pass_rows(32, gemv_pdl=True).projection("wo") == plan.Projection("triton_dot")  # dots: pdl's alone
     p = plan.make(dataclasses.replace(hopper, overrides=fused, batch=8))  # 256 rows: the compiled block
     assert p.jacobi.block == "compiled" and p.jacobi.rows is None
     with pytest.raises(plan.PlanError, match="window_block=fused needs"):
@@ -57,10 +59,17 @@ def test_the_plan_takes_them_by_its_default_and_by_the_overrides():
     assert plan.make(dataclasses.replace(steps, overrides=on + (("server_block", "compiled"),))).own_positions \
         .fused_rows == 0
     server = plan.make(dataclasses.replace(steps, overrides=on + (("server_block", "fused"),))).own_positions
-    assert server.fused_rows == plan.FUSED_ROWS and "fused (Triton, up to 16 rows)" in plan.describe_own_positions(server)
-    assert server.pdl == plan.NONE
+    assert server.fused_rows == plan.FUSED_ROWS and "fused (Triton, up to 16 rows" in plan.describe_own_positions(server)
+    assert server.pdl == plan.NONE and server.gemv_pdl  # by default the GEMVs under PDL, the dots without
+    assert "up to 16 rows, GEMVs under PDL" in plan.describe_own_positions(server)
     server = plan.make(dataclasses.replace(steps, overrides=on + (("window_block_pdl", "first"),))).own_positions
     assert server.pdl == plan.FIRST and "up to 16 rows, PDL first" in plan.describe_own_positions(server)
+    server = plan.make(dataclasses.replace(steps, overrides=on + (("window_block_pdl", "off"),))).own_positions
+    assert (server.pdl, server.gemv_pdl) == (plan.NONE, False)
+    ampere = dataclasses.replace(steps, capability=(8, 0))
+    assert not plan.make(dataclasses.replace(ampere, overrides=on)).own_positions.gemv_pdl  # no PDL before sm_90
+    with pytest.raises(plan.PlanError, match="needs PDL"):
+        plan.make(dataclasses.replace(ampere, overrides=on + (("window_block_pdl", "gemv"),)))
     with pytest.raises(plan.PlanError, match="server_block=fused needs"):
         plan.make(dataclasses.replace(steps, overrides=(("window_attention", "sdpa"), ("server_block", "fused"))))
     # the window attention's splits: folded into its one launch by default, the merge kernel's form by the override
@@ -325,7 +334,7 @@ EARLY = {"test_pass_and_server_step_on_window_kernels_in_interpreter": (SCRIPT, 
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-@pytest.mark.parametrize("block", ["fused", "compiled", "fused,window_block_pdl=first"])
+@pytest.mark.parametrize("block", ["fused", "compiled", "fused,window_block_pdl=first", "fused,window_block_pdl=off"])
 def test_server_steps_on_window_kernels_give_the_plain_engines_tokens_on_cuda(block):
     """fp32 at GPT-XL's width: requests joining a server's batch on the window kernels (captured steps per bucket), on
     the fused block's kernels (under PDL too) or inductor's block, get the plain engine's greedy tokens."""
