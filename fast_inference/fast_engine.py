@@ -52,7 +52,8 @@ def parse_args(argv=None):
                    help="c2i class (default: the .npy beside --condition-path, as sample_c2i.py)")
     p.add_argument("--num-images", type=int, default=1,
                    help="samples per prompt, from the same control (>= 1; as many as fit the free memory)")
-    p.add_argument("--warmup", type=int, default=0, help="untimed generations first (compile, capture; >= 0)")
+    p.add_argument("--warmup", type=int, default=0, help="untimed generations and VQ decodes first (compile, capture; "
+                   ">= 0)")
     p.add_argument("--out", default=None,
                    help="PNG file: a grid of the control map, then the samples (default under sample/)")
     p.add_argument("--save-samples", default=None, help="directory: each sample as {i}.png")
@@ -277,8 +278,8 @@ def run(args):
     note = weights_note(args, demo)
     if note:
         print("  " + note)
-    for _ in range(args.warmup):
-        pipe.generate_tokens(cond, mask, control, params)
+    for _ in range(args.warmup):  # the VQ decode's first call builds its kernels (seconds): warm it up too
+        pipe.decode(pipe.generate_tokens(cond, mask, control, params), H, W)
     t0 = time.perf_counter()
     tokens = pipe.generate_tokens(cond, mask, control, params)
     sync(device)

@@ -207,6 +207,19 @@ def test_bf16_on_cpu(files, tmp_path, capsys, engine):
     assert t.shape == (1, 16) and 0 <= t.min() and t.max() < 16384
 
 
+def test_warmup_decodes_too(files, tmp_path, capsys, monkeypatch):
+    """--warmup runs whole images, the VQ decode included: its first call builds kernels, which the timed image's VQ
+    decode must not pay (load_serve.py's fast_engine.py figure was 5.4 s of VQ decode for one image)."""
+    from fast_inference.pipeline import Pipeline
+
+    calls = []
+    decode = Pipeline.decode
+    monkeypatch.setattr(Pipeline, "decode", lambda self, *a: calls.append(a[1:]) or decode(self, *a))
+    code, out, err = cli(capsys, *t2i_argv(files, tmp_path, "--warmup", 2))
+    assert code == 0, err
+    assert len(calls) == 3 and len(set(calls)) == 1
+
+
 def test_quantize_int8(files, tmp_path, capsys):
     """--quantize int8 loads the checkpoint, then makes the per-step projections int8; the fast and the
     reference engine sample the same greedy tokens from it."""
