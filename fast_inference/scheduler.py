@@ -247,6 +247,8 @@ class Worker:
         # finished jobs' VQ decoding beside the steps (on the CPU it takes longer than a small image's steps)
         self.decoder = ThreadPoolExecutor(1, thread_name_prefix=f"vq-{index}")
         self.cuda = engine.device.type == "cuda"
+        # the decoder's own stream: its kernels run beside the steps, not queued between them on the engine's stream
+        self.decode_stream = torch.cuda.Stream(engine.device) if self.cuda else None
 
     def shared(self):
         """GPU work beside other threads' (DeviceWork); nothing to order on the CPU."""
@@ -322,17 +324,26 @@ class Worker:
     def leave_done(self, entry):
         """A finished entry out of the batch, its tokens to the decoder thread."""
         job, tokens = self.entries[entry], self.batch.tokens(entry)
+        ready = None
+        if self.cuda:  # the decoder's stream waits for the tokens' copy on this thread's stream
+            ready = torch.cuda.Event()
+            ready.record()
         self.remove(entry)
-        self.decoder.submit(self.timed, "decode", self.finish, job, tokens)
+        self.decoder.submit(self.timed, "decode", self.finish, job, tokens, ready)
 
     def remove(self, entry):
         self.batch.remove(entry)
         del self.entries[entry]
 
-    def finish(self, job, tokens):
-        """The decoder thread's: a done job's images, or its failure."""
+    def finish(self, job, tokens, ready=None):
+        """The decoder thread's: a done job's images, or its failure. On CUDA on the decoder's stream, after `ready`
+        (the tokens' copy); the tokens' memory is not reused until that stream is past them."""
+        stream = torch.cuda.stream(self.decode_stream) if ready is not None else contextlib.nullcontext()
         try:
-            with torch.no_grad(), self.shared():
+            with torch.no_grad(), self.shared(), stream:
+                if ready is not None:
+                    self.decode_stream.wait_event(ready)
+                    tokens.record_stream(self.decode_stream)
                 images = self.decode(tokens, job.request)
         except Exception as e:  # noqa: BLE001
             self.fail([job], e, job.request)

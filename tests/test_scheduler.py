@@ -218,3 +218,36 @@ def wait(job, timeout=60):
     while job.status not in ("done", "failed", "cancelled"):
         assert time.time() < deadline, job.status
         time.sleep(0.01)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_finished_jobs_decode_on_the_decoders_stream_on_cuda():
+    """On CUDA a finished job's VQ decode runs on the worker's decoder stream (beside the steps, not queued between
+    them) and reads the job's tokens: those the engine draws for it alone."""
+    from test_continuous import alone
+
+    class StreamRecorder(Recorder):
+        def decode_code(self, tokens, shape):
+            self.streams = getattr(self, "streams", []) + [torch.cuda.current_stream()]
+            return super().decode_code(tokens, shape)
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    model = tiny_model(seed=4).cuda()
+    cond, mask, condition = tiny_inputs(model, B=1)
+    requests = [Request(cond=cond.cuda(), mask=mask.cuda(), control=condition[0, :, :32, :32].cuda(), seed=seed,
+                        top_k=1) for seed in (1, 2, 3)]  # greedy: the batch's and the lone engine's sums may round apart
+    want = alone(model, requests[0])
+    s, vq = Scheduler(max_queue=4), StreamRecorder()
+    s.add_worker(Engine(model, backend="eager"), vq, capacity=2)
+    s.start()
+    try:
+        jobs = [Job(r) for r in requests]
+        for j in jobs:
+            s.submit(j)
+        for j in jobs:
+            wait(j)
+    finally:
+        s.close(grace=0)
+    assert [j.status for j in jobs] == ["done"] * 3
+    assert set(vq.streams) == {s.workers[0].decode_stream} and s.workers[0].decode_stream != torch.cuda.current_stream()
+    assert len(vq.tokens) == 3 and all(torch.equal(t, want) for t in vq.tokens)
