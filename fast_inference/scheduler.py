@@ -276,7 +276,8 @@ class Worker:
             self.seconds[what] += time.perf_counter() - t0
 
     def admit(self, job):
-        """A job into the batch (a new batch if its shape is another): its prefill and first token."""
+        """A job into the batch (a new batch if its shape is another): its prefill and first token. A join that
+        captures its graph (Batch.admit_captures) excludes every other thread's GPU work, as a step's capture does."""
         request = job.request
         try:
             with self.shared():

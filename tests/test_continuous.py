@@ -395,4 +395,5 @@ def test_server_step_tool_runs_on_a_tiny_model(tmp_path):
     assert out.returncode == 0, out.stderr[-2000:]
     rows = json.loads((tmp_path / "s.json").read_text())["rows"]
     assert [r["n"] for r in rows] == [1, 2] and all(r["batch_ms"] > 0 and r["plain_ms"] > 0 for r in rows)
+    assert all(r["first_admit_ms"] > 0 and r["admit_ms"] > 0 and r["capture_ms"] is None for r in rows)  # none on CPU
     assert out.stdout.count("\n| ") >= 3  # the header's separator and a row per size
