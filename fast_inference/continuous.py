@@ -99,9 +99,19 @@ class ContinuousRunner(ShapeRunner):
         """Request into slots slot..slot+n-1: inputs, its tensors (cond, mask or None, control), copied into static
         buffers; prepare(*inputs) -> its generate.Prepared (2n rows under CFG); key: its graph's (join_key); settings
         (cfg_scale, temperature, top_k, top_p), written to the staging slots; its draws: seed (a 0-d int64 tensor) its
-        Philox key (keyed), else its first token's Exp(1) draws already in join_noise(n). Runs join_fn: where the plan
-        captures steps, as it comes at its key's first join, captured at the second, replayed after."""
+        Philox key (keyed), else its first token's Exp(1) draws already in join_noise(n). Runs join_fn, from its graph
+        where the plan captures steps (run_join)."""
         static = self.static_inputs(inputs)
+        self.stage(slot, n, settings, seed)
+        make = lambda: self.join_fn(n, seed is not None, lambda: prepare(*static))
+        if self.graphs is None:
+            make()()
+        else:
+            self.run_join(key, make)
+
+    def stage(self, slot, n, settings, seed):
+        """A join's inputs besides its tensors: its first slot, its settings in the staging slots (the Philox key and
+        k where keyed), and on the host its slots' settings (the steps' filters' number paths)."""
         B = self.batch
         self.join_slot.fill_(slot)
         cfg_scale, temperature, top_k, top_p = settings
@@ -113,16 +123,16 @@ class ContinuousRunner(ShapeRunner):
             self.slot_seed[B : B + n] = seed
             self.slot_k[B : B + n] = draw_triton.image_k(int(top_k), self.noise.shape[1])
         self.settings[slot : slot + n] = [(int(top_k), float(top_p))] * n
-        join = lambda: self.join_fn(n, seed is not None, lambda: prepare(*static))
-        if self.graphs is None:
-            join()()
-            return
+
+    def run_join(self, key, make):
+        """The join make() makes, of key: as it comes at the key's first join (a one-request process pays no capture),
+        captured at its second, replayed after; the JOIN_KEYS keys last used keep their graphs."""
         if key in self.graphs:
             self.graphs.replay(key)
         elif key in self.joined:
-            self.graphs.capture(key, join(), state=self)
-        else:  # a one-request process pays no capture
-            join()()
+            self.graphs.capture(key, make(), state=self)
+        else:
+            make()()
         self.joined.pop(key, None)
         self.joined[key] = None
         while len(self.joined) > self.JOIN_KEYS:  # the least recently used key forgotten, its graph dropped
