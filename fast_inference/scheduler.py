@@ -284,8 +284,7 @@ class Worker:
                 if self.batch is None or self.batch.shape != request.shape:
                     self.batch = None  # the old shape's caches and graphs go before the new ones are made
                     self.batch = Batch(self.engine, request.shape, self.capacity)
-            capture = self.cuda and self.batch.admit_captures(request)
-            with self.scheduler.gpu.exclusive() if capture else self.shared():
+            with self.scheduler.gpu.exclusive() if self.batch.admit_captures(request) else self.shared():
                 entry = self.batch.admit(request)
         except Exception as e:  # noqa: BLE001 (the job fails; the server serves the others)
             self.fail([job], e, request)

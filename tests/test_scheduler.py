@@ -179,9 +179,8 @@ def test_out_of_memory_fails_that_job_and_the_worker_serves_on():
 
 
 def test_a_join_that_captures_excludes_the_other_threads(monkeypatch):
-    """On CUDA a worker captures a join's graph (its key's second admission) as it captures a step's: under
-    DeviceWork.exclusive, no other thread's GPU work beside it (stand-in graphs on the CPU, the worker taken for a
-    CUDA one); the jobs get the engine's tokens alone."""
+    """A worker captures a join's graph (its key's second admission; CUDA's, stand-in graphs on the CPU) under
+    DeviceWork.exclusive, no other thread's GPU work beside it; the jobs get the engine's tokens alone."""
     from fast_inference import engine as engine_module
     from test_continuous import alone, is_join, stand_in_graphs
 
@@ -196,7 +195,6 @@ def test_a_join_that_captures_excludes_the_other_threads(monkeypatch):
     want = [alone(model, r) for r in requests]
     s, vq = Scheduler(max_queue=4), Recorder()
     s.add_worker(Engine(model, backend="eager"), vq, capacity=2)
-    s.workers[0].cuda = True
     s.start()
     try:
         jobs = [Job(r) for r in requests]
@@ -206,7 +204,8 @@ def test_a_join_that_captures_excludes_the_other_threads(monkeypatch):
     finally:
         s.close(grace=0)
     assert all(j.status == "done" for j in jobs)
-    assert [key for key, _ in held if is_join(key)] and all(exclusive for _, exclusive in held)
+    joins = [exclusive for key, exclusive in held if is_join(key)]
+    assert joins and all(joins)
     assert all(torch.equal(got, w) for got, w in zip(vq.tokens, want))
 
 
