@@ -12,6 +12,10 @@ request's seed: where the plan takes the Triton draw (`keyed`), draw_triton's ra
 generator makes once, at the counter of the image's place in its request (draw_triton.draw_images, inside the step's
 graph); else, and for top-p < 1 (which fast_engine.py draws with sampling.py's ops), the Exp(1) noise its own
 generator makes, (n, V) per token. The same seed gives fast_engine.py's images, whatever shares the batch.
+
+A join (prepare(), the prefill, the first token's draw) reads its slot from a buffer and draws in staging slots past the
+batch's, so where the plan captures steps it is captured too: per number of images and what prepare() bakes in, as
+it comes the first time, captured the second, replayed after (as the plain engine's prefill).
 """
 from dataclasses import dataclass, replace
 from typing import Optional
@@ -31,30 +35,40 @@ class ContinuousRunner(ShapeRunner):
 
     STATE = ("logits",)  # what a step's capture warm-up changes besides the caches (it rewrites the same keys)
     KEYED_STATE = ("logits", "token", "input_pos", "out", "slot_token", "slot_pos")  # and where the draw is inside
+    # what a request's slots hold besides its rows (move and join copy them)
+    SLOT_BUFFERS = ("out", "cfg_scale", "temperature", "slot_top_k", "slot_top_p", "slot_seed", "slot_image",
+                    "slot_images", "slot_k")
+    JOIN_KEYS = 16  # join keys kept (with their graphs), the least recently used dropped: a key per control strength
 
     def __init__(self, model, plan, num_tokens, prefix_len, num_controls):
         super().__init__(model, plan, num_tokens, prefix_len, num_controls, top_k=0, keep_logits=False)
         B, V, device = self.batch, model.args.vocab_size, self.out.device
         self.halves = 2 if self.cfg else 1
         R = B * self.halves
+        S = 2 * B  # the slots' buffers: B slots, then B staging slots, where a joining request draws its first token
         buf = lambda name, t: self.register_buffer(name, t, persistent=False)
         buf("token", torch.zeros(R, 1, dtype=torch.long, device=device))  # each row's last token
         buf("input_pos", torch.full((R, 1), prefix_len, dtype=torch.long, device=device))  # and its position
         buf("live", torch.zeros(R, 1, dtype=torch.long, device=device))  # 1 where the row's request decodes
-        buf("cfg_scale", torch.ones(B, 1, device=device))
-        buf("temperature", torch.ones(B, 1, device=device))
-        buf("slot_top_k", torch.zeros(B, 1, dtype=torch.long, device=device))
-        buf("slot_top_p", torch.ones(B, 1, device=device))
-        buf("noise", torch.ones(B, V, device=device))  # each slot's Exp(1) draws, made by its request's generator
+        buf("out", torch.zeros(S, num_tokens, dtype=torch.long, device=device))
+        buf("cfg_scale", torch.ones(S, 1, device=device))
+        buf("temperature", torch.ones(S, 1, device=device))
+        buf("slot_top_k", torch.zeros(S, 1, dtype=torch.long, device=device))
+        buf("slot_top_p", torch.ones(S, 1, device=device))
+        buf("noise", torch.ones(S, V, device=device))  # each slot's Exp(1) draws, made by its request's generator
         buf("one_query", torch.ones(1, dtype=torch.long, device=device))  # the window kernel's mask: its own key
         # keyed draws (draw_triton.draw_images): each slot's Philox key, its image's place in its request, its k
         self.keyed = plan.own_positions.draw == "keyed"
-        buf("slot_seed", torch.zeros(B, dtype=torch.long, device=device))
-        buf("slot_image", torch.zeros(B, dtype=torch.int32, device=device))
-        buf("slot_images", torch.ones(B, dtype=torch.int32, device=device))
-        buf("slot_k", torch.full((B,), V, dtype=torch.int32, device=device))
-        buf("slot_token", torch.zeros(B, 1, dtype=torch.long, device=device))  # the draw's tokens, one per slot
-        buf("slot_pos", torch.zeros(B, dtype=torch.long, device=device))  # the position each slot's draw is at
+        buf("slot_seed", torch.zeros(S, dtype=torch.long, device=device))
+        buf("slot_image", torch.zeros(S, dtype=torch.int32, device=device))
+        buf("slot_images", torch.ones(S, dtype=torch.int32, device=device))
+        buf("slot_k", torch.full((S,), V, dtype=torch.int32, device=device))
+        buf("slot_token", torch.zeros(S, 1, dtype=torch.long, device=device))  # the draw's tokens, one per slot
+        buf("slot_pos", torch.zeros(S, dtype=torch.long, device=device))  # the position each slot's draw is at
+        # a join's: its first slot (a graph's input), the images' places, the prefix's positions
+        buf("join_slot", torch.zeros(1, dtype=torch.long, device=device))
+        buf("image_index", torch.arange(B, device=device))
+        buf("prefix_pos", torch.arange(prefix_len, device=device))
         if self.keyed:
             self.STATE = self.KEYED_STATE
         self.settings = [None] * B  # per slot on the host: (top_k, top_p), to take the filters' scalar paths
@@ -62,10 +76,13 @@ class ContinuousRunner(ShapeRunner):
         self.fused_rows, self.fused_block = 0, None  # steps at up to fused_rows rows: fused_block(rows) as the block
         self.graphs = Graphs() if plan.own_positions.graph else None
         self.buckets = plan.own_positions.buckets
+        self.inputs = {}  # the requests' inputs' static buffers, by their shapes
+        self.joined = {}  # join keys run (captured the second time), the least recently used first
 
     def rows_of(self, slot, n):
-        """The cache rows of slots slot..slot+n-1 in prepare()'s order: the conditional rows, then the unconditional."""
-        first = torch.arange(slot, slot + n, device=self.out.device) * self.halves
+        """The cache rows of slots slot..slot+n-1 in prepare()'s order: the conditional rows, then the unconditional.
+        slot: a number, or a tensor of one (join_slot)."""
+        first = (self.image_index[:n] + slot) * self.halves
         return first if self.halves == 1 else torch.cat([first, first + 1])
 
     def captures(self, bucket):
@@ -78,37 +95,110 @@ class ContinuousRunner(ShapeRunner):
 
     # ---- a request in and out -------------------------------------------------------------------------------------
 
-    def join(self, slot, p, settings, noise=None, key=None):
-        """Request into slots slot..slot+n-1: prepared inputs p (generate.Prepared, 2n rows under CFG), settings
-        (cfg_scale, temperature, top_k, top_p), and its draws: noise (n, V) its first token's Exp(1) draws, or key
-        (a 0-d int64 tensor) its Philox key (keyed). Runs its prefill into its rows of the caches and draws its first
-        token into out[:, 0]."""
-        n = p.prefix.shape[0] // self.halves
-        rows, T = self.rows_of(slot, n), self.prefix_len
-        self.key_valid[rows] = p.key_valid(self.model.max_seq)
-        self.controls[:, rows] = p.controls
+    def join(self, slot, n, inputs, prepare, key, settings, seed=None):
+        """Request into slots slot..slot+n-1: inputs, its tensors (cond, mask or None, control), copied into static
+        buffers; prepare(*inputs) -> its generate.Prepared (2n rows under CFG); key: its graph's (join_key); settings
+        (cfg_scale, temperature, top_k, top_p), written to the staging slots; its draws: seed (a 0-d int64 tensor) its
+        Philox key (keyed), else its first token's Exp(1) draws already in join_noise(n). Runs join_fn, from its graph
+        where the plan captures steps (run_join)."""
+        static = self.static_inputs(inputs)
+        self.stage(slot, n, settings, seed)
+        make = lambda: self.join_fn(n, seed is not None, lambda: prepare(*static))
+        if self.graphs is None:
+            make()()
+        else:
+            self.run_join(key, make)
+
+    def stage(self, slot, n, settings, seed):
+        """A join's inputs besides its tensors: its first slot, its settings in the staging slots (the Philox key and
+        k where keyed), and on the host its slots' settings (the steps' filters' number paths)."""
+        B = self.batch
+        self.join_slot.fill_(slot)
         cfg_scale, temperature, top_k, top_p = settings
-        self.cfg_scale[slot : slot + n] = float(cfg_scale)
-        self.temperature[slot : slot + n] = max(float(temperature), 1e-5)
-        self.slot_top_k[slot : slot + n] = int(top_k)
-        self.slot_top_p[slot : slot + n] = float(top_p)
+        self.cfg_scale[B : B + n] = float(cfg_scale)
+        self.temperature[B : B + n] = max(float(temperature), 1e-5)
+        self.slot_top_k[B : B + n] = int(top_k)
+        self.slot_top_p[B : B + n] = float(top_p)
+        if seed is not None:
+            self.slot_seed[B : B + n] = seed
+            self.slot_k[B : B + n] = draw_triton.image_k(int(top_k), self.noise.shape[1])
         self.settings[slot : slot + n] = [(int(top_k), float(top_p))] * n
-        positions = torch.arange(T, device=rows.device)
-        logits = self.model(p.prefix, positions, self.key_valid[rows], self.controls[:, rows], last_only=True,
-                            ctx=replace(self.prefill_ctx, rows=rows))[:, -1]
-        if key is None:
-            token = self.draw(logits, slot, n, noise)
-            self.out[slot : slot + n, 0] = token[:, 0]
-        else:  # as ShapeRunner.first_token: the position whose next token is drawn
-            self.slot_seed[slot : slot + n] = key
-            self.slot_image[slot : slot + n] = torch.arange(n, device=rows.device)
-            self.slot_images[slot : slot + n] = n
-            self.slot_k[slot : slot + n] = draw_triton.image_k(int(top_k), self.noise.shape[1])
-            self.slot_pos[slot : slot + n] = T - 1
-            token = self.keyed_draw(logits.contiguous(), slot, n)
-        self.token[rows] = token.repeat(self.halves, 1)
-        self.input_pos[rows] = T  # token 0 goes in at the first image position
-        self.live[rows] = 1
+
+    def run_join(self, key, make):
+        """The join make() makes, of key: as it comes at the key's first join (a one-request process pays no capture),
+        captured at its second, replayed after; the JOIN_KEYS keys last used keep their graphs."""
+        if key in self.graphs:
+            self.graphs.replay(key)
+        elif key in self.joined:
+            self.graphs.capture(key, make(), state=self)
+        else:
+            make()()
+        self.joined.pop(key, None)
+        self.joined[key] = None
+        while len(self.joined) > self.JOIN_KEYS:  # the least recently used key forgotten, its graph dropped
+            old = next(iter(self.joined))
+            del self.joined[old]
+            self.graphs.drop(old)
+
+    @staticmethod
+    def join_key(n, keyed, inputs, baked):
+        """A join's graph key: its images, whether its draw is keyed, its inputs' shapes and what prepare() bakes in."""
+        return ("join", n, keyed, shapes(inputs), *baked)
+
+    def join_captures(self, key):
+        """Whether a join of key captures its graph now (its second)."""
+        return self.graphs is not None and key in self.joined and key not in self.graphs
+
+    def static_inputs(self, inputs):
+        """A request's tensors in the static buffers of their shapes, copied without a host sync (from pinned
+        memory: a pageable copy waits for the steps queued before it)."""
+        key = shapes(inputs)
+        if key not in self.inputs:
+            self.inputs[key] = [None if t is None else torch.empty(t.shape, dtype=t.dtype, device=self.out.device)
+                                for t in inputs]
+        static = self.inputs[key]
+        for buffer, t in zip(static, inputs):
+            if t is not None:
+                pinned = buffer.is_cuda and t.device.type == "cpu"
+                buffer.copy_(t.pin_memory() if pinned else t, non_blocking=pinned)
+        return static
+
+    def join_noise(self, n):
+        """Where a joining request's first token's Exp(1) draws go (its staging slots' noise), (n, V)."""
+        return self.noise[self.batch : self.batch + n]
+
+    def join_fn(self, n, keyed, prepare):
+        """What a join runs (and its graph holds): prepare() from the static inputs, the prefill into the rows of slots
+        join_slot.. (their caches, text masks and control rows), the first token drawn in the staging slots (the
+        settings there as tensors, the keyed draw's image places set), their buffers copied to the request's slots,
+        its rows' token, position and flag set. Only join_slot's value says where: one graph serves every slot."""
+        B, T = self.batch, self.prefix_len
+        stage = slice(B, B + n)
+
+        def join():
+            p = prepare()
+            slots, rows = self.join_slot + self.image_index[:n], self.rows_of(self.join_slot, n)
+            key_valid = p.key_valid(self.model.max_seq)
+            self.key_valid.index_copy_(0, rows, key_valid)
+            self.controls.index_copy_(1, rows, p.controls)
+            logits = self.model(p.prefix, self.prefix_pos, key_valid, p.controls, last_only=True,
+                                ctx=replace(self.prefill_ctx, rows=rows))[:, -1]
+            if keyed:  # as ShapeRunner.first_token: the position whose next token is drawn
+                self.slot_image[stage] = self.image_index[:n]
+                self.slot_images[stage] = n
+                self.slot_pos[stage] = T - 1
+                token = self.keyed_draw(logits.contiguous(), B, n)
+            else:  # the staging slots have no host settings: the filters' tensor paths (the same bits)
+                token = self.draw(logits, B, n, self.noise[stage])
+                self.out[stage, 0] = token[:, 0]
+            for name in self.SLOT_BUFFERS:
+                t = getattr(self, name)
+                t.index_copy_(0, slots, t[stage].clone())
+            self.token.index_copy_(0, rows, token.repeat(self.halves, 1))
+            self.input_pos.index_fill_(0, rows, T)  # token 0 goes in at the first image position
+            self.live.index_fill_(0, rows, 1)
+
+        return join
 
     def leave(self, slot, n):
         """Slots slot..slot+n-1 idle: they stop advancing, at a position every step can still compute."""
@@ -128,8 +218,8 @@ class ContinuousRunner(ShapeRunner):
         for t in (self.key_valid, self.token, self.input_pos, self.live):
             t[b] = t[a]
         self.controls[:, b] = self.controls[:, a]
-        for t in (self.out, self.cfg_scale, self.temperature, self.slot_top_k, self.slot_top_p, self.slot_seed,
-                  self.slot_image, self.slot_images, self.slot_k):
+        for name in self.SLOT_BUFFERS:
+            t = getattr(self, name)
             t[dst : dst + n] = t[src : src + n].clone()
         self.settings[dst : dst + n] = self.settings[src : src + n]
 
@@ -231,6 +321,10 @@ class ContinuousRunner(ShapeRunner):
         return sample(logits, self.temperature[slot : slot + n], top_k, top_p, race=True, noise=noise)
 
 
+def shapes(tensors):
+    return tuple(None if t is None else (t.shape, t.dtype) for t in tensors)
+
+
 @dataclass(eq=False)
 class Request:
     """What a request's images depend on: its inputs and settings (serve.py checks them). cond: caption embeddings
@@ -271,6 +365,10 @@ class Entry:
         return self.done >= self.request.num_tokens
 
 
+def inputs(request):
+    return request.cond, request.mask, request.control
+
+
 class Batch:
     """One engine's running batch of one shape: requests in consecutive slots packed at the front, each with its
     own random stream (a key or a generator); admit at a step boundary, step, remove (the ones after it move down)."""
@@ -291,23 +389,47 @@ class Batch:
         """Prefill a request into the next free slots and draw its first token -> its Entry. A request of one token is
         finished here: take its tokens and remove it before the next step."""
         r, n, device = self.runner, request.num_images, self.runner.out.device
-        cond = request.cond.to(device).repeat_interleave(n, 0)  # as fast_engine.py: each prompt num_images times
-        mask = None if request.mask is None else request.mask.to(device).repeat_interleave(n, 0)
-        condition = request.control[None].to(device).expand(n, -1, -1, -1)
-        p = prepare(self.engine.model, cond, condition, mask, request.cfg_scale, request.control_strength,
-                    request.condition_type)
         generator = torch.Generator(device).manual_seed(request.seed)  # fast_engine.py's torch.manual_seed(seed)
-        settings = (request.cfg_scale, request.temperature, request.top_k, request.top_p)
-        if r.keyed and request.top_p >= 1.0:  # the key Engine.generate draws first from torch's generator
-            r.join(self.used, p, settings, key=torch.randint(0, 2**62, (), generator=generator, device=device))
+        seed = None
+        if self.keyed(request):  # the key Engine.generate draws first from torch's generator
+            seed = torch.randint(0, 2**62, (), generator=generator, device=device)
             generator = None
         else:
-            r.join(self.used, p, settings, torch.empty(n, r.noise.shape[1], device=device).exponential_(
-                1, generator=generator))
+            r.join_noise(n).exponential_(1, generator=generator)
+        settings = (request.cfg_scale, request.temperature, request.top_k, request.top_p)
+        r.join(self.used, n, inputs(request), self.preparer(request), self.join_key(request), settings, seed)
         entry = Entry(request, self.used, 1, generator)
         self.entries.append(entry)
         self.used += n
         return entry
+
+    def keyed(self, request):
+        """Whether a request's draws are keyed (else its generator's: top-p < 1, as fast_engine.py's torch draw)."""
+        return self.runner.keyed and request.top_p >= 1.0
+
+    def preparer(self, request):
+        """prepare() of a request's inputs (cond, mask, control) for its n images, as fast_engine.py prepares them:
+        each prompt num_images times. A graph keeps it: it holds only what join_key holds (and cfg_scale, which
+        prepare() reads as > 1 only: the batch's)."""
+        model, n, cfg_scale = self.engine.model, request.num_images, request.cfg_scale
+        strength, kind = request.control_strength, request.condition_type
+
+        def make(cond, mask, control):
+            mask = None if mask is None else mask.repeat_interleave(n, 0)
+            return prepare(model, cond.repeat_interleave(n, 0), control[None].expand(n, -1, -1, -1), mask, cfg_scale,
+                           strength, kind)
+
+        return make
+
+    def join_key(self, request):
+        """The graph key of a request's join; prepare() bakes in its condition type and control strength (cfg: the
+        batch's)."""
+        return self.runner.join_key(request.num_images, self.keyed(request), inputs(request),
+                                    (request.condition_type, float(request.control_strength)))
+
+    def admit_captures(self, request):
+        """Whether admitting request now captures its join's CUDA graph."""
+        return self.runner.join_captures(self.join_key(request))
 
     @torch.no_grad()
     def step(self):

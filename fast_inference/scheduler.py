@@ -278,13 +278,15 @@ class Worker:
             self.seconds[what] += time.perf_counter() - t0
 
     def admit(self, job):
-        """A job into the batch (a new batch if its shape is another): its prefill and first token."""
+        """A job into the batch (a new batch if its shape is another): its prefill and first token. A join that
+        captures its graph (Batch.admit_captures) excludes every other thread's GPU work, as a step's capture does."""
         request = job.request
         try:
             with self.shared():
                 if self.batch is None or self.batch.shape != request.shape:
                     self.batch = None  # the old shape's caches and graphs go before the new ones are made
                     self.batch = Batch(self.engine, request.shape, self.capacity)
+            with self.scheduler.gpu.exclusive() if self.batch.admit_captures(request) else self.shared():
                 entry = self.batch.admit(request)
         except Exception as e:  # noqa: BLE001 (the job fails; the server serves the others)
             self.fail([job], e, request)

@@ -12,7 +12,7 @@ import torch
 
 from fast_inference import engine as engine_module
 from fast_inference import plan
-from fast_inference.continuous import Batch, Request
+from fast_inference.continuous import Batch, ContinuousRunner, Request
 from fast_inference.engine import Engine
 from test_reference import tiny_inputs, tiny_model
 
@@ -146,20 +146,41 @@ def test_the_last_request_fills_a_finished_ones_slots_in_one_move(monkeypatch):
     assert torch.equal(done[id(entries[1])], want[1]) and torch.equal(done[id(entries[2])], want[2])
 
 
-def test_captured_steps_per_bucket(monkeypatch):
-    """Where the plan captures the steps (CUDA), one graph per bucket, replayed with the rows' buffers as they are
-    then: stand-in graphs replay the captured function (CUDA graphs do not exist on the CPU), and the tokens are the
-    engine's alone."""
-    make, captured = plan.make, []
+def stand_in_graphs(monkeypatch):
+    """Plans that capture the server's steps and joins (as on CUDA), with stand-in graphs that replay the captured
+    function (CUDA graphs do not exist on the CPU) -> the lists of the keys captured and of (key, first slot) replayed
+    (a join's slot: join_slot's value at its replay)."""
+    make, captured, replayed = plan.make, [], []
     monkeypatch.setattr(engine_module.plans, "make", lambda s: dataclasses.replace(
         make(s), own_positions=dataclasses.replace(make(s).own_positions, graph=True)) if s.own_positions else make(s))
 
     def capture(self, key, fn, state=None):
         captured.append(key)
         fn()
-        self.graphs[key] = SimpleNamespace(replay=fn)
+        slot = lambda: int(state.join_slot) if is_join(key) else None
+        self.graphs[key] = SimpleNamespace(replay=lambda: (replayed.append((key, slot())), fn()))
 
     monkeypatch.setattr(engine_module.Graphs, "capture", capture)
+    return captured, replayed
+
+
+def is_join(key):
+    return isinstance(key, tuple) and key[0] == "join"  # a join's graph (a step's key is its bucket)
+
+
+def join_at(batch, request, slot):
+    """A request's join into slots slot.. of the batch's runner, as Batch.admit makes it (its generator's draws)."""
+    r, n = batch.runner, request.num_images
+    r.join_noise(n).exponential_(1, generator=torch.Generator().manual_seed(request.seed))
+    r.join(slot, n, (request.cond, request.mask, request.control), batch.preparer(request), batch.join_key(request),
+           (request.cfg_scale, request.temperature, request.top_k, request.top_p))
+
+
+def test_captured_steps_per_bucket(monkeypatch):
+    """Where the plan captures the steps (CUDA), one graph per bucket, replayed with the rows' buffers as they are
+    then: stand-in graphs replay the captured function (CUDA graphs do not exist on the CPU), and the tokens are the
+    engine's alone."""
+    captured, _ = stand_in_graphs(monkeypatch)
     model = tiny_model(seed=5)
     rs = [requests(model)[i] for i in (0, 2, 1)]  # 1, 2 then 4 images in the batch
     want = [alone(model, r) for r in rs]
@@ -167,6 +188,102 @@ def test_captured_steps_per_bucket(monkeypatch):
     got = run(batch, {0: [rs[0]], 2: [rs[1]], 4: [rs[2]]})
     assert all(torch.equal(got[i], want[i]) for i in range(3))
     assert batch.runner.buckets == (1, 2, 4) and sorted(set(captured)) == [1, 2, 4] and len(captured) == 3
+
+
+def test_captured_joins_replay_into_other_slots(monkeypatch):
+    """Where the plan captures the steps it captures joins too, per images and what prepare() bakes in: a key's first
+    join runs as it comes, its second captures, later ones replay into other slots with their own inputs, settings
+    and seeds; every request gets the engine's tokens alone (a replay that wrote the capture's slot, or read its
+    inputs or settings, would not)."""
+    captured, replayed = stand_in_graphs(monkeypatch)
+    model = tiny_model(seed=8)
+    base = requests(model)
+    one = [dataclasses.replace(base[i % 2], seed=10 + i, cfg_scale=2.0 + i, temperature=0.6 + 0.2 * i, top_k=3 * i,
+                               top_p=1.0 - 0.1 * (i % 2), num_images=1) for i in range(4)]
+    two = [dataclasses.replace(base[1 - i], seed=20 + i, num_images=2) for i in range(3)]
+    rs = [one[0], two[0], one[1], one[2], two[1], one[3], two[2]]
+    want = [alone(model, r) for r in rs]
+    batch = Batch(Engine(model, backend="eager"), rs[0].shape, capacity=4)
+    got = run(batch, {0: rs[:2], 2: rs[2:4], 5: rs[4:]})
+    for i in range(len(rs)):
+        assert torch.equal(got[i], want[i]), i
+    joins = [k for k in captured if is_join(k)]
+    assert joins == [batch.join_key(one[0]), batch.join_key(two[0])]  # each at its second join
+    slots = {key: {slot for k, slot in replayed if k == key} for key in joins}
+    assert slots[joins[0]] and slots[joins[1]]  # one-image joins replayed, and two-image ones
+    assert len(set().union(*slots.values())) > 1
+
+
+def test_a_replayed_join_is_the_eager_join_and_writes_its_own_rows_only(monkeypatch):
+    """A join replayed from its graph (captured at other slots) into slots 1 and 2 of a batch whose caches and buffers
+    hold random values leaves them all as the eager join does (on a runner that captures nothing, from the same
+    values), and changes nothing outside its rows' prefix positions and its slots."""
+    model = tiny_model(seed=9)
+    shape, T = (64, 64, True), model.args.prefix_len
+    a, b = (dataclasses.replace(q, num_images=2) for q in requests(model)[:2])
+    g = torch.Generator().manual_seed(1)
+    start = {}  # the random values both runners start from
+
+    def randomised(r):
+        """The runner's caches and the buffers a join reads or writes (not its constants) at start's values."""
+        state = {}
+        for i, layer in enumerate(model.layers):
+            cache = layer.attention.kv_cache
+            state[f"cache k{i}"], state[f"cache v{i}"] = cache.k_cache, cache.v_cache
+        state.update({name: getattr(r, name) for name in r.SLOT_BUFFERS + ("key_valid", "controls", "token",
+                                                                           "input_pos", "live", "noise")})
+        for name, t in state.items():
+            if name not in start:
+                start[name] = (torch.randint(0, 7, t.shape, generator=g) if t.dtype in (torch.long, torch.int32)
+                               else torch.rand(t.shape, generator=g) > 0.3 if t.dtype == torch.bool
+                               else torch.randn(t.shape, generator=g))
+            t.copy_(start[name])
+        return state
+
+    captured, replayed = stand_in_graphs(monkeypatch)
+    batch = Batch(Engine(model, backend="eager"), shape, capacity=4)
+    join_at(batch, a, 0)
+    join_at(batch, b, 2)  # captured at slots 2 and 3
+    assert captured == [batch.join_key(a)] and not replayed
+    state = randomised(batch.runner)
+    join_at(batch, a, 1)
+    assert replayed == [(batch.join_key(a), 1)]
+    graphed = {name: t.clone() for name, t in state.items()}
+    monkeypatch.undo()
+    plain = Batch(Engine(model, backend="eager"), shape, capacity=4)
+    assert plain.runner.graphs is None
+    state = randomised(plain.runner)
+    join_at(plain, a, 1)
+    for name, t in state.items():
+        assert torch.equal(graphed[name], t), name
+    rows, slots = plain.runner.rows_of(1, 2), [1, 2]
+    others = [i for i in range(8) if i not in rows.tolist()]
+    for name, t in graphed.items():
+        if name.startswith("cache"):  # its rows' prefix positions only
+            assert torch.equal(t[others], start[name][others]) and torch.equal(t[:, :, T:], start[name][:, :, T:]), name
+        elif name in ("key_valid", "token", "input_pos", "live"):
+            assert torch.equal(t[others], start[name][others]), name
+        elif name == "controls":
+            assert torch.equal(t[:, others], start[name][:, others]), name
+        else:  # the slots' buffers: its slots and the staging slots
+            kept = [i for i in range(4) if i not in slots]
+            assert torch.equal(t[kept], start[name][kept]), name
+
+
+def test_the_least_recently_used_join_key_is_forgotten(monkeypatch):
+    """A join key per control strength (prepare() bakes it in) is unbounded: beyond JOIN_KEYS the least recently used
+    is forgotten and its graph dropped, so that it runs as it comes again, and captures at its next join."""
+    captured, replayed = stand_in_graphs(monkeypatch)
+    monkeypatch.setattr(ContinuousRunner, "JOIN_KEYS", 2)
+    model = tiny_model(seed=10)
+    a, b, c = (dataclasses.replace(requests(model)[0], control_strength=s) for s in (1.0, 0.5, 0.25))
+    batch = Batch(Engine(model, backend="eager"), a.shape, capacity=2)
+    for r in (a, a, a, b, c, a, a, b):  # a captured at its second join, replayed, forgotten at c's, captured again
+        join_at(batch, r, 0)
+    key = batch.join_key
+    assert captured == [key(a), key(a)] and replayed == [(key(a), 0)]
+    assert list(batch.runner.joined) == [key(a), key(b)] and key(a) in batch.runner.graphs
+    assert key(b) not in batch.runner.graphs and key(c) not in batch.runner.graphs
 
 
 def test_per_row_settings_filter_each_row_as_it_would_be_alone():
@@ -231,6 +348,44 @@ def test_captured_steps_on_cuda_give_the_reference_greedy_tokens():
     assert all(torch.equal(twice[0][i], twice[1][i]) for i in range(3))
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_captured_joins_on_cuda_give_the_eager_joins_tokens():
+    """On CUDA (inductor: steps and joins captured, float32): requests of one and two images whose joins are captured
+    at their key's second join and replayed into other slots (their inputs pinned and copied from the host, their own
+    seeds and settings; keyed draws, and top-p < 1 on their generators) get the tokens of the same schedule whose joins
+    all run as they come, and the keyed ones the plain engine's alone with their seeds."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    model = tiny_model(seed=6).cuda()
+    base = requests(model)[:2]  # on the host, as serve.py makes them
+    one = [dataclasses.replace(base[i % 2], seed=10 + i, num_images=1, top_k=50, temperature=0.8 + 0.2 * i,
+                               cfg_scale=3.0 + i) for i in range(4)]
+    two = [dataclasses.replace(base[1 - i % 2], seed=20 + i, num_images=2, top_k=50) for i in range(3)]
+    drawn = [dataclasses.replace(base[i % 2], seed=30 + i, num_images=1, top_p=0.9) for i in range(3)]
+    rs = [one[0], two[0], one[1], drawn[0], one[2], two[1], drawn[1], one[3], two[2], drawn[2]]
+    schedule = {0: rs[:2], 2: rs[2:4], 4: rs[4:7], 9: rs[7:]}
+    engine = Engine(model, backend="inductor")
+    eager = Batch(engine, rs[0].shape, capacity=4)
+    eager.runner.JOIN_KEYS = 0  # every key forgotten at once: each join as it comes
+    want = run(eager, schedule)
+    assert not any(is_join(k) for k in eager.runner.graphs.graphs)
+    batch = Batch(engine, rs[0].shape, capacity=4)
+    replay, replayed = batch.runner.graphs.replay, []
+    batch.runner.graphs.replay = lambda key: (replayed.append(key), replay(key))
+    got = run(batch, schedule)
+    joins = {batch.join_key(r) for r in (one[0], two[0], drawn[0])}
+    assert joins <= set(batch.runner.graphs.graphs) and joins <= set(replayed)
+    for i, r in enumerate(rs):
+        assert torch.equal(got[i], want[i]), i
+        if r.top_p >= 1.0:
+            n = r.num_images
+            torch.manual_seed(r.seed)
+            alone = engine_module.Engine(model).generate(
+                r.cond.cuda().repeat_interleave(n, 0), r.num_tokens, emb_masks=r.mask.cuda().repeat_interleave(n, 0),
+                cfg_scale=r.cfg_scale, condition=r.control.cuda()[None].expand(n, -1, -1, -1),
+                temperature=r.temperature, top_k=r.top_k)
+            assert torch.equal(got[i].cpu(), alone.cpu()), i
+
+
 def test_server_step_tool_runs_on_a_tiny_model(tmp_path):
     """tools/server_step.py --tiny (its CPU smoke run): a table row per size and the JSON beside it."""
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -240,4 +395,5 @@ def test_server_step_tool_runs_on_a_tiny_model(tmp_path):
     assert out.returncode == 0, out.stderr[-2000:]
     rows = json.loads((tmp_path / "s.json").read_text())["rows"]
     assert [r["n"] for r in rows] == [1, 2] and all(r["batch_ms"] > 0 and r["plain_ms"] > 0 for r in rows)
+    assert all(r["first_admit_ms"] > 0 and r["admit_ms"] > 0 and r["capture_ms"] is None for r in rows)  # none on CPU
     assert out.stdout.count("\n| ") >= 3  # the header's separator and a row per size

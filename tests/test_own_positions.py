@@ -259,6 +259,8 @@ def capture(self, key, fn, state=None):
 model = tiny_model(vocab_size=300)
 rs = requests(model)[:4]  # seeds 1 to 4; rs[1] two images (temperature 0.7, top-k 5), rs[2] top-p 0.8 (its generator)
 rs[3] = dataclasses.replace(rs[3], cfg_scale=2.5, temperature=1.3)
+# two more of rs[0]'s join key (one image, its inputs' shapes, condition type and strength): a captured join, a replay
+rs += [dataclasses.replace(rs[0], seed=5, cfg_scale=3.0, top_k=7), dataclasses.replace(rs[1], seed=6, num_images=1)]
 plain = alone(model, rs[0])  # sampling.py's draw with torch's generator
 engine_module.plans.make = with_triton_draw
 engine_module.Graphs.capture = capture
@@ -269,9 +271,9 @@ for GRAPHS in (False, True):
     captured = []
     batch = Batch(Engine(model, backend="eager"), rs[0].shape, capacity=4)
     assert batch.runner.keyed
-    got = run(batch, {0: rs[:2], 3: [rs[2]], 5: [rs[3]]})  # rs[3] joins once slots are free
-    assert bool(captured) == GRAPHS
-    for i in range(4):
+    got = run(batch, {0: rs[:2], 3: [rs[2]], 5: rs[3:]})  # rs[3:] join once slots are free
+    assert bool(captured) == GRAPHS and (batch.join_key(rs[0]) in captured) == GRAPHS
+    for i in range(len(rs)):
         assert torch.equal(got[i], want[i]), (GRAPHS, i, got[i], want[i])
         checked += 1
 print("ok", checked)
@@ -281,11 +283,12 @@ print("ok", checked)
 def test_server_draws_with_each_requests_key_in_interpreter():
     """Where the plan takes the Triton draw, a server's requests joining a running batch at other steps (seeds of their
     own, one of two images, their own cfg scale, temperature and top-k; one with top-p < 1 on its generator beside
-    them) get the tokens the engine gives each alone with its seed and the same draw, the steps run as they come and
-    through stand-in graphs (the draw inside the step)."""
+    them) get the tokens the engine gives each alone with its seed and the same draw, the steps and joins run as they
+    come and through stand-in graphs (the draw inside the step; three joins of one key: as it comes, captured,
+    replayed)."""
     out = early.result(KEYED_SCRIPT, interpret.ENV)
     assert out.returncode == 0, out.stderr[-3000:]
-    assert out.stdout.split()[-2:] == ["ok", "8"], out.stdout
+    assert out.stdout.split()[-2:] == ["ok", "12"], out.stdout
 
 
 # The CUDA pass cases: (window, the pass's block, images). The fused block runs up to plan.PASS_FUSED_ROWS rows, so

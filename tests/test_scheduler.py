@@ -178,6 +178,37 @@ def test_out_of_memory_fails_that_job_and_the_worker_serves_on():
     assert not s.workers[0].thread.is_alive()
 
 
+def test_a_join_that_captures_excludes_the_other_threads(monkeypatch):
+    """A worker captures a join's graph (its key's second admission; CUDA's, stand-in graphs on the CPU) under
+    DeviceWork.exclusive, no other thread's GPU work beside it; the jobs get the engine's tokens alone."""
+    from fast_inference import engine as engine_module
+    from test_continuous import alone, is_join, stand_in_graphs
+
+    stand_in_graphs(monkeypatch)
+    capture, held = engine_module.Graphs.capture, []
+    monkeypatch.setattr(engine_module.Graphs, "capture", lambda self, key, fn, state=None: (
+        held.append((key, s.gpu.capturing)), capture(self, key, fn, state)))
+    model = tiny_model(seed=5)
+    cond, mask, condition = tiny_inputs(model, B=2)
+    requests = [Request(cond=cond[i % 2 : i % 2 + 1], mask=mask[i % 2 : i % 2 + 1], control=condition[i % 2], seed=i)
+                for i in range(3)]
+    want = [alone(model, r) for r in requests]
+    s, vq = Scheduler(max_queue=4), Recorder()
+    s.add_worker(Engine(model, backend="eager"), vq, capacity=2)
+    s.start()
+    try:
+        jobs = [Job(r) for r in requests]
+        for j in jobs:
+            s.submit(j)
+            wait(j)
+    finally:
+        s.close(grace=0)
+    assert all(j.status == "done" for j in jobs)
+    joins = [exclusive for key, exclusive in held if is_join(key)]
+    assert joins and all(joins)
+    assert all(torch.equal(got, w) for got, w in zip(vq.tokens, want))
+
+
 class Recorder(NoDecoder):
     """NoDecoder that keeps the tokens it was given."""
 

@@ -65,10 +65,11 @@ usage: tools/gpu_session.sh STEP...      (steps run in order; each writes OUT/<s
           --python-version 3.12 -r requirements-serve.txt, and carry .whl in the device call. SERVE_PLAN: the
           server's plan overrides (e.g. server_block=fused: its steps of up to 16 rows on the fused block's kernels)
 
-  serverstep  the CUDA tests of the server's keyed draw and steps, then where a server's step goes
+  serverstep  the CUDA tests of the server's keyed draw, steps and captured admissions, then where a server's step goes
           (tools/server_step.py): the continuous batch of n one-image requests
           against the plain engine's step at n (SERVER_SIZES, default 1,8,32), its forward graph alone, the host's
-          time, and both steps' kernels by name (OUT/server_step_profile.txt); SERVE_PLAN as the serve step's
+          time, an admission's ms (the first, its graph's capture, replays) and both steps' kernels by name
+          (OUT/server_step_profile.txt); SERVE_PLAN as the serve step's
 
 OUT (default sample/gpu) receives the logs; PYTHON picks the interpreter.
 USAGE
@@ -258,9 +259,9 @@ step_serve() {
 step_serverstep() {
     # the server's keyed draws and steps on CUDA first, then where its step goes: the continuous batch against the
     # plain step at n = 1, 8, 32, kernels by name
-    (cd "$root" && timeout 240 "$py" -m pytest -q -p no:cacheprovider tests/test_draw_triton.py \
+    (cd "$root" && timeout 360 "$py" -m pytest -q -p no:cacheprovider tests/test_draw_triton.py \
         tests/test_own_positions.py tests/test_continuous.py -k cuda) \
-        || echo "== FAILED (or over 240 s): the keyed draw's and the server steps' CUDA tests"
+        || echo "== FAILED (or over 360 s): the keyed draw's and the server steps' CUDA tests"
     "$py" "$here/server_step.py" --sizes "${SERVER_SIZES:-1,8,32}" ${SERVE_PLAN:+--plan "$SERVE_PLAN"} \
         --profile-dir "$out" --json "$out/server_step.json"
 }

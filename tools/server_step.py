@@ -9,7 +9,8 @@ image's steps (--steps: fewer, from the start, read shorter caches: a bias in th
 the end) and the host's time to issue them (before the synchronisation: near the wall time, the steps wait on the
 host); its step graph replayed alone (the blocks and the head; where the draws are keyed, the draw and the tokens
 written too) and so the rest (the requests' noise, the draw, the tokens written; keyed: the host's work) by
-difference; and the time to admit one request between steps (its prefill and first token, synchronised).
+difference; and the time to admit one request between steps (its prefill and first token, synchronised): the first
+of its kind (as it comes), the one that captures its graph and those after it (replays, where the plan captures them).
 --profile-dir: the kernels of the plain step and of one batch step by name, largest first, per n
 (DIR/server_step_profile.txt). --tiny: a tiny random model on the CPU (a smoke run of the script itself; its times mean
 nothing).
@@ -38,8 +39,9 @@ def tiny_model():
                                  condition_type="hed")).eval().requires_grad_(False)
 
 
-def requests(model, n, side, device):
-    cond, mask, condition = inputs(model, n, side, device)
+def requests(model, n, side):
+    """n one-image requests, their tensors on the host (as serve.py makes them)."""
+    cond, mask, condition = inputs(model, n, side, "cpu")
     return [Request(cond=cond[i : i + 1], mask=mask[i : i + 1], control=condition[i], seed=i) for i in range(n)]
 
 
@@ -78,18 +80,29 @@ def time_replays(batch, steps, device):
     return 1e3 * (time.perf_counter() - t0) / steps
 
 
-def time_admit(batch, request, device, rounds=5):
-    """ms to admit one request into the running batch (its prefill and first token, as serve.py's engine thread does
-    between steps), synchronised: the median of `rounds` removals and re-admissions of its last request."""
-    times = []
-    for _ in range(rounds):
+def admit_ms(batch, request, device):
+    """ms to admit one request into the batch (its prefill and first token, as serve.py's engine thread does between
+    steps), synchronised -> (ms, whether it captured its graph)."""
+    captures = batch.admit_captures(request)
+    sync(device)
+    t0 = time.perf_counter()
+    batch.admit(request)
+    sync(device)
+    return 1e3 * (time.perf_counter() - t0), captures
+
+
+def time_admits(batch, request, device, rounds=5):
+    """Removals and re-admissions of the running batch's last request -> (ms of the one that captured its graph, None
+    if none did; the median ms of the `rounds` after it)."""
+    capture, times = None, []
+    while len(times) < rounds:
         batch.remove(batch.entries[-1])
-        sync(device)
-        t0 = time.perf_counter()
-        batch.admit(request)
-        sync(device)
-        times.append(1e3 * (time.perf_counter() - t0))
-    return sorted(times)[len(times) // 2]
+        ms, captured = admit_ms(batch, request, device)
+        if captured:
+            capture = ms
+        else:
+            times.append(ms)
+    return capture, sorted(times)[rounds // 2]
 
 
 def profile_step(batch, label, out):
@@ -125,9 +138,9 @@ def main():
     name = torch.cuda.get_device_name() if device == "cuda" else "CPU"
     print(f"{name} | {'tiny' if args.tiny else 'GPT-XL'} t2i {side} px, random weights, cfg 4, top-k 2000 | batch plan "
           f"{','.join(args.plan) or '(default)'}", flush=True)
-    print("| n | plain ms/step | batch ms/step | x plain | host ms/step | forward graph ms | the rest ms | admit ms |",
-          flush=True)
-    print("|---|---|---|---|---|---|---|---|", flush=True)
+    print("| n | plain ms/step | batch ms/step | x plain | host ms/step | forward graph ms | the rest ms "
+          "| first admit ms | capture ms | admit ms |", flush=True)
+    print("|---|---|---|---|---|---|---|---|---|---|", flush=True)
     results = []
     with torch.no_grad():
         for n in map(int, args.sizes.split(",")):
@@ -147,21 +160,24 @@ def main():
             plain.runner = None
             model.clear_caches()
             engine = Engine(model, backend="inductor" if device == "cuda" else "eager", overrides=tuple(args.plan))
-            rs = requests(model, n, side, device)
+            rs = requests(model, n, side)
             batch = Batch(engine, rs[0].shape, capacity=n)
-            for r in rs:
-                batch.admit(r)
+            admits = [admit_ms(batch, r, device) for r in rs]  # one key: the first as it comes, the second captures
+            first, capture = admits[0][0], next((ms for ms, captured in admits if captured), None)
             for _ in range(3):  # the bucket's capture and warm-up
                 batch.step()
             wall, host = time_steps(batch, steps, device)
             forward = time_replays(batch, steps, device)
-            admit = time_admit(batch, rs[-1], device)
+            late_capture, admit = time_admits(batch, rs[-1], device)
+            capture = capture if late_capture is None else late_capture
             row = dict(n=n, plain_ms=fast["step_ms"], batch_ms=wall, host_ms=host, forward_ms=forward,
-                       rest_ms=None if forward is None else wall - forward, admit_ms=admit)
+                       rest_ms=None if forward is None else wall - forward, first_admit_ms=first,
+                       capture_ms=capture, admit_ms=admit)
             results.append(row)
-            cell = lambda v: "-" if v is None else f"{v:.3f}"
+            cell = lambda v, f=".3f": "-" if v is None else format(v, f)
             print(f"| {n} | {fast['step_ms']:.3f} | {wall:.3f} | {wall / fast['step_ms']:.2f} | {host:.3f} | "
-                  f"{cell(forward)} | {cell(row['rest_ms'])} | {admit:.1f} |", flush=True)
+                  f"{cell(forward)} | {cell(row['rest_ms'])} | {first:.1f} | {cell(capture, '.1f')} | {admit:.1f} |",
+                  flush=True)
             if prof is not None:
                 profile_step(batch, f"server step, n = {n}, {','.join(args.plan) or 'default plan'}", prof)
             if args.json:  # after each row: a run cut by its time limit keeps what it measured
