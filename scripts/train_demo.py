@@ -65,7 +65,7 @@ DROP = 0.1  # caption and control dropped together, for CFG
 UNUSED_AT_INFERENCE = ("condition_embeddings.weight", "condition_mlp.uncond_embedding")  # not stored
 COMMIT = 0.25  # LlamaGen's commitment weight
 RESTART_EVERY = 200  # VQ steps between restarts of unused codes
-HIDE_SHARE = 0.5  # --colour-weight: the captioned rows with shapes that have one shape hidden before its onset
+HIDE_SHARE = 0.5  # --colour-weight: the captioned rows with shapes (--hide-dropped: all) with a shape hidden
 RECOLOUR_SHARE = 0.5  # --hide-until e1: the hidden rows whose context shows the shape in a wrong colour
 ENTRY_TOKENS = 4  # --entry-weight's tokens per region: the first of a shape's top row, whose colour the rest copy
 FULL_EVERY = 4  # every 4th VQ step sees whole images (as many pixels as the other steps' random crops)
@@ -95,6 +95,9 @@ def parse_args(argv=None):
     p.add_argument("--hide-until", choices=["onset", "e1"], default=None, help="--colour-weight's hidden context "
                    "ends at the shape's onset (default), or at e1, its first token whose patch centre is inside it, "
                    "the context then half without the shape, half with it in a wrong colour; the head reads there")
+    p.add_argument("--hide-dropped", action="store_true", default=None, help="--colour-weight's hidden rows drawn "
+                   "among all rows with shapes, the CFG-dropped ones too (token loss only: no caption names a colour), "
+                   "so that the null branch learns the context before a shape can be wrong too")
     p.add_argument("--gpt-batch", type=int, default=None, help="scenes per GPT step (default: the preset's)")
     p.add_argument("--gpt-lr", type=float, default=None, help="the GPT's peak learning rate (default: the preset's)")
     p.add_argument("--log-every", type=int, default=50)
@@ -437,15 +440,15 @@ def entries(batch, slots, size, grid, device):
     return torch.where(inner.any(1), inner.int().argmax(1), onsets(batch, slots, size, grid, device))
 
 
-def hide_before_onset(batch, tokens, vq, size, drop, until="onset"):
-    """--colour-weight's rows: in a random HIDE_SHARE of the captioned rows with shapes, the tokens before one random
-    shape's onset replaced by those of the scene drawn without it. The VQ's tokens next to a shape carry some of its
-    colour, so a model taught on true tokens reads a shape's colour from them, and at sampling, where nothing drew
-    them yet, guesses it (tools/demo_binding.py --colours). until "e1": hidden up to the shape's e1 instead, in a
-    RECOLOUR_SHARE of those rows by the scene with the shape in a wrong colour. -> (tokens, rows (R,), onsets or e1s
-    (R,), colours (R,))."""
+def hide_before_onset(batch, tokens, vq, size, drop, until="onset", dropped=False):
+    """--colour-weight's rows: in a random HIDE_SHARE of the captioned rows with shapes (dropped, --hide-dropped: of
+    all rows with shapes, the CFG-dropped too), the tokens before one random shape's onset replaced by those of the
+    scene drawn without it. The VQ's tokens next to a shape carry some of its colour, so a model taught on true tokens
+    reads a shape's colour from them, and at sampling, where nothing drew them yet, guesses it
+    (tools/demo_binding.py --colours). until "e1": hidden up to the shape's e1 instead, in a RECOLOUR_SHARE of those
+    rows by the scene with the shape in a wrong colour. -> (tokens, rows (R,), onsets or e1s (R,), colours (R,))."""
     count = torch.tensor([len(s.shapes) for s in batch])
-    picked = (torch.rand(len(batch)) < HIDE_SHARE) & (count > 0) & ~drop.cpu()
+    picked = (torch.rand(len(batch)) < HIDE_SHARE) & (count > 0) & (~drop.cpu() | dropped)  # the same draws either way
     slot = (torch.rand(len(batch)) * count).long()  # uniform over the row's shapes
     rows = picked.nonzero().flatten().tolist()
     device = tokens.device
@@ -477,9 +480,12 @@ def shape_hidden(batch, slots, tokens, vq, size, until="onset", recolour=None):
     return torch.where(before, clean.to(tokens.dtype), tokens), at
 
 
-def colour_loss(head, hidden, rows, at, colours):
+def colour_loss(head, hidden, rows, at, colours, drop):
     """(cross-entropy, accuracy) of the colour head at the hidden shapes' onsets: the colour of the shape about to
-    begin, from the GPT's last hidden state that predicts the onset token (only the caption and the control tell)."""
+    begin, from the GPT's last hidden state that predicts the onset token (only the caption and the control tell).
+    Rows in drop (--hide-dropped's) are skipped: no caption names their colour."""
+    keep = ~drop[rows]
+    rows, at, colours = rows[keep], at[keep], colours[keep]
     if not len(rows):
         return hidden.new_zeros(()), torch.tensor(float("nan"))
     logits = head(F.rms_norm(hidden[rows, at].float(), hidden.shape[-1:]))
@@ -487,16 +493,16 @@ def colour_loss(head, hidden, rows, at, colours):
 
 
 def gpt_loss(model, encoder, vq, indices, types, drop, tokens, preset, device, split="train", entry_weight=1.0,
-             colour=None, hide_until="onset"):
+             colour=None, hide_until="onset", hide_dropped=False):
     """-> (the tokens' cross-entropy, entry-weighted; None). With colour = (head, weight): some rows' tokens before a
-    shape's onset or e1 (hide_until) hidden (hide_before_onset), and (that + weight x the colour head's loss there,
-    the head's accuracy)."""
+    shape's onset or e1 (hide_until) hidden (hide_before_onset; hide_dropped: dropped rows too), and (that + weight x
+    the colour head's loss there, captioned rows only, the head's accuracy)."""
     size = preset["size"]
     batch, rgb, _ = images(indices, size, device, split)
     maps = control_maps(batch, types, rgb, size, device)
     drop = torch.as_tensor(drop, device=device)
     if colour is not None:
-        tokens, rows, at, colours = hide_before_onset(batch, tokens, vq, size, drop, hide_until)
+        tokens, rows, at, colours = hide_before_onset(batch, tokens, vq, size, drop, hide_until, hide_dropped)
     with autocast(device):
         prefix, mask, controls = gpt_inputs(model, encoder, batch, maps, types, drop)
         hidden = teacher_forced_hidden(model, prefix, mask, controls, tokens)
@@ -510,7 +516,7 @@ def gpt_loss(model, encoder, vq, indices, types, drop, tokens, preset, device, s
     if colour is None:
         return loss, None
     head, weight = colour
-    extra, accuracy = colour_loss(head, hidden, rows, at, colours)
+    extra, accuracy = colour_loss(head, hidden, rows, at, colours, drop)
     return loss + weight * extra, accuracy
 
 
@@ -548,6 +554,8 @@ def train_gpt(args, preset, device, log):
     recipe = run_recipe(args, preset, state)
     if recipe["hide_until"] != "onset" and not recipe["colour_weight"]:
         raise SystemExit("error: --hide-until moves --colour-weight's hidden context; give --colour-weight too")
+    if recipe["hide_dropped"] and not recipe["colour_weight"]:  # the hiding comes with the colour head
+        raise SystemExit("error: --hide-dropped widens --colour-weight's hidden rows; give --colour-weight too")
     # the colour head: training only (not stored with the model), it names a hidden shape's colour at its onset
     head = torch.nn.Linear(margs["dim"], len(scenes.COLOURS), device=device) if recipe["colour_weight"] else None
     trained = list(model.parameters()) + (list(head.parameters()) if head else [])
@@ -576,7 +584,7 @@ def train_gpt(args, preset, device, log):
         loss, accuracy = gpt_loss(model, encoder, vq, indices, types, drop,
                                   tokens_of(indices, table, preset, vq, device), preset, device,
                                   entry_weight=recipe["entry_weight"], colour=colour,
-                                  hide_until=recipe["hide_until"])
+                                  hide_until=recipe["hide_until"], hide_dropped=recipe["hide_dropped"])
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(trained, 1.0)
@@ -604,8 +612,8 @@ def train_gpt(args, preset, device, log):
     return done
 
 
-RECIPE = ("gpt_batch", "gpt_lr", "entry_weight", "colour_weight", "hide_until")  # a run's flags that --resume keeps
-DEFAULT_WEIGHTS = dict(entry_weight=1.0, colour_weight=0.0, hide_until="onset")  # the plain loss
+RECIPE = ("gpt_batch", "gpt_lr", "entry_weight", "colour_weight", "hide_until", "hide_dropped")  # --resume keeps
+DEFAULT_WEIGHTS = dict(entry_weight=1.0, colour_weight=0.0, hide_until="onset", hide_dropped=False)  # the plain loss
 
 
 def run_recipe(args, preset, state):
@@ -616,7 +624,7 @@ def run_recipe(args, preset, state):
     if state is None:
         return new
     stored = state.get("recipe") or new  # a state from before recipes were stored: the flags'
-    stored = {"hide_until": "onset", **stored}  # one from before --hide-until: the onset
+    stored = {"hide_until": "onset", "hide_dropped": False, **stored}  # one from before those flags: their defaults
     for k in RECIPE:
         if flags[k] is not None and flags[k] != stored[k]:
             raise SystemExit(f"error: --resume goes on with the run's --{k.replace('_', '-')} {stored[k]}; leave "

@@ -250,7 +250,7 @@ def test_a_shape_hidden_before_its_onset():
     assert torch.equal(got[others], tokens[others])
     head = torch.nn.Linear(8, len(scenes.COLOURS))
     hidden = torch.randn(16, grid * grid, 8)
-    loss, accuracy = train_demo.colour_loss(head, hidden, rows, at, colours)
+    loss, accuracy = train_demo.colour_loss(head, hidden, rows, at, colours, drop)
     logits = head(torch.nn.functional.rms_norm(hidden[rows, at], (8,)))
     assert abs(loss.item() - torch.nn.functional.cross_entropy(logits, colours).item()) < 1e-6
     assert accuracy.item() == (logits.argmax(-1) == colours).float().mean().item()
@@ -296,7 +296,7 @@ def test_hide_until_onset_is_todays_hiding_draw_for_draw():
     tokens, drop = encode(vq, batch, size), torch.tensor([i % 5 == 0 for i in range(12)])
     torch.manual_seed(3)
     want, after = onset_reference(batch, tokens, vq, size, drop), torch.rand(4)
-    for until in ((), ("onset",)):
+    for until in ((), ("onset",), ("onset", False)):  # --hide-dropped off too
         torch.manual_seed(3)
         got = train_demo.hide_before_onset(batch, tokens, vq, size, drop, *until)
         assert all(torch.equal(x, y) for x, y in zip(got, want)) and torch.equal(torch.rand(4), after)
@@ -372,4 +372,120 @@ def test_hide_until_is_part_of_the_runs_recipe(tmp_path):
         train(tmp_path / "b", "--phase", "gpt", "--vq-from", a, "--hide-until", "e1")
     args = train_demo.parse_args(["--out", "x"])
     old = dict(gpt_batch=3, gpt_lr=1e-3, entry_weight=2.0, colour_weight=0.5)
-    assert train_demo.run_recipe(args, train_demo.PRESETS["test"], dict(recipe=old)) == dict(old, hide_until="onset")
+    assert train_demo.run_recipe(args, train_demo.PRESETS["test"], dict(recipe=old)) == dict(old, hide_until="onset",
+                                                                                           hide_dropped=False)
+
+
+def picks_reference(batch, drop, dropped):
+    """hide_before_onset's draws restated: a row is hidden if its first draw is under HIDE_SHARE, it has shapes and it
+    is captioned (dropped, --hide-dropped: or not); its second draw picks the shape -> (rows, slots)."""
+    u, v = torch.rand(len(batch)), torch.rand(len(batch))
+    rows = [i for i, s in enumerate(batch) if u[i] < train_demo.HIDE_SHARE and s.shapes and (dropped or not drop[i])]
+    return rows, [int(v[i] * len(batch[i].shapes)) for i in rows]
+
+
+def test_hide_dropped_hides_dropped_rows_as_captioned_ones(monkeypatch):
+    """--hide-dropped (--hide-until e1): the rows are drawn among all rows with shapes, the CFG-dropped ones too, by
+    the same draws as without it (off: the captioned picks and draws of before the flag, the rng left where it was;
+    on: those plus the dropped rows the same draws pick, same shapes); every picked row, dropped or not, holds the scene
+    without the shape (or recoloured, by the same draws) before e1, counted pixel by pixel, its own tokens from e1."""
+    size, grid, step = 128, 8, 16
+    batch = scenes.scenes(range(16), "test")
+    vq = VQModel(VQConfig(codebook_size=64, ch=32, ch_mult=[1, 1, 1, 1, 1], z_channels=32, num_res_blocks=1,
+                          norm_groups=8)).eval()
+    tokens, drop = encode(vq, batch, size), torch.tensor([i % 3 == 0 for i in range(16)])
+    made, recoloured = {}, train_demo.recoloured
+    monkeypatch.setattr(train_demo, "recoloured", lambda s, k, p=0: made.setdefault(id(s), recoloured(s, k, p)))
+    _, inside = scenes.labels(batch, size)
+    touched = inside.view(16, 3, grid, step, grid, step).any(5).any(3).flatten(2)  # (B, 3, N)
+    picks = {}
+    for dropped in (False, True):
+        made.clear()
+        torch.manual_seed(1)  # a seed whose dropped picks hold both kinds of hidden context
+        want, slots = picks_reference(batch, drop, dropped)
+        wrong = (torch.rand(len(want)) < train_demo.RECOLOUR_SHARE).tolist()
+        torch.randint(0, len(scenes.COLOURS), (len(want),))
+        after = torch.rand(4)
+        torch.manual_seed(1)
+        got, rows, at, colours = train_demo.hide_before_onset(batch, tokens, vq, size, drop, "e1", dropped)
+        assert rows.tolist() == want and torch.equal(torch.rand(4), after)  # the same draws, no other
+        assert colours.tolist() == [scenes.COLOURS.index(batch[r].shapes[k].colour) for r, k in zip(want, slots)]
+        assert [id(batch[r]) in made for r in want] == wrong
+        e1 = [first_centre_inside(inside, r, k, grid, step) for r, k in zip(want, slots)]
+        e1 = [touched[r, k].int().argmax().item() if a is None else a for r, k, a in zip(want, slots, e1)]
+        assert at.tolist() == e1
+        hidden = encode(vq, [made.get(id(batch[r])) or train_demo.without_shape(batch[r], k)
+                             for r, k in zip(want, slots)], size)
+        for i, (r, a) in enumerate(zip(want, e1)):
+            assert torch.equal(got[r, :a], hidden[i, :a]) and torch.equal(got[r, a:], tokens[r, a:]), r
+        others = [i for i in range(16) if i not in want]
+        assert torch.equal(got[others], tokens[others])
+        picks[dropped] = dict(zip(want, zip(slots, wrong)))
+    off, on = picks[False], picks[True]
+    assert not any(drop[r] for r in off)
+    extra = [r for r in on if r not in off]
+    assert all(drop[r] for r in extra) and {r: on[r][0] for r in off} == {r: k for r, (k, _) in off.items()}
+    assert {on[r][1] for r in extra} == {True, False}  # dropped rows without the shape and recoloured
+
+
+def test_the_colour_head_skips_dropped_rows():
+    """colour_loss scores only the captioned rows among the hidden ones (no caption names a dropped row's colour):
+    the cross-entropy and accuracy of those alone; none captioned: no loss."""
+    torch.manual_seed(0)
+    head = torch.nn.Linear(8, len(scenes.COLOURS))
+    hidden = torch.randn(6, 16, 8)
+    rows, at = torch.tensor([0, 1, 3, 4, 5]), torch.tensor([2, 5, 7, 1, 9])
+    colours = torch.randint(0, len(scenes.COLOURS), (5,))
+    drop = torch.tensor([False, True, False, False, True, False])
+    loss, accuracy = train_demo.colour_loss(head, hidden, rows, at, colours, drop)
+    keep = ~drop[rows]
+    logits = head(torch.nn.functional.rms_norm(hidden[rows[keep], at[keep]], (8,)))
+    ce = torch.nn.functional.cross_entropy(logits, colours[keep]).item()
+    every = torch.nn.functional.cross_entropy(head(torch.nn.functional.rms_norm(hidden[rows, at], (8,))), colours)
+    assert abs(loss.item() - ce) < 1e-6 and abs(ce - every.item()) > 1e-3
+    assert accuracy.item() == (logits.argmax(-1) == colours[keep]).float().mean().item()
+    loss, accuracy = train_demo.colour_loss(head, hidden, rows, at, colours, torch.ones(6, dtype=torch.bool))
+    assert loss.item() == 0 and accuracy.isnan()
+
+
+def test_gpt_loss_hides_dropped_rows_but_names_captioned_colours_only(monkeypatch):
+    """gpt_loss with --hide-dropped: hide_before_onset's rows include dropped ones, and the colour head reads one
+    hidden state per captioned row among them, none for the dropped."""
+    torch.manual_seed(0)
+    preset = train_demo.PRESETS["test"]
+    model = Transformer(ModelArgs(**train_demo.gpt_args(preset, dict(codebook_size=64, z_channels=32)))).eval()
+    train_demo.init_gpt(model)
+    vq = VQModel(VQConfig(**preset["vq"])).eval()
+    encoder = demo_text.DemoTextEncoder(model.args.caption_dim, model.args.cls_token_num)
+    B, types = 8, ["canny", "seg"] * 4
+    tokens = encode(vq, train_demo.images(range(B), preset["size"], "cpu")[0], preset["size"])
+    drop = np.array([i % 2 == 0 for i in range(B)])
+    seen, hid, hide = [], {}, train_demo.hide_before_onset
+    monkeypatch.setattr(train_demo, "hide_before_onset", lambda *a: hid.setdefault("out", hide(*a)))
+    head = torch.nn.Linear(model.args.dim, len(scenes.COLOURS))
+    head.register_forward_hook(lambda m, x, y: seen.append(x[0]))
+    torch.manual_seed(2)
+    with torch.no_grad():
+        train_demo.gpt_loss(model, encoder, vq, range(B), types, drop, tokens, preset, torch.device("cpu"),
+                            colour=(head, 1.0), hide_until="e1", hide_dropped=True)
+    rows = hid["out"][1].tolist()
+    assert any(drop[r] for r in rows) and not all(drop[r] for r in rows)
+    assert len(seen) == 1 and len(seen[0]) == sum(not drop[r] for r in rows)
+
+
+def test_hide_dropped_is_part_of_the_runs_recipe(tmp_path, monkeypatch):
+    """--hide-dropped: logged with the recipe, reaches the training steps' hiding, kept by --resume without the flag,
+    refused on --resume of a run without it and without --colour-weight; off by default."""
+    a, b = tmp_path / "a", tmp_path / "b"
+    calls, hide = [], train_demo.hide_before_onset
+    monkeypatch.setattr(train_demo, "hide_before_onset", lambda *a: calls.append(a[6]) or hide(*a))
+    train(a, "--gpt-steps", 2, "--colour-weight", 1, "--hide-until", "e1", "--hide-dropped", "--time-limit", 1e-9)
+    train(a, "--phase", "gpt", "--resume")
+    log = (a / "train_log.jsonl").read_text()
+    assert log.count('"hide_dropped": true') == 2 and '"resumed_at": 1' in log and calls == [True, True]
+    train(b, "--phase", "gpt", "--vq-from", a, "--gpt-steps", 2, "--colour-weight", 1, "--time-limit", 1e-9)
+    assert '"hide_dropped": false' in (b / "train_log.jsonl").read_text() and calls == [True, True, False]
+    with pytest.raises(SystemExit, match="run's --hide-dropped False"):
+        train(b, "--phase", "gpt", "--resume", "--hide-dropped")
+    with pytest.raises(SystemExit, match="--hide-dropped widens .* give --colour-weight"):
+        train(tmp_path / "c", "--phase", "gpt", "--vq-from", a, "--hide-dropped")

@@ -30,16 +30,18 @@ usage: tools/gpu_session.sh STEP...      (steps run in order; each writes OUT/<s
           which lasts while the machine is warm); returns OUT/demo/ (the log, the weights cut in 15 MB parts:
           cat gpt.safetensors.part.* > gpt.safetensors) and with DEMO_EVAL=1 scripts/eval_demo.py's measures
           (OUT/demo_eval.json, OUT/demo_model.png) and tools/demo_binding.py's (OUT/demo_binding.txt).
-          DEMO_GPT_FROM (gpt): start from a trained GPT folder; DEMO_ENTRY_WEIGHT, DEMO_COLOUR_WEIGHT, DEMO_HIDE_UNTIL
-          (onset | e1), DEMO_GPT_BATCH, DEMO_GPT_LR (gpt): --entry-weight, --colour-weight, --hide-until, --gpt-batch,
-          --gpt-lr (resume keeps the run's own);
+          DEMO_GPT_FROM (gpt): start from a trained GPT folder (its gpt.safetensors only); DEMO_ENTRY_WEIGHT,
+          DEMO_COLOUR_WEIGHT, DEMO_HIDE_UNTIL (onset | e1), DEMO_HIDE_DROPPED=1, DEMO_GPT_BATCH, DEMO_GPT_LR (gpt):
+          --entry-weight, --colour-weight, --hide-until, --hide-dropped, --gpt-batch, --gpt-lr (resume keeps the
+          run's own);
           DEMO_TIMING="128 512": tools/train_step_timing.py at those batch sizes first (OUT/train_timing_B.txt).
-          Issue 77's owed run (the colour head at e1 against a wrong-coloured sliver, docs/PERF_NOTES.md "Where
-          sampled colours go wrong"), then DEMO_PHASE=resume ... DEMO_EVAL=1 while the machine stays warm if it stops
-          early:
-              DEMO_PHASE=gpt DEMO_VQ=checkpoints/demo_gpu DEMO_GPT_FROM=checkpoints/demo_gpu DEMO_ENTRY_WEIGHT=8 \
-                  DEMO_COLOUR_WEIGHT=1 DEMO_HIDE_UNTIL=e1 DEMO_GPT_LR=3e-4 DEMO_GPT_STEPS=2400 DEMO_SECONDS=500 \
-                  DEMO_EVAL=1 tools/gpu_session.sh demo
+          Issue 77's owed run: sample/colour3 (--hide-until e1) on, its sliver hidden in CFG-dropped rows too, so
+          that the null branch, which still copied it, distrusts it as the caption branch does and cfg 4 stops
+          pushing e1 onto tail tokens; the call carries sample/colour3 (git-ignored, 18 MB); then DEMO_PHASE=resume
+          ... DEMO_EVAL=1 while the machine stays warm if it stops early:
+              DEMO_PHASE=gpt DEMO_VQ=checkpoints/demo_gpu DEMO_GPT_FROM=sample/colour3 DEMO_ENTRY_WEIGHT=8 \
+                  DEMO_COLOUR_WEIGHT=1 DEMO_HIDE_UNTIL=e1 DEMO_HIDE_DROPPED=1 DEMO_GPT_LR=1e-4 DEMO_GPT_STEPS=1200 \
+                  DEMO_SECONDS=330 DEMO_EVAL=1 tools/gpu_session.sh demo
   ownpos  the window kernels and the fused verify (issue 75), by default 1. and 3., < 9 min of an H100:
               OUT=/some/dir tools/gpu_session.sh ownpos
           1. their CUDA tests (tests/test_window_attention.py, test_own_positions.py, test_verify_triton.py -k cuda;
@@ -273,6 +275,7 @@ step_demo() {
                  --time-limit "${DEMO_SECONDS:-480}" ${DEMO_ENTRY_WEIGHT:+--entry-weight "$DEMO_ENTRY_WEIGHT"}
                  ${DEMO_COLOUR_WEIGHT:+--colour-weight "$DEMO_COLOUR_WEIGHT"} ${DEMO_GPT_BATCH:+--gpt-batch "$DEMO_GPT_BATCH"}
                  ${DEMO_GPT_LR:+--gpt-lr "$DEMO_GPT_LR"} ${DEMO_HIDE_UNTIL:+--hide-until "$DEMO_HIDE_UNTIL"})
+    if [[ ${DEMO_HIDE_DROPPED:-0} == 1 ]]; then train+=(--hide-dropped); fi
     mkdir -p "$run" "$out/demo"
     for b in ${DEMO_TIMING:-}; do  # a training step's parts and kernels at these batch sizes, before training
         "$py" "$here/train_step_timing.py" --device cuda --steps 20 --batch "$b" --entry-weight "${DEMO_ENTRY_WEIGHT:-1}" \
