@@ -112,6 +112,14 @@ def profile_step(batch, label, out):
     write_by_name(kernel_events(batch.step, 3), 3, label, out)
 
 
+def profile_admit(batch, request, label, out):
+    """One replayed admission's kernels (the running batch's last request removed and admitted again, 3 times under
+    the profiler, the second) by name, to out: where admit ms goes beside the prefill's work."""
+    from step_timeline import kernel_events, write_by_name
+
+    write_by_name(kernel_events(lambda: (batch.remove(batch.entries[-1]), batch.admit(request)), 3), 3, label, out)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--sizes", default="1,8,32", help="images in the batch (one request each)")
@@ -180,6 +188,7 @@ def main():
                   flush=True)
             if prof is not None:
                 profile_step(batch, f"server step, n = {n}, {','.join(args.plan) or 'default plan'}", prof)
+                profile_admit(batch, rs[-1], f"a replayed admission (and the removal before it), n = {n}", prof)
             if args.json:  # after each row: a run cut by its time limit keeps what it measured
                 with open(args.json, "w") as f:
                     json.dump(dict(plan=args.plan, rows=results), f, indent=1)
