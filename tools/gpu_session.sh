@@ -70,8 +70,8 @@ usage: tools/gpu_session.sh STEP...      (steps run in order; each writes OUT/<s
   serverstep  the CUDA tests of the server's keyed draw, steps and captured admissions, then where a server's step goes
           (tools/server_step.py): the continuous batch of n one-image requests
           against the plain engine's step at n (SERVER_SIZES, default 1,8,32), its forward graph alone, the host's
-          time, an admission's ms (the first, its graph's capture, replays) and both steps' kernels by name
-          and of one replayed admission (OUT/server_step_profile.txt); SERVE_PLAN as the serve step's
+          time, an admission's ms (the first, its graph's capture, replays), and both steps' and one replayed
+          admission's kernels by name (OUT/server_step_profile.txt); SERVE_PLAN as the serve step's
 
 OUT (default sample/gpu) receives the logs; PYTHON picks the interpreter.
 USAGE
