@@ -81,7 +81,7 @@ def compile_static(fn, **kw):
     count, and one process may build several engines (a server, tests), more than dynamo's 8 graphs per function."""
     import torch._dynamo
 
-    torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
     return torch.compile(fn, fullgraph=True, dynamic=False, **kw)
 
 

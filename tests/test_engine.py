@@ -404,24 +404,29 @@ def test_a_dropped_engine_is_freed_at_once():
         gc.enable()
 
 
-def test_compile_static_takes_more_shapes_than_dynamos_default(monkeypatch):
+def test_compile_static_takes_more_shapes_than_dynamos_default():
     """An engine compiles its block once per cache window and row count, and a process may hold several engines: more
     than dynamo's 8 graphs per function, which fullgraph=True turns into an error (seen on CUDA in one pytest run)."""
     import torch._dynamo
 
-    monkeypatch.setattr(torch._dynamo.config, "cache_size_limit", 8)
+    config, before = torch._dynamo.config, torch._dynamo.config.recompile_limit
+    # set and put back by hand: monkeypatch's undo deletes the name, which hides a config of torch's for good
 
     def scale(x):
         return x * 2
 
     shapes = range(1, 11)
-    compiled = engine_module.compile_static(scale, backend="eager")
-    for n in shapes:
-        assert torch.equal(compiled(torch.ones(n)), torch.full((n,), 2.0))
-    torch._dynamo.reset()
-    torch._dynamo.config.cache_size_limit = 8  # as torch.compile alone: the same shapes fail
-    plain = torch.compile(scale, fullgraph=True, dynamic=False, backend="eager")
-    with pytest.raises(torch._dynamo.exc.FailOnRecompileLimitHit):
+    try:
+        config.recompile_limit = 8
+        compiled = engine_module.compile_static(scale, backend="eager")
         for n in shapes:
-            plain(torch.ones(n))
-    torch._dynamo.reset()
+            assert torch.equal(compiled(torch.ones(n)), torch.full((n,), 2.0))
+        torch._dynamo.reset()
+        config.recompile_limit = 8  # as torch.compile alone: the same shapes fail
+        plain = torch.compile(scale, fullgraph=True, dynamic=False, backend="eager")
+        with pytest.raises(torch._dynamo.exc.FailOnRecompileLimitHit):
+            for n in shapes:
+                plain(torch.ones(n))
+    finally:
+        config.recompile_limit = before
+        torch._dynamo.reset()
