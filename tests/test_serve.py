@@ -546,7 +546,8 @@ def test_the_page_in_a_browser(server, tmp_path, size):
         page.fill("#height", "128")
         page.fill("#num_images", "4")
         page.click("#generate")
-        page.wait_for_selector("body[data-state='running']", timeout=60000)
+        # Cancel as soon as the server holds the job (a slow browser under load once clicked after it had ended)
+        page.wait_for_selector("body[data-state='queued'], body[data-state='running']", timeout=60000)
         page.click("#cancel")  # the page's own Cancel: the cancelled state, no error
         page.wait_for_selector("body[data-state='cancelled']", timeout=60000)
         assert page.inner_text("#status") == "Cancelled." and not page.inner_text("#error")
