@@ -194,15 +194,7 @@ def test_a_join_that_captures_excludes_the_other_threads(monkeypatch):
                 for i in range(3)]
     want = [alone(model, r) for r in requests]
     s, vq = Scheduler(max_queue=4), Recorder()
-    s.add_worker(Engine(model, backend="eager"), vq, capacity=2)
-    s.start()
-    try:
-        jobs = [Job(r) for r in requests]
-        for j in jobs:
-            s.submit(j)
-            wait(j)
-    finally:
-        s.close(grace=0)
+    jobs = run_jobs(s, model, requests, vq, one_at_a_time=True)
     assert all(j.status == "done" for j in jobs)
     joins = [exclusive for key, exclusive in held if is_join(key)]
     assert joins and all(joins)
@@ -229,17 +221,28 @@ def test_a_one_token_job_is_done_after_its_prefill():
     cond, mask, condition = tiny_inputs(model, B=1)
     request = Request(cond=cond, mask=mask, control=condition[0, :, :16, :16], seed=9)
     want = alone(model, request)
-    s, vq = Scheduler(max_queue=4), Recorder()
+    vq = Recorder()
+    [one] = run_jobs(Scheduler(max_queue=4), model, [request], vq)
+    assert one.status == "done" and (one.tokens_done, one.tokens_total) == (1, 1)
+    assert len(vq.tokens) == 1 and torch.equal(vq.tokens[0], want)
+
+
+def run_jobs(s, model, requests, vq, one_at_a_time=False):
+    """requests through scheduler s with one eager engine of 2 slots decoding with vq (submitted together, or each
+    after the one before is over), until each is over and s is closed -> their Jobs."""
     s.add_worker(Engine(model, backend="eager"), vq, capacity=2)
     s.start()
     try:
-        one = Job(request)
-        s.submit(one)
-        wait(one)
+        jobs = [Job(r) for r in requests]
+        for j in jobs:
+            s.submit(j)
+            if one_at_a_time:
+                wait(j)
+        for j in jobs:
+            wait(j)
     finally:
         s.close(grace=0)
-    assert one.status == "done" and (one.tokens_done, one.tokens_total) == (1, 1)
-    assert len(vq.tokens) == 1 and torch.equal(vq.tokens[0], want)
+    return jobs
 
 
 def wait(job, timeout=60):
@@ -269,16 +272,7 @@ def test_finished_jobs_decode_on_the_decoders_stream_on_cuda():
                         top_k=1) for seed in (1, 2, 3)]  # greedy: the batch's and the lone engine's sums may round apart
     want = alone(model, requests[0])
     s, vq = Scheduler(max_queue=4), StreamRecorder()
-    s.add_worker(Engine(model, backend="eager"), vq, capacity=2)
-    s.start()
-    try:
-        jobs = [Job(r) for r in requests]
-        for j in jobs:
-            s.submit(j)
-        for j in jobs:
-            wait(j)
-    finally:
-        s.close(grace=0)
+    jobs = run_jobs(s, model, requests, vq)
     assert [j.status for j in jobs] == ["done"] * 3
     assert set(vq.streams) == {s.workers[0].decode_stream} and s.workers[0].decode_stream != torch.cuda.current_stream()
     assert len(vq.tokens) == 3 and all(torch.equal(t, want) for t in vq.tokens)
