@@ -66,14 +66,20 @@ def describe(config, margs, demo: bool) -> str:
 
 # ---- device, precision, backend -------------------------------------------------------------------------------------
 
-def pick_device(config) -> tuple:
-    """(device, dtype, backend) of the settings: default cuda if available, --precision, --backend."""
+def checked_device(name: str) -> torch.device:
+    """--device's torch.device; an unknown name or cuda without a GPU is a UserError naming the fix."""
     try:
-        device = torch.device(config.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        device = torch.device(name)
     except RuntimeError:
-        raise UserError(f"unknown --device {config.device!r}; use cpu, cuda or cuda:N") from None
+        raise UserError(f"unknown --device {name!r}; use cpu, cuda or cuda:N") from None
     if device.type == "cuda" and not torch.cuda.is_available():
         raise UserError("--device cuda but no CUDA GPU is visible; use --device cpu")
+    return device
+
+
+def pick_device(config) -> tuple:
+    """(device, dtype, backend) of the settings: default cuda if available, --precision, --backend."""
+    device = checked_device(config.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     cuda = device.type == "cuda"
     dtype = precision_dtype(config.precision, cuda, cuda and torch.cuda.is_bf16_supported())
     backend = default_backend(config, device)

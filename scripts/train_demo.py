@@ -11,9 +11,9 @@ and the GPT learns from the tokens of the stored (fp16) VQ. The VQ learns to rec
 codebook with a commitment loss, unused codes restarted from encoder outputs); the GPT learns the tokens of scenes
 given their caption and a control map of a random type, caption and control dropped together for CFG (10%, as
 ControlAR trains). Scene i is a function of i, so the same seed, preset, device and dtype give the same weights;
---time-limit stops a phase early (and says so) rather than lose it.
+--time-limit stops a phase early (and says so) rather than lose it. A mistake in the flags, or a folder they name
+that lacks its files, is one `error:` line and exit code 2, before --out is made or anything in it is written.
 """
-import argparse
 import copy
 import json
 import math
@@ -31,7 +31,10 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from fast_inference import demo_text, scenes
+from fast_inference.components import checked_device
+from fast_inference.flags import Parser
 from fast_inference.model import ModelArgs, Transformer
+from fast_inference.settings import UserError
 from fast_inference.vq import VQConfig, VQModel
 
 # Control types and how often the GPT sees each (canny, the measured one, most).
@@ -69,10 +72,11 @@ HIDE_SHARE = 0.5  # --colour-weight: the captioned rows with shapes (--hide-drop
 RECOLOUR_SHARE = 0.5  # --hide-until e1: the hidden rows whose context shows the shape in a wrong colour
 ENTRY_TOKENS = 4  # --entry-weight's tokens per region: the first of a shape's top row, whose colour the rest copy
 FULL_EVERY = 4  # every 4th VQ step sees whole images (as many pixels as the other steps' random crops)
+VQ_FILES = ("vq.json", "vq.safetensors")  # a trained VQ's folder holds these (--vq-from's, --phase gpt's --out)
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = Parser(description=__doc__.split("\n")[0])  # a bad flag: one error line, exit code 2
     p.add_argument("--out", required=True, help="folder for the configs, weights and log")
     p.add_argument("--preset", choices=sorted(PRESETS), default="cpu")
     p.add_argument("--phase", choices=["vq", "gpt", "all"], default="all")
@@ -520,7 +524,8 @@ def gpt_loss(model, encoder, vq, indices, types, drop, tokens, preset, device, s
     return loss + weight * extra, accuracy
 
 
-def train_gpt(args, preset, device, log):
+def train_gpt(args, preset, device, log, recipe, state):
+    """The GPT phase, with check_run's recipe and --resume's state (None for a new run)."""
     with open(os.path.join(args.out, "vq.json")) as f:
         vq_cfg = json.load(f)
     vq = load_vq(args.out, device)
@@ -530,32 +535,16 @@ def train_gpt(args, preset, device, log):
         model = Transformer(ModelArgs(**margs))
     init_gpt(model)
     before = 0
-    if args.gpt_from and args.resume:
-        raise SystemExit("error: --resume goes on with --out's own run; leave out --gpt-from")
-    if args.gpt_from:  # the stored weights (fp16); the keys dropped at saving, unused at inference, keep their init
+    if args.gpt_from:  # the stored weights (fp16, checked by check_gpt_from); the keys not stored keep their init
         path = os.path.join(args.gpt_from, "gpt.safetensors")
-        stored = load_file(path)
-        try:
-            result = model.load_state_dict({k: v.float() for k, v in stored.items()}, strict=False)
-        except RuntimeError as e:  # a shape differs
-            raise SystemExit(f"error: {path} is not this preset's model: {str(e).splitlines()[1].strip()}") from None
-        if result.unexpected_keys or set(result.missing_keys) - set(UNUSED_AT_INFERENCE):
-            raise SystemExit(f"error: {path} is not this preset's model; keys: {result}")
+        model.load_state_dict({k: v.float() for k, v in load_file(path).items()}, strict=False)
         with safe_open(path, "pt") as f:
             before = int(f.metadata().get("trained_steps", 0))
     model.train()
     ema = copy.deepcopy(model).eval().requires_grad_(False)
     encoder = demo_text.DemoTextEncoder(margs["caption_dim"], margs["cls_token_num"])
     steps = preset["gpt_steps"] if args.gpt_steps is None else args.gpt_steps
-    state_path, start = os.path.join(args.out, "gpt_state.pt"), 0
-    if args.resume and not os.path.exists(state_path):
-        raise SystemExit(f"error: --resume: {state_path} does not exist; start the run without --resume")
-    state = torch.load(state_path, map_location=device, weights_only=False) if args.resume else None  # our own file
-    recipe = run_recipe(args, preset, state)
-    if recipe["hide_until"] != "onset" and not recipe["colour_weight"]:
-        raise SystemExit("error: --hide-until moves --colour-weight's hidden context; give --colour-weight too")
-    if recipe["hide_dropped"] and not recipe["colour_weight"]:  # the hiding comes with the colour head
-        raise SystemExit("error: --hide-dropped widens --colour-weight's hidden rows; give --colour-weight too")
+    start = 0
     # the colour head: training only (not stored with the model), it names a hidden shape's colour at its onset
     head = torch.nn.Linear(margs["dim"], len(scenes.COLOURS), device=device) if recipe["colour_weight"] else None
     trained = list(model.parameters()) + (list(head.parameters()) if head else [])
@@ -567,7 +556,7 @@ def train_gpt(args, preset, device, log):
     t0 = time.perf_counter()
     if args.resume:
         start, steps, table, before = resume(state, model, ema, head, opt, rng, device)
-        del state  # its copies of the weights and the pool
+        state.clear()  # its copies of the weights and the pool (main holds the dict too)
         log(phase="gpt", resumed_at=start, of=steps, **recipe)
     else:
         table = token_pool(preset, vq, device)
@@ -603,7 +592,7 @@ def train_gpt(args, preset, device, log):
         if args.time_limit and time.perf_counter() - t0 > args.time_limit and done < steps:
             log(phase="gpt", stopped_early_at=done, of=steps)
             break
-    save_state(state_path, model, ema, head, opt, rng, done, steps, table, recipe, before)
+    save_state(os.path.join(args.out, "gpt_state.pt"), model, ema, head, opt, rng, done, steps, table, recipe, before)
     meta = {"text_encoder": demo_text.NAME, "text_seed": str(demo_text.SEED), "image_size": str(preset["size"]),
             "data": "fast_inference/scenes.py", "trained_steps": str(before + done), "seed": str(args.seed),
             "planned_steps": str(before + steps)}
@@ -618,7 +607,7 @@ DEFAULT_WEIGHTS = dict(entry_weight=1.0, colour_weight=0.0, hide_until="onset", 
 
 def run_recipe(args, preset, state):
     """The run's batch, peak LR and loss weights: the flags (else the preset's) for a new run, the stored run's on
-    --resume, state its gpt_state.pt (a flag given there that differs from it: one error line)."""
+    --resume, state its gpt_state.pt (a flag given there that differs from it: a UserError)."""
     flags = {k: getattr(args, k) for k in RECIPE}
     new = {k: preset.get(k, DEFAULT_WEIGHTS.get(k)) if flags[k] is None else flags[k] for k in RECIPE}
     if state is None:
@@ -627,8 +616,8 @@ def run_recipe(args, preset, state):
     stored = {"hide_until": "onset", "hide_dropped": False, **stored}  # one from before those flags: their defaults
     for k in RECIPE:
         if flags[k] is not None and flags[k] != stored[k]:
-            raise SystemExit(f"error: --resume goes on with the run's --{k.replace('_', '-')} {stored[k]}; leave "
-                             f"the flag out, or start a new run for {flags[k]}")
+            raise UserError(f"--resume goes on with the run's --{k.replace('_', '-')} {stored[k]}; leave the flag "
+                            f"out, or start a new run for {flags[k]}")
     return stored
 
 
@@ -672,15 +661,80 @@ def val_batch(preset, vq, device):
     return list(range(B)), types, np.zeros(B, dtype=bool), tokens
 
 
+# ---- the user's mistakes, found before anything is written ----------------------------------------------------------
+
+def missing_file(folder, names):
+    """The first of names that folder lacks (None: it holds them all)."""
+    return next((n for n in names if not os.path.isfile(os.path.join(folder, n))), None)
+
+
+def check_gpt_from(folder, margs):
+    """--gpt-from's folder holds a gpt.safetensors of this model: every stored key, at its shape (read from the
+    header, against the model built on the meta device); the keys dropped at saving may be absent."""
+    path = os.path.join(folder, "gpt.safetensors")
+    if not os.path.isfile(path):
+        raise UserError(f"--gpt-from {folder} has no gpt.safetensors; give the folder of a trained GPT")
+    with torch.device("meta"):
+        want = {k: tuple(v.shape) for k, v in Transformer(ModelArgs(**margs)).state_dict().items()}
+    with safe_open(path, "pt") as f:
+        got = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
+    wrong = [k for k in sorted(want.keys() | got.keys())
+             if got.get(k) != want.get(k) and not (k in UNUSED_AT_INFERENCE and k not in got)]
+    if wrong:
+        k = wrong[0]
+        raise UserError(f"--gpt-from {path} is not this preset's model ({k}: {got.get(k, 'absent')} stored, "
+                        f"{want.get(k, 'absent')} here); give the --preset it was trained with")
+
+
+def check_run(args, preset, device):
+    """Every mistake of the flags and of the folders they name, as a UserError naming the fix, found before --out
+    is made or written -> the GPT phase's (recipe, --resume's stored state or None); (None, None) for --phase vq."""
+    if os.path.exists(args.out) and not os.path.isdir(args.out):
+        raise UserError(f"--out {args.out} is a file; give a folder")
+    if args.resume and args.phase != "gpt":  # --phase all would train a new VQ under the run's stored tokens
+        raise UserError("--resume goes on with --out's GPT run; add --phase gpt")
+    if args.resume and args.gpt_from:
+        raise UserError("--resume goes on with --out's own run; leave out --gpt-from")
+    state_path = os.path.join(args.out, "gpt_state.pt")
+    if args.resume and not os.path.isfile(state_path):
+        raise UserError(f"--resume: {state_path} does not exist; start the run without --resume")
+    if args.vq_from and (lost := missing_file(args.vq_from, VQ_FILES)):
+        raise UserError(f"--vq-from {args.vq_from} has no {lost}; give the folder of a trained VQ "
+                        f"({' + '.join(VQ_FILES)})")
+    if args.phase == "gpt" and not args.vq_from and (lost := missing_file(args.out, VQ_FILES)):
+        raise UserError(f"--phase gpt needs a trained VQ and --out {args.out} has no {lost}; give --vq-from a "
+                        "trained VQ's folder, or use --phase all")
+    if args.phase == "vq":
+        return None, None
+    if args.gpt_from:  # against the VQ the GPT phase will have: the one it reads, or the preset's it trains first
+        vq_cfg = preset["vq"]
+        if args.phase == "gpt":
+            with open(os.path.join(args.vq_from or args.out, "vq.json")) as f:
+                vq_cfg = json.load(f)
+        check_gpt_from(args.gpt_from, gpt_args(preset, vq_cfg))
+    state = torch.load(state_path, map_location=device, weights_only=False) if args.resume else None  # our own file
+    recipe = run_recipe(args, preset, state)
+    if recipe["hide_until"] != "onset" and not recipe["colour_weight"]:
+        raise UserError("--hide-until moves --colour-weight's hidden context; give --colour-weight too")
+    if recipe["hide_dropped"] and not recipe["colour_weight"]:  # the hiding comes with the colour head
+        raise UserError("--hide-dropped widens --colour-weight's hidden rows; give --colour-weight too")
+    return recipe, state
+
+
 def main(argv=None):
     args = parse_args(argv)
     preset = PRESETS[args.preset]
-    device = torch.device(args.device)
+    try:
+        device = checked_device(args.device)
+        recipe, state = check_run(args, preset, device)
+    except UserError as e:  # one line, as the project's other tools, and nothing written
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
     if args.threads:
         torch.set_num_threads(args.threads)
     os.makedirs(args.out, exist_ok=True)
-    if args.vq_from:
-        for name in ("vq.json", "vq.safetensors"):
+    if args.vq_from and os.path.realpath(args.vq_from) != os.path.realpath(args.out):  # (the same: nothing to copy)
+        for name in VQ_FILES:
             shutil.copyfile(os.path.join(args.vq_from, name), os.path.join(args.out, name))
     seed_everything(args.seed, device)
     if device.type == "cuda":  # TF32 for the float32 VQ where it is not trained (tokenising, validation)
@@ -692,7 +746,7 @@ def main(argv=None):
         train_vq(args, preset, device, log)
     if args.phase in ("gpt", "all"):
         torch.manual_seed(args.seed + 3)
-        train_gpt(args, preset, device, log)
+        train_gpt(args, preset, device, log, recipe, state)
     log(event="done")
 
 

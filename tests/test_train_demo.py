@@ -54,6 +54,26 @@ def train(out, *extra):
     train_demo.main(["--preset", "test", "--out", str(out), "--log-every", "100", *map(str, extra)])
 
 
+def listing(folder):
+    """{name: (size, mtime)} of a folder's files; None where it does not exist."""
+    if not folder.exists():
+        return None
+    return {p.name: (p.stat().st_size, p.stat().st_mtime_ns) for p in folder.iterdir()}
+
+
+def refused(capsys, out, *extra):
+    """train(out, *extra) refused as the user's mistake: exit code 2, one `error:` line on stderr (returned), and
+    --out as it was (not made, or the same files of the same sizes and times)."""
+    before = listing(out)
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as e:
+        train(out, *extra)
+    err = capsys.readouterr().err.splitlines()
+    assert e.value.code == 2 and len(err) == 1 and err[0].startswith("error: "), (e.value.code, err)
+    assert listing(out) == before
+    return err[0]
+
+
 def same_tensors(p, q):
     x, y = load_file(p), load_file(q)
     return x.keys() == y.keys() and all(torch.equal(x[k], y[k]) for k in x)
@@ -86,7 +106,7 @@ def test_training_is_seeded_and_its_files_load(tmp_path, capsys):
     assert e.value.code == 2 and err.startswith("error: the demo model knows no 'dog'") and "triangle" in err
 
 
-def test_gpt_goes_on_from_a_trained_one(tmp_path):
+def test_gpt_goes_on_from_a_trained_one(tmp_path, capsys):
     """--gpt-from starts the GPT from stored weights (steps counted on), and refuses another preset's model."""
     a, b, c = tmp_path / "a", tmp_path / "b", tmp_path / "c"
     train(a)
@@ -97,12 +117,11 @@ def test_gpt_goes_on_from_a_trained_one(tmp_path):
     train(c, "--phase", "gpt", "--vq-from", a, "--resume")  # the steps of the model it started from still count
     assert read_metadata(c / "gpt.safetensors")["trained_steps"] == "6"
     assert not same_tensors(a / "gpt.safetensors", c / "gpt.safetensors")
-    with pytest.raises(SystemExit, match="not this preset's model"):
-        train_demo.main(["--preset", "cpu", "--phase", "gpt", "--vq-from", str(a), "--gpt-from", str(a),
-                         "--out", str(tmp_path / "d"), "--gpt-steps", "0"])
+    err = refused(capsys, tmp_path / "d", "--preset", "cpu", "--phase", "gpt", "--vq-from", a, "--gpt-from", a)
+    assert "not this preset's model" in err and "give the --preset it was trained with" in err
 
 
-def test_a_run_stopped_and_resumed_is_the_run_never_stopped(tmp_path):
+def test_a_run_stopped_and_resumed_is_the_run_never_stopped(tmp_path, capsys):
     """--time-limit stops after a step and saves the run's state; --resume goes on (schedule, data order, random
     states, average, the colour head, the run's batch, LR and loss weights without their flags): the same weights as
     one uninterrupted run, and the log says where it resumed; a recipe flag that differs from the run's is refused."""
@@ -120,10 +139,27 @@ def test_a_run_stopped_and_resumed_is_the_run_never_stopped(tmp_path):
     c = tmp_path / "c"
     train(c, "--gpt-steps", 12, "--gpt-batch", 3, "--gpt-lr", 1e-3, "--entry-weight", 2)  # no colour head
     assert not same_tensors(a / "gpt.safetensors", c / "gpt.safetensors")
-    with pytest.raises(SystemExit, match="run's --colour-weight 0.5"):
-        train(b, "--phase", "gpt", "--vq-from", a, "--resume", "--colour-weight", 1)
-    with pytest.raises(SystemExit, match="does not exist"):
-        train(tmp_path / "d", "--phase", "gpt", "--vq-from", a, "--resume")
+    assert "run's --colour-weight 0.5" in refused(capsys, b, "--phase", "gpt", "--vq-from", a, "--resume",
+                                                  "--colour-weight", 1)  # the run's files untouched
+
+
+@pytest.mark.parametrize("flags, fix", [
+    (["--hide-until", "e1"], "give --colour-weight too"),
+    (["--hide-dropped"], "give --colour-weight too"),
+    (["--phase", "gpt"], "give --vq-from a trained VQ's folder"),
+    (["--phase", "gpt", "--vq-from", "{tmp}"], "give the folder of a trained VQ"),
+    (["--gpt-from", "{tmp}"], "give the folder of a trained GPT"),
+    (["--phase", "gpt", "--resume", "--gpt-from", "{tmp}"], "leave out --gpt-from"),
+    (["--phase", "gpt", "--resume"], "start the run without --resume"),
+    (["--resume"], "add --phase gpt"),
+    (["--device", "tpu7"], "use cpu, cuda or cuda:N"),
+    (["--phase", "train"], "invalid choice"),
+])
+def test_a_users_mistake_is_one_error_line_and_writes_nothing(tmp_path, capsys, flags, fix):
+    """Flags that cannot run (or name a folder without its files: {tmp}, an empty one) are refused before --out
+    is made: exit code 2, one `error:` line naming the fix, no folder."""
+    err = refused(capsys, tmp_path / "run", *[f.format(tmp=tmp_path) for f in flags])
+    assert fix in err, err
 
 
 def test_a_short_runs_average_forgets_its_first_steps():
@@ -358,7 +394,7 @@ def test_recoloured_never_takes_a_background_or_shape_colour():
                 assert s.shapes[k].colour != t.shapes[k].colour and t.caption != "" and s.shapes[k] is not t.shapes[k]
 
 
-def test_hide_until_is_part_of_the_runs_recipe(tmp_path):
+def test_hide_until_is_part_of_the_runs_recipe(tmp_path, capsys):
     """--hide-until: logged with the recipe, kept by --resume (another value refused), refused without
     --colour-weight; a state stored before the flag resumes as onset."""
     a = tmp_path / "a"
@@ -366,10 +402,9 @@ def test_hide_until_is_part_of_the_runs_recipe(tmp_path):
     train(a, "--phase", "gpt", "--resume")
     log = (a / "train_log.jsonl").read_text()
     assert log.count('"hide_until": "e1"') == 2 and '"resumed_at": 1' in log
-    with pytest.raises(SystemExit, match="run's --hide-until e1"):
-        train(a, "--phase", "gpt", "--resume", "--hide-until", "onset")
-    with pytest.raises(SystemExit, match="give --colour-weight"):
-        train(tmp_path / "b", "--phase", "gpt", "--vq-from", a, "--hide-until", "e1")
+    assert "run's --hide-until e1" in refused(capsys, a, "--phase", "gpt", "--resume", "--hide-until", "onset")
+    assert "give --colour-weight" in refused(capsys, tmp_path / "b", "--phase", "gpt", "--vq-from", a,
+                                             "--hide-until", "e1")
     args = train_demo.parse_args(["--out", "x"])
     old = dict(gpt_batch=3, gpt_lr=1e-3, entry_weight=2.0, colour_weight=0.5)
     assert train_demo.run_recipe(args, train_demo.PRESETS["test"], dict(recipe=old)) == dict(old, hide_until="onset",
@@ -473,7 +508,7 @@ def test_gpt_loss_hides_dropped_rows_but_names_captioned_colours_only(monkeypatc
     assert len(seen) == 1 and len(seen[0]) == sum(not drop[r] for r in rows)
 
 
-def test_hide_dropped_is_part_of_the_runs_recipe(tmp_path, monkeypatch):
+def test_hide_dropped_is_part_of_the_runs_recipe(tmp_path, monkeypatch, capsys):
     """--hide-dropped: logged with the recipe, reaches the training steps' hiding, kept by --resume without the flag,
     refused on --resume of a run without it and without --colour-weight; off by default."""
     a, b = tmp_path / "a", tmp_path / "b"
@@ -485,7 +520,6 @@ def test_hide_dropped_is_part_of_the_runs_recipe(tmp_path, monkeypatch):
     assert log.count('"hide_dropped": true') == 2 and '"resumed_at": 1' in log and calls == [True, True]
     train(b, "--phase", "gpt", "--vq-from", a, "--gpt-steps", 2, "--colour-weight", 1, "--time-limit", 1e-9)
     assert '"hide_dropped": false' in (b / "train_log.jsonl").read_text() and calls == [True, True, False]
-    with pytest.raises(SystemExit, match="run's --hide-dropped False"):
-        train(b, "--phase", "gpt", "--resume", "--hide-dropped")
-    with pytest.raises(SystemExit, match="--hide-dropped widens .* give --colour-weight"):
-        train(tmp_path / "c", "--phase", "gpt", "--vq-from", a, "--hide-dropped")
+    assert "run's --hide-dropped False" in refused(capsys, b, "--phase", "gpt", "--resume", "--hide-dropped")
+    err = refused(capsys, tmp_path / "c", "--phase", "gpt", "--vq-from", a, "--hide-dropped")
+    assert "--hide-dropped widens" in err and "give --colour-weight" in err
