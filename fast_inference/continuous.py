@@ -74,6 +74,7 @@ class ContinuousRunner(ShapeRunner):
         self.settings = [None] * B  # per slot on the host: (top_k, top_p), to take the filters' scalar paths
         self.ctx = self.head = None  # the steps' Context and head (Engine.continuous); inputs_fn: window_inputs
         self.fused_rows, self.fused_block = 0, None  # steps at up to fused_rows rows: fused_block(rows) as the block
+        self.down_rows, self.down_block = range(0), None  # steps at down_rows rows: down_block (inductor's + down)
         self.graphs = Graphs() if plan.own_positions.graph else None
         self.buckets = plan.own_positions.buckets
         self.inputs = {}  # the requests' inputs' static buffers, by their shapes
@@ -232,6 +233,8 @@ class ContinuousRunner(ShapeRunner):
         steps_ctx = self.ctx
         if R <= self.fused_rows:  # the fused block's kernels, which add the next block's control rows themselves
             steps_ctx = replace(steps_ctx, block=self.fused_block(R), block_adds_control=True)
+        elif R in self.down_rows:
+            steps_ctx = replace(steps_ctx, block=self.down_block)
 
         def forward():
             ctx = steps_ctx

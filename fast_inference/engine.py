@@ -455,6 +455,9 @@ class Engine:
         if own.fused_rows:  # steps at up to these rows on the fused block's kernels (server_block=fused)
             rows = lambda R: plans.pass_rows(R, own.pdl, own.gemv_pdl)
             r.fused_rows, r.fused_block = own.fused_rows, lambda R: functools.partial(fused_block, rows=rows(R))
+        if own.down_rows:  # inductor's block with w2 + residual as block_triton's down kernel, as the plain steps'
+            r.down_rows = own.down_rows
+            r.down_block = functools.partial(self.compiled_block(), down=True, down_pdl=own.down_pdl)
         if own.head == "compiled":
             r.head = self.compiled_head()
         else:

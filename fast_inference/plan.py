@@ -198,6 +198,8 @@ class OwnPositions:
     fused_rows: int = 0  # steps at up to this many rows run the fused block's kernels (pass_rows), inductor's above
     pdl: int = NONE  # their dot projections' PDL mode (pass_pdl: the override window_block_pdl)
     gemv_pdl: bool = False  # their GEMV projections under PDL (pass_gemv_pdl)
+    down_rows: range = range(0)  # steps at these rows on inductor's block: w2 + residual in block_triton's down
+    down_pdl: int = NONE  # its launch, as the plain steps' (serves_down)
     draw: str = "generator"  # generator (sampling.py's ops, each request's Exp(1) noise) | keyed (draw_images)
 
 
@@ -255,6 +257,7 @@ OVERRIDES = dict(
     window_block_pdl=("gemv", "off", "late", "first"),  # the fused block at own positions (a pass, a server step):
     # its GEMVs under PDL (gemv), nothing under it (off), or its dots too (late, first)
     server_block=("compiled", "fused"),  # a server step's block up to FUSED_ROWS rows: inductor's, or the fused kernels
+    server_down=("on", "off"),  # a server step's w2 + residual past FUSED_ROWS rows: the down kernel, or inductor's
     verify=("torch", "triton"),  # a pass's verify: speculative.py's ops, or verify_triton's kernels (VERIFY_KERNELS)
     jacobi=("auto", "on"),  # --speculative jacobi: plain steps where the pass measured a loss (PASS_GAINS), or always
     draft_tree=("auto", "on"),  # --draft-tree: the chain where the tree's pass measured a loss (TREE_GAINS), or always
@@ -568,11 +571,14 @@ def own_positions(s, eager, window, want, draw):
         fused_rows = FUSED_ROWS
     pdl = pass_pdl(s, want) if fused_rows else NONE
     gemv_pdl = bool(fused_rows) and pass_gemv_pdl(s, want)
+    down = compiled and serves_down(s, DOWN_ROWS) and want.get("server_down", "on") == "on"
+    down_rows = range(FUSED_ROWS + 1, DOWN_ROWS + 1) if down else range(0)
+    down_pdl = block_pdl(s, DOWN_ROWS) if down_rows and DOWN_PDL and want.get("down_pdl", "on") == "on" else NONE
     return OwnPositions(block="compiled" if compiled else "model", head="compiled" if compiled else "model",
                         ops=EagerOps() if compiled else dataclasses.replace(eager, rope="torch"),
                         graph=s.cuda and s.backend != "eager", buckets=buckets, attention=window[0],
                         inputs=window[1], splits=window[3], fused_rows=fused_rows, pdl=pdl, gemv_pdl=gemv_pdl,
-                        draw="keyed" if draw == "triton" else "generator")
+                        down_rows=down_rows, down_pdl=down_pdl, draw="keyed" if draw == "triton" else "generator")
 
 
 def block_pdl(s, rows):
@@ -885,6 +891,8 @@ def describe_own_positions(o):
     if o.fused_rows:
         pdl = f", {PDL_NAMES[o.pdl]}" if o.pdl else ", GEMVs under PDL" if o.gemv_pdl else ""
         blocks = f"fused (Triton, up to {o.fused_rows} rows{pdl}) or {blocks}"
+    if o.down_rows:
+        blocks += f" (w2 and the residual add in Triton's down kernel at {o.down_rows[0]}-{o.down_rows[-1]} rows)"
     runs = "a CUDA graph per step size" if o.graph else "op by op"
     return (f"each row at its own position (a server's batch): the {blocks} blocks and {window_words(o)}, "
             f"inputs {INPUT_WORDS[o.inputs]}, {runs} ({'/'.join(map(str, o.buckets))} images); {DRAW_WORDS[o.draw]}; "

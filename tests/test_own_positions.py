@@ -61,6 +61,12 @@ def test_the_plan_takes_them_by_its_default_and_by_the_overrides():
     server = plan.make(dataclasses.replace(steps, overrides=on + (("server_block", "fused"),))).own_positions
     assert server.fused_rows == plan.FUSED_ROWS and "fused (Triton, up to 16 rows" in plan.describe_own_positions(server)
     assert server.pdl == plan.NONE and server.gemv_pdl  # by default the GEMVs under PDL, the dots without
+    # past the fused rows, inductor's block with w2 + residual in the down kernel, as the plain steps at those rows
+    assert list(server.down_rows) == [r for r in range(1, 129) if plan.serves_down(steps, r)]
+    assert server.down_pdl == plan.LATE and "down kernel at 17-64 rows" in plan.describe_own_positions(server)
+    assert not plan.make(dataclasses.replace(steps, device="cpu", capability=None)).own_positions.down_rows
+    assert not plan.make(dataclasses.replace(steps, overrides=on, int8=True)).own_positions.down_rows
+    assert not plan.make(dataclasses.replace(steps, overrides=on + (("server_down", "off"),))).own_positions.down_rows
     assert "up to 16 rows, GEMVs under PDL" in plan.describe_own_positions(server)
     server = plan.make(dataclasses.replace(steps, overrides=on + (("window_block_pdl", "first"),))).own_positions
     assert server.pdl == plan.FIRST and "up to 16 rows, PDL first" in plan.describe_own_positions(server)
