@@ -75,6 +75,7 @@ class ContinuousRunner(ShapeRunner):
         self.ctx = self.head = None  # the steps' Context and head (Engine.continuous); inputs_fn: window_inputs
         self.fused_rows, self.fused_block = 0, None  # steps at up to fused_rows rows: fused_block(rows) as the block
         self.down_rows, self.down_block = range(0), None  # steps at down_rows rows: down_block (inductor's + down)
+        self.step_attention = None  # rows -> the decode attention at a position per row, where it replaces ctx's
         self.graphs = Graphs() if plan.own_positions.graph else None
         self.buckets = plan.own_positions.buckets
         self.inputs = {}  # the requests' inputs' static buffers, by their shapes
@@ -235,6 +236,9 @@ class ContinuousRunner(ShapeRunner):
             steps_ctx = replace(steps_ctx, block=self.fused_block(R), block_adds_control=True)
         elif R in self.down_rows:
             steps_ctx = replace(steps_ctx, block=self.down_block)
+        if self.step_attention is not None:  # the plain steps' kernel, each row's position read from input_pos
+            steps_ctx = replace(steps_ctx, attention=self.step_attention(R))
+        windowed = self.step_attention is None and steps_ctx.attention is not None
 
         def forward():
             ctx = steps_ctx
@@ -243,7 +247,7 @@ class ContinuousRunner(ShapeRunner):
             else:  # each row's embedding, RoPE row and control rows in one kernel (window_inputs)
                 x, inputs = self.inputs_fn(self.model, self.token[:R], self.input_pos[:R], self.controls, False)
                 ctx = replace(ctx, inputs=inputs)
-            if ctx.attention is not None:  # the window kernel, one query per row: its position is its filled keys
+            if windowed:  # the window kernel, one query per row: its position is its filled keys
                 ctx = replace(ctx, window=(self.input_pos[:R].view(R), self.one_query.expand(R, 1)))
             h = self.model.blocks(x, self.input_pos[:R], self.key_valid[:R], self.controls[:, :R], last_only=True,
                                   ctx=ctx)

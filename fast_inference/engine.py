@@ -76,6 +76,13 @@ def window_attention(p):
     return functools.partial(attention_triton.window_attention, fold=False)
 
 
+def decode_attention_at(rows):
+    """The Triton decode attention in the plan's form at `rows` rows (plan.decode_form), rows at their own positions
+    as the steps' input_pos gives them."""
+    form, config = plans.decode_form(rows)
+    return functools.partial(attention_triton.decode_attention, whole=form == "triton_whole", config=config)
+
+
 def compile_static(fn, **kw):
     """torch.compile(fn): whole graphs at static shapes. An engine compiles its block once per cache window and row
     count, and one process may build several engines (a server, tests), more than dynamo's 8 graphs per function."""
@@ -450,7 +457,9 @@ class Engine:
         r = ContinuousRunner(self.model, p, num_tokens, prefix_len, num_controls)
         own = p.own_positions
         r.ctx = Context(ops=eager_ops(own.ops), block=self.compiled_block() if own.block == "compiled" else None,
-                        attention=window_attention(own))
+                        attention=None if own.attention == "decode" else window_attention(own))
+        if own.attention == "decode":  # the plain steps' decode attention in the form of each step size's rows
+            r.step_attention = decode_attention_at
         r.inputs_fn = inputs_triton.window_inputs if own.inputs == "triton" else None
         if own.fused_rows:  # steps at up to these rows on the fused block's kernels (server_block=fused)
             rows = lambda R: plans.pass_rows(R, own.pdl, own.gemv_pdl)

@@ -192,7 +192,7 @@ class OwnPositions:
     ops: EagerOps  # the eager blocks' element-wise kernels (RoPE: torch's, per row)
     graph: bool  # each bucket's step (blocks and head) one CUDA graph, captured by hand
     buckets: tuple  # the image counts steps run at: the smallest that holds every occupied slot
-    attention: str = "sdpa"  # as JacobiPass's, at a window of one query per row
+    attention: str = "sdpa"  # as JacobiPass's, at a window of one query per row; or decode (server_attention)
     inputs: str = "model"
     splits: str = "fold"  # as JacobiPass's
     fused_rows: int = 0  # steps at up to this many rows run the fused block's kernels (pass_rows), inductor's above
@@ -257,6 +257,8 @@ OVERRIDES = dict(
     window_block_pdl=("gemv", "off", "late", "first"),  # the fused block at own positions (a pass, a server step):
     # its GEMVs under PDL (gemv), nothing under it (off), or its dots too (late, first)
     server_block=("compiled", "fused"),  # a server step's block up to FUSED_ROWS rows: inductor's, or the fused kernels
+    server_attention=("window", "decode"),  # a server step's attention: the window kernel at one query a row, or the
+    # plain steps' decode attention with a position per row (split-KV, or a program per (row, head) at WHOLE_ROWS)
     server_down=("on", "off"),  # a server step's w2 + residual past FUSED_ROWS rows: the down kernel, or inductor's
     verify=("torch", "triton"),  # a pass's verify: speculative.py's ops, or verify_triton's kernels (VERIFY_KERNELS)
     jacobi=("auto", "on"),  # --speculative jacobi: plain steps where the pass measured a loss (PASS_GAINS), or always
@@ -571,12 +573,18 @@ def own_positions(s, eager, window, want, draw):
         fused_rows = FUSED_ROWS
     pdl = pass_pdl(s, want) if fused_rows else NONE
     gemv_pdl = bool(fused_rows) and pass_gemv_pdl(s, want)
+    attention = window[0]
+    if want.get("server_attention", "window") == "decode":
+        if attention != "triton":
+            raise PlanError("plan override server_attention=decode needs Triton's kernels on a CUDA device "
+                            "(window_attention=triton); use server_attention=window")
+        attention = "decode"
     down = compiled and serves_down(s, DOWN_ROWS) and want.get("server_down", "on") == "on"
     down_rows = range(FUSED_ROWS + 1, DOWN_ROWS + 1) if down else range(0)
     down_pdl = block_pdl(s, DOWN_ROWS) if down_rows and DOWN_PDL and want.get("down_pdl", "on") == "on" else NONE
     return OwnPositions(block="compiled" if compiled else "model", head="compiled" if compiled else "model",
                         ops=EagerOps() if compiled else dataclasses.replace(eager, rope="torch"),
-                        graph=s.cuda and s.backend != "eager", buckets=buckets, attention=window[0],
+                        graph=s.cuda and s.backend != "eager", buckets=buckets, attention=attention,
                         inputs=window[1], splits=window[3], fused_rows=fused_rows, pdl=pdl, gemv_pdl=gemv_pdl,
                         down_rows=down_rows, down_pdl=down_pdl, draw="keyed" if draw == "triton" else "generator")
 
@@ -603,6 +611,14 @@ def merge_pdl(s, rows, want):
     return block_pdl(s, rows) if want.get("merge_pdl", "on") == "on" and MERGE_PDL and not pdl else pdl
 
 
+def decode_form(rows):
+    """The Triton decode attention's (form, config) at `rows` rows: one program per (row, head) in WHOLE_ROWS, else
+    split-KV with the merge kernel."""
+    if rows in WHOLE_ROWS:
+        return "triton_whole", attention_triton.WHOLE
+    return "triton_split", attention_triton.config_for(rows)
+
+
 def step_rows(s, want, rows, guided_rows, block, cuda_block, attention, prefetch, draw):
     """The Rows of steps at `rows` rows. The attention's launch is the guided steps' (one kernel argument for both)."""
     projections, head = (), None
@@ -619,10 +635,7 @@ def step_rows(s, want, rows, guided_rows, block, cuda_block, attention, prefetch
         projections = (("w2", w2),)
     config, form = (), attention
     if attention == "triton":
-        if rows in WHOLE_ROWS:
-            form, config = "triton_whole", attention_triton.WHOLE
-        else:
-            form, config = "triton_split", attention_triton.config_for(rows)
+        form, config = decode_form(rows)
     elif attention == "cuda":
         form = "cuda_loop" if rows > CUDA_LOOP_ROWS else "cuda"
     elif s.backend in ("cudagraph", "eager"):
@@ -856,7 +869,9 @@ def explain(p):
     return "\n".join(lines)
 
 
-WINDOW_WORDS = dict(sdpa="SDPA with each row's mask", triton="the Triton window attention (each row's keys once)")
+WINDOW_WORDS = dict(sdpa="SDPA with each row's mask", triton="the Triton window attention (each row's keys once)",
+                    decode="the plain steps' Triton decode attention, a position per row (split-KV, or a program "
+                    "per (row, head) at 64-96 rows)")
 SPLIT_WORDS = dict(fold="in one launch, its splits merged by each row's last",
                    merge="a split per tile and a merge kernel")
 

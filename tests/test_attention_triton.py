@@ -101,6 +101,38 @@ for (R, H, L, pos, block, T, lead), whole in itertools.product(cases, (False, Tr
     for cache, cache_want in ((k, want_k), (v, want_v)):
         assert cache.isnan().sum() == cache_want.isnan().sum() == H * 64, "only the spare row's position stays NaN"
         worst = max(worst, (cache - cache_want).nan_to_num(0.0).abs().max().item())
+# A position per row (a server's step: rows joined at other times): each row's keys up to its own position, fresh keys
+# rotated by its own RoPE row and written at its own position; the rows' positions differ, so one row's position used
+# for another's shows
+for (block, whole, text), pdl in itertools.product(((16, False, False), (16, True, False), (64, True, True),
+                                                     (32, False, True)), (False, True)):
+    R, H, L, T = 4, 2, 72, 8
+    cfg = (block, 2, 1) if whole else (block, 4, 1)
+    p = torch.tensor([[9], [70], [30], [47]])
+    key_valid = key_mask(R, L, T)
+    q, k_new, v_new = torch.randn(3, R, H, 1, 64)
+    freqs = torch.randn(R, 1, 32, 2)
+    k, v = torch.randn(2, R + 1, H, L, 64)
+    if text:  # the text's keys zero, its partial made after the prefill, its keys never read again
+        k[:, :, :T] = 0.0
+        sums, counts = torch.full((R + 1, H, 64), float("nan")), torch.full((R + 1,), float("nan"))
+        da.text_sums(v, key_valid, T, sums, counts)
+    rows = torch.arange(R)
+    rotate = lambda t: torch.cat([apply_rotary_emb(t[i : i + 1].transpose(1, 2), rotations(freqs[i])).transpose(1, 2)
+                                  for i in range(R)])
+    want_k, want_v = k.clone(), v.clone()
+    want_k[rows, :, p[:, 0]], want_v[rows, :, p[:, 0]] = rotate(k_new)[:, :, 0], v_new[:, :, 0]
+    if pdl:  # the fused block's QKV wrote the step's key and value: q rotated, the caches hold them
+        k, v, qq, fresh = want_k.clone(), want_v.clone(), rotate(q), None
+    else:
+        k[rows, :, p[:, 0]] = v[rows, :, p[:, 0]] = float("nan")
+        qq, fresh = q, (k_new, v_new, freqs)
+    want = torch.nn.functional.scaled_dot_product_attention(rotate(q), want_k[:R], want_v[:R],
+                                                            attn_mask=attention_mask(key_valid, p))
+    kw = dict(text=(sums, counts, T)) if text else {}
+    got = da.decode_attention(qq, k, v, key_valid, p, config=cfg, pdl=pdl, whole=whole, fresh=fresh, **kw)
+    worst = max(worst, (got - want).abs().nan_to_num(float("inf")).max().item())
+    worst = max(worst, (k - want_k).abs().max().item(), (v - want_v).abs().max().item())
 print(worst)
 """
 
@@ -136,9 +168,10 @@ merge_sig = {"M": "*fp32", "L": "*fp32", "ACC": "*fp32", "OUT": "*bf16", "PROGRE
 # K and V with and without the evict-first hint; the merge with a prefetcher's count (the compiled block, no PDL);
 # the compiled block's fresh keys (RoPE and the cache write in the kernel), without PDL; the text as a partial.
 for (block, warps, merge_warps), pdl in itertools.product([config for _, config in da.CONFIGS], (False, True)):
-    for evict, fresh, text in itertools.product((False, True), (False, True) if not pdl else (False,), (False, True)):
+    for evict, fresh, text, row_pos in itertools.product((False, True), (False, True) if not pdl else (False,),
+                                                         (False, True), (False, True)):
         consts = {"SCALE": 0.125, "BLOCK": block, "HEAD_DIM": 64, "LEAD": da.LEAD, "PDL": pdl, "EVICT": evict,
-                  "FRESH": fresh, "TEXT": text}
+                  "FRESH": fresh, "TEXT": text, "ROW_POS": row_pos}
         build(da._partial_kernel, sig, consts, {"num_warps": warps, "launch_pdl": pdl}, attrs=attrs)
     # the merge with PDL's late trigger (2) after a partial kernel without PDL: the dot path (plan.merge_pdl)
     for splits, counted, text, merge_pdl in itertools.product((1, 16), (False, True) if not pdl else (False,),
@@ -153,15 +186,16 @@ whole_sig = {"Q": "*bf16", "K": "*bf16", "V": "*bf16", "KEY_VALID": "*i1", "POS"
              **{n: "i32" for n in ints if n != "n_splits"}}
 whole_attrs = {(list(whole_sig).index(name),): [["tt.divisibility", 16]] for name in aligned if name in whole_sig}
 block, warps, stages = da.WHOLE
-for pdl, evict, text in itertools.product((False, True), (False, True), (False, True)):
+for pdl, evict, text, row_pos in itertools.product((False, True), (False, True), (False, True), (False, True)):
     consts = {"SCALE": 0.125, "BLOCK": block, "HEAD_DIM": 64, "LEAD": da.LEAD, "PDL": pdl, "EVICT": evict,
-              "FRESH": not pdl, "TEXT": text, "BUMP": not pdl, "STAGES": stages}
+              "FRESH": not pdl, "TEXT": text, "BUMP": not pdl, "STAGES": stages, "ROW_POS": row_pos}
     # (64, 1, 1): 168 registers with Triton 3.9, no stack (unaligned builds, which never run, spilled ~80 B at 255).
     # Under PDL without the text, Triton 3.6's ptxas (the H200's) keeps two values on an 8 B stack at 168 registers
     # (stored before the key loop, reloaded for the output's store); no kernel of the engine launches that form unless
-    # the plan's WHOLE_ROWS reaches the fused block's rows (an A/B)
+    # the plan's WHOLE_ROWS reaches the fused block's rows (an A/B); with a position per row and no text (a c2i
+    # server's steps at 64-96 rows) the same 8 B
     build(da._whole_kernel, whole_sig, consts, {"num_warps": warps, "num_stages": stages, "launch_pdl": pdl},
-          attrs=whole_attrs, stack=8 if pdl and not text else 0)
+          attrs=whole_attrs, stack=8 if (pdl or row_pos) and not text else 0)
     # with stages, Triton's pipeliner stages the tiles through shared memory (its loop has no dot, which it pipelines
     # only where the loop asks, tl.range's num_stages)
     piped = build(da._whole_kernel, whole_sig, dict(consts, BLOCK=64, STAGES=2),

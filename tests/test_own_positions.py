@@ -68,6 +68,11 @@ def test_the_plan_takes_them_by_its_default_and_by_the_overrides():
     assert not plan.make(dataclasses.replace(steps, overrides=on, int8=True)).own_positions.down_rows
     assert not plan.make(dataclasses.replace(steps, overrides=on + (("server_down", "off"),))).own_positions.down_rows
     assert "up to 16 rows, GEMVs under PDL" in plan.describe_own_positions(server)
+    # the plain steps' decode attention, a position per row, by the override server_attention=decode
+    server = plan.make(dataclasses.replace(steps, overrides=on + (("server_attention", "decode"),))).own_positions
+    assert server.attention == "decode" and "decode attention, a position per row" in plan.describe_own_positions(server)
+    with pytest.raises(plan.PlanError, match="server_attention=decode needs"):
+        plan.make(dataclasses.replace(steps, overrides=(("window_attention", "sdpa"), ("server_attention", "decode"))))
     server = plan.make(dataclasses.replace(steps, overrides=on + (("window_block_pdl", "first"),))).own_positions
     assert server.pdl == plan.FIRST and "up to 16 rows, PDL first" in plan.describe_own_positions(server)
     server = plan.make(dataclasses.replace(steps, overrides=on + (("window_block_pdl", "off"),))).own_positions
@@ -115,6 +120,7 @@ make = plan.make
 FUSED = False  # the pass's block: the fused block's kernels at its rows
 SPLITS = "fold"  # the window attention's form: its splits folded into one launch, or a split per tile + merge
 SERVER_FUSED = False  # the server's steps on the fused block's kernels (server_block=fused)
+SERVER_ATTENTION = "triton"  # the server's attention: the window kernel, or the decode kernels (server_attention=decode)
 
 
 def with_window_kernels(s):
@@ -126,7 +132,7 @@ def with_window_kernels(s):
         p = dataclasses.replace(p, jacobi=dataclasses.replace(p.jacobi, attention="triton", inputs="triton",
                                                               splits=SPLITS, **fused))
     if p.own_positions is not None:
-        own = dataclasses.replace(p.own_positions, attention="triton", inputs="triton", splits="fold",
+        own = dataclasses.replace(p.own_positions, attention=SERVER_ATTENTION, inputs="triton", splits="fold",
                                   fused_rows=plan.FUSED_ROWS if SERVER_FUSED else 0)
         p = dataclasses.replace(p, own_positions=own)
     return p
@@ -192,15 +198,22 @@ rs = requests(model)[:3]
 want = [alone(model, r) for r in rs]
 blocks_run = []  # the fused block's calls in the server's steps
 engine_module.fused_block = lambda *a, **k: (blocks_run.append(a[0]), fused_block(*a, **k))[1]
-for SERVER_FUSED in (False, True):
+decode_calls = []  # the decode attention's calls in the server's steps, and whether each took a position per row
+decode_attention = attention_triton.decode_attention
+attention_triton.decode_attention = lambda *a, **k: (decode_calls.append(a[4].numel() > 1), decode_attention(*a, **k))[1]
+for SERVER_FUSED, SERVER_ATTENTION in ((False, "triton"), (True, "triton"), (False, "decode"), (True, "decode")):
     batch = Batch(Engine(model, backend="eager"), rs[0].shape, capacity=4)
-    assert batch.runner.ctx.attention is attention_triton.window_attention
+    decode = SERVER_ATTENTION == "decode"
+    assert batch.runner.ctx.attention is (None if decode else attention_triton.window_attention)
+    assert (batch.runner.step_attention is not None) == decode
+    decode_calls.clear(), blocks_run.clear()
     assert batch.runner.inputs_fn is inputs_triton.window_inputs
     assert batch.runner.fused_rows == (plan.FUSED_ROWS if SERVER_FUSED else 0)
     got = run(batch, {0: rs[:2], 3: [rs[2]]})
     assert bool(blocks_run) == SERVER_FUSED
+    assert decode_calls and all(decode_calls) if decode else not decode_calls
     for i in range(3):
-        assert torch.equal(got[i], want[i]), (SERVER_FUSED, i)
+        assert torch.equal(got[i], want[i]), (SERVER_FUSED, SERVER_ATTENTION, i)
         checked += 1
 print("ok", checked)
 """
@@ -215,7 +228,7 @@ def test_pass_and_server_step_on_window_kernels_in_interpreter():
     own seeds and settings), its steps on the eager blocks and on the fused block's kernels (server_block=fused)."""
     out = early.result(SCRIPT, interpret.ENV)
     assert out.returncode == 0, out.stderr[-3000:]
-    assert out.stdout.split()[-2:] == ["ok", "11"], out.stdout
+    assert out.stdout.split()[-2:] == ["ok", "17"], out.stdout
 
 
 def test_the_plan_keys_a_servers_draws_where_it_draws_with_triton():
@@ -343,10 +356,12 @@ EARLY = {"test_pass_and_server_step_on_window_kernels_in_interpreter": (SCRIPT, 
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-@pytest.mark.parametrize("block", ["fused", "compiled", "fused,window_block_pdl=first", "fused,window_block_pdl=off"])
+@pytest.mark.parametrize("block", ["fused", "compiled", "fused,window_block_pdl=first", "fused,window_block_pdl=off",
+                                   "fused,server_attention=decode", "compiled,server_attention=decode"])
 def test_server_steps_on_window_kernels_give_the_plain_engines_tokens_on_cuda(block):
     """fp32 at GPT-XL's width: requests joining a server's batch on the window kernels (captured steps per bucket), on
-    the fused block's kernels (under PDL too) or inductor's block, get the plain engine's greedy tokens."""
+    the fused block's kernels (under PDL too) or inductor's block, get the plain engine's greedy tokens; and with the
+    plain steps' decode attention at a position per row (server_attention=decode)."""
     from fast_inference.continuous import Batch, Request
     from fast_inference.engine import Engine
     from test_reference import tiny_inputs, tiny_model
@@ -360,7 +375,8 @@ def test_server_steps_on_window_kernels_give_the_plain_engines_tokens_on_cuda(bl
     engine = Engine(model, overrides=on + tuple(f"server_block={block}".split(",")))
     batch = Batch(engine, rs[0].shape, capacity=2)
     own = engine.plan.own_positions
-    assert (own.attention, own.inputs, own.fused_rows > 0) == ("triton", "triton", block.startswith("fused"))
+    attention = "decode" if "server_attention=decode" in block else "triton"
+    assert (own.attention, own.inputs, own.fused_rows > 0) == (attention, "triton", block.startswith("fused"))
     entries = [batch.admit(rs[0])]
     for _ in range(5):  # the second request joins 5 steps later, at other positions
         batch.step()

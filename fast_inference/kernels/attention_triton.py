@@ -51,12 +51,12 @@ if triton is not None:
                         stride_qr, stride_qh, stride_kr, stride_kh, stride_kn, stride_vr, stride_vh, stride_vn,
                         stride_valid, stride_nr, stride_nh, n_heads, n_splits, text_len, SCALE: tl.constexpr,
                         BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr, LEAD: tl.constexpr, PDL: tl.constexpr,
-                        EVICT: tl.constexpr, FRESH: tl.constexpr, TEXT: tl.constexpr):
+                        EVICT: tl.constexpr, FRESH: tl.constexpr, TEXT: tl.constexpr, ROW_POS: tl.constexpr):
         rh = tl.program_id(0)
         split = tl.program_id(1)
         r = rh // n_heads
         h = rh % n_heads
-        pos = tl.load(POS)  # written by the previous step, before any kernel of this one
+        pos, FREQS = _position(POS, FREQS, r, HEAD_DIM, ROW_POS)
         if TEXT:  # the text is the merge's partial; every later key is attendable
             start = text_len + split * BLOCK
         else:
@@ -72,6 +72,13 @@ if triton is not None:
             tl.store(M_OUT + out, float("-inf"))
             tl.store(L_OUT + out, 0.0)
             tl.store(ACC_OUT + out * HEAD_DIM + tl.arange(0, HEAD_DIM), tl.zeros((HEAD_DIM,), tl.float32))
+
+    @triton.jit
+    def _position(POS, FREQS, r, HEAD_DIM: tl.constexpr, ROW_POS: tl.constexpr):
+        """Row r's position and RoPE row: the step's one for every row, or with ROW_POS each row's own (a server's
+        step: POS (R,), FREQS (R, HEAD_DIM / 2, 2)). Written by the previous step, before any kernel of this one."""
+        at = r if ROW_POS else 0
+        return tl.load(POS + at), FREQS + at * HEAD_DIM
 
     @triton.jit
     def _first_key(VALID, pos, LEAD: tl.constexpr):
@@ -173,14 +180,15 @@ if triton is not None:
                       stride_qr, stride_qh, stride_kr, stride_kh, stride_kn, stride_vr, stride_vh, stride_vn,
                       stride_valid, stride_nr, stride_nh, n_heads, text_len, SCALE: tl.constexpr, BLOCK: tl.constexpr,
                       HEAD_DIM: tl.constexpr, LEAD: tl.constexpr, PDL: tl.constexpr, EVICT: tl.constexpr,
-                      FRESH: tl.constexpr, TEXT: tl.constexpr, BUMP: tl.constexpr, STAGES: tl.constexpr):
+                      FRESH: tl.constexpr, TEXT: tl.constexpr, BUMP: tl.constexpr, STAGES: tl.constexpr,
+                      ROW_POS: tl.constexpr):
         """One program per (row, head) over all its keys, BLOCK at a time (an online softmax), with the text's
         partial as its start: no partials and no merge. As _partial_kernel and _merge_kernel together. STAGES > 1:
         Triton's pipeliner copies the next STAGES - 1 tiles into shared memory (cp.async) while one is scored."""
         rh = tl.program_id(0)
         r = rh // n_heads
         h = rh % n_heads
-        pos = tl.load(POS)  # written by the previous step, before any kernel of this one
+        pos, FREQS = _position(POS, FREQS, r, HEAD_DIM, ROW_POS)
         offs_n = tl.arange(0, BLOCK)
         offs_d = tl.arange(0, HEAD_DIM)
         k_row = K + r * stride_kr + h * stride_kh
@@ -275,7 +283,8 @@ if triton is not None:
 
 def decode_attention(q, k_cache, v_cache, key_valid, input_pos, config=None, pdl=False, progress=None, fresh=None,
                      text=None, merge_pdl=None, whole=False):
-    """q (R,H,1,hd); caches (>= R,H,L,hd), rows past R untouched; key_valid (R,L) bool; input_pos (1,) -> (R,H,1,hd).
+    """q (R,H,1,hd); caches (>= R,H,L,hd), rows past R untouched; key_valid (R,L) bool; input_pos (1,), or (R, 1)
+    each row's own (a server's step; fresh's freqs then (R, 1, hd/2, 2)) -> (R,H,1,hd).
     whole: one program per (row, head), config WHOLE's form (BLOCK, warps, stages); else the split form, config
     (BLOCK, warps, merge warps), by default CONFIGS' for R. progress: a prefetcher's int32 count (prefetch_triton.py),
     bumped once per call (by the merge as it starts, or by the
@@ -291,11 +300,15 @@ def decode_attention(q, k_cache, v_cache, key_valid, input_pos, config=None, pdl
     if k_new.stride() != v_new.stride():
         raise ValueError("decode_attention: fresh keys and values need the same strides")
     text_sum, text_count, text_len = (q, q, 0) if text is None else text  # unused pointers without it
+    row_pos = input_pos.numel() > 1
+    if row_pos and not (input_pos.numel() == R and input_pos.is_contiguous() and freqs.is_contiguous()
+                        and (fresh is None or freqs.shape[0] == R)):
+        raise ValueError("decode_attention: a position per row needs R contiguous positions (and RoPE rows)")
     # what both kernels take: the strides of q, the caches, key_valid and the step's key, and the constants
     strides = (q.stride(0), q.stride(1), *k_cache.stride()[:3], *v_cache.stride()[:3], key_valid.stride(0),
                *k_new.stride()[:2])
     consts = dict(SCALE=hd**-0.5, HEAD_DIM=hd, LEAD=LEAD, EVICT=EVICT_FIRST, FRESH=fresh is not None,
-                  TEXT=text is not None, **launch(pdl))
+                  TEXT=text is not None, ROW_POS=row_pos, **launch(pdl))
     if whole:  # one program per (row, head), no merge
         block, num_warps, stages = config or WHOLE
         out = torch.empty(R, H, 1, hd, device=q.device, dtype=q.dtype)
