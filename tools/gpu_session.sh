@@ -71,7 +71,11 @@ usage: tools/gpu_session.sh STEP...      (steps run in order; each writes OUT/<s
           (tools/server_step.py): the continuous batch of n one-image requests
           against the plain engine's step at n (SERVER_SIZES, default 1,8,32), its forward graph alone, the host's
           time, an admission's ms (the first, its graph's capture, replays), and both steps' and one replayed
-          admission's kernels by name (OUT/server_step_profile.txt); SERVE_PLAN as the serve step's
+          admission's kernels by name (OUT/server_step_profile.txt); SERVE_PLAN as the serve step's. Issue 75's owed
+          A/B, the server's attention (the window kernel, or the plain steps' decode kernels at a position per row)
+          and its w2 at 17-64 rows (the down kernel since 244b13e), one process per plan, profiles in OUT/<plan, '=' as '-'>/:
+              SERVER_SIZES=32,8,1 SERVER_PLANS="default server_attention=decode server_down=off" \
+                  OUT=$OUT tools/gpu_session.sh serverstep
 
 OUT (default sample/gpu) receives the logs; PYTHON picks the interpreter.
 USAGE
@@ -264,8 +268,14 @@ step_serverstep() {
     (cd "$root" && timeout 360 "$py" -m pytest -q -p no:cacheprovider tests/test_draw_triton.py \
         tests/test_own_positions.py tests/test_continuous.py -k cuda) \
         || echo "== FAILED (or over 360 s): the keyed draw's and the server steps' CUDA tests"
-    "$py" "$here/server_step.py" --sizes "${SERVER_SIZES:-1,8,32}" ${SERVE_PLAN:+--plan "$SERVE_PLAN"} \
-        --profile-dir "$out" --json "$out/server_step.json"
+    local plan dir
+    for plan in ${SERVER_PLANS:-${SERVE_PLAN:-default}}; do  # a process per plan: its own captures and compiles
+        dir=$out/$(tr '=,' '-_' <<<"$plan")  # a returned folder's name takes no '=' or ','
+        mkdir -p "$dir"
+        echo "== the server's plan: $plan"
+        "$py" "$here/server_step.py" --sizes "${SERVER_SIZES:-1,8,32}" $([[ $plan == default ]] || echo --plan "$plan") \
+            --profile-dir "$dir" --json "$dir/server_step.json"
+    done
 }
 
 step_demo() {
