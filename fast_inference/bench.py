@@ -33,15 +33,14 @@ import torch
 from fast_inference import plan as plans
 from fast_inference.engine import BACKENDS, COMPILE_SCOPES, SPECULATIVE, Engine, vq_kernels
 from fast_inference.components import check_memory, check_writable
-from fast_inference.flags import Parser, official_tf32, ranged, tree_arg
-from fast_inference.settings import RANGES, UserError, check_ranges
+from fast_inference.flags import DRAFT_DEFAULTS, Parser, official_tf32, ranged, tree_arg
+from fast_inference.settings import RANGES, UserError, check_ranges, span
 from fast_inference.workload import (bench_fast, bench_speculative, inputs, scale_to_entropy, step_bytes,
                                      timed)
 from fast_inference.generate import generate
 from fast_inference.model import ModelArgs, Transformer
 from fast_inference.quantize import MODES as QUANTIZE_MODES, quantize_int8
-from fast_inference.draft_tree import DEFAULT_TREE
-from fast_inference.speculative import COUPLINGS, DEFAULT_COUPLING, DEFAULT_INIT, DRAFT_INITS
+from fast_inference.speculative import COUPLINGS, DEFAULT_INIT, DRAFT_INITS
 
 
 # The numeric flags' ranges (settings.RANGES' form), checked before anything runs.
@@ -74,12 +73,13 @@ def parse_args(argv=None):
                    help="override the fast engine's decode plan (fast_engine.py --help lists the keys)")
     p.add_argument("--speculative", choices=list(SPECULATIVE), default="none",
                    help="jacobi: also time speculative Jacobi decoding (fast_engine.py --help), beside the plain engine")
-    p.add_argument("--draft-window", type=int, default=16, help=ranged("draft_window", "positions a pass verifies",
-                                                                       BENCH_RANGES))
+    p.add_argument("--draft-window", type=int, default=None,
+                   help=f"positions a pass verifies, {span('draft_window', BENCH_RANGES)}; {DRAFT_DEFAULTS}")
     p.add_argument("--draft-init", choices=list(DRAFT_INITS), default=DEFAULT_INIT)
-    p.add_argument("--draft-coupling", choices=list(COUPLINGS), default=DEFAULT_COUPLING)
-    p.add_argument("--draft-tree", type=tree_arg, default=DEFAULT_TREE, metavar="WxD[+SxE]|none",
-                   help="a draft tree per pass (fast_engine.py --help; --draft-coupling pathwise)")
+    p.add_argument("--draft-coupling", choices=list(COUPLINGS), default=None, help="default: as --draft-window")
+    p.add_argument("--draft-tree", type=tree_arg, default=None, metavar="WxD[+SxE]|none",
+                   help="a draft tree per pass (fast_engine.py --help; --draft-coupling pathwise); default: as "
+                        "--draft-window")
     p.add_argument("--target-entropy", type=float, default=None,
                    help=ranged("target_entropy", "scale the output layer so that the sampled distributions' mean "
                                "entropy is this (random weights' are nearly flat: drafts are then rarely accepted)",
@@ -186,10 +186,11 @@ def check_args(args):
     if args.speculative != "none" and (args.backend == "cudagraph" or args.compile_scope == "step"):
         raise UserError("--speculative jacobi runs on --backend inductor with --compile-scope block, or on --backend "
                         "eager")
-    if args.speculative != "none" and args.draft_tree and args.draft_coupling != "pathwise":
+    drafts = plans.given_drafts(args.draft_window, args.draft_coupling, args.draft_tree)
+    if args.speculative != "none" and drafts.tree and drafts.coupling != "pathwise":
         raise UserError("--draft-tree is exact with --draft-coupling pathwise only; add it, or --draft-tree none")
-    if args.speculative != "none" and args.draft_init == "above" and args.image_size // 16 < args.draft_window:
-        raise UserError(f"--draft-init above needs --image-size >= {16 * args.draft_window} (--draft-window x 16)")
+    if args.speculative != "none" and args.draft_init == "above" and args.image_size // 16 < drafts.window:
+        raise UserError(f"--draft-init above needs --image-size >= {16 * drafts.window} (--draft-window x 16)")
     if not args.random_weights and not args.gpt_ckpt:
         raise UserError("pass --random-weights or --gpt-ckpt PATH")
     if args.gpt_ckpt and not os.path.isfile(args.gpt_ckpt):
@@ -268,11 +269,12 @@ def measure(args, sizes):
     official_tf32()
     grid = args.image_size // 16
     margs = bench_model_args(args)
+    drafts = plans.given_drafts(args.draft_window, args.draft_coupling, args.draft_tree)
     try:
         # the VQ decodes only the end-to-end images, at n = 1
         check_memory(margs, args.image_size, args.image_size, max(sizes), args.cfg_scale, device, dtype,
                      "use smaller --batch-sizes or --image-size", int8=args.quantize == "int8",
-                     window=args.draft_window if args.speculative != "none" else 0, coupling=args.draft_coupling,
+                     window=plans.widest_window(drafts) if args.speculative != "none" else 0, coupling=drafts.coupling,
                      decoded=int(1 in sizes and args.e2e_runs > 0))
     except UserError as e:
         fail(e)
@@ -352,7 +354,7 @@ def print_row(r, flush=False):
           f"{fast['compile_s']:.1f}s | peak {r['peak_mem_gb']:.1f} GB", flush=flush)
     s = r.get("speculative")
     if s:
-        print(f"      jacobi L={s['window']} ({s['init']}, coupling {s['coupling']}) {s['tok_s']:9.1f} tok/s "
+        print(f"      jacobi L={s['window']} ({s['init']}, coupling {s['coupling']}, tree {s['tree']}) {s['tok_s']:9.1f} tok/s "
               f"({s['vs_fast']:.2f}x the plain engine) | "
               f"{s['passes_per_image']:.0f} passes per image, {s['tokens_per_pass']:.2f} tokens per pass | one pass "
               f"{s['pass_ms']:.2f} ms = {s['pass_vs_step']:.2f} plain steps | compile {s['compile_s']:.1f}s", flush=flush)

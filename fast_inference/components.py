@@ -252,9 +252,10 @@ def check_memory(margs, H, W, images, cfg_scale, device, dtype, fix, vq_cfg=None
 
 def run_memory(config, margs, H, W, images, device, dtype, fix) -> None:
     """check_memory for a run of the sampling settings: int8 weights, a speculative pass, the VQ of --vq-model."""
-    window = config.draft_window if config.speculative != "none" else 0
+    drafts = plans.given_drafts(config.draft_window, config.draft_coupling, config.draft_tree)
+    window = plans.widest_window(drafts) if config.speculative != "none" else 0
     check_memory(margs, H, W, images, config.cfg_scale, device, dtype, fix, vq_cfg=vq_config(config),
-                 int8=config.quantize == "int8", window=window, coupling=config.draft_coupling)
+                 int8=config.quantize == "int8", window=window, coupling=drafts.coupling)
 
 
 def check_writable(path: str) -> None:

@@ -26,9 +26,6 @@ from fast_inference.kernels import tree_triton
 from fast_inference.speculative import JacobiRunner, position_noise, probabilities
 
 
-DEFAULT_TREE = ()  # none: the measured default (docs/PERF_NOTES.md, issue 78)
-
-
 @dataclass(frozen=True)
 class Tree:
     """A draft tree's nodes in pass order: node 0 the last accepted token, 1..L-1 the chain, then the branches."""

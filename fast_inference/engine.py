@@ -32,7 +32,7 @@ from fast_inference.model import TORCH_OPS, Context, EagerOps
 from fast_inference.quantize import is_int8
 from fast_inference.runner import ShapeRunner
 from fast_inference.draft_tree import TreeRunner
-from fast_inference.speculative import COUPLINGS, DEFAULT_COUPLING, DEFAULT_INIT, DRAFT_INITS, JacobiRunner
+from fast_inference.speculative import COUPLINGS, DEFAULT_INIT, DRAFT_INITS, JacobiRunner
 
 log = logging.getLogger("fast_inference")
 
@@ -106,24 +106,26 @@ class Engine:
     speculative Jacobi passes of draft_window positions (speculative.py) instead of one token per step, the window's
     initial drafts by draft_init (speculative.DRAFT_INITS), their redraws' noise by draft_coupling (COUPLINGS);
     draft_tree (width, depth) or (width, depth, side, side depth): each pass a draft tree of the window (draft_tree.py,
-    pathwise coupling), () a chain."""
+    pathwise coupling), () a chain. draft_window, draft_coupling and draft_tree all None: the plan picks them for each
+    batch (plan.given_drafts, choose_drafts); any given pins them."""
 
     def __init__(self, model, backend="inductor", compile_mode="reduce-overhead", cache_dir=None,
                  compile_prefill=False, compile_scope="block", fused_block=True, overrides=(), speculative="none",
-                 draft_window=16, draft_init=DEFAULT_INIT, draft_coupling=DEFAULT_COUPLING, draft_tree=()):
+                 draft_window=None, draft_init=DEFAULT_INIT, draft_coupling=None, draft_tree=None):
         self.model, self.backend, self.compile_mode = model, backend, compile_mode
         self.compile_scope, self.fused_block, self.compile_prefill = compile_scope, fused_block, compile_prefill
         self.device = model.output.weight.device
         if compile_scope not in COMPILE_SCOPES:
             raise ValueError(f"unknown compile scope {compile_scope!r}; use one of {COMPILE_SCOPES}")
-        if speculative not in SPECULATIVE or draft_init not in DRAFT_INITS or draft_coupling not in COUPLINGS:
+        drafts = plans.given_drafts(draft_window, draft_coupling, draft_tree)
+        if speculative not in SPECULATIVE or draft_init not in DRAFT_INITS or drafts.coupling not in COUPLINGS:
             raise ValueError(f"speculative {speculative!r}, draft init {draft_init!r}, coupling {draft_coupling!r}: use "
                              f"one of {SPECULATIVE}, of {DRAFT_INITS} and of {COUPLINGS}")
-        self.draft_window = draft_window if speculative == "jacobi" else 0
-        self.draft_init, self.draft_coupling = draft_init, draft_coupling
-        self.draft_tree = tuple(draft_tree) if speculative == "jacobi" else ()
-        if self.draft_tree and draft_coupling != "pathwise":
+        if drafts.tree and drafts.coupling != "pathwise":
             raise ValueError(f"a draft tree is exact with draft coupling 'pathwise' only, not {draft_coupling!r}")
+        # the drafts as given; each shape's plan runs them (plan.situation), or its choice where they were left out
+        self.drafts = drafts if speculative == "jacobi" else plans.Drafts(0, drafts.coupling, ())  # 0: plain steps
+        self.draft_init = draft_init
         self.overrides = tuple(dict(plans.environment_overrides() + plans.parse_overrides(overrides)).items())
         if model.layers[0].feed_forward.w13 is None:
             model.fuse_projections()
@@ -153,7 +155,8 @@ class Engine:
             batch=batch, dim=a.dim, n_head=a.n_head, ffn_hidden=a.ffn_hidden, vocab_size=a.vocab_size,
             max_seq=max_seq, text_prefix=not self.model.freqs_cis[: a.prefix_len].any(),
             builds=functools.partial(self.builds_on, self.device), overrides=self.overrides,
-            draft_window=self.draft_window, draft_tree=self.draft_tree)
+            draft_window=self.drafts.window, draft_tree=self.drafts.tree, draft_coupling=self.drafts.coupling,
+            draft_init=self.draft_init, auto_drafts=self.drafts.auto)
 
     @staticmethod
     def builds_on(device, kernel, *key):
@@ -204,10 +207,10 @@ class Engine:
         if p.jacobi is None:
             r = ShapeRunner(self.model, p, num_tokens, prefix_len, num_controls, top_k, keep_logits)
         else:
-            tree = p.jacobi.tree  # the asked tree, unless the plan runs the chain (p.chain_instead)
+            tree = p.jacobi.tree  # the asked (or chosen) tree, unless the plan runs the chain (p.chain_instead)
             runner, extra = (TreeRunner, (tree,)) if tree else (JacobiRunner, ())
             r = runner(self.model, p, num_tokens, prefix_len, num_controls, top_k, keep_logits, self.draft_init,
-                       grid_width(num_tokens), self.draft_coupling, *extra)
+                       grid_width(num_tokens), p.situation.draft_coupling, *extra)
         self._wire(r, p)
         self._compile(r, p)
         self.runner = r
@@ -484,7 +487,7 @@ class Engine:
         forcing, for tests); the logits of every step are then returned too."""
         if condition is None:
             raise ValueError("ControlAR needs a control image (condition) for every sample")
-        if self.draft_window and (cfg_interval > -1 or forced is not None):
+        if self.drafts.window and (cfg_interval > -1 or forced is not None):
             raise ValueError("speculative decoding runs with guidance at every token (cfg_interval -1), not forced")
         B = cond.shape[0]
         marks = Marks(self.device)

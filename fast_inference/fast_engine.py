@@ -183,6 +183,7 @@ def explain(args):
     if args.prompt_file:
         with open(args.prompt_file, encoding="utf-8") as f:
             prompts = max(1, sum(1 for line in f if line.strip()))
+    drafts = plans.given_drafts(args.draft_window, args.draft_coupling, args.draft_tree)
     s = plans.Situation(
         backend=backend, compile_scope=args.compile_scope, compile_prefill=args.compile_prefill, device=device.type,
         capability=capability, triton=plans.triton_available(), interpret=plans.interpreting(), dtype=dtype,
@@ -190,8 +191,9 @@ def explain(args):
         dim=margs.dim, n_head=margs.n_head, ffn_hidden=margs.ffn_hidden, vocab_size=margs.vocab_size,
         max_seq=margs.prefix_len + (H // 16) * (W // 16), builds=builds,
         overrides=tuple(dict(plans.environment_overrides() + plans.parse_overrides(args.plan)).items()),
-        draft_window=args.draft_window if args.speculative == "jacobi" else 0,
-        draft_tree=args.draft_tree if args.speculative == "jacobi" else ())
+        draft_window=drafts.window if args.speculative == "jacobi" else 0,
+        draft_tree=drafts.tree if args.speculative == "jacobi" else (), draft_coupling=drafts.coupling,
+        draft_init=args.draft_init, auto_drafts=drafts.auto)
     print(plans.explain(plans.make(s)))
     print(plans.explain_server(s))  # and a server's steps (serve.py), rows at their own positions
 
@@ -306,7 +308,10 @@ def report(engine, times, tokens):
         spec = engine.last_speculation
         if spec:  # passes per image, tokens per pass, and a pass's time
             passes = sum(spec["passes"]) / len(spec["passes"])
-            parts.append(f"{passes:.0f} passes per image, {spec['tokens_per_pass']:.2f} tokens per pass, "
+            s = engine.plan.situation  # the drafts the passes ran (the plan's choice where the flags were left out)
+            tree = f" in a {plans.tree_words(s.draft_tree)} tree" if s.draft_tree else ""
+            parts.append(f"passes of {s.draft_window}{tree}, {s.draft_coupling}: {passes:.0f} per image, "
+                         f"{spec['tokens_per_pass']:.2f} tokens per pass, "
                          f"{1e3 * decode / max(spec['batch_passes'], 1):.2f} ms per pass")
         if engine.backend != "eager":
             parts.append(f"compile/capture {engine.compile_seconds:.1f}s")

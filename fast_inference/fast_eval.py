@@ -151,9 +151,10 @@ def output_settings(args, margs, resolved):
                 if k in OUTPUT_SETTINGS}
     settings.update(resolved)
     if args.speculative != "none":  # another random stream (the same distribution); absent from older folders
+        # the draft flags as given (None: the plan's choice at each batch, plan.given_drafts)
         settings.update(speculative=args.speculative, draft_window=args.draft_window, draft_init=args.draft_init,
-                        draft_coupling=args.draft_coupling, **({"draft_tree": list(args.draft_tree)} if args.draft_tree
-                                                               else {}))
+                        draft_coupling=args.draft_coupling,
+                        **({"draft_tree": list(args.draft_tree)} if args.draft_tree is not None else {}))
     cache_path = os.path.join(args.sample_dir, HASHES)
     cache = read_json(cache_path)
     content = {"model": dataclasses.asdict(margs)}

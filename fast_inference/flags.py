@@ -13,11 +13,11 @@ import torch
 from fast_inference import plan as plans
 from fast_inference.components import CONDITION_TYPES
 from fast_inference.checkpoint import CheckpointError
-from fast_inference.draft_tree import DEFAULT_TREE, parse_tree
+from fast_inference.draft_tree import format_tree, parse_tree
 from fast_inference.model import GPT_CONFIGS
 from fast_inference.quantize import MODES as QUANTIZE_MODES
 from fast_inference.settings import RANGES, SPECULATIVE, UserError, span
-from fast_inference.speculative import COUPLINGS, DEFAULT_COUPLING, DEFAULT_INIT, DRAFT_INITS
+from fast_inference.speculative import COUPLINGS, DEFAULT_INIT, DRAFT_INITS
 
 BACKENDS, COMPILE_SCOPES = plans.BACKENDS, plans.COMPILE_SCOPES
 
@@ -26,6 +26,15 @@ class Parser(argparse.ArgumentParser):
     def error(self, message):  # one line, not argparse's usage block
         print(f"error: {message} (see --help)", file=sys.stderr)
         sys.exit(2)
+
+
+# The draft flags' defaults in --help (plan.given_drafts and choose_drafts; docs/speculative.md says the same)
+DRAFT_DEFAULTS = (f"default: with --draft-window, --draft-coupling and --draft-tree all left out the plan picks "
+                  f"{plans.MEASURED_TREE.window}, {plans.MEASURED_TREE.coupling}, "
+                  f"{format_tree(plans.MEASURED_TREE.tree)} where that tree measured faster than the chain (TREE_GAINS: "
+                  f"under 8 images on a CUDA GPU with Triton, left drafts), else {plans.CHAIN.window}, "
+                  f"{plans.CHAIN.coupling}, none (--explain and the report say which); any of them given pins the "
+                  f"drafts, the others then {plans.CHAIN.window}, {plans.CHAIN.coupling} (pathwise with a tree), none")
 
 
 def ranged(name, what, ranges=RANGES):
@@ -106,20 +115,22 @@ def add_model_args(p):
                    help="jacobi: lossless speculative Jacobi decoding, each pass verifying --draft-window positions per "
                         "image at once (several tokens per pass, the same distribution as one per step); fast engine, "
                         "inductor (block scope) or eager backend, guidance at every token")
-    p.add_argument("--draft-window", type=int, default=16, help=ranged("draft_window", "positions a pass verifies"))
+    p.add_argument("--draft-window", type=int, default=None,
+                   help=f"positions a pass verifies, {span('draft_window')}; {DRAFT_DEFAULTS}")
     p.add_argument("--draft-init", choices=list(DRAFT_INITS), default=DEFAULT_INIT,
                    help="the drafts of positions a pass has not reached yet: random (uniform, as SJD), left (the "
                         "token before, repeated) or above (the token one grid row up; square images, a window no wider "
                         "than the grid)")
-    p.add_argument("--draft-coupling", choices=list(COUPLINGS), default=DEFAULT_COUPLING,
+    p.add_argument("--draft-coupling", choices=list(COUPLINGS), default=None,
                    help="gumbel: redraw each position's draft with noise fixed per (image, position, token), as MC-SJD, "
                         "so that drafts move only where their distribution does (still lossless); none: fresh noise; "
                         "pathwise: every token's noise fixed too, so the image is a function of the seed alone and a "
-                        "draft is kept where it is its position's token (lossless; needed by --draft-tree)")
-    p.add_argument("--draft-tree", type=tree_arg, default=DEFAULT_TREE, metavar="WxD[+SxE]|none",
+                        "draft is kept where it is its position's token (lossless; needed by --draft-tree); default: as --draft-window")
+    p.add_argument("--draft-tree", type=tree_arg, default=None, metavar="WxD[+SxE]|none",
                    help="each pass verifies W candidates of the window's first draft, each with D drafts below it, "
                         "beside the chain, and with +SxE the runner-up of each of the next S drafts, each with E "
-                        "drafts below it (draft_tree.py; --draft-coupling pathwise); none: the chain alone")
+                        "drafts below it (draft_tree.py; --draft-coupling pathwise); none: the chain alone; default: as "
+                        "--draft-window")
     p.add_argument("--plan", action="append", default=[], metavar="KEY=VALUE",
                    help="override the decode plan's choice (repeatable; also CONTROLAR_PLAN=KEY=VALUE,...): "
                         + "; ".join(f"{k}={'|'.join(v)}" for k, v in plans.OVERRIDES.items()))

@@ -27,9 +27,9 @@ from fast_inference import plan as plans
 from fast_inference.components import (CONDITION_TYPES, build_gpt, build_vq, check_demo, check_grid,
                                        find_multiple, is_demo, make_engine, model_args, pick_device, sample_tokens,
                                        t5_folder, use_demo_model, uses_demo_text, vq_constructor)
-from fast_inference.draft_tree import DEFAULT_TREE, parse_tree
+from fast_inference.draft_tree import parse_tree
 from fast_inference.settings import RANGES, SamplingParams, UserError, check_draft_grid, check_ranges, flag_name
-from fast_inference.speculative import DEFAULT_COUPLING, DEFAULT_INIT
+from fast_inference.speculative import DEFAULT_INIT
 
 DEMO_SCENE = 3  # the demo's default control: this scene of the demo set's test split (scenes.py)
 Control = Union[str, os.PathLike, Image.Image, np.ndarray, None]
@@ -241,10 +241,10 @@ class Pipeline:
         temperature: float = 1.0,
         control_strength: float = 1.0,
         speculative: str = "none",
-        draft_window: int = 16,
+        draft_window: Optional[int] = None,
         draft_init: str = DEFAULT_INIT,
-        draft_coupling: str = DEFAULT_COUPLING,
-        draft_tree: Union[str, tuple] = DEFAULT_TREE,
+        draft_coupling: Optional[str] = None,
+        draft_tree: Union[str, tuple, None] = None,
         return_tokens: bool = False,
     ) -> Union[list, tuple]:
         """Images from one control and one prompt (or several: num_images each, the same control).
@@ -261,7 +261,8 @@ class Pipeline:
             num_images: images per prompt; seed: torch.manual_seed before sampling.
             cfg_scale, cfg_interval, top_k, top_p, temperature, control_strength: the official sampling settings.
             speculative, draft_window, draft_init, draft_coupling, draft_tree: speculative Jacobi decoding ("jacobi":
-                several tokens per pass, the same distribution).
+                several tokens per pass, the same distribution); window, coupling and tree all None: the plan picks
+                them (docs/speculative.md), any given pins them.
             return_tokens: also return the token ids (B, H/16 * W/16).
 
         Returns:

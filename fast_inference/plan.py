@@ -22,6 +22,7 @@ import torch
 from fast_inference.kernels import (attention_cuda, attention_triton, block_cuda, block_triton, draw_cuda,
                                     eager_ops_cuda)
 from fast_inference.kernels.pdl import EARLY, FIRST, LATE
+from fast_inference.speculative import DEFAULT_COUPLING, DEFAULT_INIT, DEFAULT_WINDOW
 
 ENV = "CONTROLAR_PLAN"
 BACKENDS = ("inductor", "cudagraph", "eager")
@@ -63,6 +64,23 @@ PASS_GAINS = {(False, 1): 1.20, (False, 8): 0.96, (True, 1): 1.43, (True, 8): 1.
 # plan runs the chain of the same window instead (the `draft_tree=on` override keeps the tree)
 TREE_GAINS = {1: 1.92, 8: 0.62}
 
+
+@dataclass(frozen=True)
+class Drafts:
+    """A speculative pass's drafts: the window (positions per pass), the redraws' coupling (speculative.COUPLINGS)
+    and the draft tree (draft_tree.parse_tree's tuple; (): a chain)."""
+    window: int
+    coupling: str
+    tree: tuple
+    auto: bool = False  # the draft flags were all left out: make() picks MEASURED_TREE or this chain (choose_drafts)
+
+
+# --speculative jacobi's drafts with the draft flags left out (choose_drafts): MEASURED_TREE, the configuration
+# TREE_GAINS measured (--draft-window 48 --draft-coupling pathwise --draft-tree 4x3+2x3), where it beats the chain's
+# PASS_GAINS at the batch and runs as measured; else CHAIN, the chain PASS_GAINS measured (and the earlier default)
+CHAIN = Drafts(DEFAULT_WINDOW, DEFAULT_COUPLING, ())
+MEASURED_TREE = Drafts(48, "pathwise", (4, 3, 2, 3))
+
 # Where one operation keeps two kernels, and why (the cudagraph backend is the mission's backend without Triton):
 #   attention  Triton (split-KV, whole) | CUDA C++ without Triton (n = 1 1.46 -> 1.34 ms/step over SDPA, #69, #77)
 #   block      Triton | CUDA C++: gate/up beside Triton's (n = 1 0.940 -> 0.916, #67), all four without Triton (#74)
@@ -102,6 +120,9 @@ class Situation:
     overrides: tuple = ()  # ((key, value), ...): OVERRIDES
     draft_window: int = 0  # speculative Jacobi passes over this many positions (speculative.py); 0: plain steps
     draft_tree: tuple = ()  # (width, depth[, side, side depth]): each pass a draft tree (draft_tree.py); (): a chain
+    draft_coupling: str = DEFAULT_COUPLING  # the redraws' noise (speculative.COUPLINGS)
+    draft_init: str = DEFAULT_INIT  # the initial drafts (speculative.DRAFT_INITS)
+    auto_drafts: bool = False  # the draft flags were left out: the plan picks the drafts (choose_drafts)
     own_positions: bool = False  # each row at its own position: a server's batch (continuous.py)
 
     @property
@@ -228,6 +249,7 @@ class Plan:
     jacobi: Optional[JacobiPass] = None  # speculative passes instead of the steps (draft_window > 0)
     plain_instead: str = ""  # why plain steps run where --speculative jacobi was asked (the pass measured a loss)
     chain_instead: str = ""  # why the chain runs where --draft-tree was asked (the tree's pass measured a loss)
+    drafts_chosen: str = ""  # which drafts the plan picked, and why, where the draft flags were left out
     own_positions: Optional[OwnPositions] = None  # a server's steps, rows at their own positions
 
     def rows(self, r):
@@ -376,6 +398,9 @@ def make(s: Situation) -> Plan:
     text_sums = "none" if not text else "triton" if attention == "triton" else "torch"
     guided = step_rows(s, want, s.rows, s.rows, block, cuda_block, attention, prefetch, draw)
     unguided = step_rows(s, want, s.batch, s.rows, block, cuda_block, attention, prefetch, draw) if s.cfg else None
+    drafts_chosen = ""
+    if s.auto_drafts and s.draft_window:
+        s, drafts_chosen = choose_drafts(s, want)
     window = window_kernels(s, want) if s.draft_window or s.own_positions else None
     chain_instead = tree_loses(s, want)
     if chain_instead:  # the pass as the same window's chain
@@ -390,7 +415,8 @@ def make(s: Situation) -> Plan:
         prefill, prefill_ops, text_sums, windows, prefetch = "eager", dataclasses.replace(eager, rope="torch"), \
             "none", 1, "none"
     return Plan(own_positions=own if s.own_positions else None, jacobi=jacobi, plain_instead=plain_instead,
-                chain_instead=chain_instead, situation=s, step="hand_graph" if hand_capture else "compiled_step" if s.backend == "inductor"
+                chain_instead=chain_instead, drafts_chosen=drafts_chosen,
+                situation=s, step="hand_graph" if hand_capture else "compiled_step" if s.backend == "inductor"
                 and not block_scope else "eager", inputs=inputs, inputs_pdl=inputs == "triton" and s.pdl,
                 block=block, cuda_block=cuda_block, head=head, draw=draw, draw_pdl=draw == "triton" and s.pdl,
                 head_noise=head == "fused" and draw == "triton" and s.sample, prefetch=prefetch,
@@ -494,13 +520,55 @@ def pass_loses(s, want, jacobi):
             f"window kernels {'on' if kernels else 'off'} (PASS_GAINS; --plan jacobi=on runs the passes anyway)")
 
 
+def given_drafts(window=None, coupling=None, tree=None):
+    """The drafts of --draft-window, --draft-coupling and --draft-tree (None: left out; every entry point's one rule).
+    All three left out: the plan's choice (auto; CHAIN until make() runs choose_drafts). Otherwise those given are
+    kept and the others are CHAIN's, except that a tree's coupling is pathwise (the one exact coupling for a tree)."""
+    if window is None and coupling is None and tree is None:
+        return dataclasses.replace(CHAIN, auto=True)
+    tree = CHAIN.tree if tree is None else tuple(tree)
+    coupling = coupling or ("pathwise" if tree else CHAIN.coupling)
+    return Drafts(CHAIN.window if window is None else window, coupling, tree)
+
+
+def widest_window(drafts):
+    """The most positions a pass of these drafts may verify (memory checks, before the batch's plan)."""
+    return max(drafts.window, MEASURED_TREE.window) if drafts.auto else drafts.window
+
+
+def measured_gain(gains, batch):
+    """A gain table's entry for the largest measured n at or below batch (None: none measured)."""
+    measured = [n for n in gains if n <= batch]
+    return gains[max(measured)] if measured else None
+
+
+def choose_drafts(s, want):
+    """(situation, why) where the draft flags were left out (s holds CHAIN): MEASURED_TREE where it runs as measured
+    (on a CUDA device with its Triton tree ops and the window kernels, left drafts) and its TREE_GAINS beats the
+    chain's PASS_GAINS at this batch (both tables hold n = 1); else the chain."""
+    tree = dataclasses.replace(s, draft_window=MEASURED_TREE.window, draft_tree=MEASURED_TREE.tree,
+                               draft_coupling=MEASURED_TREE.coupling)
+    chain_text = f"the chain of {s.draft_window}, {s.draft_coupling} coupling"
+    tree_text = (f"the measured tree {tree_words(MEASURED_TREE.tree)} at {MEASURED_TREE.window}, "
+                 f"{MEASURED_TREE.coupling} coupling")
+    if (not s.cuda or s.interpret or choose_tree_ops(tree, want) != "triton"
+            or window_kernels(tree, want)[0] != "triton"):
+        return s, f"{chain_text}: {tree_text} was measured with its Triton tree ops and the window kernels on CUDA"
+    if s.draft_init != DEFAULT_INIT:
+        return s, f"{chain_text}: {tree_text} was measured with {DEFAULT_INIT} drafts, not {s.draft_init}"
+    kernels = window_kernels(s, want)[0] == "triton"
+    chain_gain, tree_gain = pass_gain(s, kernels), measured_gain(TREE_GAINS, s.batch)
+    gains = (f"the tree measured {tree_gain:.2f}x the plain engine's tok/s at this batch, the chain {chain_gain:.2f}x "
+             f"(TREE_GAINS; PASS_GAINS, window kernels {'on' if kernels else 'off'}); draft flags pin the drafts")
+    return (tree, f"{tree_text}: {gains}") if tree_gain > chain_gain else (s, f"{chain_text}: {gains}")
+
+
 def tree_loses(s, want):
     """Why the chain replaces the asked draft tree ("" where the tree runs): on a CUDA device where TREE_GAINS (the
     largest measured n at or below the batch) says the tree's passes lost to plain steps, unless draft_tree=on."""
     if not s.draft_tree or not s.cuda or s.interpret or want.get("draft_tree", "auto") == "on":
         return ""
-    measured = sorted(n for n in TREE_GAINS if n <= s.batch)
-    gain = TREE_GAINS[measured[-1]] if measured else None
+    gain = measured_gain(TREE_GAINS, s.batch)
     if gain is None or gain >= 1.0:
         return ""
     return (f"the chain: --draft-tree {tree_words(s.draft_tree)} measured {gain:.2f}x the plain engine's tok/s at this "
@@ -861,6 +929,8 @@ def explain(p):
         row("verify", VERIFY_WORDS[j.verify])
         if j.tree:
             row("tree ops", TREE_OPS_WORDS[j.tree_ops])
+    if p.drafts_chosen:
+        row("drafts", p.drafts_chosen)
     if p.plain_instead:
         row("speculative", p.plain_instead)
     if p.chain_instead:

@@ -5,10 +5,10 @@ same values and refuse the others with the same one line (the flag's name, `--to
 """
 import math
 from dataclasses import dataclass, fields
-from typing import Callable, Optional
+from typing import Callable, Optional, get_args
 
-from fast_inference.draft_tree import DEFAULT_TREE
-from fast_inference.speculative import COUPLINGS, DEFAULT_COUPLING, DEFAULT_INIT, DRAFT_INITS
+from fast_inference.plan import given_drafts
+from fast_inference.speculative import COUPLINGS, DEFAULT_COUPLING, DEFAULT_INIT, DEFAULT_WINDOW, DRAFT_INITS
 
 SPECULATIVE = ("none", "jacobi")  # = engine.SPECULATIVE (no engine import here: the server's checks need no kernels)
 
@@ -76,18 +76,19 @@ def check_speculative(s, spell: Callable[[str], str] = flag_name, engine: str = 
     if backend == "cudagraph" or (backend == "inductor" and compile_scope == "step"):
         raise UserError(f"{spell('speculative')} jacobi runs on --backend inductor with --compile-scope block, or on "
                         "--backend eager")
-    if s.draft_init not in DRAFT_INITS or s.draft_coupling not in COUPLINGS:
+    if s.draft_init not in DRAFT_INITS or s.draft_coupling not in COUPLINGS + (None,):
         raise UserError(f"{spell('draft_init')} {s.draft_init!r}, {spell('draft_coupling')} {s.draft_coupling!r}: use "
                         f"one of {', '.join(DRAFT_INITS)} and one of {', '.join(COUPLINGS)}")
-    if s.draft_tree and s.draft_coupling != "pathwise":
+    if s.draft_tree and given_drafts(s.draft_window, s.draft_coupling, s.draft_tree).coupling != "pathwise":
         raise UserError(f"{spell('draft_tree')} is exact with {spell('draft_coupling')} pathwise only; add it, or "
                         f"{spell('draft_tree')} none")
 
 
 def check_draft_grid(s, H: int, W: int, spell: Callable[[str], str] = flag_name) -> None:
     """Drafts from above read the token one grid row up: a square grid at least as wide as the window."""
-    if s.speculative != "none" and s.draft_init == "above" and (H != W or W // 16 < s.draft_window):
-        raise UserError(f"{spell('draft_init')} above needs a square image at least {s.draft_window * 16} pixels wide "
+    window = given_drafts(s.draft_window, s.draft_coupling, s.draft_tree).window  # above: the plan keeps the chain
+    if s.speculative != "none" and s.draft_init == "above" and (H != W or W // 16 < window):
+        raise UserError(f"{spell('draft_init')} above needs a square image at least {window * 16} pixels wide "
                         f"({spell('draft_window')} x 16), not {H}x{W}; use {spell('draft_init')} random or left")
 
 
@@ -104,18 +105,22 @@ class SamplingParams:
     seed: int = 0
     num_images: int = 1
     speculative: str = "none"
-    draft_window: int = 16
+    draft_window: Optional[int] = None  # these three None: the plan's choice (plan.given_drafts)
     draft_init: str = DEFAULT_INIT
-    draft_coupling: str = DEFAULT_COUPLING
-    draft_tree: tuple = DEFAULT_TREE
+    draft_coupling: Optional[str] = None
+    draft_tree: Optional[tuple] = None
     spell: Callable[[str], str] = str  # how errors name a setting: the keyword (str) or the flag (flag_name)
 
     def __post_init__(self):
         for f in fields(self):
-            value = getattr(self, f.name)
-            if f.type in ("float", float) and (isinstance(value, bool) or not isinstance(value, (int, float))):
+            value, kind = getattr(self, f.name), f.type
+            if f.default is None:  # Optional: None leaves it to the plan (the draft settings)
+                if value is None:
+                    continue
+                kind = get_args(kind)[0]
+            if kind in ("float", float) and (isinstance(value, bool) or not isinstance(value, (int, float))):
                 raise UserError(f"{self.spell(f.name)} must be a number, got {value!r}")
-            if f.type in ("int", int) and (isinstance(value, bool) or not isinstance(value, int)):
+            if kind in ("int", int) and (isinstance(value, bool) or not isinstance(value, int)):
                 raise UserError(f"{self.spell(f.name)} must be a whole number, got {value!r}")
         check_ranges(self, {k: v for k, v in RANGES.items() if hasattr(self, k)}, self.spell)
         check_speculative(self, self.spell)
@@ -124,8 +129,9 @@ class SamplingParams:
     def speculation(self) -> tuple:
         """The engine's speculative settings (one engine each): (speculative, window, init, coupling, tree)."""
         if self.speculative == "none":
-            return ("none", 16, DEFAULT_INIT, DEFAULT_COUPLING, ())
-        return (self.speculative, self.draft_window, self.draft_init, self.draft_coupling, tuple(self.draft_tree))
+            return ("none", DEFAULT_WINDOW, DEFAULT_INIT, DEFAULT_COUPLING, ())
+        tree = None if self.draft_tree is None else tuple(self.draft_tree)
+        return (self.speculative, self.draft_window, self.draft_init, self.draft_coupling, tree)
 
     @classmethod
     def from_args(cls, args) -> "SamplingParams":

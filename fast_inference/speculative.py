@@ -40,6 +40,7 @@ DRAFT_INITS = ("random", "left", "above")
 COUPLINGS = ("none", "gumbel", "pathwise")
 # The defaults accept most: on the trained demo model and on GPT-XL at 3 nats (docs/PERF_NOTES.md, issue 70).
 DEFAULT_INIT, DEFAULT_COUPLING = "left", "gumbel"
+DEFAULT_WINDOW = 16  # positions per pass: the chain's (plan.CHAIN)
 
 
 def probabilities(logits, guided, cfg_scale, temperature, top_k, top_p, sample_logits=True):

@@ -110,7 +110,8 @@ def bench_speculative(engine, B, N, args, kw, device):
         engine.generate(cond, N, emb_masks=mask, condition=condition, **kw)
         runs.append((engine.last_timings["decode"], engine.last_speculation))
     d, spec = sorted(runs, key=lambda r: r[0])[len(runs) // 2]
+    ran = engine.plan.situation  # the drafts the passes ran (the plan's choice where the flags were left out)
     return dict(tok_s=B * N / d, decode_s=d, pass_ms=d / spec["batch_passes"] * 1e3, compile_s=compile_s,
                 passes_per_image=sum(spec["passes"]) / B, tokens_per_pass=spec["tokens_per_pass"],
-                batch_passes=spec["batch_passes"], window=args.draft_window, init=args.draft_init,
-                coupling=args.draft_coupling, tree=format_tree(args.draft_tree))
+                batch_passes=spec["batch_passes"], window=ran.draft_window, init=args.draft_init,
+                coupling=ran.draft_coupling, tree=format_tree(ran.draft_tree))

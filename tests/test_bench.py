@@ -123,6 +123,7 @@ def test_the_help_names_in_process():
     (["--speculative", "jacobi", "--backend", "cudagraph"], "--speculative jacobi runs on --backend inductor"),
     (["--speculative", "jacobi", "--draft-window", "1"], "--draft-window 1 is out of range"),
     (["--speculative", "jacobi", "--draft-init", "above", "--image-size", "128"], "--draft-init above needs"),
+    (["--speculative", "jacobi", "--draft-tree", "4x3", "--draft-coupling", "gumbel"], "--draft-tree is exact with"),
     (["--target-entropy", "20"], "--target-entropy 20.0 is out of range")])
 def test_user_errors_exit_2_in_one_line_before_any_child(monkeypatch, tmp_path, capsys, extra, needle):
     calls = fake_children(monkeypatch)

@@ -289,6 +289,17 @@ def test_plan_overrides_and_explain(capsys):
     code, out, _ = cli(capsys, "--explain", "sm_90", "--speculative", "jacobi", "--draft-window", "8",
                        "--draft-coupling", "pathwise", "--draft-tree", "4x3", "--plan", "jacobi=on")
     assert code == 0 and re.search(r"Jacobi passes of 8 positions in a 4x3 draft tree of 17 nodes: 34 rows", out)
+    # the draft flags left out: the plan picks the measured tree for one image on a GPU, the chain for 8 or on the CPU
+    code, out, _ = cli(capsys, "--explain", "sm_90", "--speculative", "jacobi", "--gpt-model", "GPT-XL")
+    assert code == 0 and re.search(r"Jacobi passes of 48 positions in a 4x3\+2x3 draft tree of 63 nodes", out)
+    assert re.search(r"drafts +the measured tree 4x3\+2x3 at 48, pathwise coupling: the tree measured 1\.92x", out)
+    code, out, _ = cli(capsys, "--explain", "sm_90", "--speculative", "jacobi", "--gpt-model", "GPT-XL",
+                       "--num-images", "8")
+    assert code == 0 and re.search(r"drafts +the chain of 16, gumbel coupling: the tree measured 0\.62x", out)
+    code, out, _ = cli(capsys, "--explain", "cpu", "--speculative", "jacobi")
+    assert code == 0 and re.search(r"drafts +the chain of 16, gumbel coupling: the measured tree .* Triton", out)
+    code, out, _ = cli(capsys, "--explain", "sm_90", "--speculative", "jacobi", "--draft-tree", "4x3")  # pins, pathwise
+    assert code == 0 and "Jacobi passes of 16 positions in a 4x3 draft tree" in out and " drafts " not in out
     code, _, err = cli(capsys, "--explain", "tpu")
     assert code == 2 and "name a device as cpu or sm_XY" in err
 
@@ -645,13 +656,15 @@ def test_speculative_flags(files, tmp_path, capsys):
     """--speculative jacobi: greedy tokens equal the reference engine's, the report says how many passes and tokens
     per pass; its companions are checked before any model loads."""
     tokens = []
-    for extra in (["--engine", "reference"], ["--speculative", "jacobi", "--draft-window", 3, "--draft-init", "left"]):
+    for extra in (["--engine", "reference"], ["--speculative", "jacobi", "--draft-window", 3, "--draft-init", "left"],
+                  ["--speculative", "jacobi"]):  # the draft flags left out: the chain of 16 on the CPU, as before
         code, out, err = cli(capsys, *t2i_argv(files, tmp_path, "--top-k", 1, "--save-tokens", tmp_path / "t.npy",
                                                *extra))
         assert code == 0, err
         tokens.append(np.load(tmp_path / "t.npy"))
-    assert np.array_equal(*tokens)
-    assert "passes per image" in out and "tokens per pass" in out and "ms per pass" in out
+        assert extra[0] != "--speculative" or "passes of 3, gumbel: " in out or "passes of 16, gumbel: " in out, out
+    assert np.array_equal(tokens[0], tokens[1]) and np.array_equal(tokens[0], tokens[2])
+    assert "passes of 16, gumbel: " in out and "per image" in out and "tokens per pass" in out and "ms per pass" in out
     for f in tmp_path.iterdir():
         f.unlink()
     argv = t2i_argv(files, tmp_path, "--speculative", "jacobi")
@@ -660,7 +673,8 @@ def test_speculative_flags(files, tmp_path, capsys):
     expect_error(capsys, tmp_path, argv + ["--backend", "cudagraph"], "--backend inductor with --compile-scope block")
     expect_error(capsys, tmp_path, argv + ["--draft-window", 0], "--draft-window 0 is out of range")
     expect_error(capsys, tmp_path, argv + ["--draft-init", "above"], "--draft-init above needs a square image")
-    expect_error(capsys, tmp_path, argv + ["--draft-tree", "4x3"], "exact with --draft-coupling pathwise only")
+    expect_error(capsys, tmp_path, argv + ["--draft-tree", "4x3", "--draft-coupling", "gumbel"],
+                 "exact with --draft-coupling pathwise only")
 
 
 @pytest.mark.parametrize("flag, name, fixed", [("--out", "grid.jpg", "grid.png"), ("--out", "grid.webp", "grid.png"),

@@ -87,7 +87,7 @@ def test_pipeline_errors_are_one_line_naming_the_setting(pipe):
              (dict(height=50), "height 50 is not a positive multiple of 16; use e.g. 64"),
              (dict(height=1024, width=1024), f"needs 4096 tokens but the model's grid has {pipe.margs.block_size}"),
              (dict(speculative="jacobi", cfg_interval=3), "speculative jacobi guides every token; use cfg_interval -1"),
-             (dict(speculative="jacobi", draft_tree="4x3"), "draft_tree is exact with draft_coupling pathwise only"),
+             (dict(speculative="jacobi", draft_tree="4x3", draft_coupling="gumbel"), "draft_tree is exact with draft_coupling pathwise only"),
              (dict(prompt="a red circle", caption_emb=torch.zeros(1, 4, 8)), "give one text source")]
     for kwargs, message in cases:
         with pytest.raises(UserError) as e:

@@ -180,3 +180,76 @@ def test_importing_the_reference_loads_no_kernel_module():
             "print(sorted(m for m in sys.modules if m.startswith('fast_inference.kernels') or m == 'triton'))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, check=True)
     assert out.stdout.strip() == "[]"
+
+
+# ---- the draft flags' defaults (issue 78): the plan picks the drafts from its measured tables ---------------------
+
+def auto_drafts(**kw):
+    """A Situation of --speculative jacobi with the draft flags left out (GPT-XL at 512 px on an H100 by default)."""
+    d = plan.given_drafts()
+    base = dict(device="cuda", capability=(9, 0), dtype=torch.bfloat16, dim=GPT_XL.dim, n_head=GPT_XL.n_head,
+                ffn_hidden=GPT_XL.ffn_hidden, vocab_size=GPT_XL.vocab_size, max_seq=GPT_XL.prefix_len + 1024,
+                draft_window=d.window, draft_coupling=d.coupling, draft_tree=d.tree, auto_drafts=d.auto)
+    return plan.Situation(**{**base, **kw})
+
+
+def drafts_of(p):
+    s = p.situation
+    return (s.draft_window, s.draft_coupling, s.draft_tree)
+
+
+def drafts_line(p):
+    return next(line for line in plan.explain(p).splitlines() if line.startswith("  drafts "))
+
+
+def test_the_draft_flags_left_out_give_the_chain_until_the_plan_picks():
+    """plan.given_drafts, every entry point's rule: all three left out is the plan's choice (the chain until make()
+    picks); any given pins them, the others the chain's, a tree's coupling pathwise."""
+    assert plan.CHAIN == plan.Drafts(16, "gumbel", ()) and plan.MEASURED_TREE == plan.Drafts(48, "pathwise", (4, 3, 2, 3))
+    assert plan.given_drafts() == plan.Drafts(16, "gumbel", (), auto=True)
+    assert plan.given_drafts(tree=(4, 3)) == plan.Drafts(16, "pathwise", (4, 3))
+    assert plan.given_drafts(coupling="gumbel") == plan.Drafts(16, "gumbel", ())
+    assert plan.given_drafts(window=32) == plan.Drafts(32, "gumbel", ())
+    assert plan.given_drafts(tree=()) == plan.Drafts(16, "gumbel", ())  # --draft-tree none pins the chain
+    assert plan.given_drafts(window=48, coupling="pathwise") == plan.Drafts(48, "pathwise", ())
+    assert plan.given_drafts(tree=(4, 3), coupling="gumbel").coupling == "gumbel"  # kept: settings.py refuses it
+    assert plan.widest_window(plan.given_drafts()) == 48 and plan.widest_window(plan.given_drafts(window=8)) == 8
+
+
+def test_the_plan_picks_the_measured_tree_where_it_beats_the_chain():
+    """On a CUDA device with Triton: the measured tree at n = 1 (TREE_GAINS 1.92 > PASS_GAINS 1.43), the chain at
+    n = 8 (0.62 < 1.43); --explain's drafts line says which and by what figures."""
+    p = plan.make(auto_drafts(batch=1))
+    assert drafts_of(p) == (48, "pathwise", (4, 3, 2, 3)) and p.jacobi.tree == (4, 3, 2, 3) and p.jacobi.nodes == 63
+    assert p.jacobi.tree_ops == "triton" and p.jacobi.attention == "triton" and not p.chain_instead
+    assert re.fullmatch(r"  drafts +the measured tree 4x3\+2x3 at 48, pathwise coupling: the tree measured 1\.92x .* "
+                        r"the chain 1\.43x \(TREE_GAINS; PASS_GAINS, window kernels on\).*", drafts_line(p))
+    p = plan.make(auto_drafts(batch=8))
+    assert drafts_of(p) == (16, "gumbel", ()) and p.jacobi.tree == () and p.jacobi.window == 16
+    assert re.fullmatch(r"  drafts +the chain of 16, gumbel coupling: the tree measured 0\.62x .* the chain 1\.43x .*",
+                        drafts_line(p))
+    assert drafts_of(plan.make(auto_drafts(batch=4))) == drafts_of(plan.make(auto_drafts(batch=1)))  # n = 1's entry
+    given = plan.make(auto_drafts(auto_drafts=False))  # flags given: no choice, no line
+    assert drafts_of(given) == (16, "gumbel", ()) and not given.drafts_chosen and " drafts " not in plan.explain(given)
+
+
+@pytest.mark.parametrize("where, why", [
+    (dict(device="cpu", capability=None, dtype=torch.float32), "measured with its Triton tree ops"),
+    (dict(triton=False), "measured with its Triton tree ops"),
+    (dict(overrides=(("tree_ops", "torch"),)), "measured with its Triton tree ops"),
+    (dict(overrides=(("window_attention", "sdpa"),)), "and the window kernels"),
+    (dict(draft_init="random"), "measured with left drafts, not random")])
+def test_the_plan_keeps_the_chain_where_the_tree_would_not_run_as_measured(where, why):
+    p = plan.make(auto_drafts(batch=1, **where))
+    assert drafts_of(p) == (16, "gumbel", ()) and p.jacobi.tree == ()
+    assert drafts_line(p).split(None, 1)[1].startswith("the chain of 16, gumbel coupling: ") and why in drafts_line(p)
+
+
+def test_the_choice_follows_the_measured_tables(monkeypatch):
+    """The choice reads TREE_GAINS and PASS_GAINS: with other figures it picks otherwise."""
+    monkeypatch.setattr(plan, "TREE_GAINS", {1: 1.0})
+    assert drafts_of(plan.make(auto_drafts(batch=1))) == (16, "gumbel", ())
+    monkeypatch.setattr(plan, "TREE_GAINS", {1: 1.92, 8: 2.0})
+    assert drafts_of(plan.make(auto_drafts(batch=8))) == (48, "pathwise", (4, 3, 2, 3))
+    monkeypatch.setattr(plan, "PASS_GAINS", {**plan.PASS_GAINS, (True, 8): 2.5})
+    assert drafts_of(plan.make(auto_drafts(batch=8))) == (16, "gumbel", ())

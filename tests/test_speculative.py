@@ -10,7 +10,7 @@ import torch
 
 from fast_inference import engine as engine_module
 from fast_inference import generate as generate_module
-from fast_inference import draft_tree, speculative
+from fast_inference import draft_tree, plan, speculative
 from fast_inference.engine import Engine
 from fast_inference.generate import Prepared, generate, prepare
 from fast_inference.plan import PlanError
@@ -550,7 +550,7 @@ def test_what_the_pass_cannot_run_is_refused():
     with pytest.raises(ValueError, match="cfg_interval -1"):
         Engine(model, backend="eager", speculative="jacobi").generate(cond, n, **dict(kw, cfg_interval=3))
     with pytest.raises(ValueError, match="pathwise' only"):
-        Engine(model, backend="eager", speculative="jacobi", draft_tree=(4, 3))
+        Engine(model, backend="eager", speculative="jacobi", draft_tree=(4, 3), draft_coupling="gumbel")
     tree = dict(backend="eager", speculative="jacobi", draft_coupling="pathwise")
     with pytest.raises(PlanError, match="a depth of 1 to --draft-window - 1"):
         Engine(model, draft_window=4, draft_tree=(2, 4), **tree)
@@ -558,6 +558,21 @@ def test_what_the_pass_cannot_run_is_refused():
         Engine(model, draft_window=32, draft_tree=(12, 3), **tree)
     with pytest.raises(PlanError, match="side branches SxE need S and E of at least 1 and S \\+ E below"):
         Engine(model, draft_window=4, draft_tree=(2, 1, 2, 2), **tree)
+
+
+def test_the_draft_flags_left_out_run_the_chain_on_the_cpu():
+    """Engine(draft_window=None, draft_coupling=None, draft_tree=None): the plan's choice, on the CPU the chain of 16
+    with gumbel coupling (plan.CHAIN; the measured tree needs CUDA), the reference's greedy tokens; a tree given alone
+    takes pathwise coupling."""
+    model, cond, n, kw = greedy_case()
+    engine = Engine(model, backend="eager", speculative="jacobi")
+    assert engine.drafts == plan.Drafts(16, "gumbel", (), auto=True)
+    assert torch.equal(engine.generate(cond, n, **kw), generate(model, cond, n, **kw))
+    s = engine.plan.situation
+    assert (s.draft_window, s.draft_coupling, s.draft_tree) == (16, "gumbel", ()) and engine.plan.jacobi.window == 16
+    assert engine.plan.drafts_chosen.startswith("the chain of 16, gumbel coupling: the measured tree 4x3+2x3")
+    assert Engine(model, backend="eager", speculative="jacobi", draft_tree=(4, 3)).drafts == plan.Drafts(
+        16, "pathwise", (4, 3))
 
 
 # ---- on a GPU: the captured pass -----------------------------------------------------------------------------------
