@@ -76,11 +76,11 @@ def window_attention(p):
     return functools.partial(attention_triton.window_attention, fold=False)
 
 
-def decode_attention_at(rows):
-    """The Triton decode attention in the plan's form at `rows` rows (plan.decode_form), rows at their own positions
-    as the steps' input_pos gives them."""
+def decode_attention_at(rows, pdl=0):
+    """The Triton decode attention in the plan's form at `rows` rows (plan.decode_form), launched in PDL mode pdl, rows
+    at their own positions as the steps' input_pos gives them."""
     form, config = plans.decode_form(rows)
-    return functools.partial(attention_triton.decode_attention, whole=form == "triton_whole", config=config)
+    return functools.partial(attention_triton.decode_attention, whole=form == "triton_whole", config=config, pdl=pdl)
 
 
 def compile_static(fn, **kw):
@@ -461,8 +461,10 @@ class Engine:
         own = p.own_positions
         r.ctx = Context(ops=eager_ops(own.ops), block=self.compiled_block() if own.block == "compiled" else None,
                         attention=None if own.attention == "decode" else window_attention(own))
-        if own.attention == "decode":  # the plain steps' decode attention in the form of each step size's rows
-            r.step_attention = decode_attention_at
+        if own.attention == "decode":  # the plain steps' decode attention in the form of each step size's rows,
+            # launched as the fused block's projections around it (the GEMVs under PDL, as the plain steps')
+            pdl = lambda R: plans.pass_rows(R, own.pdl, own.gemv_pdl).projection("qkv").pdl if R <= own.fused_rows else 0
+            r.step_attention = lambda R: decode_attention_at(R, pdl(R))
         r.inputs_fn = inputs_triton.window_inputs if own.inputs == "triton" else None
         if own.fused_rows:  # steps at up to these rows on the fused block's kernels (server_block=fused)
             rows = lambda R: plans.pass_rows(R, own.pdl, own.gemv_pdl)
