@@ -391,6 +391,40 @@ def test_server_steps_on_window_kernels_give_the_plain_engines_tokens_on_cuda(bl
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("attention", ["window", "decode"])
+def test_server_steps_past_the_fused_rows_give_the_plain_engines_tokens_on_cuda(attention):
+    """fp32 at GPT-XL's width: nine requests joining at consecutive steps fill a bucket of 16 images (32 rows under CFG:
+    inductor's block with w2 in the down kernel, as the plain steps at those rows), on the window attention or the
+    decode attention at a position per row; each gets the plain engine's greedy tokens."""
+    from fast_inference.continuous import Batch, Request
+    from fast_inference.engine import Engine
+    from test_reference import tiny_inputs, tiny_model
+
+    model = tiny_model(dim=1280, n_head=20, n_layer=2, block_size=64, seed=6).to("cuda")
+    cond, mask, condition = (t.to("cuda") for t in tiny_inputs(model, B=9))
+    rs = [Request(cond=cond[b : b + 1], mask=mask[b : b + 1], control=condition[b], seed=b, top_k=1) for b in range(9)]
+    want = [Engine(model).generate(r.cond, r.num_tokens, emb_masks=r.mask, cfg_scale=r.cfg_scale,
+                                   condition=r.control[None], top_k=1) for r in rs]
+    engine = Engine(model, overrides=(f"server_attention={attention}",))
+    batch = Batch(engine, rs[0].shape, capacity=16)
+    assert list(engine.plan.own_positions.down_rows) == list(range(17, 65))
+    entries, done, most = [], {}, 0
+    while len(entries) < 9:  # a request joins at each step: all nine decode together before the first finishes
+        entries.append(batch.admit(rs[len(entries)]))
+        most = max(most, batch.used)
+        for e in batch.step():
+            done[entries.index(e)] = batch.tokens(e)
+            batch.remove(e)
+    assert most == 9 and rs[0].num_tokens > 9  # steps at the bucket of 16 images
+    while len(done) < 9:
+        for e in batch.step():
+            done[entries.index(e)] = batch.tokens(e)
+            batch.remove(e)
+    for i in range(9):
+        assert torch.equal(done[i].cpu(), want[i].cpu()), i
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_server_draws_with_each_requests_key_on_cuda():
     """fp32 on CUDA with Triton (inductor: the Triton draw in the plain engine and in the server's captured steps):
     sampled requests joining a server's batch at other steps, one of two images, get the tokens the engine gives each
