@@ -301,8 +301,8 @@ def decode_attention(q, k_cache, v_cache, key_valid, input_pos, config=None, pdl
         raise ValueError("decode_attention: fresh keys and values need the same strides")
     text_sum, text_count, text_len = (q, q, 0) if text is None else text  # unused pointers without it
     row_pos = input_pos.numel() > 1
-    if row_pos and not (input_pos.numel() == R and input_pos.is_contiguous() and freqs.is_contiguous()
-                        and (fresh is None or freqs.shape[0] == R)):
+    if row_pos and not (input_pos.numel() == R and input_pos.is_contiguous()
+                        and (fresh is None or (freqs.shape[0] == R and freqs.is_contiguous()))):
         raise ValueError("decode_attention: a position per row needs R contiguous positions (and RoPE rows)")
     # what both kernels take: the strides of q, the caches, key_valid and the step's key, and the constants
     strides = (q.stride(0), q.stride(1), *k_cache.stride()[:3], *v_cache.stride()[:3], key_valid.stride(0),
