@@ -15,9 +15,8 @@ pytest.importorskip("triton")
 
 SCRIPT = r"""
 import interpret  # first: the interpreter without its re-patching per call (tests/interpret.py)
-import dataclasses
 import torch
-from fast_inference import draft_tree, engine as engine_module, plan
+from fast_inference import draft_tree
 from fast_inference.engine import Engine
 from fast_inference.kernels import tree_triton
 from fast_inference.model import KVCache
@@ -93,22 +92,11 @@ print("noise", checked)
 model, cond, mask, condition = pathwise_case()
 idx = torch.arange(8) % 2
 kw = dict(emb_masks=mask[idx], condition=condition[idx], **SETTINGS)
-make, KERNELS = plan.make, False
-
-
-def with_kernels(s):
-    p = make(s)
-    if p.jacobi is not None and KERNELS:
-        p = dataclasses.replace(p, jacobi=dataclasses.replace(p.jacobi, tree_ops="triton"))
-    return p
-
-
-engine_module.plans.make = with_kernels
+import forced_pass
 
 
 def run(window, tree, kernels):  # the tokens, tokens per pass and every layer's keys and values after the run
-    global KERNELS
-    KERNELS = kernels
+    forced_pass.forced = dict(tree_ops="triton") if kernels else {}
     engine = Engine(model, backend="eager", speculative="jacobi", draft_window=window, draft_init="left",
                     draft_coupling="pathwise", draft_tree=tree)
     torch.manual_seed(0)

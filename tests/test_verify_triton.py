@@ -15,9 +15,8 @@ pytest.importorskip("triton")
 
 SCRIPT = r"""
 import interpret  # first: the interpreter without its re-patching per call (tests/interpret.py)
-import dataclasses
 import torch
-from fast_inference import engine as engine_module, plan, speculative
+from fast_inference import speculative
 from fast_inference.engine import Engine
 from fast_inference.kernels import verify_triton as vt
 from fast_inference.speculative import coupled_race, position_keys, position_noise, probabilities, residual
@@ -74,22 +73,11 @@ for guided, top_k, sample in ((True, 5, True), (False, 0, True), (True, 1, False
 print("kernels", checked)
 
 # 2. whole runs: the fused verify's tokens are the torch verify's for the same seeds
-make, VERIFY = plan.make, False
-
-
-def with_verify(s):
-    p = make(s)
-    if p.jacobi is not None and VERIFY:
-        p = dataclasses.replace(p, jacobi=dataclasses.replace(p.jacobi, verify="triton"))
-    return p
-
-
-engine_module.plans.make = with_verify
+import forced_pass
 
 
 def run(model, cond, n, kw, init, coupling, window, verify, seed=0):
-    global VERIFY
-    VERIFY = verify
+    forced_pass.forced = dict(verify="triton") if verify else {}
     engine = Engine(model, backend="eager", speculative="jacobi", draft_window=window, draft_init=init,
                     draft_coupling=coupling)
     torch.manual_seed(seed)
