@@ -158,6 +158,15 @@ class Engine:
             draft_window=self.drafts.window, draft_tree=self.drafts.tree, draft_coupling=self.drafts.coupling,
             draft_init=self.draft_init, auto_drafts=self.drafts.auto)
 
+    def pin_drafts(self, batch, cfg=True, top_p=1.0):
+        """Where the plan picks the drafts (the draft settings left out), fix the ones it picks for `batch` images, so
+        that every batch of a run (a smaller last one, a shard's) runs the same drafts -> the drafts."""
+        if self.drafts.auto and self.drafts.window:
+            s = plans.make(replace(self.situation(batch, cfg, top_p, True, self.model.args.prefix_len + 1),
+                                   builds=lambda *key: False)).situation
+            self.drafts = plans.Drafts(s.draft_window, s.draft_coupling, tuple(s.draft_tree))
+        return self.drafts
+
     @staticmethod
     def builds_on(device, kernel, *key):
         """Whether CUDA C++ kernel `kernel` (CUDA_KERNELS) builds on device for `key`: compiled now, before any capture.

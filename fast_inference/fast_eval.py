@@ -500,6 +500,8 @@ def check_eval_args(args):
 def build_run(args, device, dtype, backend, text_mode, H, W):
     pipe = Pipeline(PipelineConfig.from_args(args), spell=flag_name)  # random weights: the same in every run (--seed)
     model, vq, engine = pipe.model, pipe.vq, pipe.engine_for(SamplingParams.from_args(args))
+    if engine is not None:  # the drafts the plan picks at --batch for every batch of the run, its last one too
+        engine.pin_drafts(args.batch, args.cfg_scale > 1.0, args.top_p)
     t5 = None
     if text_mode == "t5":
         from fast_inference.text import T5Encoder

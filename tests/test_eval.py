@@ -392,6 +392,23 @@ def test_manifest_errors_name_the_manifest_not_another_tools_flag(split, tmp_pat
 
 # ---- issue 70: speculative Jacobi decoding ------------------------------------------------------
 
+def test_speculative_with_the_drafts_left_to_the_plan(split, tmp_path, capsys, monkeypatch):
+    """--speculative jacobi alone: the engine's drafts are pinned at --batch before the first batch (every batch of
+    the run runs them: Engine.pin_drafts), the chain of 16 on the CPU; the folder records the flags as given."""
+    from fast_inference.engine import Engine
+
+    pinned = []
+    pin = Engine.pin_drafts
+    monkeypatch.setattr(Engine, "pin_drafts", lambda self, *a: pinned.append((a, pin(self, *a))) or pinned[-1][1])
+    fast_eval.main(common(split, "--num-workers", 0, "--sample-dir", tmp_path / "out", "--end", 3, "--speculative",
+                          "jacobi"))
+    assert "passes per image" in capsys.readouterr().out
+    (args, drafts), = pinned
+    assert args[0] == 2 and (drafts.window, drafts.coupling, drafts.tree, drafts.auto) == (16, "gumbel", (), False)
+    settings = json.load(open(tmp_path / "out" / "settings.json"))
+    assert (settings["speculative"], settings["draft_window"], settings["draft_coupling"]) == ("jacobi", None, None)
+
+
 def test_speculative_shards_equal_one_run_and_keep_their_folder(split, tmp_path, capsys):
     """--speculative jacobi: a row's tokens depend on its batch's seed only, so a shard resumed elsewhere makes the
     same files; the folder records the sampler (its random stream is another one) and refuses the plain one."""

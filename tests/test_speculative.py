@@ -575,6 +575,33 @@ def test_the_draft_flags_left_out_run_the_chain_on_the_cpu():
         16, "pathwise", (4, 3))
 
 
+def test_pinned_drafts_hold_for_every_batch_of_a_run(monkeypatch):
+    """Engine.pin_drafts(batch) fixes the drafts the plan picks at the run's batch (fast_eval.py: --batch), so that a
+    smaller batch (a run's last) runs them too; unpinned, that batch gets its own choice. The plan's choice stands in
+    for a GPU's (a tree below 8 images, the chain from 8), which the CPU never makes."""
+    import dataclasses
+
+    def gpu_choice(s, want):
+        if s.batch < 8:
+            return dataclasses.replace(s, draft_window=4, draft_coupling="pathwise", draft_tree=(2, 1)), "the tree"
+        return s, "the chain"
+
+    monkeypatch.setattr(plan, "choose_drafts", gpu_choice)
+    model, cond, n, kw = greedy_case()
+    kw = dict(kw, emb_masks=kw["emb_masks"][:2], condition=kw["condition"][:2])
+    ran = {}
+    for pinned in (None, 8, 2):
+        engine = Engine(model, backend="eager", speculative="jacobi")
+        if pinned:
+            engine.pin_drafts(pinned)
+        assert engine.drafts.auto == (pinned is None)
+        engine.generate(cond[:2], n, **kw)  # a batch of 2 images
+        s = engine.plan.situation
+        ran[pinned] = (s.draft_window, s.draft_coupling, s.draft_tree)
+    assert ran[None] == ran[2] == (4, "pathwise", (2, 1))
+    assert ran[8] == (16, "gumbel", ())
+
+
 # ---- on a GPU: the captured pass -----------------------------------------------------------------------------------
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
