@@ -542,15 +542,24 @@ def test_the_page_in_a_browser(server, tmp_path, size):
         srcs = page.eval_on_selector_all("img.result", "els => els.map(e => e.getAttribute('src'))")
         no_sideways_scroll(page)
         shot = pixels(page.screenshot(path=str(tmp_path / f"page-{size}.png"), full_page=True))
-        page.fill("#width", "128")
-        page.fill("#height", "128")
-        page.fill("#num_images", "4")
-        page.click("#generate")
-        # Cancel as soon as the server holds the job (a slow browser under load once clicked after it had ended)
-        page.wait_for_selector("body[data-state='queued'], body[data-state='running']", timeout=60000)
-        page.click("#cancel")  # the page's own Cancel: the cancelled state, no error
-        page.wait_for_selector("body[data-state='cancelled']", timeout=60000)
-        assert page.inner_text("#status") == "Cancelled." and not page.inner_text("#error")
+        # Jobs ahead of the page's keep both engines busy for seconds, so that its Cancel lands while its job waits (a
+        # slow browser under load twice clicked after a lone job had ended); they are cancelled after
+        side = call(f"{server.url}/v1/info")[2]["image_size"]
+        ahead = [call(f"{server.url}/v1/jobs", "POST", dict(width=side, height=side, num_images=4))[2]["id"]
+                 for _ in range(10)]
+        try:
+            page.fill("#width", "128")
+            page.fill("#height", "128")
+            page.fill("#num_images", "4")
+            page.click("#generate")
+            page.wait_for_selector("body[data-state='queued'], body[data-state='running']", timeout=60000)
+            page.click("#cancel")  # the page's own Cancel: the cancelled state, no error
+            page.wait_for_selector("body[data-state='cancelled']", timeout=60000)
+            assert page.inner_text("#status") == "Cancelled." and not page.inner_text("#error")
+        finally:
+            for job in ahead:
+                call(f"{server.url}/v1/jobs/{job}", "DELETE")
+            assert {wait_final(server.url, job)["status"] for job in ahead} <= {"cancelled", "done"}
     assert all(box["width"] >= 250 for box in boxes), boxes  # readable: 64 px images shown at 4x or so
     for box, src in zip(boxes, srcs):
         served = pixels(call(server.url + src)[2])
