@@ -131,8 +131,7 @@ class Engine:
             model.fuse_projections()
         self.int8 = is_int8(model)
         # the plan of one image, with nothing built: the backend's errors now, and how its steps run
-        first = plans.make(replace(self.situation(1, True, 1.0, True, model.args.prefix_len + 1),
-                                   builds=lambda *key: False))
+        first = self.plan_unbuilt(1)
         self.hand_capture = first.step == "hand_graph"
         self.device_pdl = first.situation.pdl
         if backend == "inductor":
@@ -158,12 +157,16 @@ class Engine:
             draft_window=self.drafts.window, draft_tree=self.drafts.tree, draft_coupling=self.drafts.coupling,
             draft_init=self.draft_init, auto_drafts=self.drafts.auto)
 
+    def plan_unbuilt(self, batch, cfg=True, top_p=1.0):
+        """The plan of `batch` images after the prefix, with no CUDA C++ kernel built (its choices, not its builds)."""
+        return plans.make(replace(self.situation(batch, cfg, top_p, True, self.model.args.prefix_len + 1),
+                                  builds=lambda *key: False))
+
     def pin_drafts(self, batch, cfg=True, top_p=1.0):
         """Where the plan picks the drafts (the draft settings left out), fix the ones it picks for `batch` images, so
         that every batch of a run (a smaller last one, a shard's) runs the same drafts -> the drafts."""
         if self.drafts.auto and self.drafts.window:
-            s = plans.make(replace(self.situation(batch, cfg, top_p, True, self.model.args.prefix_len + 1),
-                                   builds=lambda *key: False)).situation
+            s = self.plan_unbuilt(batch, cfg, top_p).situation
             self.drafts = plans.Drafts(s.draft_window, s.draft_coupling, tuple(s.draft_tree))
         return self.drafts
 

@@ -364,6 +364,7 @@ def test_server_steps_on_window_kernels_give_the_plain_engines_tokens_on_cuda(bl
     plain steps' decode attention at a position per row (server_attention=decode)."""
     from fast_inference.continuous import Batch, Request
     from fast_inference.engine import Engine
+    from test_continuous import run
     from test_reference import tiny_inputs, tiny_model
 
     model = tiny_model(dim=1280, n_head=20, n_layer=2, block_size=64, seed=6).to("cuda")
@@ -377,15 +378,7 @@ def test_server_steps_on_window_kernels_give_the_plain_engines_tokens_on_cuda(bl
     own = engine.plan.own_positions
     attention = "decode" if "server_attention=decode" in block else "triton"
     assert (own.attention, own.inputs, own.fused_rows > 0) == (attention, "triton", block.startswith("fused"))
-    entries = [batch.admit(rs[0])]
-    for _ in range(5):  # the second request joins 5 steps later, at other positions
-        batch.step()
-    entries.append(batch.admit(rs[1]))
-    done = {}
-    while len(done) < 2:
-        for e in batch.step():
-            done[entries.index(e)] = batch.tokens(e)
-            batch.remove(e)
+    done = run(batch, {0: rs[:1], 5: rs[1:]})  # the second request joins 5 steps later, at other positions
     for i in range(2):
         assert torch.equal(done[i].cpu(), want[i].cpu()), i
 
@@ -398,6 +391,7 @@ def test_server_steps_past_the_fused_rows_give_the_plain_engines_tokens_on_cuda(
     decode attention at a position per row; each gets the plain engine's greedy tokens."""
     from fast_inference.continuous import Batch, Request
     from fast_inference.engine import Engine
+    from test_continuous import run
     from test_reference import tiny_inputs, tiny_model
 
     model = tiny_model(dim=1280, n_head=20, n_layer=2, block_size=64, seed=6).to("cuda")
@@ -408,18 +402,8 @@ def test_server_steps_past_the_fused_rows_give_the_plain_engines_tokens_on_cuda(
     engine = Engine(model, overrides=(f"server_attention={attention}",))
     batch = Batch(engine, rs[0].shape, capacity=16)
     assert list(engine.plan.own_positions.down_rows) == list(range(17, 65))
-    entries, done, most = [], {}, 0
-    while len(entries) < 9:  # a request joins at each step: all nine decode together before the first finishes
-        entries.append(batch.admit(rs[len(entries)]))
-        most = max(most, batch.used)
-        for e in batch.step():
-            done[entries.index(e)] = batch.tokens(e)
-            batch.remove(e)
-    assert most == 9 and rs[0].num_tokens > 9  # steps at the bucket of 16 images
-    while len(done) < 9:
-        for e in batch.step():
-            done[entries.index(e)] = batch.tokens(e)
-            batch.remove(e)
+    done = run(batch, {i: [r] for i, r in enumerate(rs)})  # one joins at each step: all nine decode together
+    assert rs[0].num_tokens > 9 and 16 in batch.runner.graphs  # steps at the bucket of 16 images
     for i in range(9):
         assert torch.equal(done[i].cpu(), want[i].cpu()), i
 
