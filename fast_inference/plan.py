@@ -279,8 +279,8 @@ OVERRIDES = dict(
     window_block_pdl=("gemv", "off", "late", "first"),  # the fused block at own positions (a pass, a server step):
     # its GEMVs under PDL (gemv), nothing under it (off), or its dots too (late, first)
     server_block=("compiled", "fused"),  # a server step's block up to FUSED_ROWS rows: inductor's, or the fused kernels
-    server_attention=("window", "decode"),  # a server step's attention: the window kernel at one query a row, or the
-    # plain steps' decode attention with a position per row (split-KV, or a program per (row, head) at WHOLE_ROWS)
+    server_attention=("decode", "window"),  # a server step's attention: the plain steps' decode attention at a
+    # position per row (split-KV, or a program per (row, head) at WHOLE_ROWS; SERVER_DECODE), or the window kernel
     server_down=("on", "off"),  # a server step's w2 + residual past FUSED_ROWS rows: the down kernel, or inductor's
     verify=("torch", "triton"),  # a pass's verify: speculative.py's ops, or verify_triton's kernels (VERIFY_KERNELS)
     jacobi=("auto", "on"),  # --speculative jacobi: plain steps where the pass measured a loss (PASS_GAINS), or always
@@ -618,6 +618,9 @@ def pass_gemv_pdl(s, want):
 # A server's steps of up to FUSED_ROWS rows on the fused block's kernels: H100, tools/server_step.py, ms/step against
 # inductor's block at n = 1 / 8: 1.445 / 1.686 against 1.710 / 1.965 (docs/PERF_NOTES.md, "Sixth session")
 SERVER_FUSED = True
+# A server's attention: the plain steps' decode kernels at a position per row, not the window kernel at a query a row
+# (H100, ms/step at n = 1 / 8 / 32: 1.111 / 1.978 / 3.748 against 1.397 / 2.153 / 4.486; PERF_NOTES, "Ninth session")
+SERVER_DECODE = True
 BUCKETS = (1, 2, 4, 8, 16, 32, 64)  # a server's step sizes: graphs captured at a few, idle slots computed up to the next
 
 
@@ -642,7 +645,7 @@ def own_positions(s, eager, window, want, draw):
     pdl = pass_pdl(s, want) if fused_rows else NONE
     gemv_pdl = bool(fused_rows) and pass_gemv_pdl(s, want)
     attention = window[0]
-    if want.get("server_attention", "window") == "decode":
+    if want.get("server_attention", "decode" if SERVER_DECODE and attention == "triton" else "window") == "decode":
         if attention != "triton":
             raise PlanError("plan override server_attention=decode needs Triton's kernels on a CUDA device "
                             "(window_attention=triton); use server_attention=window")

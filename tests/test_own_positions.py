@@ -27,8 +27,11 @@ def test_the_plan_takes_them_by_its_default_and_by_the_overrides():
     assert (p.jacobi.attention, p.jacobi.inputs) == ("triton", "triton")
     assert "Triton window attention" in plan.explain(p) and "window_inputs" in plan.explain(p)
     server = plan.make(dataclasses.replace(hopper, overrides=on, draft_window=0, own_positions=True)).own_positions
-    assert (server.attention, server.inputs) == ("triton", "triton")
-    assert "Triton window attention" in plan.explain_server(dataclasses.replace(hopper, overrides=on))
+    assert (server.attention, server.inputs) == ("decode" if plan.SERVER_DECODE else "triton", "triton")
+    window = on + (("server_attention", "window"),)
+    assert "Triton window attention" in plan.explain_server(dataclasses.replace(hopper, overrides=window))
+    assert ("decode attention, a position per row" if plan.SERVER_DECODE else "Triton window attention") in \
+        plan.explain_server(dataclasses.replace(hopper, overrides=on))
     off = plan.make(dataclasses.replace(hopper, overrides=(("window_attention", "sdpa"),)))
     assert off.jacobi.attention == "sdpa"
     fused = on + (("window_block", "fused"),)
@@ -68,9 +71,15 @@ def test_the_plan_takes_them_by_its_default_and_by_the_overrides():
     assert not plan.make(dataclasses.replace(steps, overrides=on, int8=True)).own_positions.down_rows
     assert not plan.make(dataclasses.replace(steps, overrides=on + (("server_down", "off"),))).own_positions.down_rows
     assert "up to 16 rows, GEMVs under PDL" in plan.describe_own_positions(server)
-    # the plain steps' decode attention, a position per row, by the override server_attention=decode
+    # the plain steps' decode attention, a position per row, by default where the window kernels run (SERVER_DECODE);
+    # the window kernel by the override server_attention=window, the model's SDPA without the window kernels
+    server = plan.make(dataclasses.replace(steps, overrides=on)).own_positions
+    assert server.attention == ("decode" if plan.SERVER_DECODE else "triton")
     server = plan.make(dataclasses.replace(steps, overrides=on + (("server_attention", "decode"),))).own_positions
     assert server.attention == "decode" and "decode attention, a position per row" in plan.describe_own_positions(server)
+    assert plan.make(dataclasses.replace(steps, overrides=on + (("server_attention", "window"),))).own_positions \
+        .attention == "triton"
+    assert plan.make(dataclasses.replace(steps, overrides=sdpa)).own_positions.attention == "sdpa"
     with pytest.raises(plan.PlanError, match="server_attention=decode needs"):
         plan.make(dataclasses.replace(steps, overrides=(("window_attention", "sdpa"), ("server_attention", "decode"))))
     server = plan.make(dataclasses.replace(steps, overrides=on + (("window_block_pdl", "first"),))).own_positions
@@ -357,11 +366,11 @@ EARLY = {"test_pass_and_server_step_on_window_kernels_in_interpreter": (SCRIPT, 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("block", ["fused", "compiled", "fused,window_block_pdl=first", "fused,window_block_pdl=off",
-                                   "fused,server_attention=decode", "compiled,server_attention=decode"])
+                                   "fused,server_attention=window", "compiled,server_attention=window"])
 def test_server_steps_on_window_kernels_give_the_plain_engines_tokens_on_cuda(block):
     """fp32 at GPT-XL's width: requests joining a server's batch on the window kernels (captured steps per bucket), on
-    the fused block's kernels (under PDL too) or inductor's block, get the plain engine's greedy tokens; and with the
-    plain steps' decode attention at a position per row (server_attention=decode)."""
+    the fused block's kernels (under PDL too) or inductor's block, get the plain engine's greedy tokens: with the
+    plain steps' decode attention at a position per row (the default), and with the window kernel's."""
     from fast_inference.continuous import Batch, Request
     from fast_inference.engine import Engine
     from test_continuous import run
@@ -376,7 +385,7 @@ def test_server_steps_on_window_kernels_give_the_plain_engines_tokens_on_cuda(bl
     engine = Engine(model, overrides=on + tuple(f"server_block={block}".split(",")))
     batch = Batch(engine, rs[0].shape, capacity=2)
     own = engine.plan.own_positions
-    attention = "decode" if "server_attention=decode" in block else "triton"
+    attention = "triton" if "server_attention=window" in block else "decode"
     assert (own.attention, own.inputs, own.fused_rows > 0) == (attention, "triton", block.startswith("fused"))
     done = run(batch, {0: rs[:1], 5: rs[1:]})  # the second request joins 5 steps later, at other positions
     for i in range(2):
