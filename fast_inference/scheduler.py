@@ -86,7 +86,9 @@ class Job:
     collected: bool = False  # a client has its outcome (a done job's images; a failed or cancelled job's status)
     fetched: set = field(default_factory=set)  # the images downloaded
     created: float = field(default_factory=time.monotonic)
-    started: Optional[float] = None
+    started: Optional[float] = None  # admitted into a batch
+    issued: Optional[float] = None  # its last step issued (the GPU may run behind)
+    decoding: Optional[float] = None  # the decoder thread took it
     finished: Optional[float] = None
     watchers: list = field(default_factory=list)
 
@@ -110,8 +112,8 @@ class Scheduler:
     """The queue (at most max_queue jobs accepted and not finished), the finished jobs (the last `keep`), and the
     workers; thread-safe."""
 
-    def __init__(self, max_queue=64, keep=256):
-        self.max_queue, self.keep = max_queue, keep
+    def __init__(self, max_queue=64, keep=256, steps_ahead=0):
+        self.max_queue, self.keep, self.steps_ahead = max_queue, keep, steps_ahead
         self.cond = threading.Condition()
         self.pending = collections.deque()
         self.jobs = collections.OrderedDict()  # id -> Job, finished ones dropped oldest first past `keep`
@@ -241,8 +243,13 @@ class Worker:
         self.batch, self.entries = None, {}  # Entry -> Job
         self.steps, self.images_stepped = 0, 0  # steps, and their requests' images summed (the batch's mean occupancy)
         # wall seconds of the engine's thread waiting for work, admitting (prefills) and stepping (issuing the steps:
-        # where nothing synchronises, the GPU runs behind), and of the decoder thread's VQ decoding: /v1/info's
+        # the GPU runs behind, by at most scheduler.steps_ahead steps where that is > 0), and of the decoder thread's
+        # VQ decoding: /v1/info's
         self.seconds = dict(idle=0.0, admit=0.0, step=0.0, decode=0.0)
+        # where the jobs decoded went, summed over them: queued (created -> admitted), tokens (-> its last step
+        # issued), decode_queue (-> the decoder thread takes it), decode (-> its images, the GPU's lag included)
+        self.jobs_done, self.job_seconds = 0, dict(queued=0.0, tokens=0.0, decode_queue=0.0, decode=0.0)
+        self.in_flight = collections.deque()  # CUDA events of the steps issued, steps_ahead at most
         self.thread = threading.Thread(target=self.run, name=f"engine-{index}", daemon=True)
         # finished jobs' VQ decoding beside the steps (on the CPU it takes longer than a small image's steps)
         self.decoder = ThreadPoolExecutor(1, thread_name_prefix=f"vq-{index}")
@@ -322,10 +329,25 @@ class Worker:
             jobs = list(self.entries.values())
             self.entries, self.batch = {}, None
             self.fail(jobs, e, jobs[0].request)
+            return
+        self.hold_back()
+
+    def hold_back(self):
+        """On CUDA with steps_ahead > 0: wait (the GIL released) until the GPU has run all but the last steps_ahead
+        steps issued, so that the decodes and joins queued beside them do not wait behind a deep queue of steps."""
+        ahead = self.scheduler.steps_ahead
+        if not (self.cuda and ahead):
+            return
+        event = torch.cuda.Event()
+        event.record()
+        self.in_flight.append(event)
+        while len(self.in_flight) > ahead:
+            self.in_flight.popleft().synchronize()
 
     def leave_done(self, entry):
         """A finished entry out of the batch, its tokens to the decoder thread."""
         job, tokens = self.entries[entry], self.batch.tokens(entry)
+        job.issued = time.monotonic()
         ready = None
         if self.cuda:  # the decoder's stream waits for the tokens' copy on this thread's stream
             ready = torch.cuda.Event()
@@ -341,6 +363,7 @@ class Worker:
         """The decoder thread's: a done job's images, or its failure. On CUDA on the decoder's stream, after `ready`
         (the tokens' copy); the tokens' memory is not reused until that stream is past them."""
         stream = torch.cuda.stream(self.decode_stream) if ready is not None else contextlib.nullcontext()
+        job.decoding = time.monotonic()
         try:
             with torch.no_grad(), self.shared(), stream:
                 if ready is not None:
@@ -350,7 +373,17 @@ class Worker:
         except Exception as e:  # noqa: BLE001
             self.fail([job], e, job.request)
             return
+        self.count(job, time.monotonic())  # before its client can hear of it
         self.scheduler.finished(job, "done", images=images)
+
+    def count(self, job, end):
+        """A decoded job's times into job_seconds (the decoder thread's, one per worker: no other writer)."""
+        t = self.job_seconds
+        t["queued"] += job.started - job.created
+        t["tokens"] += job.issued - job.started
+        t["decode_queue"] += job.decoding - job.issued
+        t["decode"] += end - job.decoding
+        self.jobs_done += 1
 
     def progress(self, entry, job):
         """Tokens done to the job; its watchers woken at each grid row done (and a preview every preview_every)."""

@@ -79,7 +79,7 @@ PAGE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "serve_page.html
 SERVER_RANGES = dict(port=(0, 65535, None), batch=(1, 64, "images one engine decodes at once"),
                      max_queue=(1, None, "jobs accepted and not finished"), max_body_mb=(1, 1024, None),
                      max_side=(16, 16384, "pixels"), engines_per_device=(1, 16, None), shutdown_grace=(0, None, None),
-                     keep_jobs=(1, None, None))
+                     keep_jobs=(1, None, None), steps_ahead=(0, None, "0 = no bound"))
 
 
 class BadRequest(Exception):
@@ -107,6 +107,9 @@ def parse_args(argv=None):
     p.add_argument("--max-side", type=int, default=2048,
                    help="largest side of an uploaded image, in pixels (default %(default)s)")
     p.add_argument("--keep-jobs", type=int, default=256, help="finished jobs kept for download (default %(default)s)")
+    p.add_argument("--steps-ahead", type=int, default=0,
+                   help="on a GPU, steps an engine issues ahead of the GPU before it waits (0: until the launch queue "
+                        "is full; default %(default)s)")
     p.add_argument("--shutdown-grace", type=float, default=30.0,
                    help="seconds Ctrl-C / SIGTERM lets the jobs accepted finish and be fetched (new ones get 503) "
                         "before cancelling the rest (default %(default)s)")
@@ -186,7 +189,7 @@ class Service:
         # the first device's model, VQ and text encoder as a Pipeline builds them (random weights from --seed)
         self.pipe = Pipeline(PipelineConfig.from_args(args), device=str(first), spell=flag_name)
         model, vq = self.pipe.model, self.pipe.vq
-        self.scheduler = Scheduler(max_queue=args.max_queue, keep=args.keep_jobs)
+        self.scheduler = Scheduler(max_queue=args.max_queue, keep=args.keep_jobs, steps_ahead=args.steps_ahead)
         # each engine its own model (its own caches), copied before any engine fuses its projections
         models = [model] + [copy.deepcopy(model).to(device) for device in self.devices[1:]]
         vqs = {}
@@ -222,7 +225,8 @@ class Service:
                     accepting=self.scheduler.accepting,
                     engines=[dict(device=str(w.engine.device), busy=w.busy, steps=w.steps,
                                   images_stepped=w.images_stepped,
-                                  seconds={k: round(v, 3) for k, v in w.seconds.items()})
+                                  seconds={k: round(v, 3) for k, v in w.seconds.items()}, jobs_done=w.jobs_done,
+                                  job_seconds={k: round(v, 3) for k, v in w.job_seconds.items()})
                              for w in self.scheduler.workers],
                     queue=dict(active=self.scheduler.active, pending=len(self.scheduler.pending)),
                     backend=self.backend, precision=str(self.dtype).replace("torch.", ""))

@@ -227,6 +227,55 @@ def test_a_one_token_job_is_done_after_its_prefill():
     assert len(vq.tokens) == 1 and torch.equal(vq.tokens[0], want)
 
 
+def test_a_workers_job_times_add_up_to_each_jobs_life():
+    """/v1/info's job_seconds: each decoded job's time from its creation to its images, split into queued, tokens,
+    decode_queue and decode, summed over the jobs the worker decoded; the stages in order, none negative."""
+    model = tiny_model(seed=4)
+    cond, mask, condition = tiny_inputs(model, B=1)
+    requests = [Request(cond=cond, mask=mask, control=condition[0, :, :32, :32], seed=seed) for seed in (1, 2, 3)]
+    s = Scheduler(max_queue=4)
+    jobs = run_jobs(s, model, requests, Recorder())  # three jobs for two slots: the third waits in the queue
+    w = s.workers[0]
+    assert [j.status for j in jobs] == ["done"] * 3 and w.jobs_done == 3
+    for j in jobs:
+        assert j.created <= j.started <= j.issued <= j.decoding <= j.finished
+    assert set(w.job_seconds) == {"queued", "tokens", "decode_queue", "decode"}
+    assert sum(w.job_seconds.values()) == pytest.approx(sum(j.finished - j.created for j in jobs), abs=0.05)
+    assert w.job_seconds["queued"] == pytest.approx(sum(j.started - j.created for j in jobs))
+    assert w.job_seconds["tokens"] == pytest.approx(sum(j.issued - j.started for j in jobs))
+
+
+def test_steps_ahead_waits_for_all_but_the_last_steps_issued(monkeypatch):
+    """--steps-ahead N: after each step a worker on CUDA records an event and waits for the one N steps back, oldest
+    first, so the GPU is never more than N steps behind; 0 waits for none. (Events stood in for: a CPU engine.)"""
+    import fast_inference.scheduler as scheduler_module
+
+    log = []
+
+    class Event:
+        def __init__(self):
+            self.n = len(log)
+            log.append(("made", self.n))
+
+        def record(self):
+            pass
+
+        def synchronize(self):
+            log.append(("waited", self.n))
+
+    monkeypatch.setattr(scheduler_module.torch.cuda, "Event", Event)
+    for ahead, waited in ((2, [0, 1, 2]), (0, [])):
+        log.clear()
+        w = scheduler_module.Worker(Scheduler(steps_ahead=ahead), 0, SimpleNamespace(device=torch.device("cpu")),
+                                    None, 2)
+        w.cuda = True  # as on a GPU
+        for _ in range(5):
+            w.hold_back()
+        assert [n for what, n in log if what == "waited"] == waited
+        assert len(w.in_flight) == (ahead if ahead else 0)
+        w.decoder.shutdown()
+
+
 def run_jobs(s, model, requests, vq, one_at_a_time=False):
     """requests through scheduler s with one eager engine of 2 slots decoding with vq (submitted together, or each
     after the one before is over), until each is over and s is closed -> their Jobs."""

@@ -454,6 +454,9 @@ def test_load_every_request_answered_once(server):
     assert all(set(e["seconds"]) == {"idle", "admit", "step", "decode"} for e in threads)
     assert sum(e["seconds"]["admit"] for e in threads) > 0 and sum(e["seconds"]["decode"] for e in threads) > 0
     assert all(0 < e["seconds"]["step"] <= load["seconds"] + 1 for e in threads if e["steps"]), threads
+    # the jobs decoded in the phase, each engine's mean per stage: none negative, none longer than the phase
+    assert sum(e["jobs"] for e in threads) == 24
+    assert all(0 <= v <= load["seconds"] for e in threads if e["jobs"] for v in e["per_job_seconds"].values()), threads
 
 
 VIEWPORTS = dict(desktop=dict(viewport={"width": 1200, "height": 900}),

@@ -63,9 +63,11 @@ usage: tools/gpu_session.sh STEP...      (steps run in order; each writes OUT/<s
   serve   the server's tests on the GPU, then the server under load at GPT-XL shapes (random weights, 512 px): 32
           clients, 200 requests, images/s and latency p50/p95, against fast_eval.py --batch 32 over the same inputs
           and one image through fast_engine.py against a lone request, in one run (tools/load_serve.py --compare;
-          OUT/serve.json). The device has no package index: first, here, pip download -d .whl --only-binary=:all:
+          OUT/serve_ahead0.json). The device has no package index: first, here, pip download -d .whl --only-binary=:all:
           --python-version 3.12 -r requirements-serve.txt, and carry .whl in the device call. SERVE_PLAN: the
-          server's plan overrides (e.g. server_block=fused: its steps of up to 16 rows on the fused block's kernels)
+          server's plan overrides (e.g. server_block=fused: its steps of up to 16 rows on the fused block's kernels);
+          SERVE_AHEAD: the servers' --steps-ahead, a load run each (default 0; OUT/serve_ahead<N>.json), e.g. the
+          owed A/B of the GPU's lag behind the engine thread: SERVE_AHEAD="0 2 8" OUT=$OUT tools/gpu_session.sh serve
 
   serverstep  the CUDA tests of the server's keyed draw, steps and captured admissions, then where a server's step goes
           (tools/server_step.py): the continuous batch of n one-image requests
@@ -258,8 +260,14 @@ step_serve() {
             return 2; }
     fi
     (cd "$root" && "$py" -m pytest -q -p no:cacheprovider tests/test_continuous.py tests/test_scheduler.py)
-    "$py" "$here/load_serve.py" --clients 32 --requests 200 --size 512 --compare --eval-batch 32 \
-        --json "$out/serve.json" -- --gpt-model GPT-XL ${SERVE_PLAN:+--plan "$SERVE_PLAN"}
+    local ahead compare=--compare
+    for ahead in ${SERVE_AHEAD:-0}; do  # a server per --steps-ahead; the CLIs timed beside the first only
+        echo "== the server with --steps-ahead $ahead"
+        "$py" "$here/load_serve.py" --clients 32 --requests 200 --size 512 $compare --eval-batch 32 \
+            --server-args "--steps-ahead $ahead" --json "$out/serve_ahead$ahead.json" \
+            -- --gpt-model GPT-XL ${SERVE_PLAN:+--plan "$SERVE_PLAN"}
+        compare=
+    done
 }
 
 step_serverstep() {

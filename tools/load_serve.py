@@ -186,12 +186,17 @@ def time_cli(model, folder, size):
 
 
 def engine_time(before, after):
-    """An engine's work between two /v1/info answers: its steps, their mean images, and its threads' wall seconds
-    (waiting for work, admitting, issuing steps, VQ decoding)."""
+    """An engine's work between two /v1/info answers: its steps, their mean images, its threads' wall seconds
+    (waiting for work, admitting, issuing steps, VQ decoding), and the mean seconds of the jobs it decoded meanwhile
+    in each stage (queued, its tokens issued, waiting for the decoder, decoding)."""
     steps = after["steps"] - before["steps"]
     images = after["images_stepped"] - before["images_stepped"]
+    jobs = after["jobs_done"] - before["jobs_done"]
+    per_job = {k: round((after["job_seconds"][k] - before["job_seconds"][k]) / max(jobs, 1), 3)
+               for k in after["job_seconds"]}
     return dict(steps=steps, mean_images=round(images / max(steps, 1), 2),
-                seconds={k: round(after["seconds"][k] - before["seconds"][k], 2) for k in after["seconds"]})
+                seconds={k: round(after["seconds"][k] - before["seconds"][k], 2) for k in after["seconds"]},
+                jobs=jobs, per_job_seconds=per_job)
 
 
 def main(argv=None):
@@ -233,8 +238,9 @@ def main(argv=None):
           f" a lone request {result['lone_request_s']}s")
     for i, e in enumerate(result["engine_threads"]):
         spent = ", ".join(f"{k} {v}s" for k, v in e["seconds"].items())
+        per_job = ", ".join(f"{k} {v}s" for k, v in e["per_job_seconds"].items())
         print(f"engine {i} in the timed phase: {e['steps']} steps of {e['mean_images']} images on average; its "
-              f"threads' wall time: {spent}")
+              f"threads' wall time: {spent}; a job's mean over its {e['jobs']} decoded: {per_job}")
     if args.compare:
         print(f"fast_eval.py --batch {args.eval_batch}: {result['fast_eval']['images_per_s']} images/s; "
               f"fast_engine.py one image: {result['fast_engine_one_image_s']}s (in-process stages: "
