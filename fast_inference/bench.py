@@ -230,10 +230,11 @@ def main(argv=None):
             with open(args.part, "w") as f:
                 json.dump(result, f)
             return
-    if result["end_to_end_s"] is not None:
-        runs = result["end_to_end_runs_s"]
-        print(f"end-to-end, one image (condition encoder + prefill + decode + VQ decode, warm): "
-              f"{result['end_to_end_s']:.3f} s (median of {len(runs)}: {min(runs):.3f}-{max(runs):.3f} s)")
+    for key, what in (("end_to_end", ""), ("speculative_end_to_end", f", --speculative {args.speculative}")):
+        if result.get(key + "_s") is not None:
+            runs = result[key + "_runs_s"]
+            print(f"end-to-end, one image{what} (condition encoder + prefill + decode + VQ decode, warm): "
+                  f"{result[key + '_s']:.3f} s (median of {len(runs)}: {min(runs):.3f}-{max(runs):.3f} s)")
     os.makedirs(args.out_dir, exist_ok=True)
     stem = os.path.join(args.out_dir, f"bench_{args.gpt_model}_{args.backend}{args.tag}")
     with open(stem + ".json", "w") as f:
@@ -256,10 +257,10 @@ def isolated(args, argv, sizes):
                 fail(f"the n = {B} process failed (its error is above); nothing written", 2 if code == 2 else 1)
             with open(part) as f:
                 parts.append(json.load(f))
-    e2e = [p for p in parts if p["end_to_end_s"] is not None]
+    e2e = [p for p in parts if p["end_to_end_s"] is not None]  # the n = 1 part's
+    keys = ("end_to_end_s", "end_to_end_runs_s", "speculative_end_to_end_s", "speculative_end_to_end_runs_s")
     return dict(parts[0], args=vars(args), rows=[r for p in parts for r in p["rows"]],
-                end_to_end_s=e2e[0]["end_to_end_s"] if e2e else None,
-                end_to_end_runs_s=e2e[0]["end_to_end_runs_s"] if e2e else None)
+                **{k: e2e[0].get(k) if e2e else None for k in keys})
 
 
 def measure(args, sizes):
@@ -305,7 +306,7 @@ def measure(args, sizes):
         compile_scope=args.compile_scope, fused_block=not args.no_fused_block, overrides=args.plan + ["jacobi=on"],
         speculative=args.speculative, draft_window=args.draft_window, draft_init=args.draft_init,
         draft_coupling=args.draft_coupling, draft_tree=args.draft_tree)
-    rows, e2e, e2e_runs = [], None, None  # end to end is timed with n = 1 only
+    rows, e2e, e2e_runs, spec_e2e, spec_e2e_runs = [], None, None, None, None  # end to end: n = 1 only
     scope = ""
     if args.backend == "inductor":
         fused = "" if args.compile_scope == "step" else ", compiled block only" if args.no_fused_block else \
@@ -341,8 +342,11 @@ def measure(args, sizes):
             print_row(row, flush=True)
             if B == 1 and args.e2e_runs > 0:  # while the n=1 graphs are warm
                 e2e, e2e_runs = end_to_end(engine, fast_model, vq, args, kw, device)
+                if jacobi is not None:
+                    spec_e2e, spec_e2e_runs = end_to_end(jacobi, fast_model, vq, args, kw, device)
     return dict(args=vars(args), device=torch.cuda.get_device_name(), torch=torch.__version__, copy_bandwidth_Bps=bw,
-                rows=rows, end_to_end_s=e2e, end_to_end_runs_s=e2e_runs)
+                rows=rows, end_to_end_s=e2e, end_to_end_runs_s=e2e_runs, speculative_end_to_end_s=spec_e2e,
+                speculative_end_to_end_runs_s=spec_e2e_runs)
 
 
 def print_row(r, flush=False):
