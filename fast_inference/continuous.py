@@ -74,7 +74,8 @@ class ContinuousRunner(ShapeRunner):
         self.settings = [None] * B  # per slot on the host: (top_k, top_p), to take the filters' scalar paths
         self.ctx = self.head = None  # the steps' Context and head (Engine.continuous); inputs_fn: window_inputs
         self.fused_rows, self.fused_block = 0, None  # steps at up to fused_rows rows: fused_block(rows) as the block
-        self.down_rows, self.down_block = range(0), None  # steps at down_rows rows: down_block (inductor's + down)
+        self.down_rows, self.down_block = range(0), None  # steps at down_rows rows: down_block(rows), inductor's + down
+        self.prefetchers = {}  # the L2 prefetchers beside the steps (server_prefetch=on), by whether the rows compile
         self.step_attention = None  # rows -> the decode attention at a position per row, where it replaces ctx's
         self.graphs = Graphs() if plan.own_positions.graph else None
         self.buckets = plan.own_positions.buckets
@@ -86,6 +87,12 @@ class ContinuousRunner(ShapeRunner):
         slot: a number, or a tensor of one (join_slot)."""
         first = (self.image_index[:n] + slot) * self.halves
         return first if self.halves == 1 else torch.cat([first, first + 1])
+
+    def prefetcher_at(self, rows):
+        """The prefetcher of steps at `rows` rows (None: none): the compiled block's past the fused rows, else the fused
+        block's. Its key ranges stop at row 0's position (the oldest request's: requests move down as others leave),
+        a bound for the rows' own: keys past a row's filled length are fetched for nothing, never read wrongly."""
+        return self.prefetchers.get(rows > self.fused_rows)
 
     def captures(self, bucket):
         """Whether a step at `bucket` captures its graph now (its first, where the plan captures steps)."""
@@ -235,12 +242,15 @@ class ContinuousRunner(ShapeRunner):
         if R <= self.fused_rows:  # the fused block's kernels, which add the next block's control rows themselves
             steps_ctx = replace(steps_ctx, block=self.fused_block(R), block_adds_control=True)
         elif R in self.down_rows:
-            steps_ctx = replace(steps_ctx, block=self.down_block)
+            steps_ctx = replace(steps_ctx, block=self.down_block(R))
         if self.step_attention is not None:  # the plain steps' kernel, each row's position read from input_pos
             steps_ctx = replace(steps_ctx, attention=self.step_attention(R))
         windowed = self.step_attention is None and steps_ctx.attention is not None
+        prefetcher = self.prefetcher_at(R)
 
         def forward():
+            # weights and keys into L2 ahead of the kernels that read them, beside the step: inside its graph only
+            fetching = prefetcher is not None and prefetcher.start(R)
             ctx = steps_ctx
             if self.inputs_fn is None:
                 x = self.model.tok_embeddings(self.token[:R])
@@ -252,6 +262,10 @@ class ContinuousRunner(ShapeRunner):
             h = self.model.blocks(x, self.input_pos[:R], self.key_valid[:R], self.controls[:, :R], last_only=True,
                                   ctx=ctx)
             self.logits[:R].copy_(self.head(h)[:, -1])
+            if fetching:
+                prefetcher.join()
+            elif prefetcher is not None:
+                prefetcher.reset()
 
         return forward
 

@@ -76,11 +76,12 @@ def window_attention(p):
     return functools.partial(attention_triton.window_attention, fold=False)
 
 
-def decode_attention_at(rows, pdl=0):
+def decode_attention_at(rows, pdl=0, progress=None):
     """The Triton decode attention in the plan's form at `rows` rows (plan.decode_form), launched in PDL mode pdl, rows
-    at their own positions as the steps' input_pos gives them."""
+    at their own positions as the steps' input_pos gives them; counted for a prefetcher's progress if given."""
     form, config = plans.decode_form(rows)
-    return functools.partial(attention_triton.decode_attention, whole=form == "triton_whole", config=config, pdl=pdl)
+    return functools.partial(attention_triton.decode_attention, whole=form == "triton_whole", config=config, pdl=pdl,
+                             progress=progress)
 
 
 def compile_static(fn, **kw):
@@ -473,17 +474,26 @@ class Engine:
         own = p.own_positions
         r.ctx = Context(ops=eager_ops(own.ops), block=self.compiled_block() if own.block == "compiled" else None,
                         attention=None if own.attention == "decode" else window_attention(own))
+        r.fused_rows = own.fused_rows
+        if own.prefetch:  # the plain steps' L2 prefetcher: paced by the fused block's projections up to the fused
+            # rows, by the compiled block's decode attention (and down kernel) above; a schedule per step size
+            for compiled in {b * r.halves > own.fused_rows for b in own.buckets}:
+                r.prefetchers[compiled] = prefetch_triton.Prefetcher(self.model, compiled=compiled)
+            for R in (b * r.halves for b in own.buckets):
+                r.prefetcher_at(R).prepare(R, r.input_pos, down=R > own.fused_rows and R in own.down_rows)
+        progress = lambda R: r.prefetcher_at(R).progress if R > own.fused_rows and own.prefetch else None
         if own.attention == "decode":  # the plain steps' decode attention in the form of each step size's rows,
             # launched as the fused block's projections around it (the GEMVs under PDL, as the plain steps')
             pdl = lambda R: plans.pass_rows(R, own.pdl, own.gemv_pdl).projection("qkv").pdl if R <= own.fused_rows else 0
-            r.step_attention = lambda R: decode_attention_at(R, pdl(R))
+            r.step_attention = lambda R: decode_attention_at(R, pdl(R), progress(R))
         r.inputs_fn = inputs_triton.window_inputs if own.inputs == "triton" else None
         if own.fused_rows:  # steps at up to these rows on the fused block's kernels (server_block=fused)
             rows = lambda R: plans.pass_rows(R, own.pdl, own.gemv_pdl)
-            r.fused_rows, r.fused_block = own.fused_rows, lambda R: functools.partial(fused_block, rows=rows(R))
+            r.fused_block = lambda R: functools.partial(fused_block, rows=rows(R), prefetcher=r.prefetcher_at(R))
         if own.down_rows:  # inductor's block with w2 + residual as block_triton's down kernel, as the plain steps'
             r.down_rows = own.down_rows
-            r.down_block = functools.partial(self.compiled_block(), down=True, down_pdl=own.down_pdl)
+            r.down_block = lambda R: functools.partial(self.compiled_block(), down=True, down_pdl=own.down_pdl,
+                                                       progress=progress(R))
         if own.head == "compiled":
             r.head = self.compiled_head()
         else:

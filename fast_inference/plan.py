@@ -222,6 +222,7 @@ class OwnPositions:
     down_rows: range = range(0)  # steps at these rows on inductor's block: w2 + residual in block_triton's down
     down_pdl: int = NONE  # its launch, as the plain steps' (serves_down)
     draw: str = "generator"  # generator (sampling.py's ops, each request's Exp(1) noise) | keyed (draw_images)
+    prefetch: bool = False  # the plain steps' L2 prefetcher beside each step (server_prefetch=on)
 
 
 @dataclass(frozen=True)
@@ -282,6 +283,7 @@ OVERRIDES = dict(
     server_attention=("decode", "window"),  # a server step's attention: the plain steps' decode attention at a
     # position per row (split-KV, or a program per (row, head) at WHOLE_ROWS; SERVER_DECODE), or the window kernel
     server_down=("on", "off"),  # a server step's w2 + residual past FUSED_ROWS rows: the down kernel, or inductor's
+    server_prefetch=("off", "on"),  # the plain steps' L2 prefetcher beside a server's steps (off until a GPU times it)
     verify=("torch", "triton"),  # a pass's verify: speculative.py's ops, or verify_triton's kernels (VERIFY_KERNELS)
     jacobi=("auto", "on"),  # --speculative jacobi: plain steps where the pass measured a loss (PASS_GAINS), or always
     draft_tree=("auto", "on"),  # --draft-tree: the chain where the tree's pass measured a loss (TREE_GAINS), or always
@@ -653,11 +655,18 @@ def own_positions(s, eager, window, want, draw):
     down = compiled and serves_down(s, DOWN_ROWS) and want.get("server_down", "on") == "on"
     down_rows = range(FUSED_ROWS + 1, DOWN_ROWS + 1) if down else range(0)
     down_pdl = block_pdl(s, DOWN_ROWS) if down_rows and DOWN_PDL and want.get("down_pdl", "on") == "on" else NONE
+    # the prefetcher paces itself by counts: the fused block's projections, or the decode attention's (and the down
+    # kernel's) past the fused rows; the window kernel does not count
+    prefetch = want.get("server_prefetch", "off") == "on"
+    if prefetch and not (attention == "decode" and compiled and s.pdl):
+        raise PlanError("plan override server_prefetch=on needs the decode attention (server_attention=decode) and "
+                        "inductor's block on a CUDA GPU of sm_90 or later with Triton; use server_prefetch=off")
     return OwnPositions(block="compiled" if compiled else "model", head="compiled" if compiled else "model",
                         ops=EagerOps() if compiled else dataclasses.replace(eager, rope="torch"),
                         graph=s.cuda and s.backend != "eager", buckets=buckets, attention=attention,
                         inputs=window[1], splits=window[3], fused_rows=fused_rows, pdl=pdl, gemv_pdl=gemv_pdl,
-                        down_rows=down_rows, down_pdl=down_pdl, draw="keyed" if draw == "triton" else "generator")
+                        down_rows=down_rows, down_pdl=down_pdl, draw="keyed" if draw == "triton" else "generator",
+                        prefetch=prefetch)
 
 
 def block_pdl(s, rows):
@@ -982,6 +991,8 @@ def describe_own_positions(o):
     if o.down_rows:
         blocks += f" (w2 and the residual add in Triton's down kernel at {o.down_rows[0]}-{o.down_rows[-1]} rows)"
     runs = "a CUDA graph per step size" if o.graph else "op by op"
+    if o.prefetch:
+        runs += " with the L2 prefetcher beside it"
     return (f"each row at its own position (a server's batch): the {blocks} blocks and {window_words(o)}, "
             f"inputs {INPUT_WORDS[o.inputs]}, {runs} ({'/'.join(map(str, o.buckets))} images); {DRAW_WORDS[o.draw]}; "
             f"{describe_ops(o.ops)}")

@@ -80,6 +80,16 @@ def test_the_plan_takes_them_by_its_default_and_by_the_overrides():
     assert plan.make(dataclasses.replace(steps, overrides=on + (("server_attention", "window"),))).own_positions \
         .attention == "triton"
     assert plan.make(dataclasses.replace(steps, overrides=sdpa)).own_positions.attention == "sdpa"
+    # the plain steps' L2 prefetcher beside them: by the override server_prefetch=on, where the decode attention counts
+    assert not server.prefetch
+    server = plan.make(dataclasses.replace(steps, overrides=on + (("server_prefetch", "on"),))).own_positions
+    assert server.prefetch and "with the L2 prefetcher beside it" in plan.describe_own_positions(server)
+    prefetch = (("server_prefetch", "on"),)
+    for refused in (dict(overrides=on + (("server_attention", "window"),) + prefetch),  # the window kernel: no count
+                    dict(overrides=(("window_attention", "sdpa"),) + prefetch),
+                    dict(overrides=on + prefetch, capability=(8, 0))):  # no PDL: no bulk prefetch before sm_90
+        with pytest.raises(plan.PlanError, match="server_prefetch=on needs"):
+            plan.make(dataclasses.replace(steps, **refused))
     with pytest.raises(plan.PlanError, match="server_attention=decode needs"):
         plan.make(dataclasses.replace(steps, overrides=(("window_attention", "sdpa"), ("server_attention", "decode"))))
     server = plan.make(dataclasses.replace(steps, overrides=on + (("window_block_pdl", "first"),))).own_positions
@@ -366,11 +376,13 @@ EARLY = {"test_pass_and_server_step_on_window_kernels_in_interpreter": (SCRIPT, 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("block", ["fused", "compiled", "fused,window_block_pdl=first", "fused,window_block_pdl=off",
-                                   "fused,server_attention=window", "compiled,server_attention=window"])
+                                   "fused,server_attention=window", "compiled,server_attention=window",
+                                   "fused,server_prefetch=on", "compiled,server_prefetch=on"])
 def test_server_steps_on_window_kernels_give_the_plain_engines_tokens_on_cuda(block):
     """fp32 at GPT-XL's width: requests joining a server's batch on the window kernels (captured steps per bucket), on
     the fused block's kernels (under PDL too) or inductor's block, get the plain engine's greedy tokens: with the
-    plain steps' decode attention at a position per row (the default), and with the window kernel's."""
+    plain steps' decode attention at a position per row (the default), with the window kernel's, and with the L2
+    prefetcher beside the steps (which writes nothing they read, and must not wait for a count that never comes)."""
     from fast_inference.continuous import Batch, Request
     from fast_inference.engine import Engine
     from test_continuous import run
@@ -387,17 +399,19 @@ def test_server_steps_on_window_kernels_give_the_plain_engines_tokens_on_cuda(bl
     own = engine.plan.own_positions
     attention = "triton" if "server_attention=window" in block else "decode"
     assert (own.attention, own.inputs, own.fused_rows > 0) == (attention, "triton", block.startswith("fused"))
+    assert own.prefetch == ("server_prefetch=on" in block)
     done = run(batch, {0: rs[:1], 5: rs[1:]})  # the second request joins 5 steps later, at other positions
     for i in range(2):
         assert torch.equal(done[i].cpu(), want[i].cpu()), i
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-@pytest.mark.parametrize("attention", ["window", "decode"])
+@pytest.mark.parametrize("attention", ["window", "decode", "decode,server_prefetch=on"])
 def test_server_steps_past_the_fused_rows_give_the_plain_engines_tokens_on_cuda(attention):
     """fp32 at GPT-XL's width: nine requests joining at consecutive steps fill a bucket of 16 images (32 rows under CFG:
     inductor's block with w2 in the down kernel, as the plain steps at those rows), on the window attention or the
-    decode attention at a position per row; each gets the plain engine's greedy tokens."""
+    decode attention at a position per row (with the L2 prefetcher too, paced by its counts and the down kernel's);
+    each gets the plain engine's greedy tokens."""
     from fast_inference.continuous import Batch, Request
     from fast_inference.engine import Engine
     from test_continuous import run
@@ -408,7 +422,7 @@ def test_server_steps_past_the_fused_rows_give_the_plain_engines_tokens_on_cuda(
     rs = [Request(cond=cond[b : b + 1], mask=mask[b : b + 1], control=condition[b], seed=b, top_k=1) for b in range(9)]
     want = [Engine(model).generate(r.cond, r.num_tokens, emb_masks=r.mask, cfg_scale=r.cfg_scale,
                                    condition=r.control[None], top_k=1) for r in rs]
-    engine = Engine(model, overrides=(f"server_attention={attention}",))
+    engine = Engine(model, overrides=tuple(f"server_attention={attention}".split(",")))
     batch = Batch(engine, rs[0].shape, capacity=16)
     assert list(engine.plan.own_positions.down_rows) == list(range(17, 65))
     done = run(batch, {i: [r] for i, r in enumerate(rs)})  # one joins at each step: all nine decode together

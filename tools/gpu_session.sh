@@ -74,9 +74,9 @@ usage: tools/gpu_session.sh STEP...      (steps run in order; each writes OUT/<s
           against the plain engine's step at n (SERVER_SIZES, default 1,8,32), its forward graph alone, the host's
           time, an admission's ms (the first, its graph's capture, replays), and both steps' and one replayed
           admission's kernels by name (OUT/server_step_profile.txt); SERVE_PLAN as the serve step's. Issue 75's owed
-          A/B, the server's attention (the window kernel, or the plain steps' decode kernels at a position per row)
-          and its w2 at 17-64 rows (the down kernel since 244b13e), one process per plan, profiles in OUT/<plan, '=' as '-'>/:
-              SERVER_SIZES=32,8,1 SERVER_PLANS="default server_attention=decode server_down=off" \
+          A/B, the L2 prefetcher beside the server's steps (server_prefetch=on) and its w2 at 17-64 rows in the
+          down kernel (since 244b13e), one process per plan, profiles in OUT/<plan, '=' as '-'>/:
+              SERVER_SIZES=32,8,1 SERVER_PLANS="default server_prefetch=on server_down=off" \
                   OUT=$OUT tools/gpu_session.sh serverstep
 
 OUT (default sample/gpu) receives the logs; PYTHON picks the interpreter.
