@@ -69,7 +69,7 @@ UNUSED_AT_INFERENCE = ("condition_embeddings.weight", "condition_mlp.uncond_embe
 COMMIT = 0.25  # LlamaGen's commitment weight
 RESTART_EVERY = 200  # VQ steps between restarts of unused codes
 HIDE_SHARE = 0.5  # --colour-weight: the captioned rows with shapes (--hide-dropped: all) with a shape hidden
-RECOLOUR_SHARE = 0.5  # --hide-until e1: the hidden rows whose context shows the shape in a wrong colour
+RECOLOUR_SHARE = 0.5  # --hide-until e1: the hidden rows whose context shows the shape in a wrong colour (default)
 ENTRY_TOKENS = 4  # --entry-weight's tokens per region: the first of a shape's top row, whose colour the rest copy
 FULL_EVERY = 4  # every 4th VQ step sees whole images (as many pixels as the other steps' random crops)
 VQ_FILES = ("vq.json", "vq.safetensors")  # a trained VQ's folder holds these (--vq-from's, --phase gpt's --out)
@@ -99,6 +99,8 @@ def parse_args(argv=None):
     p.add_argument("--hide-until", choices=["onset", "e1"], default=None, help="--colour-weight's hidden context "
                    "ends at the shape's onset (default), or at e1, its first token whose patch centre is inside it, "
                    "the context then half without the shape, half with it in a wrong colour; the head reads there")
+    p.add_argument("--recolour-share", type=float, default=None, help="--hide-until e1: the share of the hidden rows "
+                   f"whose context shows the shape in a wrong colour, the rest without it (default {RECOLOUR_SHARE})")
     p.add_argument("--hide-dropped", action="store_true", default=None, help="--colour-weight's hidden rows drawn "
                    "among all rows with shapes, the CFG-dropped ones too (token loss only: no caption names a colour), "
                    "so that the null branch learns the context before a shape can be wrong too")
@@ -444,12 +446,12 @@ def entries(batch, slots, size, grid, device):
     return torch.where(inner.any(1), inner.int().argmax(1), onsets(batch, slots, size, grid, device))
 
 
-def hide_before_onset(batch, tokens, vq, size, drop, until="onset", dropped=False):
+def hide_before_onset(batch, tokens, vq, size, drop, until="onset", dropped=False, recolour_share=RECOLOUR_SHARE):
     """--colour-weight's rows: in a random HIDE_SHARE of the captioned rows with shapes (dropped, --hide-dropped: of
     all rows with shapes, the CFG-dropped too), the tokens before one random shape's onset replaced by those of the
     scene drawn without it. The VQ's tokens next to a shape carry some of its colour, so a model taught on true tokens
     reads a shape's colour from them, and at sampling, where nothing drew them yet, guesses it
-    (tools/demo_binding.py --colours). until "e1": hidden up to the shape's e1 instead, in a RECOLOUR_SHARE of those
+    (tools/demo_binding.py --colours). until "e1": hidden up to the shape's e1 instead, in a recolour_share of those
     rows by the scene with the shape in a wrong colour. -> (tokens, rows (R,), onsets or e1s (R,), colours (R,))."""
     count = torch.tensor([len(s.shapes) for s in batch])
     picked = (torch.rand(len(batch)) < HIDE_SHARE) & (count > 0) & (~drop.cpu() | dropped)  # the same draws either way
@@ -463,7 +465,7 @@ def hide_before_onset(batch, tokens, vq, size, drop, until="onset", dropped=Fals
         return tokens, rows, rows, colours
     recolour = None
     if until == "e1":  # drawn after onset mode's draws, so that mode's stay as they were
-        wrong = (torch.rand(len(sub)) < RECOLOUR_SHARE).tolist()
+        wrong = (torch.rand(len(sub)) < recolour_share).tolist()
         pick = torch.randint(0, len(scenes.COLOURS), (len(sub),)).tolist()
         recolour = [p if w else None for w, p in zip(wrong, pick)]
     tokens = tokens.clone()
@@ -497,7 +499,7 @@ def colour_loss(head, hidden, rows, at, colours, drop):
 
 
 def gpt_loss(model, encoder, vq, indices, types, drop, tokens, preset, device, split="train", entry_weight=1.0,
-             colour=None, hide_until="onset", hide_dropped=False):
+             colour=None, hide_until="onset", hide_dropped=False, recolour_share=RECOLOUR_SHARE):
     """-> (the tokens' cross-entropy, entry-weighted; None). With colour = (head, weight): some rows' tokens before a
     shape's onset or e1 (hide_until) hidden (hide_before_onset; hide_dropped: dropped rows too), and (that + weight x
     the colour head's loss there, captioned rows only, the head's accuracy)."""
@@ -506,7 +508,8 @@ def gpt_loss(model, encoder, vq, indices, types, drop, tokens, preset, device, s
     maps = control_maps(batch, types, rgb, size, device)
     drop = torch.as_tensor(drop, device=device)
     if colour is not None:
-        tokens, rows, at, colours = hide_before_onset(batch, tokens, vq, size, drop, hide_until, hide_dropped)
+        tokens, rows, at, colours = hide_before_onset(batch, tokens, vq, size, drop, hide_until, hide_dropped,
+                                                      recolour_share)
     with autocast(device):
         prefix, mask, controls = gpt_inputs(model, encoder, batch, maps, types, drop)
         hidden = teacher_forced_hidden(model, prefix, mask, controls, tokens)
@@ -573,7 +576,8 @@ def train_gpt(args, preset, device, log, recipe, state):
         loss, accuracy = gpt_loss(model, encoder, vq, indices, types, drop,
                                   tokens_of(indices, table, preset, vq, device), preset, device,
                                   entry_weight=recipe["entry_weight"], colour=colour,
-                                  hide_until=recipe["hide_until"], hide_dropped=recipe["hide_dropped"])
+                                  hide_until=recipe["hide_until"], hide_dropped=recipe["hide_dropped"],
+                                  recolour_share=recipe["recolour_share"])
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(trained, 1.0)
@@ -601,8 +605,10 @@ def train_gpt(args, preset, device, log, recipe, state):
     return done
 
 
-RECIPE = ("gpt_batch", "gpt_lr", "entry_weight", "colour_weight", "hide_until", "hide_dropped")  # --resume keeps
-DEFAULT_WEIGHTS = dict(entry_weight=1.0, colour_weight=0.0, hide_until="onset", hide_dropped=False)  # the plain loss
+RECIPE = ("gpt_batch", "gpt_lr", "entry_weight", "colour_weight", "hide_until", "hide_dropped",
+          "recolour_share")  # --resume keeps these
+DEFAULT_WEIGHTS = dict(entry_weight=1.0, colour_weight=0.0, hide_until="onset", hide_dropped=False,
+                       recolour_share=RECOLOUR_SHARE)  # the plain loss
 
 
 def run_recipe(args, preset, state):
@@ -613,7 +619,8 @@ def run_recipe(args, preset, state):
     if state is None:
         return new
     stored = state.get("recipe") or new  # a state from before recipes were stored: the flags'
-    stored = {"hide_until": "onset", "hide_dropped": False, **stored}  # one from before those flags: their defaults
+    stored = {"hide_until": "onset", "hide_dropped": False, "recolour_share": RECOLOUR_SHARE,
+              **stored}  # one from before those flags: their defaults
     for k in RECIPE:
         if flags[k] is not None and flags[k] != stored[k]:
             raise UserError(f"--resume goes on with the run's --{k.replace('_', '-')} {stored[k]}; leave the flag "
@@ -716,6 +723,10 @@ def check_run(args, preset, device):
     recipe = run_recipe(args, preset, state)
     if recipe["hide_until"] != "onset" and not recipe["colour_weight"]:
         raise UserError("--hide-until moves --colour-weight's hidden context; give --colour-weight too")
+    if args.recolour_share is not None and not 0 <= args.recolour_share <= 1:
+        raise UserError(f"--recolour-share {args.recolour_share} is a share of rows; give a number from 0 to 1")
+    if args.recolour_share is not None and recipe["hide_until"] != "e1":
+        raise UserError("--recolour-share sets --hide-until e1's recoloured rows; give --hide-until e1 too")
     if recipe["hide_dropped"] and not recipe["colour_weight"]:  # the hiding comes with the colour head
         raise UserError("--hide-dropped widens --colour-weight's hidden rows; give --colour-weight too")
     return recipe, state

@@ -146,6 +146,8 @@ def test_a_run_stopped_and_resumed_is_the_run_never_stopped(tmp_path, capsys):
 @pytest.mark.parametrize("flags, fix", [
     (["--hide-until", "e1"], "give --colour-weight too"),
     (["--hide-dropped"], "give --colour-weight too"),
+    (["--colour-weight", "1", "--recolour-share", "0.1"], "give --hide-until e1 too"),
+    (["--colour-weight", "1", "--hide-until", "e1", "--recolour-share", "1.5"], "give a number from 0 to 1"),
     (["--phase", "gpt"], "give --vq-from a trained VQ's folder"),
     (["--phase", "gpt", "--vq-from", "{tmp}"], "give the folder of a trained VQ"),
     (["--gpt-from", "{tmp}"], "give the folder of a trained GPT"),
@@ -407,8 +409,8 @@ def test_hide_until_is_part_of_the_runs_recipe(tmp_path, capsys):
                                              "--hide-until", "e1")
     args = train_demo.parse_args(["--out", "x"])
     old = dict(gpt_batch=3, gpt_lr=1e-3, entry_weight=2.0, colour_weight=0.5)
-    assert train_demo.run_recipe(args, train_demo.PRESETS["test"], dict(recipe=old)) == dict(old, hide_until="onset",
-                                                                                           hide_dropped=False)
+    assert train_demo.run_recipe(args, train_demo.PRESETS["test"], dict(recipe=old)) == dict(
+        old, hide_until="onset", hide_dropped=False, recolour_share=train_demo.RECOLOUR_SHARE)
 
 
 def picks_reference(batch, drop, dropped):
@@ -461,6 +463,45 @@ def test_hide_dropped_hides_dropped_rows_as_captioned_ones(monkeypatch):
     extra = [r for r in on if r not in off]
     assert all(drop[r] for r in extra) and {r: on[r][0] for r in off} == {r: k for r, (k, _) in off.items()}
     assert {on[r][1] for r in extra} == {True, False}  # dropped rows without the shape and recoloured
+
+
+def test_recolour_share_sets_how_many_hidden_rows_show_a_decoy(monkeypatch):
+    """--recolour-share P: of the rows --hide-until e1 hides, those whose draw is under P show the shape recoloured,
+    the rest the scene without it; the same draws at any P (0: none recoloured, 1: all), so the rows picked and the
+    random state after them do not move."""
+    size = 128
+    batch = scenes.scenes(range(16), "test")
+    vq = VQModel(VQConfig(codebook_size=64, ch=32, ch_mult=[1, 1, 1, 1, 1], z_channels=32, num_res_blocks=1,
+                          norm_groups=8)).eval()
+    tokens, drop = encode(vq, batch, size), torch.zeros(16, dtype=torch.bool)
+    made, recoloured = set(), train_demo.recoloured
+    monkeypatch.setattr(train_demo, "recoloured", lambda s, k, p=0: made.add(id(s)) or recoloured(s, k, p))
+    seen = {}
+    for share in (0.0, 0.3, 1.0):
+        made.clear()
+        torch.manual_seed(2)
+        _, rows, _, _ = train_demo.hide_before_onset(batch, tokens, vq, size, drop, "e1", False, share)
+        seen[share] = (rows.tolist(), torch.rand(1).item(), sum(id(batch[r]) in made for r in rows.tolist()))
+    (rows, after, none), (rows3, after3, some), (rows1, after1, every) = seen[0.0], seen[0.3], seen[1.0]
+    assert rows == rows3 == rows1 and after == after3 == after1 and len(rows) > 3
+    assert (none, every) == (0, len(rows)) and 0 < some < len(rows)
+
+
+def test_recolour_share_is_part_of_the_runs_recipe(tmp_path, monkeypatch, capsys):
+    """--recolour-share: logged with the recipe, reaches the training steps' hiding, kept by --resume (another value
+    refused); RECOLOUR_SHARE without the flag."""
+    a, b = tmp_path / "a", tmp_path / "b"
+    calls, hide = [], train_demo.hide_before_onset
+    monkeypatch.setattr(train_demo, "hide_before_onset", lambda *a: calls.append(a[7]) or hide(*a))
+    train(a, "--gpt-steps", 2, "--colour-weight", 1, "--hide-until", "e1", "--recolour-share", 0.1,
+          "--time-limit", 1e-9)
+    train(a, "--phase", "gpt", "--resume")
+    log = (a / "train_log.jsonl").read_text()
+    assert log.count('"recolour_share": 0.1') == 2 and calls == [0.1, 0.1]
+    assert "run's --recolour-share 0.1" in refused(capsys, a, "--phase", "gpt", "--resume", "--recolour-share", 0.5)
+    train(b, "--phase", "gpt", "--vq-from", a, "--gpt-steps", 2, "--colour-weight", 1, "--hide-until", "e1",
+          "--time-limit", 1e-9)
+    assert calls[-1] == train_demo.RECOLOUR_SHARE
 
 
 def test_the_colour_head_skips_dropped_rows():

@@ -31,17 +31,16 @@ usage: tools/gpu_session.sh STEP...      (steps run in order; each writes OUT/<s
           cat gpt.safetensors.part.* > gpt.safetensors) and with DEMO_EVAL=1 scripts/eval_demo.py's measures
           (OUT/demo_eval.json, OUT/demo_model.png) and tools/demo_binding.py's (OUT/demo_binding.txt).
           DEMO_GPT_FROM (gpt): start from a trained GPT folder (its gpt.safetensors only); DEMO_ENTRY_WEIGHT,
-          DEMO_COLOUR_WEIGHT, DEMO_HIDE_UNTIL (onset | e1), DEMO_HIDE_DROPPED=1, DEMO_GPT_BATCH, DEMO_GPT_LR (gpt):
-          --entry-weight, --colour-weight, --hide-until, --hide-dropped, --gpt-batch, --gpt-lr (resume keeps the
-          run's own);
+          DEMO_COLOUR_WEIGHT, DEMO_HIDE_UNTIL (onset | e1), DEMO_HIDE_DROPPED=1, DEMO_RECOLOUR_SHARE, DEMO_GPT_BATCH,
+          DEMO_GPT_LR (gpt): --entry-weight, --colour-weight, --hide-until, --hide-dropped, --recolour-share,
+          --gpt-batch, --gpt-lr (resume keeps the run's own);
           DEMO_TIMING="128 512": tools/train_step_timing.py at those batch sizes first (OUT/train_timing_B.txt).
-          Issue 77's owed run: sample/colour3 (--hide-until e1) on, its sliver hidden in CFG-dropped rows too, so
-          that the null branch, which still copied it, distrusts it as the caption branch does and cfg 4 stops
-          pushing e1 onto tail tokens; the call carries sample/colour3 (git-ignored, 18 MB); then DEMO_PHASE=resume
-          ... DEMO_EVAL=1 while the machine stays warm if it stops early:
-              DEMO_PHASE=gpt DEMO_VQ=checkpoints/demo_gpu DEMO_GPT_FROM=sample/colour3 DEMO_ENTRY_WEIGHT=8 \
-                  DEMO_COLOUR_WEIGHT=1 DEMO_HIDE_UNTIL=e1 DEMO_HIDE_DROPPED=1 DEMO_GPT_LR=1e-4 DEMO_GPT_STEPS=1200 \
-                  DEMO_SECONDS=330 DEMO_EVAL=1 tools/gpu_session.sh demo
+          Issue 77's owed run: from the shipped model, --hide-until e1 with a decoy sliver in a tenth of the hidden
+          rows (colour3/colour4 had half: their caption branch came to distrust a true sliver, and cfg 4 then
+          pushed e1 off the named colour); then DEMO_PHASE=resume ... DEMO_EVAL=1 if it stops early:
+              DEMO_PHASE=gpt DEMO_VQ=checkpoints/demo_gpu DEMO_GPT_FROM=checkpoints/demo_gpu DEMO_ENTRY_WEIGHT=8 \
+                  DEMO_COLOUR_WEIGHT=1 DEMO_HIDE_UNTIL=e1 DEMO_RECOLOUR_SHARE=0.1 DEMO_HIDE_DROPPED=1 \
+                  DEMO_GPT_LR=2e-4 DEMO_GPT_STEPS=1600 DEMO_SECONDS=400 DEMO_EVAL=1 tools/gpu_session.sh demo
   ownpos  the window kernels and the fused verify (issue 75), by default 1. and 3., < 9 min of an H100:
               OUT=/some/dir tools/gpu_session.sh ownpos
           1. their CUDA tests (tests/test_window_attention.py, test_own_positions.py, test_verify_triton.py -k cuda;
@@ -292,7 +291,8 @@ step_demo() {
     local train=("$py" "$root/scripts/train_demo.py" --preset gpu --device cuda --log-every 100 --out "$run"
                  --time-limit "${DEMO_SECONDS:-480}" ${DEMO_ENTRY_WEIGHT:+--entry-weight "$DEMO_ENTRY_WEIGHT"}
                  ${DEMO_COLOUR_WEIGHT:+--colour-weight "$DEMO_COLOUR_WEIGHT"} ${DEMO_GPT_BATCH:+--gpt-batch "$DEMO_GPT_BATCH"}
-                 ${DEMO_GPT_LR:+--gpt-lr "$DEMO_GPT_LR"} ${DEMO_HIDE_UNTIL:+--hide-until "$DEMO_HIDE_UNTIL"})
+                 ${DEMO_GPT_LR:+--gpt-lr "$DEMO_GPT_LR"} ${DEMO_HIDE_UNTIL:+--hide-until "$DEMO_HIDE_UNTIL"}
+                 ${DEMO_RECOLOUR_SHARE:+--recolour-share "$DEMO_RECOLOUR_SHARE"})
     if [[ ${DEMO_HIDE_DROPPED:-0} == 1 ]]; then train+=(--hide-dropped); fi
     mkdir -p "$run" "$out/demo"
     for b in ${DEMO_TIMING:-}; do  # a training step's parts and kernels at these batch sizes, before training
