@@ -75,6 +75,7 @@ from fast_inference.scheduler import FINAL, Job, QueueFull, Scheduler
 log = logging.getLogger("fast_inference")
 CLIENTS_GRACE = 5.0  # seconds a shutdown waits for its answers to the cancelled jobs' clients to go out
 DRAIN_BYTES = 64 * 2**20  # a refused body is read and dropped up to this size; past it the connection is closed
+PNG_LEVEL = 1  # zlib's fastest: a 512 px answer in half the time of the default 6, 12% more bytes (PERF_NOTES)
 PAGE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "serve_page.html")
 SERVER_RANGES = dict(port=(0, 65535, None), batch=(1, 64, "images one engine decodes at once"),
                      max_queue=(1, None, "jobs accepted and not finished"), max_body_mb=(1, 1024, None),
@@ -722,7 +723,7 @@ async def wait_or_leave(request, job, changed):
 
 def png(array):
     buf = io.BytesIO()
-    Image.fromarray(np.ascontiguousarray(array)).save(buf, format="PNG")
+    Image.fromarray(np.ascontiguousarray(array)).save(buf, format="PNG", compress_level=PNG_LEVEL)
     return buf.getvalue()
 
 
