@@ -90,8 +90,10 @@ class ContinuousRunner(ShapeRunner):
 
     def prefetcher_at(self, rows):
         """The prefetcher of steps at `rows` rows (None: none): the compiled block's past the fused rows, else the fused
-        block's. Its key ranges stop at row 0's position (the oldest request's: requests move down as others leave),
-        a bound for the rows' own: keys past a row's filled length are fetched for nothing, never read wrongly."""
+        block's. Its key ranges stop at row 0's position, not each row's own: where its budget per row is under
+        prefix_len keys (GPT-XL at 32 rows and at 48-64) every range ends inside the prompt's keys anyway; elsewhere
+        a row's keys past its filled length are fetched for nothing, or some of its filled ones are not fetched (the
+        prefetcher writes nothing the step reads: only the time differs)."""
         return self.prefetchers.get(rows > self.fused_rows)
 
     def captures(self, bucket):
