@@ -126,6 +126,10 @@ def bench_reference(model, B, N, args, kw, device):
     return dict(step_ms=step * 1e3, tok_s=B / step, image_s=prefill + (N - 1) * step)
 
 
+# one image end to end through the plain engine, then through the speculative one (--speculative): median, each run
+E2E_KEYS = ("end_to_end_s", "end_to_end_runs_s", "speculative_end_to_end_s", "speculative_end_to_end_runs_s")
+
+
 def end_to_end(engine, model, vq, args, kw, device):
     """One image: condition encoder + prefill + decode + VQ decode, warm: the median of --e2e-runs images, and
     each (one image's time moves by ~1 ms from one to the next, the decode's share of a 1.0 s target's margin)."""
@@ -258,9 +262,8 @@ def isolated(args, argv, sizes):
             with open(part) as f:
                 parts.append(json.load(f))
     e2e = [p for p in parts if p["end_to_end_s"] is not None]  # the n = 1 part's
-    keys = ("end_to_end_s", "end_to_end_runs_s", "speculative_end_to_end_s", "speculative_end_to_end_runs_s")
     return dict(parts[0], args=vars(args), rows=[r for p in parts for r in p["rows"]],
-                **{k: e2e[0].get(k) if e2e else None for k in keys})
+                **{k: e2e[0].get(k) if e2e else None for k in E2E_KEYS})
 
 
 def measure(args, sizes):
@@ -306,7 +309,7 @@ def measure(args, sizes):
         compile_scope=args.compile_scope, fused_block=not args.no_fused_block, overrides=args.plan + ["jacobi=on"],
         speculative=args.speculative, draft_window=args.draft_window, draft_init=args.draft_init,
         draft_coupling=args.draft_coupling, draft_tree=args.draft_tree)
-    rows, e2e, e2e_runs, spec_e2e, spec_e2e_runs = [], None, None, None, None  # end to end: n = 1 only
+    rows, e2e = [], dict.fromkeys(E2E_KEYS)  # end to end is timed with n = 1 only
     scope = ""
     if args.backend == "inductor":
         fused = "" if args.compile_scope == "step" else ", compiled block only" if args.no_fused_block else \
@@ -341,12 +344,11 @@ def measure(args, sizes):
             rows.append(row)
             print_row(row, flush=True)
             if B == 1 and args.e2e_runs > 0:  # while the n=1 graphs are warm
-                e2e, e2e_runs = end_to_end(engine, fast_model, vq, args, kw, device)
+                e2e.update(zip(E2E_KEYS[:2], end_to_end(engine, fast_model, vq, args, kw, device)))
                 if jacobi is not None:
-                    spec_e2e, spec_e2e_runs = end_to_end(jacobi, fast_model, vq, args, kw, device)
+                    e2e.update(zip(E2E_KEYS[2:], end_to_end(jacobi, fast_model, vq, args, kw, device)))
     return dict(args=vars(args), device=torch.cuda.get_device_name(), torch=torch.__version__, copy_bandwidth_Bps=bw,
-                rows=rows, end_to_end_s=e2e, end_to_end_runs_s=e2e_runs, speculative_end_to_end_s=spec_e2e,
-                speculative_end_to_end_runs_s=spec_e2e_runs)
+                rows=rows, **e2e)
 
 
 def print_row(r, flush=False):

@@ -480,7 +480,7 @@ class Engine:
             for compiled in {b * r.halves > own.fused_rows for b in own.buckets}:
                 r.prefetchers[compiled] = prefetch_triton.Prefetcher(self.model, compiled=compiled)
             for R in (b * r.halves for b in own.buckets):
-                r.prefetcher_at(R).prepare(R, r.input_pos, down=R > own.fused_rows and R in own.down_rows)
+                r.prefetcher_at(R).prepare(R, r.input_pos, down=R in own.down_rows)  # down_rows are past the fused
         progress = lambda R: r.prefetcher_at(R).progress if R > own.fused_rows and own.prefetch else None
         if own.attention == "decode":  # the plain steps' decode attention in the form of each step size's rows,
             # launched as the fused block's projections around it (the GEMVs under PDL, as the plain steps')

@@ -619,8 +619,7 @@ def run_recipe(args, preset, state):
     if state is None:
         return new
     stored = state.get("recipe") or new  # a state from before recipes were stored: the flags'
-    stored = {"hide_until": "onset", "hide_dropped": False, "recolour_share": RECOLOUR_SHARE,
-              **stored}  # one from before those flags: their defaults
+    stored = {**DEFAULT_WEIGHTS, **stored}  # one from before a flag: its default
     for k in RECIPE:
         if flags[k] is not None and flags[k] != stored[k]:
             raise UserError(f"--resume goes on with the run's --{k.replace('_', '-')} {stored[k]}; leave the flag "

@@ -272,7 +272,7 @@ def test_steps_ahead_waits_for_all_but_the_last_steps_issued(monkeypatch):
         for _ in range(5):
             w.hold_back()
         assert [n for what, n in log if what == "waited"] == waited
-        assert len(w.in_flight) == (ahead if ahead else 0)
+        assert len(w.in_flight) == ahead
         w.decoder.shutdown()
 
 
