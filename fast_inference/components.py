@@ -17,9 +17,12 @@ from fast_inference.settings import UserError
 from fast_inference.speculative import DEFAULT_COUPLING
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-# The default model: the demo model trained on procedural shapes (scripts/train_demo.py) and its VQ. One constant, so
-# that switching the default to another trained demo is one line.
-DEMO_DIR = os.path.join(ROOT, "checkpoints", "demo")
+# The default model: the demo model trained on procedural shapes (scripts/train_demo.py --preset gpu) and its VQ. One
+# constant, so that switching the default to another trained demo is one line (checkpoints/demo: the CPU preset's).
+DEMO_DIR = os.path.join(ROOT, "checkpoints", "demo_gpu")
+# Guidance without --cfg-scale: the official 4, and 2 for the demo model, better there on every measure
+# (docs/demo_model.md, "cfg")
+CFG_SCALE, DEMO_CFG_SCALE = 4.0, 2.0
 DEMO_FILES = dict(gpt_model="gpt.json", gpt_ckpt="gpt.safetensors", vq_model="vq.json", vq_ckpt="vq.safetensors")
 DEFAULT_T5 = os.path.join(ROOT, "checkpoints", "t5-ckpt")  # the official --t5-path default
 CONDITION_TYPES = ("canny", "hed", "lineart", "depth", "seg")  # = conditions.CONDITION_TYPES (lazy import)
@@ -31,13 +34,20 @@ def find_multiple(x: int, k: int) -> int:
 
 
 def use_demo_model(config):
-    """No GPT checkpoint and no GPT model: the demo model's files (and its VQ's, unless a VQ is given)."""
+    """No GPT checkpoint and no GPT model: the demo model's files (and its VQ's, unless a VQ is given). A command
+    line's --cfg-scale left out becomes the model's default (default_cfg_scale)."""
     config.demo = config.gpt_ckpt is None and config.gpt_model is None
+    if getattr(config, "cfg_scale", 0) is None:
+        config.cfg_scale = default_cfg_scale(config)
     if config.demo:
         config.gpt_model, config.gpt_ckpt = (os.path.join(DEMO_DIR, DEMO_FILES[k]) for k in ("gpt_model", "gpt_ckpt"))
         if config.vq_ckpt is None and config.vq_model == "VQ-16":
             config.vq_model, config.vq_ckpt = (os.path.join(DEMO_DIR, DEMO_FILES[k]) for k in ("vq_model", "vq_ckpt"))
     return config
+
+
+def default_cfg_scale(config) -> float:
+    return DEMO_CFG_SCALE if is_demo(config) else CFG_SCALE
 
 
 def is_demo(config) -> bool:
@@ -50,7 +60,8 @@ def check_demo(config) -> None:
     missing = [p for p in (config.gpt_model, config.gpt_ckpt, config.vq_model, config.vq_ckpt)
                if p and p.startswith(DEMO_DIR) and not os.path.isfile(p)]
     if missing:
-        raise UserError(f"the demo model's {missing[0]} is missing; restore it: git checkout -- checkpoints/demo")
+        raise UserError(f"the demo model's {missing[0]} is missing; restore it: git checkout -- "
+                        f"{os.path.relpath(DEMO_DIR, ROOT)}")
 
 
 def describe(config, margs, demo: bool) -> str:

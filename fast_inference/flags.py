@@ -58,7 +58,7 @@ def add_model_args(p):
     p.add_argument("--gpt-model", default=None, help=f"{', '.join(GPT_CONFIGS)} or a .json of model arguments "
                    "(default: GPT-XL with --gpt-ckpt, the demo model without)")
     p.add_argument("--gpt-ckpt", default=None, help="ControlAR checkpoint (.safetensors or .pt); none: random weights "
-                   "with --gpt-model, the demo model (checkpoints/demo) without")
+                   "with --gpt-model, the demo model (checkpoints/demo_gpu) without")
     p.add_argument("--gpt-type", choices=["t2i", "c2i"], default=None, help="default t2i")
     p.add_argument("--vq-model", default="VQ-16", help="VQ-16 or a .json of VQ arguments (vq.py's VQConfig)")
     p.add_argument("--vq-ckpt", default=None, help="vq_ds16_t2i.pt; none = random weights")
@@ -82,7 +82,9 @@ def add_model_args(p):
     p.add_argument("--pos-interp", choices=["v444", "v445"], default="v444",
                    help="DINOv2 position-table interpolation of transformers <=4.44 (default) or >=4.45")
     p.add_argument("--t5-path", default=None, help="local flan-t5-xl folder (for --prompt)")
-    p.add_argument("--cfg-scale", type=float, default=4.0, help=ranged("cfg_scale", "classifier-free guidance scale"))
+    p.add_argument("--cfg-scale", type=float, default=None,
+                   help=f"classifier-free guidance scale, {span('cfg_scale')} (default 4, the official; 2 with the "
+                        f"demo model, its best); {RANGES['cfg_scale'][2]}")
     p.add_argument("--cfg-interval", type=int, default=-1, help=ranged("cfg_interval", "guidance ends after this step"))
     p.add_argument("--top-k", type=int, default=2000, help=ranged("top_k", "keep the k most likely tokens"))
     p.add_argument("--top-p", type=float, default=1.0, help=ranged("top_p", "keep the likeliest tokens up to this mass"))

@@ -1,7 +1,7 @@
 """The library's entry point: build a ControlAR model once, then call it with a control and a prompt for images.
 
     from fast_inference import Pipeline
-    pipe = Pipeline()                                   # the demo model (checkpoints/demo)
+    pipe = Pipeline()                                   # the demo model (checkpoints/demo_gpu)
     images = pipe(prompt="a red circle and a blue square on a white background", seed=1)
     images[0].save("sample.png")
 
@@ -24,7 +24,7 @@ import torch
 from PIL import Image
 
 from fast_inference import plan as plans
-from fast_inference.components import (CONDITION_TYPES, build_gpt, build_vq, check_demo, check_grid,
+from fast_inference.components import (CONDITION_TYPES, build_gpt, build_vq, check_demo, check_grid, default_cfg_scale,
                                        find_multiple, is_demo, make_engine, model_args, pick_device, sample_tokens,
                                        t5_folder, use_demo_model, uses_demo_text, vq_constructor)
 from fast_inference.draft_tree import parse_tree
@@ -234,7 +234,7 @@ class Pipeline:
         width: Optional[int] = None,
         num_images: int = 1,
         seed: int = 0,
-        cfg_scale: float = 4.0,
+        cfg_scale: Optional[float] = None,
         cfg_interval: int = -1,
         top_k: int = 2000,
         top_p: float = 1.0,
@@ -259,7 +259,8 @@ class Pipeline:
             is_map: the control is a ready control map (no extraction).
             height, width: the output size, multiples of 16 (default the control's, rounded up to 16).
             num_images: images per prompt; seed: torch.manual_seed before sampling.
-            cfg_scale, cfg_interval, top_k, top_p, temperature, control_strength: the official sampling settings.
+            cfg_scale, cfg_interval, top_k, top_p, temperature, control_strength: the official sampling settings
+                (cfg_scale None: 4, the official, or 2 with the demo model).
             speculative, draft_window, draft_init, draft_coupling, draft_tree: speculative Jacobi decoding ("jacobi":
                 several tokens per pass, the same distribution); window, coupling and tree all None: the plan picks
                 them (docs/speculative.md), any given pins them.
@@ -274,6 +275,7 @@ class Pipeline:
                 draft_tree = parse_tree(draft_tree)
             except ValueError as e:
                 raise UserError(str(e).replace("--draft-tree", self.spell("draft_tree"))) from None
+        cfg_scale = default_cfg_scale(self.config) if cfg_scale is None else cfg_scale
         params = SamplingParams(cfg_scale=cfg_scale, cfg_interval=cfg_interval, top_k=top_k, top_p=top_p,
                                 temperature=temperature, control_strength=control_strength, seed=seed,
                                 num_images=num_images, speculative=speculative, draft_window=draft_window,

@@ -17,8 +17,9 @@ import numpy as np
 from PIL import Image
 
 from fast_inference import conditions, demo_set
+from fast_inference.components import DEMO_DIR
 
-DEMO_GPT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "checkpoints", "demo", "gpt.json")
+DEMO_GPT = os.path.join(DEMO_DIR, "gpt.json")
 
 
 def write_split(root, n, size=512, caption_dim=2048, seed=0):

@@ -74,7 +74,8 @@ def test_fast_engine_holds_at_least_its_estimate(extra, tmp_path, estimates, sma
 
 
 def test_fast_eval_holds_at_least_its_estimate(tmp_path, estimates, small_chunks):
-    make_synthetic_set.write_split(str(tmp_path / "val"), 6, 128, 64)
+    demo = json.load(open(make_synthetic_set.DEMO_GPT))  # the demo model's size and caption width
+    make_synthetic_set.write_split(str(tmp_path / "val"), 6, int(demo["block_size"] ** 0.5) * 16, demo["caption_dim"])
     argv = ["--device", "cpu", "--batch", "6", "--num-workers", "0", "--condition-type", "canny",
             "--data-path", str(tmp_path / "val"), "--sample-dir", str(tmp_path / "out")]
     peak = peak_bytes(lambda: fast_eval.main(argv))

@@ -310,7 +310,8 @@ def test_uploads_are_fitted_to_what_the_model_draws(server):
     multiples of 16 allow, within the grid's tokens; a job from it runs; asked sizes are kept, and a size the model
     cannot draw is refused written as width x height."""
     tokens = call(f"{server.url}/v1/info")[2]["limits"]["max_tokens"]
-    photo = draw_example("seg", 208, 160)  # 160 wide, 208 high: 130 tokens at its own size
+    k = beyond(tokens)
+    photo = draw_example("seg", 208 * k, 160 * k)  # 160k wide, 208k high: 130k^2 tokens at its own size
     upload = dict(control={"image": b64png(photo), "is_map": True}, condition_type="seg")
     status, _, png = call(f"{server.url}/v1/control", "POST", upload)
     assert status == 200, png
@@ -322,8 +323,13 @@ def test_uploads_are_fitted_to_what_the_model_draws(server):
     assert (out["width"], out["height"]) == (w, h)
     status, _, png = call(f"{server.url}/v1/control", "POST", dict(upload, width=64, height=32))
     assert status == 200 and pixels(png).shape == (32, 64, 3)
-    status, _, out = call(f"{server.url}/v1/control", "POST", dict(upload, width=160, height=208))
-    assert status == 400 and "160x208 (width x height)" in out["error"], out
+    status, _, out = call(f"{server.url}/v1/control", "POST", dict(upload, width=160 * k, height=208 * k))
+    assert status == 400 and f"{160 * k}x{208 * k} (width x height)" in out["error"], out
+
+
+def beyond(tokens):
+    """The smallest k for which a 208k x 160k upload needs more than the model's tokens."""
+    return next(k for k in range(1, 64) if 130 * k * k > tokens)
 
 
 def test_fitted_sizes_keep_the_shape_within_the_grid():
@@ -575,8 +581,8 @@ def test_the_page_fits_uploads_and_keeps_typed_sizes(server, tmp_path):
     """An upload larger than the model's grid: the form shows the size the server fitted it to, and the map; a typed
     width and height stay through a map refresh; a size the model cannot draw clears the map and says why."""
     tokens = call(f"{server.url}/v1/info")[2]["limits"]["max_tokens"]
-    big = io.BytesIO()
-    Image.fromarray(draw_example("seg", 208, 160)).save(big, format="PNG")
+    big, k = io.BytesIO(), beyond(tokens)
+    Image.fromarray(draw_example("seg", 208 * k, 160 * k)).save(big, format="PNG")
     with browser_page(tmp_path) as page:
         open_page(page, server.url)
         page.select_option("#condition_type", "seg")
@@ -596,10 +602,11 @@ def test_the_page_fits_uploads_and_keeps_typed_sizes(server, tmp_path):
         page.wait_for_function("document.getElementById('map_note').textContent.includes('64x32') && "
                                "document.getElementById('map').naturalHeight === 32", timeout=30000)
         assert (page.input_value("#width"), page.input_value("#height")) == ("64", "32")
-        page.fill("#width", "640")
+        wide = (tokens // 2 + 1) * 16  # two rows of tokens this wide need more than the model's
+        page.fill("#width", str(wide))
         page.dispatch_event("#width", "change")
         page.wait_for_function("document.body.dataset.state === 'invalid'", timeout=30000)
-        assert "640x32 (width x height)" in page.inner_text("#map_note") and not page.is_visible("#map")
+        assert f"{wide}x32 (width x height)" in page.inner_text("#map_note") and not page.is_visible("#map")
         page.screenshot(path=str(tmp_path / "upload.png"), full_page=True)
 
 
