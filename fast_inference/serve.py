@@ -108,7 +108,7 @@ def parse_args(argv=None):
     p.add_argument("--max-side", type=int, default=2048,
                    help="largest side of an uploaded image, in pixels (default %(default)s)")
     p.add_argument("--keep-jobs", type=int, default=256, help="finished jobs kept for download (default %(default)s)")
-    p.add_argument("--steps-ahead", type=int, default=0,
+    p.add_argument("--steps-ahead", type=int, default=8,  # docs/PERF_NOTES.md, "Tenth session": 8 against 0 (none)
                    help="on a GPU, steps an engine issues ahead of the GPU before it waits (0: until the launch queue "
                         "is full; default %(default)s)")
     p.add_argument("--shutdown-grace", type=float, default=30.0,

@@ -66,7 +66,9 @@ def test_the_estimate_counts_what_a_built_model_holds():
 
 @pytest.mark.parametrize("extra", [(), ("--speculative", "jacobi", "--draft-window", "8")])
 def test_fast_engine_holds_at_least_its_estimate(extra, tmp_path, estimates, small_chunks):
-    argv = ["--device", "cpu", "--num-images", "6", "--out", str(tmp_path / "grid.png"), *extra]
+    # the demo model at 128 px (64 of its 256 tokens): small_chunks' two images a chunk
+    argv = ["--device", "cpu", "--num-images", "6", "--image-H", "128", "--image-W", "128", "--out",
+            str(tmp_path / "grid.png"), *extra]
     peak = peak_bytes(lambda: fast_engine.main(argv))
     assert (tmp_path / "grid.png").exists() and len(estimates) == 1
     assert estimates[0] <= peak, (estimates[0], peak)
@@ -74,9 +76,10 @@ def test_fast_engine_holds_at_least_its_estimate(extra, tmp_path, estimates, sma
 
 
 def test_fast_eval_holds_at_least_its_estimate(tmp_path, estimates, small_chunks):
-    demo = json.load(open(make_synthetic_set.DEMO_GPT))  # the demo model's size and caption width
-    make_synthetic_set.write_split(str(tmp_path / "val"), 6, int(demo["block_size"] ** 0.5) * 16, demo["caption_dim"])
-    argv = ["--device", "cpu", "--batch", "6", "--num-workers", "0", "--condition-type", "canny",
+    caption_dim = json.load(open(make_synthetic_set.DEMO_GPT))["caption_dim"]  # the demo model's
+    make_synthetic_set.write_split(str(tmp_path / "val"), 6, 128, caption_dim)  # at 128 px, as the test above
+    argv = ["--device", "cpu", "--batch", "6", "--num-workers", "0", "--condition-type", "canny", "--image-H", "128",
+            "--image-W", "128",
             "--data-path", str(tmp_path / "val"), "--sample-dir", str(tmp_path / "out")]
     peak = peak_bytes(lambda: fast_eval.main(argv))
     assert len(os.listdir(tmp_path / "out" / "visualization")) == 6 and len(estimates) == 1

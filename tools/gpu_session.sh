@@ -7,6 +7,9 @@ usage() {
 usage: tools/gpu_session.sh STEP...      (steps run in order; each writes OUT/<step>.log)
 
   kernel  sweep the split-KV decode attention configs against SDPA (tools/bench_attention.py)
+  window  sweep the window attention's tile, warps and splits at a pass's queries (tools/bench_attention.py --window):
+          L = 16 and 48 at n = 1 (2 rows), 16 at n = 8 (16 rows), positions 300 and 700 (issues 75, 78: 26% of the
+          tree pass at n = 1, "Tenth session")
   equiv   fast vs reference at GPT-XL shapes, bf16 and fp32, both backends (scripts/gpu_equivalence.py)
   bench   bench.py --random-weights for each of BENCH_RUNS (backend:compile-scope; default inductor:step
           inductor:block cudagraph:step), the reference timed in the first (REF_STEPS, default 100)
@@ -65,8 +68,9 @@ usage: tools/gpu_session.sh STEP...      (steps run in order; each writes OUT/<s
           OUT/serve_ahead0.json). The device has no package index: first, here, pip download -d .whl --only-binary=:all:
           --python-version 3.12 -r requirements-serve.txt, and carry .whl in the device call. SERVE_PLAN: the
           server's plan overrides (e.g. server_block=fused: its steps of up to 16 rows on the fused block's kernels);
-          SERVE_AHEAD: the servers' --steps-ahead, a load run each (default 0; OUT/serve_ahead<N>.json), e.g. the
-          owed A/B of the GPU's lag behind the engine thread: SERVE_AHEAD="0 2 8" OUT=$OUT tools/gpu_session.sh serve
+          SERVE_AHEAD: the servers' --steps-ahead, a load run each (default 8; OUT/serve_ahead<N>.json), e.g. the
+          A/B of the GPU's lag behind the engine thread, alternating: SERVE_AHEAD="8 0 8 0" OUT=$OUT tools/gpu_session.sh serve
+          (the first server of a fresh machine compiled in its timed phase: PERF_NOTES, "Tenth session")
 
   serverstep  the CUDA tests of the server's keyed draw, steps and captured admissions, then where a server's step goes
           (tools/server_step.py): the continuous batch of n one-image requests
@@ -93,6 +97,11 @@ export PYTHONUNBUFFERED=1
 step_kernel() {
     "$py" "$here/bench_attention.py" --rows 2,16,64 --positions 700
     "$py" "$here/bench_attention.py" --rows 64 --positions 200,1100
+}
+
+step_window() {
+    "$py" "$here/bench_attention.py" --window 16,48 --rows 2 --positions 300,700
+    "$py" "$here/bench_attention.py" --window 16 --rows 16 --positions 700
 }
 
 step_equiv() {
@@ -260,7 +269,7 @@ step_serve() {
     fi
     (cd "$root" && "$py" -m pytest -q -p no:cacheprovider tests/test_continuous.py tests/test_scheduler.py)
     local ahead compare=--compare
-    for ahead in ${SERVE_AHEAD:-0}; do  # a server per --steps-ahead; the CLIs timed beside the first only
+    for ahead in ${SERVE_AHEAD:-8}; do  # a server per --steps-ahead; the CLIs timed beside the first only
         echo "== the server with --steps-ahead $ahead"
         "$py" "$here/load_serve.py" --clients 32 --requests 200 --size 512 $compare --eval-batch 32 \
             --server-args "--steps-ahead $ahead" --json "$out/serve_ahead$ahead.json" \
@@ -322,7 +331,7 @@ step_demo() {
 
 for step in "$@"; do
     case $step in
-        kernel | equiv | bench | cli | eval2 | gputests | ab | abbench | jacobi | trees | ownpos | demo | serve \
+        kernel | window | equiv | bench | cli | eval2 | gputests | ab | abbench | jacobi | trees | ownpos | demo | serve \
             | serverstep)
             "step_$step" 2>&1 | tee "$out/$step.log" ;;
         *) echo "error: unknown step '$step'" >&2; usage >&2; exit 2 ;;
