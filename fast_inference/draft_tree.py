@@ -213,14 +213,20 @@ class TreeRunner(JacobiRunner):
             x, inputs = self.pass_inputs(self.model, tokens, pos, self.controls, self.cfg)
             ctx = replace(ctx, inputs=inputs)
         h = self.model.blocks(x, rows(pos), self.key_valid, self.controls, ctx=ctx)
-        p = probabilities(self.pass_head(h), self.cfg, self.cfg_scale, self.temperature, self.top_k, self.top_p,
-                          self.sample_logits)
-        self.advance_tree(p, tokens, start)
+        if self.verify is None:
+            p, target = probabilities(self.pass_head(h), self.cfg, self.cfg_scale, self.temperature, self.top_k,
+                                      self.top_p, self.sample_logits), None
+        else:  # the nodes' distributions and draws in one kernel (the plan's verify=triton)
+            p, target = self.verify.tree(self.pass_head(h).contiguous(), self.log_noise, self.depth, self.cfg_scale,
+                                         self.temperature, self.top_k, self.sample_logits)
+        self.advance_tree(p, tokens, start, target)
 
-    def advance_tree(self, p, tokens, start):
-        """The walk over this pass's node distributions p (images, S, V): the kept path's targets written and its
-        cache slots compacted; the next window from the path's line (walk), and its candidates."""
-        target = p.log().sub_(self.log_noise[:, self.depth]).argmax(-1)  # draw(): coupled_race at the nodes' positions
+    def advance_tree(self, p, tokens, start, target=None):
+        """The walk over this pass's node distributions p (images, S, V) and their draws (target, or None: drawn here):
+        the kept path's targets written and its cache slots compacted; the next window from the path's line (walk),
+        and its candidates."""
+        if target is None:  # draw(): coupled_race at the nodes' positions
+            target = p.log().sub_(self.log_noise[:, self.depth]).argmax(-1)
         line, count = walk(self.up, self.outside, self.depth, self.lines, tokens, target)
         count = count * (self.n < self.num_tokens)
         caches = [layer.attention.kv_cache for layer in self.model.layers]

@@ -493,13 +493,13 @@ def choose_tree_ops(s, want):
 
 
 def choose_verify(s, want):
-    """A pass's verify: verify_triton's kernels where Triton runs on CUDA, off by default (VERIFY_KERNELS) and taken
-    by the override verify=triton; top-p (a sorted cumulative sum) and draft trees keep speculative.py's ops."""
-    ok = s.triton and s.cuda and s.top_p >= 1.0 and not s.draft_tree
-    chosen = want.get("verify", "triton" if VERIFY_KERNELS and ok else "torch")
+    """A pass's verify: verify_triton's kernels where Triton runs on CUDA (VERIFY_KERNELS), or the override
+    verify=triton; top-p (a sorted cumulative sum) keeps speculative.py's ops, and so does a draft tree unless the
+    override asks for its kernel (verify_triton.tree: not yet timed on a GPU, PERF_NOTES "Tenth session")."""
+    ok = s.triton and s.cuda and s.top_p >= 1.0
+    chosen = want.get("verify", "triton" if VERIFY_KERNELS and ok and not s.draft_tree else "torch")
     if chosen == "triton" and not ok:
-        raise PlanError("plan override verify=triton needs Triton on a CUDA device, top-p 1 and no draft tree; "
-                        "use verify=torch")
+        raise PlanError("plan override verify=triton needs Triton on a CUDA device and top-p 1; use verify=torch")
     return chosen
 
 
@@ -938,7 +938,7 @@ def explain(p):
         row("speculative", f"Jacobi passes of {j.window} positions{tree}: {s.rows * j.nodes} rows through the "
             f"{blocks} blocks and {window_words(j)}, inputs "
             f"{INPUT_WORDS[j.inputs]}, {'one CUDA graph' if j.graph else 'op by op'}; {describe_ops(j.ops)}")
-        row("verify", VERIFY_WORDS[j.verify])
+        row("verify", VERIFY_WORDS["tree" if j.verify == "triton" and j.tree else j.verify])
         if j.tree:
             row("tree ops", TREE_OPS_WORDS[j.tree_ops])
     if p.drafts_chosen:
@@ -966,7 +966,8 @@ def window_words(p):
 INPUT_WORDS = dict(model="by the model's ops", triton="in one Triton kernel (window_inputs)")
 VERIFY_WORDS = dict(torch="speculative.py's ops over (images, L, V) tensors (CFG, top-k/top-p, softmax, races)",
                     triton="three Triton kernels (verify_triton: CFG, top-k, softmax's sums, the accept test's p, "
-                           "the residual race, the redraws and the next window's q; no (images, L, V) temporaries)")
+                           "the residual race, the redraws and the next window's q; no (images, L, V) temporaries)",
+                    tree="one Triton kernel (verify_triton.tree: each node's CFG, top-k, softmax and draw)")
 
 
 TREE_OPS_WORDS = dict(torch="draft_tree.py's ops (a layer's keys and values moved apart, the noise's hash op by op)",

@@ -122,6 +122,45 @@ for mistake in ("uncompacted", "source_off"):
     assert not torch.equal(run(6, (4, 3, 2, 2), True)[2], want[2]), mistake
     tree_triton.compact = real
     checked += 1
+
+# 4. the nodes' distributions and draws in one kernel (verify_triton.tree, the plan's verify=triton) against
+# probabilities() and the walk's draw; tree runs with it (top-p 1) give the torch verify's tokens; a draw from the next
+# depth's noise changes them
+from fast_inference.kernels import verify_triton
+from fast_inference.speculative import probabilities
+B, S, D, V = 3, 7, 4, 37
+depth = torch.tensor([0, 1, 2, 3, 1, 2, 3])
+log_noise = torch.empty(B, D, V).exponential_(1, generator=g).clamp_min_(torch.finfo(torch.float32).tiny).log_()
+for guided, top_k, sample in ((True, 5, True), (False, 0, True), (True, 1, False)):
+    logits = torch.randn(2 * B if guided else B, S, V, generator=g) * 3
+    scale, temperature = torch.tensor(2.5), torch.tensor(0.9)
+    want_p = probabilities(logits, guided, scale, temperature, top_k, 1.0, sample)
+    p, target = verify_triton.tree(logits, log_noise, depth, scale, temperature, top_k, sample)
+    torch.testing.assert_close(p, want_p, rtol=1e-6, atol=0)
+    assert torch.equal(target, want_p.log().sub(log_noise[:, depth]).argmax(-1)), (guided, top_k, sample)
+    checked += 1
+kw = dict(kw, top_p=1.0)
+
+
+def run_verify(window, tree, fused):  # the tokens and tokens per pass
+    forced_pass.forced = dict(tree_ops="triton", verify="triton" if fused else "torch")
+    engine = Engine(model, backend="eager", speculative="jacobi", draft_window=window, draft_init="left",
+                    draft_coupling="pathwise", draft_tree=tree)
+    torch.manual_seed(0)
+    out = engine.generate(cond[idx], 16, **kw)
+    assert (engine.runner.verify is verify_triton) == fused
+    return out, engine.last_speculation["tokens_per_pass"]
+
+
+for window, tree in ((4, (3, 2)), (6, (4, 3, 2, 2))):
+    want, got = run_verify(window, tree, False), run_verify(window, tree, True)
+    assert torch.equal(got[0], want[0]) and got[1] == want[1], (window, tree)
+    checked += 1
+real = verify_triton.tree
+verify_triton.tree = lambda logits, log_noise, depth, *a: real(logits, log_noise, (depth + 1).clamp(max=5), *a)
+assert not torch.equal(run_verify(6, (4, 3, 2, 2), True)[0], want[0])
+verify_triton.tree = real
+checked += 1
 print("ok", checked)
 """
 
@@ -132,10 +171,11 @@ def test_tree_kernels_give_the_torch_ops_bits_and_tokens_in_interpreter():
     """tree_triton.compact moves the same keys and values as draft_tree.compact (3 layers, CFG rows or not, counts 0,
     partial and full, three trees), a source one slot off differs; position_uniforms' logs are position_noise's bits;
     tree runs with both kernels give the torch ops' tokens, tokens per pass and caches; a run left uncompacted, or
-    with a source one slot off, leaves other caches."""
+    with a source one slot off, leaves other caches. verify_triton.tree gives probabilities()' node distributions and
+    the walk's draws; tree runs with it give the torch verify's tokens, and a draw from the next depth's noise not."""
     out = early.result(SCRIPT, interpret.ENV, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
-    assert out.stdout.split()[-2:] == ["ok", "16"], out.stdout
+    assert out.stdout.split()[-2:] == ["ok", "22"], out.stdout
 
 
 @pytest.mark.parametrize("window", [2, 4, 8, 48])

@@ -9,6 +9,7 @@ import torch
 
 import early
 import interpret
+import sm90
 from fast_inference import plan
 
 pytest.importorskip("triton")
@@ -129,7 +130,29 @@ for mistake in ("stale_q", "residual_row"):
 print("ok", checked)
 """
 
-EARLY = {"test_verify_kernels_give_the_torch_verify_s_tokens_in_interpreter": (SCRIPT, interpret.ENV)}
+AOT_SCRIPT = r"""
+from fast_inference.kernels import draw_triton, verify_triton as vt
+from sm90 import build
+
+V = 16384  # GPT-XL's vocabulary
+VP = 16384
+warps, registers = draw_triton.warps_and_registers(VP)
+options = {"num_warps": warps, "maxnreg": registers, "enable_fp_fusion": False}
+tree = {"LOGITS": "*fp32", "LOG_NOISE": "*fp32", "DEPTH": "*i64", "P": "*fp32", "TARGET": "*i64", "CFG_SCALE": "*fp32",
+        "TEMPERATURE": "*fp32", "nrows": "i32", "S": "i32", "D": "i32"}
+for guided, top_k in ((True, 2000), (False, 0)):
+    build(vt._tree_kernel, tree, {"V": V, "VP": VP, "TOP_K": top_k, "GUIDED": guided, "SAMPLE": True}, options)
+print("compiled")
+"""
+
+EARLY = {"test_verify_kernels_give_the_torch_verify_s_tokens_in_interpreter": (SCRIPT, interpret.ENV),
+         "test_tree_kernel_compiles_for_sm90": (AOT_SCRIPT, sm90.env())}
+
+
+def test_tree_kernel_compiles_for_sm90():
+    """verify_triton.tree's kernel at GPT-XL's 16,384-token vocabulary, with CFG and top-k 2000 and without: an H100/H200
+    cubin with Triton's bundled ptxas, no register spills (a row of logits in local memory would be slow)."""
+    sm90.run(AOT_SCRIPT)
 
 
 def test_verify_kernels_give_the_torch_verify_s_tokens_in_interpreter():
@@ -150,9 +173,14 @@ def test_the_plan_keeps_the_fused_verify_off_until_measured_and_refuses_it_where
     p = plan.make(on)
     assert p.jacobi.verify == "triton" and "verify_triton" in plan.explain(p)
     assert "speculative.py's ops" in plan.explain(plan.make(hopper)) or plan.VERIFY_KERNELS
-    for where in (dict(top_p=0.9), dict(device="cpu", capability=None), dict(draft_tree=(2, 1))):
+    for where in (dict(top_p=0.9), dict(device="cpu", capability=None)):
         with pytest.raises(plan.PlanError, match="verify=triton needs"):
             plan.make(dataclasses.replace(on, **where))
+    # a draft tree: its kernel (verify_triton.tree) only by the override, until a GPU times it
+    tree = dataclasses.replace(hopper, draft_tree=(2, 1), overrides=(("jacobi", "on"), ("draft_tree", "on")))
+    assert plan.make(tree).jacobi.verify == "torch"
+    p = plan.make(dataclasses.replace(tree, overrides=tree.overrides + (("verify", "triton"),)))
+    assert p.jacobi.verify == "triton" and "verify_triton.tree" in plan.explain(p)
 
 
 def test_jacobi_falls_back_to_plain_steps_where_the_pass_measured_a_loss():
@@ -197,10 +225,11 @@ def test_a_draft_tree_falls_back_to_the_chain_where_it_measured_a_loss():
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-@pytest.mark.parametrize("coupling", ["gumbel", "none"])
+@pytest.mark.parametrize("coupling", ["gumbel", "none", "tree"])
 def test_fused_verify_gives_the_torch_verify_s_tokens_on_cuda(coupling):
     """fp32 at GPT-XL's width (2 blocks), 2 images x 256 tokens sampled (top-k 100), the pass captured: verify=triton
-    draws the tokens of verify=torch for the same seed, and its replay the same again."""
+    draws the tokens of verify=torch for the same seed, and its replay the same again (tree: a 4x3+2x3 draft tree of
+    the pathwise coupling, verify_triton.tree)."""
     from fast_inference.engine import Engine
     from test_reference import tiny_inputs, tiny_model
 
@@ -209,10 +238,12 @@ def test_fused_verify_gives_the_torch_verify_s_tokens_on_cuda(coupling):
     kw = dict(emb_masks=mask, condition=condition, cfg_scale=4.0, top_k=100)
     outs = []
     for verify in ("torch", "triton"):
-        engine = Engine(model, backend="inductor", speculative="jacobi", draft_window=16, draft_coupling=coupling,
-                        overrides=("jacobi=on", f"verify={verify}"))
+        drafts = (dict(draft_window=16, draft_coupling=coupling) if coupling != "tree" else
+                  dict(draft_window=32, draft_coupling="pathwise", draft_tree=(4, 3, 2, 3)))
+        on = ("jacobi=on", f"verify={verify}") + (("draft_tree=on",) if coupling == "tree" else ())
+        engine = Engine(model, backend="inductor", speculative="jacobi", overrides=on, **drafts)
         for _ in range(2):  # captured, then replayed
             torch.manual_seed(3)
             outs.append(engine.generate(cond, 256, **kw))
-        assert engine.plan.jacobi.verify == verify and 1 < engine.last_speculation["tokens_per_pass"] < 16
+        assert engine.plan.jacobi.verify == verify and 1 < engine.last_speculation["tokens_per_pass"] < 32
     assert all(torch.equal(o, outs[0]) for o in outs[1:])

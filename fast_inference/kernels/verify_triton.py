@@ -13,7 +13,9 @@
     uniform draft (COUPLINGS gumbel, inits random and above) the draft too, the largest of the position's keys.
 
 The accept test's count, the tokens written and the next window's drafts are (images, L) work in speculative.py.
-Top-p (a sorted cumulative sum) and draft trees keep speculative.py's ops (plan.verify).
+A draft tree's pass (draft_tree.py) takes `tree` instead, a program per (image, node): the same row math, its p
+written whole (the walk gathers its line's rows) and its target, the race at the node's depth. Top-p (a sorted
+cumulative sum) keeps speculative.py's ops (plan.verify).
 Tokens: the same draws as speculative.py's ops from the same random numbers (the same calls of torch's generator, in
 the same order); p is softmax's up to the last bit of exp and of the sum's order, so a draw could differ only where
 two of its values agree within that rounding (tests/test_verify_triton.py: the same tokens at tiny shapes).
@@ -149,6 +151,26 @@ if triton is not None:
         tl.store(Q + r * V + offs, q, mask=ok)
 
 
+if triton is not None:
+
+    @triton.jit
+    def _tree_kernel(LOGITS, LOG_NOISE, DEPTH, P, TARGET, CFG_SCALE, TEMPERATURE, nrows, S, D, V: tl.constexpr,
+                     VP: tl.constexpr, TOP_K: tl.constexpr, GUIDED: tl.constexpr, SAMPLE: tl.constexpr):
+        r = tl.program_id(0)  # image r // S, node r % S
+        offs = tl.arange(0, VP)
+        ok = offs < V
+        scale, temperature = _scale_and_temperature(CFG_SCALE, TEMPERATURE)
+        x = _tempered(LOGITS, r, nrows, V, offs, scale, temperature, GUIDED)
+        if TOP_K > 0:
+            x = tl.where(x < _kth_largest(x, ok, TOP_K), float("-inf"), x)
+        m = tl.max(x, 0)
+        p = _probs(x, m, tl.sum(tl.where(ok, tl.exp(x - m), 0.0), 0), _argmax(x, offs, VP), offs, SAMPLE)
+        tl.store(P + r * V + offs, p, mask=ok)
+        noise = LOG_NOISE + ((r // S) * D + tl.load(DEPTH + r % S)) * V
+        score = tl.where(ok, tl.log(p) - tl.load(noise + offs, mask=ok, other=0.0), float("-inf"))
+        tl.store(TARGET + r, _argmax(score, offs, VP).to(tl.int64))
+
+
 class Rows:
     """`rows`' outputs per (image, window position): softmax's max and sum, top-k's threshold, the best token, p at the
     draft, the redraw."""
@@ -210,3 +232,18 @@ def window(logits, q, st, mode, src, drafts, positions, seed, cfg_scale, tempera
     assert q.is_contiguous() and drafts.is_contiguous() and mode.is_contiguous() and src.is_contiguous()
     _window_kernel[(B * L,)](logits, q, mode, src, drafts, positions.contiguous(), seed, st.m, st.s, st.kth, st.best,
                              B * L, L, cfg_scale, temperature, 1.0 / V, SAMPLE=sample_logits, **kw)
+
+
+def tree(logits, log_noise, depth, cfg_scale, temperature, top_k, sample_logits):
+    """A draft tree's pass: logits (rows, S, V) float32 of its S nodes -> (p, target): the nodes' distributions
+    (images, S, V), as speculative.probabilities gives them, and each node's draw argmax(log p - log_noise[image,
+    depth[node]]) (images, S), as draft_tree.advance_tree draws them; log_noise (images, depths, V), depth (S,)."""
+    S = depth.shape[0]
+    B, D, V = log_noise.shape
+    _, V_, kw = _common(logits, B)
+    assert V_ == V and logits.shape[1] == S and log_noise.is_contiguous() and depth.is_contiguous()
+    p = torch.empty(B, S, V, device=logits.device)
+    target = torch.empty(B, S, dtype=torch.long, device=logits.device)
+    _tree_kernel[(B * S,)](logits, log_noise, depth, p, target, cfg_scale, temperature, B * S, S, D,
+                           TOP_K=top_k_of(top_k, V), SAMPLE=sample_logits, **kw)
+    return p, target
