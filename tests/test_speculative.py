@@ -206,10 +206,10 @@ def plant(monkeypatch, mistake):
     elif mistake == "sibling_distribution":  # a tree's branch verified against its sibling's (the chain's) distribution
         advance = draft_tree.TreeRunner.advance_tree
 
-        def sibling(self, p, tokens, start):
+        def sibling(self, p, tokens, start, target=None):
             node = torch.arange(len(self.depth))
             chain = torch.where(node < self.window, node, self.depth)  # a branch's node -> the chain's at its depth
-            return advance(self, p[:, chain], tokens, start)
+            return advance(self, p[:, chain], tokens, start, None if target is None else target[:, chain])
 
         monkeypatch.setattr(draft_tree.TreeRunner, "advance_tree", sibling)
     elif mistake == "uncompacted":  # a tree's kept branch left in its slots: the next pass reads the chain's keys
@@ -226,10 +226,10 @@ def plant(monkeypatch, mistake):
     elif mistake == "side_sibling":  # a side branch verified against its sibling's (the chain's) distribution
         advance = draft_tree.TreeRunner.advance_tree
 
-        def sibling(self, p, tokens, start):
+        def sibling(self, p, tokens, start, target=None):
             node = torch.arange(len(self.depth))
             chain = torch.where(torch.tensor(side_nodes(self.tree)), self.depth, node)  # a side node -> the chain's
-            return advance(self, p[:, chain], tokens, start)
+            return advance(self, p[:, chain], tokens, start, None if target is None else target[:, chain])
 
         monkeypatch.setattr(draft_tree.TreeRunner, "advance_tree", sibling)
 
