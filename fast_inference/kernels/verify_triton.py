@@ -82,12 +82,10 @@ if triton is not None:
         return tl.min(tl.where(score == top, offs, VP), 0)
 
     @triton.jit
-    def _rows_kernel(LOGITS, DRAFTS, NOISE, POS, SEED, CFG_SCALE, TEMPERATURE, M, S, KTH, BEST, PD, REDRAW, nrows,
-                     L, V: tl.constexpr, VP: tl.constexpr, TOP_K: tl.constexpr, GUIDED: tl.constexpr,
-                     SAMPLE: tl.constexpr, KEYED: tl.constexpr, TINY: tl.constexpr):
-        r = tl.program_id(0)  # image r // L, window position r % L
-        offs = tl.arange(0, VP)
-        ok = offs < V
+    def _row(LOGITS, r, nrows, CFG_SCALE, TEMPERATURE, offs, ok, V: tl.constexpr, VP: tl.constexpr,
+             TOP_K: tl.constexpr, GUIDED: tl.constexpr, SAMPLE: tl.constexpr):
+        """Row r's draw distribution p (CFG merge, temperature, top-k, softmax), its max m and sum s, top-k's
+        threshold kth and the best token."""
         scale, temperature = _scale_and_temperature(CFG_SCALE, TEMPERATURE)
         x = _tempered(LOGITS, r, nrows, V, offs, scale, temperature, GUIDED)
         kth = float("-inf")
@@ -97,7 +95,16 @@ if triton is not None:
         m = tl.max(x, 0)
         best = _argmax(x, offs, VP)
         s = tl.sum(tl.where(ok, tl.exp(x - m), 0.0), 0)
-        p = _probs(x, m, s, best, offs, SAMPLE)
+        return _probs(x, m, s, best, offs, SAMPLE), m, s, kth, best
+
+    @triton.jit
+    def _rows_kernel(LOGITS, DRAFTS, NOISE, POS, SEED, CFG_SCALE, TEMPERATURE, M, S, KTH, BEST, PD, REDRAW, nrows,
+                     L, V: tl.constexpr, VP: tl.constexpr, TOP_K: tl.constexpr, GUIDED: tl.constexpr,
+                     SAMPLE: tl.constexpr, KEYED: tl.constexpr, TINY: tl.constexpr):
+        r = tl.program_id(0)  # image r // L, window position r % L
+        offs = tl.arange(0, VP)
+        ok = offs < V
+        p, m, s, kth, best = _row(LOGITS, r, nrows, CFG_SCALE, TEMPERATURE, offs, ok, V, VP, TOP_K, GUIDED, SAMPLE)
         draft = tl.load(DRAFTS + r)
         if KEYED:  # position_noise: the keys' top 23 bits as a uniform, E = -log U
             key = _keys(tl.load(SEED).to(tl.uint32), r // L, tl.load(POS + r), offs)
@@ -150,21 +157,13 @@ if triton is not None:
                 tl.store(DRAFTS + r, _argmax(key, offs, VP).to(tl.int64))
         tl.store(Q + r * V + offs, q, mask=ok)
 
-
-if triton is not None:
-
     @triton.jit
     def _tree_kernel(LOGITS, LOG_NOISE, DEPTH, P, TARGET, CFG_SCALE, TEMPERATURE, nrows, S, D, V: tl.constexpr,
                      VP: tl.constexpr, TOP_K: tl.constexpr, GUIDED: tl.constexpr, SAMPLE: tl.constexpr):
         r = tl.program_id(0)  # image r // S, node r % S
         offs = tl.arange(0, VP)
         ok = offs < V
-        scale, temperature = _scale_and_temperature(CFG_SCALE, TEMPERATURE)
-        x = _tempered(LOGITS, r, nrows, V, offs, scale, temperature, GUIDED)
-        if TOP_K > 0:
-            x = tl.where(x < _kth_largest(x, ok, TOP_K), float("-inf"), x)
-        m = tl.max(x, 0)
-        p = _probs(x, m, tl.sum(tl.where(ok, tl.exp(x - m), 0.0), 0), _argmax(x, offs, VP), offs, SAMPLE)
+        p = _row(LOGITS, r, nrows, CFG_SCALE, TEMPERATURE, offs, ok, V, VP, TOP_K, GUIDED, SAMPLE)[0]
         tl.store(P + r * V + offs, p, mask=ok)
         noise = LOG_NOISE + ((r // S) * D + tl.load(DEPTH + r % S)) * V
         score = tl.where(ok, tl.log(p) - tl.load(noise + offs, mask=ok, other=0.0), float("-inf"))
