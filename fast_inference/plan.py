@@ -60,9 +60,10 @@ VERIFY_KERNELS = True  # a pass's verify in verify_triton's kernels: faster than
 # Where it is under 1 the pass loses and the plan runs plain steps instead (the `jacobi=on` override runs it anyway).
 PASS_GAINS = {(False, 1): 1.20, (False, 8): 0.96, (True, 1): 1.43, (True, 8): 1.43}
 # --draft-tree's tok/s over plain steps on an H100 (GPT-XL 512 px, 3 nats, pathwise, 4x3+2x3 at 48; n = 1 with
-# tree_ops=triton, bench.py over whole images, a pass 2.45 plain steps; n = 8 before it, 7.15), by images as
-# PASS_GAINS; where it is under 1 the plan runs the chain of the same window instead (`draft_tree=on` keeps the tree)
-TREE_GAINS = {1: 2.10, 8: 0.62}
+# tree_ops=triton and verify=triton, bench.py over whole images, a pass 2.31 plain steps; n = 8 before both, 7.15), by
+# images as PASS_GAINS; where it is under 1 the plan runs the chain of the same window instead (`draft_tree=on` keeps
+# the tree)
+TREE_GAINS = {1: 2.20, 8: 0.62}
 
 
 @dataclass(frozen=True)
@@ -493,11 +494,11 @@ def choose_tree_ops(s, want):
 
 
 def choose_verify(s, want):
-    """A pass's verify: verify_triton's kernels where Triton runs on CUDA (VERIFY_KERNELS), or the override
-    verify=triton; top-p (a sorted cumulative sum) keeps speculative.py's ops, and so does a draft tree unless the
-    override asks for its kernel (verify_triton.tree: not yet timed on a GPU, PERF_NOTES "Tenth session")."""
+    """A pass's verify: verify_triton's kernels where Triton runs on CUDA (VERIFY_KERNELS), chains and draft trees
+    alike (a tree's pass at n = 1: 2.357 ms against 2.504 with torch's ops, PERF_NOTES "Eleventh session"), or the
+    override verify=torch; top-p (a sorted cumulative sum) keeps speculative.py's ops."""
     ok = s.triton and s.cuda and s.top_p >= 1.0
-    chosen = want.get("verify", "triton" if VERIFY_KERNELS and ok and not s.draft_tree else "torch")
+    chosen = want.get("verify", "triton" if VERIFY_KERNELS and ok else "torch")
     if chosen == "triton" and not ok:
         raise PlanError("plan override verify=triton needs Triton on a CUDA device and top-p 1; use verify=torch")
     return chosen
