@@ -112,8 +112,8 @@ class Scheduler:
     """The queue (at most max_queue jobs accepted and not finished), the finished jobs (the last `keep`), and the
     workers; thread-safe."""
 
-    def __init__(self, max_queue=64, keep=256, steps_ahead=0):
-        self.max_queue, self.keep, self.steps_ahead = max_queue, keep, steps_ahead
+    def __init__(self, max_queue=64, keep=256, steps_ahead=0, decoders=1):
+        self.max_queue, self.keep, self.steps_ahead, self.decoders = max_queue, keep, steps_ahead, decoders
         self.cond = threading.Condition()
         self.pending = collections.deque()
         self.jobs = collections.OrderedDict()  # id -> Job, finished ones dropped oldest first past `keep`
@@ -243,19 +243,24 @@ class Worker:
         self.batch, self.entries = None, {}  # Entry -> Job
         self.steps, self.images_stepped = 0, 0  # steps, and their requests' images summed (the batch's mean occupancy)
         # wall seconds of the engine's thread waiting for work, admitting (prefills) and stepping (issuing the steps:
-        # the GPU runs behind, by at most scheduler.steps_ahead steps where that is > 0), and of the decoder thread's
-        # VQ decoding: /v1/info's
+        # the GPU runs behind, by at most scheduler.steps_ahead steps where that is > 0), and of the decoder threads'
+        # VQ decoding, summed: /v1/info's
         self.seconds = dict(idle=0.0, admit=0.0, step=0.0, decode=0.0)
         # where the jobs decoded went, summed over them: queued (created -> admitted), tokens (-> its last step
-        # issued), decode_queue (-> the decoder thread takes it), decode (-> its images, the GPU's lag included)
+        # issued), decode_queue (-> a decoder thread takes it), decode (-> its images, the GPU's lag included)
         self.jobs_done, self.job_seconds = 0, dict(queued=0.0, tokens=0.0, decode_queue=0.0, decode=0.0)
+        self.tally = threading.Lock()  # the sums above: the decoder threads add to them beside the engine's
         self.in_flight = collections.deque()  # CUDA events of the steps issued, steps_ahead at most
         self.thread = threading.Thread(target=self.run, name=f"engine-{index}", daemon=True)
-        # finished jobs' VQ decoding beside the steps (on the CPU it takes longer than a small image's steps)
-        self.decoder = ThreadPoolExecutor(1, thread_name_prefix=f"vq-{index}")
+        # finished jobs' VQ decoding beside the steps (on the CPU it takes longer than a small image's steps), a job
+        # at a time per thread, each job at its own batch (fast_engine.py's images); several threads take the jobs
+        # that finish in the same step together
+        self.decoder = ThreadPoolExecutor(scheduler.decoders, thread_name_prefix=f"vq-{index}")
         self.cuda = engine.device.type == "cuda"
-        # the decoder's own stream: its kernels run beside the steps, not queued between them on the engine's stream
-        self.decode_stream = torch.cuda.Stream(engine.device) if self.cuda else None
+        # each decoder thread's own stream: its kernels run beside the steps, not queued between them on the engine's
+        n = scheduler.decoders if self.cuda else 0
+        self.decode_streams = tuple(torch.cuda.Stream(engine.device) for _ in range(n))
+        self.free_streams, self.decoder_local = collections.deque(self.decode_streams), threading.local()
 
     def shared(self):
         """GPU work beside other threads' (DeviceWork); nothing to order on the CPU."""
@@ -282,7 +287,8 @@ class Worker:
         try:
             return fn(*args, **kw)
         finally:
-            self.seconds[what] += time.perf_counter() - t0
+            with self.tally:
+                self.seconds[what] += time.perf_counter() - t0
 
     def admit(self, job):
         """A job into the batch (a new batch if its shape is another): its prefill and first token. A join that
@@ -359,16 +365,23 @@ class Worker:
         self.batch.remove(entry)
         del self.entries[entry]
 
+    def decode_stream(self):
+        """This decoder thread's CUDA stream (one of decode_streams, taken at its first job)."""
+        if not hasattr(self.decoder_local, "stream"):
+            self.decoder_local.stream = self.free_streams.popleft()
+        return self.decoder_local.stream
+
     def finish(self, job, tokens, ready=None):
-        """The decoder thread's: a done job's images, or its failure. On CUDA on the decoder's stream, after `ready`
+        """A decoder thread's: a done job's images, or its failure. On CUDA on the thread's stream, after `ready`
         (the tokens' copy); the tokens' memory is not reused until that stream is past them."""
-        stream = torch.cuda.stream(self.decode_stream) if ready is not None else contextlib.nullcontext()
+        mine = self.decode_stream() if ready is not None else None
+        stream = torch.cuda.stream(mine) if mine is not None else contextlib.nullcontext()
         job.decoding = time.monotonic()
         try:
             with torch.no_grad(), self.shared(), stream:
-                if ready is not None:
-                    self.decode_stream.wait_event(ready)
-                    tokens.record_stream(self.decode_stream)
+                if mine is not None:
+                    mine.wait_event(ready)
+                    tokens.record_stream(mine)
                 images = self.decode(tokens, job.request)
         except Exception as e:  # noqa: BLE001
             self.fail([job], e, job.request)
@@ -377,13 +390,14 @@ class Worker:
         self.scheduler.finished(job, "done", images=images)
 
     def count(self, job, end):
-        """A decoded job's times into job_seconds (the decoder thread's, one per worker: no other writer)."""
-        t = self.job_seconds
-        t["queued"] += job.started - job.created
-        t["tokens"] += job.issued - job.started
-        t["decode_queue"] += job.decoding - job.issued
-        t["decode"] += end - job.decoding
-        self.jobs_done += 1
+        """A decoded job's times into job_seconds (its decoder thread's)."""
+        with self.tally:
+            t = self.job_seconds
+            t["queued"] += job.started - job.created
+            t["tokens"] += job.issued - job.started
+            t["decode_queue"] += job.decoding - job.issued
+            t["decode"] += end - job.decoding
+            self.jobs_done += 1
 
     def progress(self, entry, job):
         """Tokens done to the job; its watchers woken at each grid row done (and a preview every preview_every)."""

@@ -80,7 +80,7 @@ PAGE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "serve_page.html
 SERVER_RANGES = dict(port=(0, 65535, None), batch=(1, 64, "images one engine decodes at once"),
                      max_queue=(1, None, "jobs accepted and not finished"), max_body_mb=(1, 1024, None),
                      max_side=(16, 16384, "pixels"), engines_per_device=(1, 16, None), shutdown_grace=(0, None, None),
-                     keep_jobs=(1, None, None), steps_ahead=(0, None, "0 = no bound"))
+                     keep_jobs=(1, None, None), steps_ahead=(0, None, "0 = no bound"), decoders=(1, 8, None))
 
 
 class BadRequest(Exception):
@@ -111,6 +111,9 @@ def parse_args(argv=None):
     p.add_argument("--steps-ahead", type=int, default=8,  # docs/PERF_NOTES.md, "Tenth session": 8 against 0 (none)
                    help="on a GPU, steps an engine issues ahead of the GPU before it waits (0: until the launch queue "
                         "is full; default %(default)s)")
+    p.add_argument("--decoders", type=int, default=1,
+                   help="threads per engine decoding finished requests' images with the VQ, each request at its own "
+                        "batch, each thread on its own CUDA stream (at most 8; default %(default)s)")
     p.add_argument("--shutdown-grace", type=float, default=30.0,
                    help="seconds Ctrl-C / SIGTERM lets the jobs accepted finish and be fetched (new ones get 503) "
                         "before cancelling the rest (default %(default)s)")
@@ -190,7 +193,8 @@ class Service:
         # the first device's model, VQ and text encoder as a Pipeline builds them (random weights from --seed)
         self.pipe = Pipeline(PipelineConfig.from_args(args), device=str(first), spell=flag_name)
         model, vq = self.pipe.model, self.pipe.vq
-        self.scheduler = Scheduler(max_queue=args.max_queue, keep=args.keep_jobs, steps_ahead=args.steps_ahead)
+        self.scheduler = Scheduler(max_queue=args.max_queue, keep=args.keep_jobs, steps_ahead=args.steps_ahead,
+                                   decoders=args.decoders)
         # each engine its own model (its own caches), copied before any engine fuses its projections
         models = [model] + [copy.deepcopy(model).to(device) for device in self.devices[1:]]
         vqs = {}

@@ -245,6 +245,38 @@ def test_a_workers_job_times_add_up_to_each_jobs_life():
     assert w.job_seconds["tokens"] == pytest.approx(sum(j.issued - j.started for j in jobs))
 
 
+@pytest.mark.parametrize("decoders", [1, 2])
+def test_decoders_take_the_jobs_that_finish_together(decoders):
+    """--decoders N: N threads decode a worker's finished jobs, each job at its own batch with its own tokens. A VQ
+    whose decode waits for a second one beside it finishes both jobs with two threads and fails them with one (the
+    second job's decode queues behind the first)."""
+    import threading
+
+    from test_continuous import alone
+
+    class Pair(Recorder):
+        def __init__(self):
+            super().__init__()
+            self.both = threading.Barrier(2, timeout=3)
+
+        def decode_code(self, tokens, shape):
+            self.both.wait()
+            return super().decode_code(tokens, shape)
+
+    model = tiny_model(seed=4)
+    cond, mask, condition = tiny_inputs(model, B=1)
+    requests = [Request(cond=cond, mask=mask, control=condition[0, :, :32, :32], seed=seed) for seed in (1, 2)]
+    s, vq = Scheduler(max_queue=4, decoders=decoders), Pair()
+    jobs = run_jobs(s, model, requests, vq)
+    w = s.workers[0]
+    if decoders == 1:
+        assert [j.status for j in jobs] == ["failed"] * 2 and w.jobs_done == 0
+        return
+    assert [j.status for j in jobs] == ["done"] * 2 and w.jobs_done == 2
+    assert len(vq.tokens) == 2 and all(any(torch.equal(t, alone(model, r)) for t in vq.tokens) for r in requests)
+    assert sum(w.job_seconds.values()) == pytest.approx(sum(j.finished - j.created for j in jobs), abs=0.05)
+
+
 def test_steps_ahead_waits_for_all_but_the_last_steps_issued(monkeypatch):
     """--steps-ahead N: after each step a worker on CUDA records an event and waits for the one N steps back, oldest
     first, so the GPU is never more than N steps behind; 0 waits for none. (Events stood in for: a CPU engine.)"""
@@ -304,8 +336,9 @@ def wait(job, timeout=60):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_finished_jobs_decode_on_the_decoders_stream_on_cuda():
-    """On CUDA a finished job's VQ decode runs on the worker's decoder stream (beside the steps, not queued between
+@pytest.mark.parametrize("decoders", [1, 2])
+def test_finished_jobs_decode_on_the_decoders_stream_on_cuda(decoders):
+    """On CUDA a finished job's VQ decode runs on its decoder thread's stream (beside the steps, not queued between
     them) and reads the job's tokens: those the engine draws for it alone."""
     from test_continuous import alone
 
@@ -320,8 +353,9 @@ def test_finished_jobs_decode_on_the_decoders_stream_on_cuda():
     requests = [Request(cond=cond.cuda(), mask=mask.cuda(), control=condition[0, :, :32, :32].cuda(), seed=seed,
                         top_k=1) for seed in (1, 2, 3)]  # greedy: the batch's and the lone engine's sums may round apart
     want = alone(model, requests[0])
-    s, vq = Scheduler(max_queue=4), StreamRecorder()
+    s, vq = Scheduler(max_queue=4, decoders=decoders), StreamRecorder()
     jobs = run_jobs(s, model, requests, vq)
     assert [j.status for j in jobs] == ["done"] * 3
-    assert set(vq.streams) == {s.workers[0].decode_stream} and s.workers[0].decode_stream != torch.cuda.current_stream()
+    streams = s.workers[0].decode_streams
+    assert len(streams) == decoders and set(vq.streams) <= set(streams) and torch.cuda.current_stream() not in streams
     assert len(vq.tokens) == 3 and all(torch.equal(t, want) for t in vq.tokens)

@@ -708,7 +708,8 @@ def test_bad_command_lines_are_one_line():
     """Bad flags: one `error:` line naming the fix, exit 2, before any model is built."""
     need("starlette"), need("uvicorn")
     for flags, words in ((["--port", "70000"], "--port"), (["--speculative", "jacobi"], "--speculative"),
-                         (["--batch", "0"], "--batch"), (["--device", "cuda:7"], "cuda"),
+                         (["--batch", "0"], "--batch"), (["--decoders", "0"], "--decoders"),
+                         (["--device", "cuda:7"], "cuda"),
                          (["--gpt-ckpt", "missing.safetensors"], "not found")):
         out = subprocess.run([sys.executable, os.path.join(ROOT, "fast_inference", "serve.py"), *flags],
                              capture_output=True, text=True, cwd=ROOT, env=ENV, timeout=120)

@@ -70,7 +70,9 @@ usage: tools/gpu_session.sh STEP...      (steps run in order; each writes OUT/<s
           server's plan overrides (e.g. server_block=fused: its steps of up to 16 rows on the fused block's kernels);
           SERVE_AHEAD: the servers' --steps-ahead, a load run each (default 8; OUT/serve_ahead<N>.json), e.g. the
           A/B of the GPU's lag behind the engine thread, alternating: SERVE_AHEAD="8 0 8 0" OUT=$OUT tools/gpu_session.sh serve
-          (the first server of a fresh machine compiled in its timed phase: PERF_NOTES, "Tenth session")
+          (the first server of a fresh machine compiled in its timed phase: PERF_NOTES, "Tenth session");
+          SERVE_DECODERS: the servers' --decoders, a load run each inside each SERVE_AHEAD (default 1;
+          OUT/serve_ahead<N>_decoders<D>.json past 1), e.g. SERVE_DECODERS="1 2 1 2"
 
   serverstep  the CUDA tests of the server's keyed draw, steps and captured admissions, then where a server's step goes
           (tools/server_step.py): the continuous batch of n one-image requests
@@ -268,13 +270,16 @@ step_serve() {
             return 2; }
     fi
     (cd "$root" && "$py" -m pytest -q -p no:cacheprovider tests/test_continuous.py tests/test_scheduler.py)
-    local ahead compare=--compare
-    for ahead in ${SERVE_AHEAD:-8}; do  # a server per --steps-ahead; the CLIs timed beside the first only
-        echo "== the server with --steps-ahead $ahead"
-        "$py" "$here/load_serve.py" --clients 32 --requests 200 --size 512 $compare --eval-batch 32 \
-            --server-args "--steps-ahead $ahead" --json "$out/serve_ahead$ahead.json" \
-            -- --gpt-model GPT-XL ${SERVE_PLAN:+--plan "$SERVE_PLAN"}
-        compare=
+    local ahead decoders name compare=--compare
+    for ahead in ${SERVE_AHEAD:-8}; do  # a server per --steps-ahead and --decoders; the CLIs timed beside the first only
+        for decoders in ${SERVE_DECODERS:-1}; do
+            name=serve_ahead$ahead$([[ $decoders == 1 ]] || echo "_decoders$decoders")
+            echo "== the server with --steps-ahead $ahead --decoders $decoders"
+            "$py" "$here/load_serve.py" --clients 32 --requests 200 --size 512 $compare --eval-batch 32 \
+                --server-args "--steps-ahead $ahead --decoders $decoders" --json "$out/$name.json" \
+                -- --gpt-model GPT-XL ${SERVE_PLAN:+--plan "$SERVE_PLAN"}
+            compare=
+        done
     done
 }
 
