@@ -240,9 +240,9 @@ def test_quantize_int8(files, tmp_path, capsys):
 
 
 def test_guidance_left_out_is_the_models_own():
-    """--cfg-scale left out: 2 with the demo model (its measured best), the official 4 with any other; a given one
+    """--cfg-scale left out: 1.5 with the demo model (its measured best), the official 4 with any other; a given one
     stays (Pipeline's call does the same: test_pipeline's images equal the command line's)."""
-    assert fast_engine.parse_args([]).cfg_scale == components.DEMO_CFG_SCALE == 2.0
+    assert fast_engine.parse_args([]).cfg_scale == components.DEMO_CFG_SCALE == 1.5
     assert fast_engine.parse_args(["--gpt-model", "GPT-B"]).cfg_scale == components.CFG_SCALE == 4.0
     assert fast_engine.parse_args(["--cfg-scale", "3"]).cfg_scale == 3.0
     assert fast_engine.parse_args(["--gpt-model", "GPT-B", "--cfg-scale", "1"]).cfg_scale == 1.0

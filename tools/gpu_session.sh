@@ -38,9 +38,10 @@ usage: tools/gpu_session.sh STEP...      (steps run in order; each writes OUT/<s
           DEMO_GPT_LR (gpt): --entry-weight, --colour-weight, --hide-until, --hide-dropped, --recolour-share,
           --gpt-batch, --gpt-lr (resume keeps the run's own);
           DEMO_TIMING="128 512": tools/train_step_timing.py at those batch sizes first (OUT/train_timing_B.txt).
-          Issue 77's owed run: from the shipped model, --hide-until e1 with a decoy sliver in a tenth of the hidden
-          rows (colour3/colour4 had half: their caption branch came to distrust a true sliver, and cfg 4 then
-          pushed e1 off the named colour); then DEMO_PHASE=resume ... DEMO_EVAL=1 if it stops early:
+          The shipped model's last phase (PERF_NOTES, "Eleventh session"): from the model before it, --hide-until e1
+          with a decoy sliver in a tenth of the hidden rows (colour3/colour4 had half: their caption branch came to
+          distrust a true sliver, and cfg 4 then pushed e1 off the named colour); DEMO_PHASE=resume ... DEMO_EVAL=1
+          goes on where a phase stops early:
               DEMO_PHASE=gpt DEMO_VQ=checkpoints/demo_gpu DEMO_GPT_FROM=checkpoints/demo_gpu DEMO_ENTRY_WEIGHT=8 \
                   DEMO_COLOUR_WEIGHT=1 DEMO_HIDE_UNTIL=e1 DEMO_RECOLOUR_SHARE=0.1 DEMO_HIDE_DROPPED=1 \
                   DEMO_GPT_LR=2e-4 DEMO_GPT_STEPS=1600 DEMO_SECONDS=400 DEMO_EVAL=1 tools/gpu_session.sh demo
