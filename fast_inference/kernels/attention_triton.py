@@ -386,9 +386,9 @@ def config_for(rows):
 # ancestors). Each program reads its split's tiles of a row's keys for all L queries (two tensor-core dots a tile), so
 # the keys are read once per pass whatever L is; a row's splits are merged by the last of them to finish (fold) or by a
 # second kernel. A query must see at least one key (its own bit).
-WINDOW_CONFIG = (64, 4, 4)  # (BLOCK, warps, merge warps): a first guess, to be measured on a GPU (issue 75)
+WINDOW_CONFIG = (64, 4, 4)  # (BLOCK, warps, merge warps): swept on an H100, best or near it (PERF_NOTES, "Eleventh")
 MAX_WINDOW = 64  # a query's mask is one int64
-WINDOW_PROGRAMS = 256  # the fold form's least programs at the full cache: two per SM of an H100/H200, a guess (#75)
+WINDOW_PROGRAMS = 256  # the fold form's least programs at the full cache: two per SM of an H100/H200 (swept as above)
 
 if triton is not None:
 
