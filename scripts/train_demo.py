@@ -104,6 +104,10 @@ def parse_args(argv=None):
     p.add_argument("--hide-dropped", action="store_true", default=None, help="--colour-weight's hidden rows drawn "
                    "among all rows with shapes, the CFG-dropped ones too (token loss only: no caption names a colour), "
                    "so that the null branch learns the context before a shape can be wrong too")
+    p.add_argument("--kind-weight", type=float, default=None, help="weight of a training-only loss asking the control "
+                   "adapter's features at each token inside a shape which kind the shape is (a linear head; 0: none): "
+                   "the caption names a shape's colour by its kind, which the features told 71%% of the time where "
+                   "its colour is decided (tools/demo_binding.py --kinds)")
     p.add_argument("--gpt-batch", type=int, default=None, help="scenes per GPT step (default: the preset's)")
     p.add_argument("--gpt-lr", type=float, default=None, help="the GPT's peak learning rate (default: the preset's)")
     p.add_argument("--log-every", type=int, default=50)
@@ -316,14 +320,14 @@ def control_maps(batch, types, rgb, size, device):
     return out
 
 
-def gpt_inputs(model, encoder, batch, maps, types, drop):
+def gpt_inputs(model, encoder, batch, maps, types, drop, features=None):
     """(prefix (B, T, D), text mask (B, T) bool, control lists (3, B, N, D)); rows in drop get the null caption
-    (cut by their own mask, as at inference) and zero control features."""
+    (cut by their own mask, as at inference) and zero control features. features: control_features' own, if made."""
     emb, mask = encoder.encode_left_padded([s.caption for s in batch])
     emb, mask = emb.to(maps.device), mask.to(maps.device).bool()
     null = model.cls_embedding.uncond_embedding[: emb.shape[1]].to(emb.dtype)
     emb = torch.where(drop[:, None, None], null, emb)
-    features = control_features(model, maps, types)
+    features = control_features(model, maps, types) if features is None else features
     features = torch.where(drop[:, None, None], torch.zeros_like(features), features)
     return model.cls_embedding(emb), mask, model.control_tokens(features)
 
@@ -408,6 +412,22 @@ def token_colours(batch, size, grid, device):
     table = [[scenes.COLOURS.index(c) for c in [s.top, s.bottom or s.top] + [x.colour for x in s.shapes]]
              + [0] * (3 - len(s.shapes)) for s in batch]  # absent slots: no token lies in them
     return torch.tensor(table, device=device).gather(1, token_regions(batch, size, grid, device))
+
+
+def token_kinds(batch, size, grid, device):
+    """(B, grid * grid) the kind (scenes.KINDS index) of the shape each token's centre pixel is inside, -1 outside."""
+    table = [[-1, -1] + [scenes.KINDS.index(x.kind) for x in s.shapes] + [-1] * (3 - len(s.shapes)) for s in batch]
+    return torch.tensor(table, device=device).gather(1, token_regions(batch, size, grid, device))
+
+
+def kind_loss(head, features, kinds, drop):
+    """(cross-entropy, accuracy) of the kind head on the control features (B, N, D) at the tokens inside a shape
+    (kinds (B, N), -1 outside), the dropped rows' (zeroed features) skipped; none inside: no loss."""
+    inside = (kinds >= 0) & ~drop[:, None]
+    if not inside.any():
+        return features.new_zeros(()), torch.tensor(float("nan"))
+    logits = head(F.rms_norm(features[inside].float(), features.shape[-1:]))
+    return F.cross_entropy(logits, kinds[inside]), (logits.argmax(-1) == kinds[inside]).float().mean()
 
 
 def without_shape(s, k):
@@ -499,10 +519,11 @@ def colour_loss(head, hidden, rows, at, colours, drop):
 
 
 def gpt_loss(model, encoder, vq, indices, types, drop, tokens, preset, device, split="train", entry_weight=1.0,
-             colour=None, hide_until="onset", hide_dropped=False, recolour_share=RECOLOUR_SHARE):
-    """-> (the tokens' cross-entropy, entry-weighted; None). With colour = (head, weight): some rows' tokens before a
-    shape's onset or e1 (hide_until) hidden (hide_before_onset; hide_dropped: dropped rows too), and (that + weight x
-    the colour head's loss there, captioned rows only, the head's accuracy)."""
+             colour=None, hide_until="onset", hide_dropped=False, recolour_share=RECOLOUR_SHARE, kind=None):
+    """-> (the tokens' cross-entropy, entry-weighted, {}). With colour = (head, weight): some rows' tokens before a
+    shape's onset or e1 (hide_until) hidden (hide_before_onset; hide_dropped: dropped rows too), plus weight x the
+    colour head's loss there (captioned rows only); with kind = (head, weight): plus weight x the kind head's loss on
+    the control features (kind_loss); the heads' accuracies in the dict."""
     size = preset["size"]
     batch, rgb, _ = images(indices, size, device, split)
     maps = control_maps(batch, types, rgb, size, device)
@@ -511,7 +532,8 @@ def gpt_loss(model, encoder, vq, indices, types, drop, tokens, preset, device, s
         tokens, rows, at, colours = hide_before_onset(batch, tokens, vq, size, drop, hide_until, hide_dropped,
                                                       recolour_share)
     with autocast(device):
-        prefix, mask, controls = gpt_inputs(model, encoder, batch, maps, types, drop)
+        features = control_features(model, maps, types) if kind is not None else None
+        prefix, mask, controls = gpt_inputs(model, encoder, batch, maps, types, drop, features)
         hidden = teacher_forced_hidden(model, prefix, mask, controls, tokens)
         logits = model.logits(hidden)
     loss = F.cross_entropy(logits.flatten(0, 1), tokens.flatten(), reduction="none").view(tokens.shape)
@@ -520,11 +542,17 @@ def gpt_loss(model, encoder, vq, indices, types, drop, tokens, preset, device, s
     else:
         w = entry_weights(batch, size, math.isqrt(tokens.shape[1]), entry_weight, device)
         loss = (loss * w).sum() / w.sum()
-    if colour is None:
-        return loss, None
-    head, weight = colour
-    extra, accuracy = colour_loss(head, hidden, rows, at, colours, drop)
-    return loss + weight * extra, accuracy
+    scores = {}
+    if colour is not None:
+        head, weight = colour
+        extra, scores["colour_accuracy_at_onsets"] = colour_loss(head, hidden, rows, at, colours, drop)
+        loss = loss + weight * extra
+    if kind is not None:
+        head, weight = kind
+        kinds = token_kinds(batch, size, math.isqrt(tokens.shape[1]), device)
+        extra, scores["kind_accuracy"] = kind_loss(head, features, kinds, drop)
+        loss = loss + weight * extra
+    return loss, scores
 
 
 def train_gpt(args, preset, device, log, recipe, state):
@@ -548,9 +576,11 @@ def train_gpt(args, preset, device, log, recipe, state):
     encoder = demo_text.DemoTextEncoder(margs["caption_dim"], margs["cls_token_num"])
     steps = preset["gpt_steps"] if args.gpt_steps is None else args.gpt_steps
     start = 0
-    # the colour head: training only (not stored with the model), it names a hidden shape's colour at its onset
+    # the colour and kind heads: training only (not stored with the model); one names a hidden shape's colour at its
+    # onset, the other each shape token's kind from the control features
     head = torch.nn.Linear(margs["dim"], len(scenes.COLOURS), device=device) if recipe["colour_weight"] else None
-    trained = list(model.parameters()) + (list(head.parameters()) if head else [])
+    kind_head = torch.nn.Linear(margs["dim"], len(scenes.KINDS), device=device) if recipe["kind_weight"] else None
+    trained = list(model.parameters()) + [p for h in (head, kind_head) if h for p in h.parameters()]
     decay = [p for p in trained if p.dim() >= 2]
     rest = [p for p in trained if p.dim() < 2]
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.05}, {"params": rest, "weight_decay": 0.0}],
@@ -558,7 +588,7 @@ def train_gpt(args, preset, device, log, recipe, state):
     rng = np.random.RandomState(args.seed + 2)
     t0 = time.perf_counter()
     if args.resume:
-        start, steps, table, before = resume(state, model, ema, head, opt, rng, device)
+        start, steps, table, before = resume(state, model, ema, (head, kind_head), opt, rng, device)
         state.clear()  # its copies of the weights and the pool (main holds the dict too)
         log(phase="gpt", resumed_at=start, of=steps, **recipe)
     else:
@@ -566,6 +596,7 @@ def train_gpt(args, preset, device, log, recipe, state):
         log(phase="gpt", **recipe)
     preset = dict(preset, gpt_batch=recipe["gpt_batch"])
     colour = (head, recipe["colour_weight"]) if head else None
+    kind = (kind_head, recipe["kind_weight"]) if kind_head else None
     log(phase="gpt", tokens_ready_seconds=round(time.perf_counter() - t0, 1))
     val = val_batch(preset, vq, device)
     done = start
@@ -573,11 +604,11 @@ def train_gpt(args, preset, device, log, recipe, state):
         for g in opt.param_groups:
             g["lr"] = lr_at(step, steps, recipe["gpt_lr"])
         indices, types, drop = gpt_step_batch(step, preset, rng)
-        loss, accuracy = gpt_loss(model, encoder, vq, indices, types, drop,
-                                  tokens_of(indices, table, preset, vq, device), preset, device,
-                                  entry_weight=recipe["entry_weight"], colour=colour,
-                                  hide_until=recipe["hide_until"], hide_dropped=recipe["hide_dropped"],
-                                  recolour_share=recipe["recolour_share"])
+        loss, scores = gpt_loss(model, encoder, vq, indices, types, drop,
+                                tokens_of(indices, table, preset, vq, device), preset, device,
+                                entry_weight=recipe["entry_weight"], colour=colour,
+                                hide_until=recipe["hide_until"], hide_dropped=recipe["hide_dropped"],
+                                recolour_share=recipe["recolour_share"], kind=kind)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(trained, 1.0)
@@ -586,8 +617,7 @@ def train_gpt(args, preset, device, log, recipe, state):
         done = step + 1
         if done % args.log_every == 0 or done == steps:
             fields = dict(phase="gpt", step=done, loss=loss.item(), lr=opt.param_groups[0]["lr"])
-            if accuracy is not None:
-                fields["colour_accuracy_at_onsets"] = accuracy.item()
+            fields.update({name: score.item() for name, score in scores.items()})
             if done % (4 * args.log_every) == 0 or done == steps:
                 with torch.no_grad():
                     fields["val_loss_ema"] = gpt_loss(ema, encoder, vq, *val, preset, device, split="val")[0].item()
@@ -596,7 +626,8 @@ def train_gpt(args, preset, device, log, recipe, state):
         if args.time_limit and time.perf_counter() - t0 > args.time_limit and done < steps:
             log(phase="gpt", stopped_early_at=done, of=steps)
             break
-    save_state(os.path.join(args.out, "gpt_state.pt"), model, ema, head, opt, rng, done, steps, table, recipe, before)
+    save_state(os.path.join(args.out, "gpt_state.pt"), model, ema, (head, kind_head), opt, rng, done, steps, table,
+               recipe, before)
     meta = {"text_encoder": demo_text.NAME, "text_seed": str(demo_text.SEED), "image_size": str(preset["size"]),
             "data": "fast_inference/scenes.py", "trained_steps": str(before + done), "seed": str(args.seed),
             "planned_steps": str(before + steps)}
@@ -606,9 +637,9 @@ def train_gpt(args, preset, device, log, recipe, state):
 
 
 RECIPE = ("gpt_batch", "gpt_lr", "entry_weight", "colour_weight", "hide_until", "hide_dropped",
-          "recolour_share")  # --resume keeps these
+          "recolour_share", "kind_weight")  # --resume keeps these
 DEFAULT_WEIGHTS = dict(entry_weight=1.0, colour_weight=0.0, hide_until="onset", hide_dropped=False,
-                       recolour_share=RECOLOUR_SHARE)  # the plain loss
+                       recolour_share=RECOLOUR_SHARE, kind_weight=0.0)  # the plain loss
 
 
 def run_recipe(args, preset, state):
@@ -627,23 +658,28 @@ def run_recipe(args, preset, state):
     return stored
 
 
-def save_state(path, model, ema, head, opt, rng, done, steps, table, recipe, before):
-    """What --resume needs to go on as if never stopped: weights, average, colour head, optimiser, schedule, random
-    states, the run's recipe, the steps of the --gpt-from model it started from (before)."""
+def save_state(path, model, ema, heads, opt, rng, done, steps, table, recipe, before):
+    """What --resume needs to go on as if never stopped: weights, average, the colour and kind heads, optimiser,
+    schedule, random states, the run's recipe, the steps of the --gpt-from model it started from (before)."""
+    head, kind_head = heads
     state = dict(model=model.state_dict(), ema=ema.state_dict(), opt=opt.state_dict(), step=done, steps=steps,
                  numpy_rng=rng.get_state(), torch_rng=torch.get_rng_state(), table=table, recipe=recipe,
                  colour_head=head.state_dict() if head else None, before=before,
+                 kind_head=kind_head.state_dict() if kind_head else None,
                  cuda_rng=torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None)
     torch.save(state, path + ".tmp")
     os.replace(path + ".tmp", path)
 
 
-def resume(state, model, ema, head, opt, rng, device):
+def resume(state, model, ema, heads, opt, rng, device):
     """Load --out's gpt_state.pt (state) into the run -> (next step, planned steps, token pool, steps before it)."""
     model.load_state_dict(state["model"])
     ema.load_state_dict(state["ema"])
+    head, kind_head = heads
     if head:
         head.load_state_dict(state["colour_head"])
+    if kind_head:
+        kind_head.load_state_dict(state["kind_head"])
     opt.load_state_dict(state["opt"])
     rng.set_state(state["numpy_rng"])
     torch.set_rng_state(state["torch_rng"].cpu())
@@ -728,6 +764,8 @@ def check_run(args, preset, device):
         raise UserError("--recolour-share sets --hide-until e1's recoloured rows; give --hide-until e1 too")
     if recipe["hide_dropped"] and not recipe["colour_weight"]:  # the hiding comes with the colour head
         raise UserError("--hide-dropped widens --colour-weight's hidden rows; give --colour-weight too")
+    if recipe["kind_weight"] < 0:
+        raise UserError(f"--kind-weight {recipe['kind_weight']} is a loss weight; give a number >= 0")
     return recipe, state
 
 

@@ -1,5 +1,6 @@
 """scripts/train_demo.py: its training forward is the model's, a few steps of a tiny preset run on the CPU, the same
 seed gives the same files, and what it writes loads and samples through fast_engine.py (the demo text encoder)."""
+import math
 import os
 import sys
 
@@ -123,10 +124,11 @@ def test_gpt_goes_on_from_a_trained_one(tmp_path, capsys):
 
 def test_a_run_stopped_and_resumed_is_the_run_never_stopped(tmp_path, capsys):
     """--time-limit stops after a step and saves the run's state; --resume goes on (schedule, data order, random
-    states, average, the colour head, the run's batch, LR and loss weights without their flags): the same weights as
-    one uninterrupted run, and the log says where it resumed; a recipe flag that differs from the run's is refused."""
+    states, average, the colour and kind heads, the run's batch, LR and loss weights without their flags): the same
+    weights as one uninterrupted run, and the log says where it resumed; a recipe flag that differs from the run's is
+    refused."""
     a, b = tmp_path / "a", tmp_path / "b"
-    recipe = ("--gpt-batch", 3, "--gpt-lr", 1e-3, "--entry-weight", 2, "--colour-weight", 0.5)
+    recipe = ("--gpt-batch", 3, "--gpt-lr", 1e-3, "--entry-weight", 2, "--colour-weight", 0.5, "--kind-weight", 0.5)
     train(a, "--gpt-steps", 12, *recipe)  # an average of decay 1/6 from step 2 on
     train(b, "--phase", "gpt", "--vq-from", a, "--gpt-steps", 12, "--time-limit", 1e-9, *recipe)
     assert read_metadata(b / "gpt.safetensors")["trained_steps"] == "1"
@@ -136,11 +138,16 @@ def test_a_run_stopped_and_resumed_is_the_run_never_stopped(tmp_path, capsys):
     assert same_tensors(a / "gpt.safetensors", b / "gpt.safetensors")
     log = (b / "train_log.jsonl").read_text()
     assert '"resumed_at": 11' in log and '"colour_weight": 0.5' in log and "colour_accuracy_at_onsets" in log
-    c = tmp_path / "c"
-    train(c, "--gpt-steps", 12, "--gpt-batch", 3, "--gpt-lr", 1e-3, "--entry-weight", 2)  # no colour head
+    assert '"kind_weight": 0.5' in log and "kind_accuracy" in log
+    c, d = tmp_path / "c", tmp_path / "d"
+    train(c, "--gpt-steps", 12, *recipe[:-2])  # no kind head
     assert not same_tensors(a / "gpt.safetensors", c / "gpt.safetensors")
+    train(d, "--gpt-steps", 12, "--gpt-batch", 3, "--gpt-lr", 1e-3, "--entry-weight", 2)  # no colour head
+    assert not same_tensors(c / "gpt.safetensors", d / "gpt.safetensors")
     assert "run's --colour-weight 0.5" in refused(capsys, b, "--phase", "gpt", "--vq-from", a, "--resume",
                                                   "--colour-weight", 1)  # the run's files untouched
+    assert "run's --kind-weight 0.5" in refused(capsys, b, "--phase", "gpt", "--vq-from", a, "--resume",
+                                                "--kind-weight", 1)
 
 
 @pytest.mark.parametrize("flags, fix", [
@@ -148,6 +155,7 @@ def test_a_run_stopped_and_resumed_is_the_run_never_stopped(tmp_path, capsys):
     (["--hide-dropped"], "give --colour-weight too"),
     (["--colour-weight", "1", "--recolour-share", "0.1"], "give --hide-until e1 too"),
     (["--colour-weight", "1", "--hide-until", "e1", "--recolour-share", "1.5"], "give a number from 0 to 1"),
+    (["--kind-weight", "-1"], "give a number >= 0"),
     (["--phase", "gpt"], "give --vq-from a trained VQ's folder"),
     (["--phase", "gpt", "--vq-from", "{tmp}"], "give the folder of a trained VQ"),
     (["--gpt-from", "{tmp}"], "give the folder of a trained GPT"),
@@ -502,6 +510,69 @@ def test_recolour_share_is_part_of_the_runs_recipe(tmp_path, monkeypatch, capsys
     train(b, "--phase", "gpt", "--vq-from", a, "--gpt-steps", 2, "--colour-weight", 1, "--hide-until", "e1",
           "--time-limit", 1e-9)
     assert calls[-1] == train_demo.RECOLOUR_SHARE
+
+
+def test_token_kinds_name_the_kind_of_each_tokens_shape():
+    """The kind of the shape each token's centre pixel is inside (-1 outside every shape), token by token."""
+    batch = scenes.scenes(range(8), "test")
+    size, grid = 128, 8
+    got = train_demo.token_kinds(batch, size, grid, "cpu")
+    _, inside = scenes.labels(batch, size)
+    step = size // grid
+    for b, s in enumerate(batch):
+        for t in range(grid * grid):
+            y, x = (t // grid) * step + step // 2, (t % grid) * step + step // 2
+            shapes = [k for k in range(len(s.shapes)) if inside[b, k, y, x]]
+            assert got[b, t] == (scenes.KINDS.index(s.shapes[shapes[0]].kind) if shapes else -1), (b, t)
+    assert (got >= 0).any() and (got < 0).any()
+
+
+def test_the_kind_head_reads_the_shapes_tokens_of_the_captioned_rows():
+    """kind_loss: the cross-entropy and accuracy of the kind head over the tokens inside a shape, the dropped rows'
+    skipped (their features are zeroed); no such token: no loss."""
+    torch.manual_seed(0)
+    head = torch.nn.Linear(8, len(scenes.KINDS))
+    features = torch.randn(3, 10, 8)
+    kinds = torch.full((3, 10), -1)
+    kinds[0, 2:5], kinds[1, 0:3], kinds[2, 6:9] = 1, 3, 0
+    drop = torch.tensor([False, True, False])
+    loss, accuracy = train_demo.kind_loss(head, features, kinds, drop)
+    x = torch.cat([features[0, 2:5], features[2, 6:9]])
+    y = torch.tensor([1, 1, 1, 0, 0, 0])
+    logits = head(torch.nn.functional.rms_norm(x, (8,)))
+    assert abs(loss.item() - torch.nn.functional.cross_entropy(logits, y).item()) < 1e-6
+    assert accuracy.item() == (logits.argmax(-1) == y).float().mean().item()
+    every = train_demo.kind_loss(head, features, kinds, torch.zeros(3, dtype=torch.bool))[0]
+    assert abs(every.item() - loss.item()) > 1e-4  # the dropped row's tokens would change it
+    loss, accuracy = train_demo.kind_loss(head, features, torch.full((3, 10), -1), drop)
+    assert loss.item() == 0 and accuracy.isnan()
+
+
+def test_gpt_loss_adds_the_kind_heads_loss_on_the_control_features(monkeypatch):
+    """gpt_loss with kind = (head, w): the tokens' loss plus w x kind_loss on the adapter's features of this batch
+    (control_features made once, for both the kind head and the GPT's control tokens)."""
+    torch.manual_seed(0)
+    preset = train_demo.PRESETS["test"]
+    model = Transformer(ModelArgs(**train_demo.gpt_args(preset, dict(codebook_size=64, z_channels=32)))).eval()
+    train_demo.init_gpt(model)
+    vq = VQModel(VQConfig(**preset["vq"])).eval()
+    encoder = demo_text.DemoTextEncoder(model.args.caption_dim, model.args.cls_token_num)
+    B, types = 6, ["canny", "seg"] * 3
+    tokens = encode(vq, train_demo.images(range(B), preset["size"], "cpu")[0], preset["size"])
+    drop = np.array([i == 1 for i in range(B)])
+    made, features = [], train_demo.control_features
+    monkeypatch.setattr(train_demo, "control_features", lambda *a: made.append(features(*a)) or made[-1])
+    head = torch.nn.Linear(model.args.dim, len(scenes.KINDS))
+    args = (model, encoder, vq, range(B), types, drop, tokens, preset, torch.device("cpu"))
+    with torch.no_grad():
+        plain, none = train_demo.gpt_loss(*args)
+        total, scores = train_demo.gpt_loss(*args, kind=(head, 0.5))
+    assert none == {} and len(made) == 2 and set(scores) == {"kind_accuracy"}
+    batch = scenes.scenes(range(B), "train")
+    grid = math.isqrt(tokens.shape[1])
+    want = train_demo.kind_loss(head, made[1], train_demo.token_kinds(batch, preset["size"], grid, "cpu"),
+                                torch.as_tensor(drop))[0]
+    assert want.item() > 0 and abs(total.item() - (plain.item() + 0.5 * want.item())) < 1e-5
 
 
 def test_the_colour_head_skips_dropped_rows():
