@@ -84,6 +84,11 @@ usage: tools/gpu_session.sh STEP...      (steps run in order; each writes OUT/<s
           down kernel (since 244b13e), one process per plan, profiles in OUT/<plan, '=' as '-'>/:
               SERVER_SIZES=32,8,1 SERVER_PLANS="default server_prefetch=on server_down=off" \
                   OUT=$OUT tools/gpu_session.sh serverstep
+          SERVERSTEP_TESTS=0 skips the tests (they took a whole 330 s call once: PERF_NOTES, "Eleventh session").
+  projections  a draft tree's pass with its GEMMs in block_triton.project (window_projections=triton: the 126 rows of
+          4x3+2x3 at 48 in one tile) against cuBLAS's, n = 1, 3 nats, in one process (tools/pass_ab.py, PROJ_RUNS
+          images, default 4; the kernels of each plan's replayed pass in OUT/pass_profile_n1.txt); the CUDA tests of
+          the op first (tests/test_project.py, test_block.py's sm_90 builds are the CPU's)
 
 OUT (default sample/gpu) receives the logs; PYTHON picks the interpreter.
 USAGE
@@ -287,9 +292,11 @@ step_serve() {
 step_serverstep() {
     # the server's keyed draws and steps on CUDA first, then where its step goes: the continuous batch against the
     # plain step at n = 1, 8, 32, kernels by name
-    (cd "$root" && timeout 360 "$py" -m pytest -q -p no:cacheprovider tests/test_draw_triton.py \
-        tests/test_own_positions.py tests/test_continuous.py -k cuda) \
-        || echo "== FAILED (or over 360 s): the keyed draw's and the server steps' CUDA tests"
+    if [[ ${SERVERSTEP_TESTS:-1} != 0 ]]; then
+        (cd "$root" && timeout 360 "$py" -m pytest -q -p no:cacheprovider tests/test_draw_triton.py \
+            tests/test_own_positions.py tests/test_continuous.py -k cuda) \
+            || echo "== FAILED (or over 360 s): the keyed draw's and the server steps' CUDA tests"
+    fi
     local plan dir
     for plan in ${SERVER_PLANS:-${SERVE_PLAN:-default}}; do  # a process per plan: its own captures and compiles
         dir=$out/$(tr '=,' '-_' <<<"$plan")  # a returned folder's name takes no '=' or ','
@@ -298,6 +305,14 @@ step_serverstep() {
         "$py" "$here/server_step.py" --sizes "${SERVER_SIZES:-1,8,32}" $([[ $plan == default ]] || echo --plan "$plan") \
             --profile-dir "$dir" --json "$dir/server_step.json"
     done
+}
+
+step_projections() {
+    (cd "$root" && timeout 120 "$py" -m pytest -q -p no:cacheprovider tests/test_project.py) \
+        || echo "== FAILED (or over 120 s): tests/test_project.py"
+    timeout 400 "$py" "$here/pass_ab.py" --batch-sizes 1 --entropy 3 --draft-coupling pathwise --draft-window 48 \
+        --draft-tree 4x3+2x3 --plans "" "window_projections=triton" --runs "${PROJ_RUNS:-4}" --profile-dir "$out" \
+        --json "$out/pass_ab.json" || echo "== FAILED (or over 400 s): tools/pass_ab.py"
 }
 
 step_demo() {
@@ -339,7 +354,7 @@ step_demo() {
 for step in "$@"; do
     case $step in
         kernel | window | equiv | bench | cli | eval2 | gputests | ab | abbench | jacobi | trees | ownpos | demo | serve \
-            | serverstep)
+            | serverstep | projections)
             "step_$step" 2>&1 | tee "$out/$step.log" ;;
         *) echo "error: unknown step '$step'" >&2; usage >&2; exit 2 ;;
     esac
