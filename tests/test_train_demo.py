@@ -418,7 +418,7 @@ def test_hide_until_is_part_of_the_runs_recipe(tmp_path, capsys):
     args = train_demo.parse_args(["--out", "x"])
     old = dict(gpt_batch=3, gpt_lr=1e-3, entry_weight=2.0, colour_weight=0.5)
     assert train_demo.run_recipe(args, train_demo.PRESETS["test"], dict(recipe=old)) == dict(
-        old, hide_until="onset", hide_dropped=False, recolour_share=train_demo.RECOLOUR_SHARE)
+        old, hide_until="onset", hide_dropped=False, recolour_share=train_demo.RECOLOUR_SHARE, kind_weight=0.0)
 
 
 def picks_reference(batch, drop, dropped):
