@@ -514,10 +514,11 @@ class Transformer(nn.Module):
         """The last block's output (B, S or 1, D): forward without the head."""
         freqs, picked = self.step_inputs(input_pos, controls) if ctx.inputs is None else ctx.inputs
         ops = ctx.ops
+        where = input_pos  # where a Context.block writes the rows' keys and values
         if ctx.attention is not None and ctx.window is not None:
             rot = rotations(freqs) if ops.rope_and_cache is None else None
             # the window's slots; past the cache (a chain's rows past the image: outputs unused) its last slot
-            slots = window_slots(*ctx.window).clamp(max=key_valid.shape[1] - 1)
+            slots = where = window_slots(*ctx.window).clamp(max=key_valid.shape[1] - 1)
 
             def attend(q, k, v, freqs, cache):
                 # each row's keys and values written at its window slots, then its queries against its filled keys
@@ -574,9 +575,9 @@ class Transformer(nn.Module):
             if ctx.block is None:
                 x, delta = layer(x, freqs, attend, ops, delta=delta, defer=True)
             elif folds:
-                x = ctx.block(layer, x, freqs, attend, input_pos, control=control_at(i + 1))
+                x = ctx.block(layer, x, freqs, attend, where, control=control_at(i + 1))
             else:
-                x = ctx.block(layer, x, freqs, attend, input_pos)
+                x = ctx.block(layer, x, freqs, attend, where)
         if delta is not None:
             x = x + delta
         return x[:, -1:] if last_only else x

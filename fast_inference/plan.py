@@ -474,12 +474,14 @@ def jacobi_pass(s, block_scope, hand_capture, eager, window, want):
                             f"window's mask holds 63; use a smaller window or tree")
     block, rows = "compiled" if compiled else "model", None
     if window[2] == "fused":
-        if not (compiled and window[0] == "triton" and block_triton.fits(s.head_dim, dot=True)) or s.draft_tree:
+        if not (compiled and window[0] == "triton" and block_triton.fits(s.head_dim, dot=True)):
             raise PlanError("plan override window_block=fused needs the inductor backend's block scope on a CUDA "
-                            "device with Triton, float weights, a head dim the fused block takes, "
-                            "window_attention=triton and no draft tree (its QKV writes each key at its position)")
-        if s.rows * s.draft_window <= PASS_FUSED_ROWS:
-            block, rows = "fused", pass_rows(s.rows * s.draft_window, pass_pdl(s, want), pass_gemv_pdl(s, want))
+                            "device with Triton, float weights, a head dim the fused block takes and "
+                            "window_attention=triton")
+        # a chain up to the rows where it measured faster; a draft tree (each key at its node's slot, its RoPE row
+        # its depth's) up to PROJECT_ROWS, built for sm_90 unspilled there and not yet timed
+        if s.rows * nodes <= (PROJECT_ROWS if s.draft_tree else PASS_FUSED_ROWS):
+            block, rows = "fused", pass_rows(s.rows * nodes, pass_pdl(s, want), pass_gemv_pdl(s, want))
     return JacobiPass(window=s.draft_window, nodes=nodes, block=block, head="compiled" if compiled else "model",
                       ops=EagerOps() if compiled else dataclasses.replace(eager, rope="torch"), graph=hand_capture,
                       attention=window[0], inputs=window[1], rows=rows, splits=window[3],

@@ -321,6 +321,16 @@ for dt, D, F, hd, int8 in (("bf16", 1280, 3584, 64, False), ("bf16", 4096, 11008
             options["launch_pdl"] = False
             k = build(db._linear_kernel, lin, dict(kw, BN=bn, THEN=False, RESIDUAL=False), options)
             assert k.metadata.shared <= 227 * 1024, (name, rows, k.metadata.shared)
+        # a draft tree's pass on the fused block (window_block=fused): QKV with RoPE and the slots' writes, gate/up
+        for name in ("qkv", "gate_up"):
+            bn, kw, options = args(name, dtype, 128, D, 2, int8)
+            kw.update(PDL=0, BUMP=False)
+            options["launch_pdl"] = False
+            if name == "qkv":
+                kw.pop("K")
+                build(db._qkv_kernel, qkv, dict(kw, D=D, HD=hd, BP=min(bn, hd // 2), WINDOW=63), options)
+            else:
+                build(db._gate_up_kernel, gu, dict(kw, BN=bn), options)
     # Under FIRST (the GEMV path's launch) the next kernel may launch before this one's wait, while the kernel that
     # wrote the residual may still run: the residual and the control rows are then read after the wait; under EARLY
     # before it

@@ -60,6 +60,39 @@ block_triton.linear = lambda x, *a, **k: torch.cat([torch.zeros_like(real(x, *a,
 assert not torch.equal(run(6, (4, 3, 2, 2), "triton")[0], want[0])
 block_triton.linear = real
 checked += 1
+
+# 3. a tree's pass on the fused block's kernels (window_block=fused: each key at its node's slot, its RoPE row its
+# depth's), greedy (the tokens follow every logit), 2 x 19 nodes = 38 rows on the window kernels: the reference's
+# tokens, as the eager blocks give them; every node's key written at the window's first slot gives others
+from fast_inference import model as model_module, plan
+from fast_inference.generate import generate
+from fast_inference.kernels.block import fused_block
+from test_reference import tiny_inputs, tiny_model
+model = tiny_model(cls=8, seed=3)
+cond, mask, condition = tiny_inputs(model)
+kw = dict(emb_masks=mask, condition=condition, cfg_scale=4.0, control_strength=0.8, top_k=1)
+n = model.args.block_size
+ref = generate(model, cond, n, **kw)
+window_kernels = dict(attention="triton", inputs="triton")
+
+
+def run_fused(fused):
+    rows = 2 * cond.shape[0] * 19
+    forced_pass.forced = dict(window_kernels, block="fused", rows=plan.pass_rows(rows)) if fused else window_kernels
+    engine = Engine(model, backend="eager", speculative="jacobi", draft_window=6, draft_init="left",
+                    draft_coupling="pathwise", draft_tree=(4, 3, 2, 2))
+    out = engine.generate(cond, n, **kw)
+    assert (getattr(engine.runner.pass_ctx.block, "func", None) is fused_block) == fused
+    return out
+
+
+assert torch.equal(run_fused(False), ref) and torch.equal(run_fused(True), ref)
+checked += 1
+slots = model_module.window_slots
+model_module.window_slots = lambda start, ancestry: start[:, None] + 0 * ancestry
+assert not torch.equal(run_fused(True), ref)
+model_module.window_slots = slots
+checked += 1
 print("ok", checked)
 """
 
@@ -68,10 +101,11 @@ EARLY = {"test_projections_through_the_op_give_torch_s_tokens_in_interpreter": (
 
 def test_projections_through_the_op_give_torch_s_tokens_in_interpreter():
     """block_triton.project equals x @ W.T (float32) at 3, 33 and 126 rows for each projection's tiling; tree runs
-    through it give torch's tokens and tokens per pass; its first output row zeroed gives others."""
+    through it give torch's tokens and tokens per pass; its first output row zeroed gives others. A tree's pass on the
+    fused block's kernels gives the eager blocks' tokens; its keys all written at the window's first slot do not."""
     out = early.result(SCRIPT, interpret.ENV, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
-    assert out.stdout.split()[-2:] == ["ok", "14"], out.stdout
+    assert out.stdout.split()[-2:] == ["ok", "16"], out.stdout
 
 
 def test_the_plan_takes_the_op_by_its_override_and_refuses_it_where_it_cannot_run():
@@ -92,6 +126,22 @@ def test_the_plan_takes_the_op_by_its_override_and_refuses_it_where_it_cannot_ru
         s = where if isinstance(where, plan.Situation) else dataclasses.replace(on, **where)
         with pytest.raises(plan.PlanError, match="window_projections=triton needs"):
             plan.make(s)
+
+
+def test_a_tree_runs_the_fused_block_by_its_override_up_to_project_rows():
+    """window_block=fused takes a draft tree's pass (each key at its node's slot) up to PROJECT_ROWS rows: n = 1's 126
+    on the fused kernels at their 126 rows, n = 2's 252 on inductor's block; a chain keeps PASS_FUSED_ROWS."""
+    kernels = (("window_attention", "triton"), ("window_inputs", "triton"), ("window_block", "fused"))
+    tree = plan.Situation(device="cuda", capability=(9, 0), dtype=torch.bfloat16, draft_window=48,
+                          draft_coupling="pathwise", draft_tree=(4, 3, 2, 3),
+                          overrides=(("jacobi", "on"), ("draft_tree", "on")) + kernels)
+    j = plan.make(tree).jacobi
+    assert j.block == "fused" and j.rows.rows == 126 and j.rows.projection("qkv").impl == "triton_dot"
+    assert "fused (Triton dot" in plan.explain(plan.make(tree))
+    assert plan.make(dataclasses.replace(tree, batch=2)).jacobi.block == "compiled"
+    chain = dataclasses.replace(tree, draft_window=32, draft_tree=())
+    assert plan.make(chain).jacobi.block == "compiled"  # 64 rows: past PASS_FUSED_ROWS
+    assert plan.make(dataclasses.replace(chain, draft_window=16)).jacobi.block == "fused"
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")

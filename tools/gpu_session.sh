@@ -86,9 +86,10 @@ usage: tools/gpu_session.sh STEP...      (steps run in order; each writes OUT/<s
                   OUT=$OUT tools/gpu_session.sh serverstep
           SERVERSTEP_TESTS=0 skips the tests (they took a whole 330 s call once: PERF_NOTES, "Eleventh session").
   projections  a draft tree's pass with its GEMMs in block_triton.project (window_projections=triton: the 126 rows of
-          4x3+2x3 at 48 in one tile) against cuBLAS's, n = 1, 3 nats, in one process (tools/pass_ab.py, PROJ_RUNS
-          images, default 4; the kernels of each plan's replayed pass in OUT/pass_profile_n1.txt); the CUDA tests of
-          the op first (tests/test_project.py, test_block.py's sm_90 builds are the CPU's)
+          4x3+2x3 at 48 in one tile), and on the fused block's kernels (window_block=fused: norms, RoPE and the cache
+          write, SiLU x up and the adds inside the projections), against inductor's block with cuBLAS's GEMMs, n = 1,
+          3 nats, in one process (tools/pass_ab.py, PROJ_RUNS images, default 4; the kernels of each plan's replayed
+          pass in OUT/pass_profile_n1.txt); the CUDA tests of the op first (tests/test_project.py)
 
 OUT (default sample/gpu) receives the logs; PYTHON picks the interpreter.
 USAGE
@@ -311,8 +312,8 @@ step_projections() {
     (cd "$root" && timeout 120 "$py" -m pytest -q -p no:cacheprovider tests/test_project.py) \
         || echo "== FAILED (or over 120 s): tests/test_project.py"
     timeout 400 "$py" "$here/pass_ab.py" --batch-sizes 1 --entropy 3 --draft-coupling pathwise --draft-window 48 \
-        --draft-tree 4x3+2x3 --plans "" "window_projections=triton" --runs "${PROJ_RUNS:-4}" --profile-dir "$out" \
-        --json "$out/pass_ab.json" || echo "== FAILED (or over 400 s): tools/pass_ab.py"
+        --draft-tree 4x3+2x3 --plans "" "window_projections=triton" "window_block=fused" --runs "${PROJ_RUNS:-4}" \
+        --profile-dir "$out" --json "$out/pass_ab.json" || echo "== FAILED (or over 400 s): tools/pass_ab.py"
 }
 
 step_demo() {
