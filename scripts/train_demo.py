@@ -407,17 +407,23 @@ def entry_weights(batch, size, grid, weight, device):
     return torch.where(seen <= ENTRY_TOKENS, weight, 1.0).float()
 
 
+def by_region(batch, size, grid, device, table):
+    """(B, grid * grid) each token's entry of its scene's row of table (top, bottom, shape slots 0-2: token_regions'
+    order)."""
+    return torch.tensor(table, device=device).gather(1, token_regions(batch, size, grid, device))
+
+
 def token_colours(batch, size, grid, device):
     """(B, grid * grid) the palette index (scenes.COLOURS) of each token's region."""
     table = [[scenes.COLOURS.index(c) for c in [s.top, s.bottom or s.top] + [x.colour for x in s.shapes]]
              + [0] * (3 - len(s.shapes)) for s in batch]  # absent slots: no token lies in them
-    return torch.tensor(table, device=device).gather(1, token_regions(batch, size, grid, device))
+    return by_region(batch, size, grid, device, table)
 
 
 def token_kinds(batch, size, grid, device):
     """(B, grid * grid) the kind (scenes.KINDS index) of the shape each token's centre pixel is inside, -1 outside."""
     table = [[-1, -1] + [scenes.KINDS.index(x.kind) for x in s.shapes] + [-1] * (3 - len(s.shapes)) for s in batch]
-    return torch.tensor(table, device=device).gather(1, token_regions(batch, size, grid, device))
+    return by_region(batch, size, grid, device, table)
 
 
 def kind_loss(head, features, kinds, drop):

@@ -252,20 +252,26 @@ def test_the_entry_weight_changes_the_loss_only_where_asked():
     assert abs(weighted - ((per * w).sum() / w.sum()).item()) < 1e-5 and abs(weighted - plain) > 1e-4
 
 
+def token_centres(batch, size, grid):
+    """(b, t, scene, the shapes holding token t's centre pixel, whether that pixel is the bottom background), token by
+    token from the scenes' labels."""
+    label, inside = scenes.labels(batch, size)
+    step = size // grid
+    for b, s in enumerate(batch):
+        for t in range(grid * grid):
+            y, x = (t // grid) * step + step // 2, (t % grid) * step + step // 2
+            yield b, t, s, [k for k in range(len(s.shapes)) if inside[b, k, y, x]], label[b, y, x] == 1
+
+
 def test_token_colours_name_each_tokens_region_colour():
     """The palette colour of each token's region (its centre pixel's shape, else the background part), checked token by
     token against the scenes."""
     batch = scenes.scenes(range(8), "test")
     size, grid = 128, 8
     got = train_demo.token_colours(batch, size, grid, "cpu")
-    label, inside = scenes.labels(batch, size)
-    step = size // grid
-    for b, s in enumerate(batch):
-        for t in range(grid * grid):
-            y, x = (t // grid) * step + step // 2, (t % grid) * step + step // 2
-            shapes = [k for k in range(len(s.shapes)) if inside[b, k, y, x]]
-            name = s.shapes[shapes[0]].colour if shapes else (s.bottom if label[b, y, x] == 1 else s.top)
-            assert scenes.COLOURS[got[b, t]] == name, (b, t)
+    for b, t, s, shapes, bottom in token_centres(batch, size, grid):
+        name = s.shapes[shapes[0]].colour if shapes else (s.bottom if bottom else s.top)
+        assert scenes.COLOURS[got[b, t]] == name, (b, t)
 
 
 def test_a_shape_hidden_before_its_onset():
@@ -517,13 +523,8 @@ def test_token_kinds_name_the_kind_of_each_tokens_shape():
     batch = scenes.scenes(range(8), "test")
     size, grid = 128, 8
     got = train_demo.token_kinds(batch, size, grid, "cpu")
-    _, inside = scenes.labels(batch, size)
-    step = size // grid
-    for b, s in enumerate(batch):
-        for t in range(grid * grid):
-            y, x = (t // grid) * step + step // 2, (t % grid) * step + step // 2
-            shapes = [k for k in range(len(s.shapes)) if inside[b, k, y, x]]
-            assert got[b, t] == (scenes.KINDS.index(s.shapes[shapes[0]].kind) if shapes else -1), (b, t)
+    for b, t, s, shapes, _ in token_centres(batch, size, grid):
+        assert got[b, t] == (scenes.KINDS.index(s.shapes[shapes[0]].kind) if shapes else -1), (b, t)
     assert (got >= 0).any() and (got < 0).any()
 
 

@@ -544,9 +544,9 @@ def linear(x, weight, scales=None, residual=None, name="wo", pdl=False, dot=Fals
            by_rows=True):
     """residual + x @ weight.T (no residual: the dot path only) for x (R, K) contiguous, with kernel `name`'s
     tiling (the dot path if dot); an int8 weight with its row scales (quantize.py) as model.int8_linear; then +
-    `then` (R, N) if given, rounded again. With pdl.EARLY, `residual` and `then` must not be written by the kernel just before (the GEMV path
-    reads them before its wait then; in the block the residual is wo's input, 4 kernels back, or w2's, 2 back, and
-    `then` the step's control rows); under FIRST and LATE it reads them after its wait."""
+    `then` (R, N) if given, rounded again. With pdl.EARLY, `residual` and `then` must not be written by the kernel
+    just before (the GEMV path reads them before its wait then; in the block the residual is wo's input, 4 kernels
+    back, or w2's, 2 back, and `then` the step's control rows); under FIRST and LATE it reads them after its wait."""
     R, K = x.shape
     N = weight.shape[0]
     if residual is None and not dot:  # the GEMV path reads the residual inside its products
