@@ -268,9 +268,6 @@ class Engine:
         ops = eager_ops(j.ops)
         block = (functools.partial(fused_block, rows=j.rows) if j.block == "fused" else
                  self.compiled_block() if j.block == "compiled" else None)
-        if j.projections == "triton":  # the GEMMs through block_triton.project, in the compiled block or the eager one
-            ops = replace(ops, linear=block_triton.project)
-            block = functools.partial(block, ops=ops) if block is not None else None
         r.pass_ctx = Context(ops=ops, block=block, block_adds_control=j.block == "fused",
                              attention=window_attention(j))
         r.pass_inputs = inputs_triton.window_inputs if j.inputs == "triton" else None

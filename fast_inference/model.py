@@ -145,12 +145,10 @@ GPT_CONFIGS = {
 class EagerOps:
     """Kernels that stand in for the eager blocks' element-wise torch ops, each in the same roundings (None: torch's):
     rms_norm(x, weight, eps, delta=None) -> y, or (x + delta, y) with delta; silu_mul(gate_up) -> SiLU(gate) * up;
-    rope_and_cache(q, k, v, freqs, cache, input_pos) -> as the function of that name below. And the projections'
-    GEMM: linear(x, weight, name) -> x @ weight.T, name the projection's (qkv, wo, gate_up, w2)."""
+    rope_and_cache(q, k, v, freqs, cache, input_pos) -> as the function of that name below."""
     rms_norm: Optional[Callable] = None
     silu_mul: Optional[Callable] = None
     rope_and_cache: Optional[Callable] = None
-    linear: Optional[Callable] = None
 
 
 TORCH_OPS = EagerOps()
@@ -201,13 +199,6 @@ class RMSNorm(nn.Module):
         xf = x.float()
         y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return y.type_as(x) * self.weight
-
-
-def project(ops, name, x, layer):
-    """layer(x), a bias-free Linear, through ops.linear where ops has one (float weights; an Int8Linear is its own)."""
-    if ops.linear is None or not layer.weight.is_floating_point():
-        return layer(x)
-    return ops.linear(x, layer.weight, name)
 
 
 def rms_norm(ops, norm, x, delta=None):
@@ -313,17 +304,14 @@ class FeedForward(nn.Module):
         """SiLU(w1 x) * w3 x: what w2 reads."""
         if self.w13 is None:
             return F.silu(self.w1(x)) * self.w3(x)
-        if self.w13_scales is not None:
-            w13 = int8_linear(x, self.w13, self.w13_scales)
-        else:
-            w13 = F.linear(x, self.w13) if ops.linear is None else ops.linear(x, self.w13, "gate_up")
+        w13 = F.linear(x, self.w13) if self.w13_scales is None else int8_linear(x, self.w13, self.w13_scales)
         if ops.silu_mul is not None:
             return ops.silu_mul(w13)
         gate, up = w13.chunk(2, dim=-1)
         return F.silu(gate) * up
 
     def forward(self, x, ops=TORCH_OPS):
-        return project(ops, "w2", self.gated(x, ops), self.w2)
+        return self.w2(self.gated(x, ops))
 
 
 class KVCache(nn.Module):
@@ -366,13 +354,12 @@ class Attention(nn.Module):
         self.wo = nn.Linear(args.dim, args.dim, bias=False)
         self.kv_cache = None
 
-    def forward(self, x, freqs, attend, ops=TORCH_OPS):
+    def forward(self, x, freqs, attend):
         B, S, D = x.shape
-        qkv = project(ops, "qkv", x, self.wqkv)
-        q, k, v = (t.view(B, S, self.n_head, self.head_dim) for t in qkv.split(D, dim=-1))
+        q, k, v = (t.view(B, S, self.n_head, self.head_dim) for t in self.wqkv(x).split(D, dim=-1))
         # RoPE on q and k and the cache write are attend's (rope_and_cache), so a kernel may fuse them
         y = attend(q, k, v, freqs, self.kv_cache)
-        return project(ops, "wo", y.transpose(1, 2).reshape(B, S, D), self.wo)
+        return self.wo(y.transpose(1, 2).reshape(B, S, D))
 
 
 class TransformerBlock(nn.Module):
@@ -390,7 +377,7 @@ class TransformerBlock(nn.Module):
         next block to add."""
         x, n = (x, rms_norm(ops, self.attention_norm, x)) if delta is None else \
             rms_norm(ops, self.attention_norm, x, delta)
-        h, y = rms_norm(ops, self.ffn_norm, x, self.attention(n, freqs, attend, ops))
+        h, y = rms_norm(ops, self.ffn_norm, x, self.attention(n, freqs, attend))
         if defer:
             return h, self.feed_forward(y, ops)
         if down is None:

@@ -49,7 +49,6 @@ CUDA_LOOP_ROWS = 4  # attention_cuda stages whole slices up to here, loops over 
 CACHE_WINDOWS = 8  # SDPA without a decode attention kernel reads one of 8 static windows of the cache (ebb74cb)
 WINDOW_KERNELS = True  # rows at their own positions (a pass, a server's step): a pass beat SDPA's at n = 1-32 (#75)
 PASS_FUSED_ROWS = 32  # window_block=fused up to here (the dot path's rows in registers, built for sm_90 unspilled)
-PROJECT_ROWS = 128  # window_projections=triton up to here (block_triton.project: built for sm_90 unspilled at 96, 128)
 # the window attention's splits folded into one launch (attention_triton.window_attention, fold): a row of one split
 # writes its output, of several its last split merges them; the same key bytes as a split per tile + the merge kernel,
 # one launch fewer: a pass 2.16 -> 2.06 ms at n = 1, 3.22 -> 2.82 at n = 8 on an H100 (PERF_NOTES, "folded")
@@ -200,7 +199,6 @@ class JacobiPass:
     verify: str = "torch"  # torch (speculative.py's ops over (images, L, V)) | triton (kernels/verify_triton.py)
     tree: tuple = ()  # the draft tree the passes walk (Situation.draft_tree, unless the plan runs the chain instead)
     tree_ops: str = "torch"  # a tree's compact and window noise: torch (draft_tree's ops) | triton (tree_triton)
-    projections: str = "torch"  # the compiled or eager block's GEMMs: torch (cuBLAS) | triton (block_triton.project)
 
 
 @dataclass(frozen=True)
@@ -291,8 +289,6 @@ OVERRIDES = dict(
     jacobi=("auto", "on"),  # --speculative jacobi: plain steps where the pass measured a loss (PASS_GAINS), or always
     draft_tree=("auto", "on"),  # --draft-tree: the chain where the tree's pass measured a loss (TREE_GAINS), or always
     tree_ops=("torch", "triton"),  # a tree pass's compact and window noise: torch's ops, or tree_triton's two kernels
-    window_projections=("torch", "triton"),  # a pass's GEMMs in inductor's or the eager block: cuBLAS's (torch), or
-    # block_triton.project's dot path, the activations' rows in one tile (each weight read once; not yet timed)
 )
 
 
@@ -478,27 +474,14 @@ def jacobi_pass(s, block_scope, hand_capture, eager, window, want):
             raise PlanError("plan override window_block=fused needs the inductor backend's block scope on a CUDA "
                             "device with Triton, float weights, a head dim the fused block takes and "
                             "window_attention=triton")
-        # a chain up to the rows where it measured faster; a draft tree (each key at its node's slot, its RoPE row
-        # its depth's) up to PROJECT_ROWS, built for sm_90 unspilled there and not yet timed
-        if s.rows * nodes <= (PROJECT_ROWS if s.draft_tree else PASS_FUSED_ROWS):
+        # up to the rows where a chain measured it faster (a tree's nodes alike, each key at its node's slot): a
+        # tree's 126 rows at n = 1 took 4.29 ms against inductor's 2.40 (PERF_NOTES, "Twelfth session")
+        if s.rows * nodes <= PASS_FUSED_ROWS:
             block, rows = "fused", pass_rows(s.rows * nodes, pass_pdl(s, want), pass_gemv_pdl(s, want))
     return JacobiPass(window=s.draft_window, nodes=nodes, block=block, head="compiled" if compiled else "model",
                       ops=EagerOps() if compiled else dataclasses.replace(eager, rope="torch"), graph=hand_capture,
                       attention=window[0], inputs=window[1], rows=rows, splits=window[3],
-                      verify=choose_verify(s, want), tree=tuple(s.draft_tree), tree_ops=choose_tree_ops(s, want),
-                      projections=choose_projections(s, want, block, s.rows * nodes))
-
-
-def choose_projections(s, want, block, rows):
-    """A pass's GEMMs in inductor's (or the eager) block: cuBLAS's by default; the override window_projections=triton
-    takes block_triton.project's dot path (all of a tree pass's 126 rows at n = 1 in one tile, where cuBLAS's 32-row
-    tiles read each weight four times: 1.35 TB/s, PERF_NOTES "Tenth session"), until a GPU times it."""
-    chosen = want.get("window_projections", "torch")
-    if chosen == "triton" and not (s.triton and s.cuda and not s.int8 and block != "fused" and rows <= PROJECT_ROWS):
-        raise PlanError(f"plan override window_projections=triton needs Triton on a CUDA device, float weights, "
-                        f"inductor's or the eager block (not window_block=fused) and at most {PROJECT_ROWS} rows a "
-                        f"pass (this one: {rows}); use window_projections=torch")
-    return chosen
+                      verify=choose_verify(s, want), tree=tuple(s.draft_tree), tree_ops=choose_tree_ops(s, want))
 
 
 def choose_tree_ops(s, want):
@@ -961,8 +944,6 @@ def explain(p):
         row("verify", VERIFY_WORDS["tree" if j.verify == "triton" and j.tree else j.verify])
         if j.tree:
             row("tree ops", TREE_OPS_WORDS[j.tree_ops])
-        if j.block != "fused":
-            row("projections", PROJECTION_WORDS[j.projections])
     if p.drafts_chosen:
         row("drafts", p.drafts_chosen)
     if p.plain_instead:
@@ -995,10 +976,6 @@ VERIFY_WORDS = dict(torch="speculative.py's ops over (images, L, V) tensors (CFG
 TREE_OPS_WORDS = dict(torch="draft_tree.py's ops (a layer's keys and values moved apart, the noise's hash op by op)",
                       triton="two Triton kernels (tree_triton: every layer's kept keys and values in one launch, the "
                              "noise's uniforms)")
-
-
-PROJECTION_WORDS = dict(torch="cuBLAS's GEMMs (torch.nn.functional.linear)",
-                        triton="block_triton.project's dot path (every row in one tile: each weight read once)")
 
 
 def describe_ops(o):

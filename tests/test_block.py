@@ -245,8 +245,6 @@ ENV = interpret.ENV
 
 
 AOT_SCRIPT = r"""
-import itertools
-
 import torch
 from fast_inference import plan
 from fast_inference.kernels import block_triton as db, prefetch_triton as prefetch
@@ -283,7 +281,7 @@ for dt, D, F, hd, int8 in (("bf16", 1280, 3584, 64, False), ("bf16", 4096, 11008
         for name, K, then in (("wo", D, False), ("w2", F, False), ("w2", F, True)):  # w2 adding the control rows
             bn, kw, options = args(name, dtype, rows, K, 1, int8)
             kw.pop("EPS")
-            build(db._linear_kernel, lin, dict(kw, BN=bn, THEN=then, RESIDUAL=True), options)
+            build(db._linear_kernel, lin, dict(kw, BN=bn, THEN=then), options)
         bn, kw, options = args("output", dtype, rows, D, 1, int8)
         for images in (0, rows // 2):  # the head with and without the draw's noise (16,384 tokens)
             build(db._head_kernel, head, dict(kw, BN=bn, IMAGES=images, IP=max(1, images), VP=16384, CHUNK=4096),
@@ -307,30 +305,12 @@ for dt, D, F, hd, int8 in (("bf16", 1280, 3584, 64, False), ("bf16", 4096, 11008
                 build(db._gate_up_kernel, gu, dict(kw, BN=bn), options)
             else:
                 kw.pop("EPS")
-                build(db._linear_kernel, lin, dict(kw, BN=bn, THEN=name == "w2", RESIDUAL=True), options)
+                build(db._linear_kernel, lin, dict(kw, BN=bn, THEN=name == "w2"), options)
     if D == 1280 and not int8:  # down(): w2 with its residual add in the compiled block, counting, under PDL
         for rows in (32, 64):
             bn, kw, options = args("w2", dtype, rows, F, 1, int8)
             kw.pop("EPS")
-            build(db._linear_kernel, lin, dict(kw, BN=bn, THEN=False, RESIDUAL=True), options)
-    if D == 1280 and not int8:  # project(): a tree pass's GEMMs at 96 and 128 rows, no residual, no PDL; in shared memory
-        for rows, (name, K) in itertools.product((96, 128), (("qkv", D), ("wo", D), ("gate_up", D), ("w2", F))):
-            bn, kw, options = args(name, dtype, rows, K, 1, int8)
-            kw.pop("EPS")
-            kw.update(PDL=0, BUMP=False)
-            options["launch_pdl"] = False
-            k = build(db._linear_kernel, lin, dict(kw, BN=bn, THEN=False, RESIDUAL=False), options)
-            assert k.metadata.shared <= 227 * 1024, (name, rows, k.metadata.shared)
-        # a draft tree's pass on the fused block (window_block=fused): QKV with RoPE and the slots' writes, gate/up
-        for name in ("qkv", "gate_up"):
-            bn, kw, options = args(name, dtype, 128, D, 2, int8)
-            kw.update(PDL=0, BUMP=False)
-            options["launch_pdl"] = False
-            if name == "qkv":
-                kw.pop("K")
-                build(db._qkv_kernel, qkv, dict(kw, D=D, HD=hd, BP=min(bn, hd // 2), WINDOW=63), options)
-            else:
-                build(db._gate_up_kernel, gu, dict(kw, BN=bn), options)
+            build(db._linear_kernel, lin, dict(kw, BN=bn, THEN=False), options)
     # Under FIRST (the GEMV path's launch) the next kernel may launch before this one's wait, while the kernel that
     # wrote the residual may still run: the residual and the control rows are then read after the wait; under EARLY
     # before it
@@ -339,7 +319,7 @@ for dt, D, F, hd, int8 in (("bf16", 1280, 3584, 64, False), ("bf16", 4096, 11008
             plan.GEMV_PDL = mode
             bn, kw, options = args("w2", dtype, 2, F, 1, int8)
             kw.pop("EPS")
-            ptx = build(db._linear_kernel, lin, dict(kw, BN=bn, THEN=True, RESIDUAL=True), options).asm["ptx"]
+            ptx = build(db._linear_kernel, lin, dict(kw, BN=bn, THEN=True), options).asm["ptx"]
             wait = ptx.index("griddepcontrol.wait")
             assert (ptx.index("griddepcontrol.launch_dependents") < wait) == (mode == plan.FIRST), mode
             assert ("ld.global.cg" in ptx[:wait]) == (mode == plan.EARLY), mode  # the residual's and control rows' loads

@@ -85,11 +85,6 @@ usage: tools/gpu_session.sh STEP...      (steps run in order; each writes OUT/<s
               SERVER_SIZES=32,8,1 SERVER_PLANS="default server_prefetch=on server_down=off" \
                   OUT=$OUT tools/gpu_session.sh serverstep
           SERVERSTEP_TESTS=0 skips the tests (they took a whole 330 s call once: PERF_NOTES, "Eleventh session").
-  projections  a draft tree's pass with its GEMMs in block_triton.project (window_projections=triton: the 126 rows of
-          4x3+2x3 at 48 in one tile), and on the fused block's kernels (window_block=fused: norms, RoPE and the cache
-          write, SiLU x up and the adds inside the projections), against inductor's block with cuBLAS's GEMMs, n = 1,
-          3 nats, in one process (tools/pass_ab.py, PROJ_RUNS images, default 4; the kernels of each plan's replayed
-          pass in OUT/pass_profile_n1.txt); the CUDA tests of the op first (tests/test_project.py)
 
 OUT (default sample/gpu) receives the logs; PYTHON picks the interpreter.
 USAGE
@@ -308,14 +303,6 @@ step_serverstep() {
     done
 }
 
-step_projections() {
-    (cd "$root" && timeout 120 "$py" -m pytest -q -p no:cacheprovider tests/test_project.py) \
-        || echo "== FAILED (or over 120 s): tests/test_project.py"
-    timeout 400 "$py" "$here/pass_ab.py" --batch-sizes 1 --entropy 3 --draft-coupling pathwise --draft-window 48 \
-        --draft-tree 4x3+2x3 --plans "" "window_projections=triton" "window_block=fused" --runs "${PROJ_RUNS:-4}" \
-        --profile-dir "$out" --json "$out/pass_ab.json" || echo "== FAILED (or over 400 s): tools/pass_ab.py"
-}
-
 step_demo() {
     # The run's state stays in DEMO_RUN, outside OUT: it lasts while the machine is warm, so the next call resumes.
     local run=${DEMO_RUN:-/root/demo_run} phase=${DEMO_PHASE:?set DEMO_PHASE to vq, gpt or resume} f
@@ -355,7 +342,7 @@ step_demo() {
 for step in "$@"; do
     case $step in
         kernel | window | equiv | bench | cli | eval2 | gputests | ab | abbench | jacobi | trees | ownpos | demo | serve \
-            | serverstep | projections)
+            | serverstep)
             "step_$step" 2>&1 | tee "$out/$step.log" ;;
         *) echo "error: unknown step '$step'" >&2; usage >&2; exit 2 ;;
     esac

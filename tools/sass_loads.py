@@ -73,7 +73,7 @@ def triton_cubins(rows=2):
         if name == "qkv":
             kw.update(EPS=1e-5, D=D, HD=64, BP=min(bn, 32), WINDOW=0)
         else:
-            kw.update(K=K, BN=bn, THEN=False, RESIDUAL=True)
+            kw.update(K=K, BN=bn, THEN=False)
         signature = dict(sig["qkv" if name == "qkv" else "linear"], **{k: "constexpr" for k in kw})
         attrs = {(i,): [["tt.divisibility", 16]] for i, v in enumerate(signature.values()) if v.startswith("*")}
         k = compile(ASTSource(kernel, signature, constexprs=kw, attrs=attrs), target=GPUTarget("cuda", 90, 32),

@@ -58,11 +58,7 @@ DOT_CONFIG_INT8 = dict(DOT_CONFIG, wo=(16, 256, 4, 3, 1), w2=(16, 256, 4, 6, 3),
 # power of two (tools/bench_block.py --rows 32: the block 89.4 -> 79.0 us, PERF_NOTES "at a pass's rows"); other row
 # counts, and the compiled block's `down`, take DOT_CONFIG
 DOT_CONFIG_ROWS = {32: dict(DOT_CONFIG, qkv=(16, 128, 4, 6, 1), wo=(32, 128, 4, 4, 2), gate_up=(32, 128, 4, 4, 1),
-                            w2=(32, 256, 4, 6, 3)),
-                   # a draft tree's pass (project: 2 x 63 nodes at n = 1): 128-key chunks, so that three stages of the
-                   # 128-row activations fit shared memory; unswept (tools/bench_block.py --rows 128 owed)
-                   128: dict(DOT_CONFIG, qkv=(32, 128, 4, 3, 1), wo=(16, 128, 4, 3, 4), gate_up=(32, 128, 4, 3, 1),
-                             w2=(16, 128, 4, 3, 3))}
+                            w2=(32, 256, 4, 6, 3))}
 
 
 if triton is not None:
@@ -330,10 +326,9 @@ if triton is not None:
     def _linear_kernel(X, W, S, RES, ADD, OUT, PART, COUNT, PROGRESS, R, N, K: tl.constexpr, PW: tl.constexpr,
                        RP: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, DOT: tl.constexpr, PDL: tl.constexpr,
                        PREC: tl.constexpr, SPLIT: tl.constexpr, QUANT: tl.constexpr, THEN: tl.constexpr,
-                       BUMP: tl.constexpr, RESIDUAL: tl.constexpr):
+                       BUMP: tl.constexpr):
         """OUT = RES + X @ W.T for X (R, K), W (N, K): the output and down projections; with THEN, + ADD (R, N)
-        after that, rounded again (the next block's control rows, as the model adds them). RESIDUAL false (the dot
-        path only): no RES, OUT = X @ W.T (project's)."""
+        after that, rounded again (the next block's control rows, as the model adds them)."""
         bump(PROGRESS, BUMP)
         rows = tl.program_id(0) * BN + tl.arange(0, BN)
         rows_ok = rows < N
@@ -351,9 +346,7 @@ if triton is not None:
         y, _, live, res = _project(X, X, W, S, PART, COUNT, rows, rows, rows_ok, R, RES, at, r_ok, 0.0, K, PW, RP, BN,
                                    BK, False, False, DOT, PDL, PREC, SPLIT, QUANT, READ_E, dt)
         ok = (offs_r < live)[:, None] & rows_ok[None, :]
-        if not RESIDUAL:
-            res = tl.zeros([RP, BN], tl.float32)
-        elif DOT or READ_E == 0:  # after the products (the dot path: ahead of the wait, n = 4 and 8 ran ~1.3% slower)
+        if DOT or READ_E == 0:  # after the products (the dot path: ahead of the wait, n = 4 and 8 ran ~1.3% slower)
             res = tl.load(RES + at, mask=ok, other=0.0).to(tl.float32)
         if THEN and (DOT or PDL == 3):
             add = tl.load(ADD + at, mask=ok, other=0.0).to(tl.float32)
@@ -542,20 +535,18 @@ def _or(t, x):
 
 def linear(x, weight, scales=None, residual=None, name="wo", pdl=False, dot=False, progress=None, then=None,
            by_rows=True):
-    """residual + x @ weight.T (no residual: the dot path only) for x (R, K) contiguous, with kernel `name`'s
-    tiling (the dot path if dot); an int8 weight with its row scales (quantize.py) as model.int8_linear; then +
-    `then` (R, N) if given, rounded again. With pdl.EARLY, `residual` and `then` must not be written by the kernel
-    just before (the GEMV path reads them before its wait then; in the block the residual is wo's input, 4 kernels
-    back, or w2's, 2 back, and `then` the step's control rows); under FIRST and LATE it reads them after its wait."""
+    """residual + x @ weight.T for x (R, K) contiguous, with kernel `name`'s tiling (the dot path if dot); an int8
+    weight with its row scales (quantize.py) as model.int8_linear; then + `then` (R, N) if given, rounded
+    again. With pdl.EARLY, `residual` and `then` must not be written by the kernel just before (the GEMV path
+    reads them before its wait then; in the block the residual is wo's input, 4 kernels back, or w2's, 2 back, and
+    `then` the step's control rows); under FIRST and LATE it reads them after its wait."""
     R, K = x.shape
     N = weight.shape[0]
-    if residual is None and not dot:  # the GEMV path reads the residual inside its products
-        raise ValueError("block_triton.linear: no residual on the dot path only")
     bn, kw = tiling(name, x, weight, 1, pdl, dot, progress, by_rows)
     grid, part, counts = split_buffers(x, triton.cdiv(N, bn), kw, bn)
     out = torch.empty(R, N, device=x.device, dtype=x.dtype)
-    _linear_kernel[grid](x, weight, _or(scales, x), _or(residual, x), _or(then, x), out, part, counts, R=R, N=N, K=K,
-                         BN=bn, QUANT=scales is not None, THEN=then is not None, RESIDUAL=residual is not None, **kw)
+    _linear_kernel[grid](x, weight, _or(scales, x), residual, _or(then, x), out, part, counts, R=R, N=N, K=K, BN=bn,
+                         QUANT=scales is not None, THEN=then is not None, **kw)
     return out
 
 
@@ -610,23 +601,6 @@ def down_op(a: torch.Tensor, weight: torch.Tensor, h: torch.Tensor, progress: to
 @down_op.register_fake
 def _(a, weight, h, progress, count, pdl):
     return h.new_empty(h.shape)
-
-
-def project(x, weight, name):
-    """x @ weight.T for x (..., K): model.EagerOps' linear on the dot path at kernel `name`'s tiling for x's rows (a
-    pass's projections under the plan's window_projections=triton, inside inductor's block or the eager one), through
-    project_op, which inductor calls as it is."""
-    return project_op(x.reshape(-1, x.shape[-1]), weight, name).view(*x.shape[:-1], weight.shape[0])
-
-
-@torch.library.custom_op("fast_inference::project", mutates_args=())
-def project_op(x: torch.Tensor, weight: torch.Tensor, name: str) -> torch.Tensor:
-    return linear(x.contiguous(), weight, name=name, dot=True)
-
-
-@project_op.register_fake
-def _(x, weight, name):
-    return x.new_empty(x.shape[0], weight.shape[0])
 
 
 def logits(model, h, noise=None, pdl=0, dot=True):
