@@ -75,7 +75,8 @@ class ContinuousRunner(ShapeRunner):
         self.ctx = self.head = None  # the steps' Context and head (Engine.continuous); inputs_fn: window_inputs
         self.fused_rows, self.fused_block = 0, None  # steps at up to fused_rows rows: fused_block(rows) as the block
         self.down_rows, self.down_block = range(0), None  # steps at down_rows rows: down_block(rows), inductor's + down
-        self.prefetchers = {}  # the L2 prefetchers beside the steps (server_prefetch=on), by whether the rows compile
+        self.prefetchers = {}  # the L2 prefetchers beside the steps (server_prefetch), by whether the rows compile
+        self.prefetch_rows = 0  # steps at up to this many rows run beside one
         self.step_attention = None  # rows -> the decode attention at a position per row, where it replaces ctx's
         self.graphs = Graphs() if plan.own_positions.graph else None
         self.buckets = plan.own_positions.buckets
@@ -94,7 +95,7 @@ class ContinuousRunner(ShapeRunner):
         prefix_len keys (GPT-XL at 32 rows and at 48-64) every range ends inside the prompt's keys anyway; elsewhere
         a row's keys past its filled length are fetched for nothing, or some of its filled ones are not fetched (the
         prefetcher writes nothing the step reads: only the time differs)."""
-        return self.prefetchers.get(rows > self.fused_rows)
+        return self.prefetchers.get(rows > self.fused_rows) if rows <= self.prefetch_rows else None
 
     def captures(self, bucket):
         """Whether a step at `bucket` captures its graph now (its first, where the plan captures steps)."""

@@ -474,14 +474,15 @@ class Engine:
         own = p.own_positions
         r.ctx = Context(ops=eager_ops(own.ops), block=self.compiled_block() if own.block == "compiled" else None,
                         attention=None if own.attention == "decode" else window_attention(own))
-        r.fused_rows = own.fused_rows
-        if own.prefetch:  # the plain steps' L2 prefetcher: paced by the fused block's projections up to the fused
-            # rows, by the compiled block's decode attention (and down kernel) above; a schedule per step size
-            for compiled in {b * r.halves > own.fused_rows for b in own.buckets}:
-                r.prefetchers[compiled] = prefetch_triton.Prefetcher(self.model, compiled=compiled)
-            for R in (b * r.halves for b in own.buckets):
-                r.prefetcher_at(R).prepare(R, r.input_pos, down=R in own.down_rows)  # down_rows are past the fused
-        progress = lambda R: r.prefetcher_at(R).progress if R > own.fused_rows and own.prefetch else None
+        r.fused_rows, r.prefetch_rows = own.fused_rows, own.prefetch_rows
+        # the plain steps' L2 prefetcher up to prefetch_rows: paced by the fused block's projections up to the fused
+        # rows, by the compiled block's decode attention (and down kernel) above; a schedule per step size
+        prefetched = [R for R in (b * r.halves for b in own.buckets) if R <= own.prefetch_rows]
+        for compiled in {R > own.fused_rows for R in prefetched}:
+            r.prefetchers[compiled] = prefetch_triton.Prefetcher(self.model, compiled=compiled)
+        for R in prefetched:
+            r.prefetcher_at(R).prepare(R, r.input_pos, down=R in own.down_rows)  # down_rows are past the fused
+        progress = lambda R: r.prefetcher_at(R).progress if own.fused_rows < R <= own.prefetch_rows else None
         if own.attention == "decode":  # the plain steps' decode attention in the form of each step size's rows,
             # launched as the fused block's projections around it (the GEMVs under PDL, as the plain steps')
             pdl = lambda R: plans.pass_rows(R, own.pdl, own.gemv_pdl).projection("qkv").pdl if R <= own.fused_rows else 0

@@ -223,7 +223,7 @@ class OwnPositions:
     down_rows: range = range(0)  # steps at these rows on inductor's block: w2 + residual in block_triton's down
     down_pdl: int = NONE  # its launch, as the plain steps' (serves_down)
     draw: str = "generator"  # generator (sampling.py's ops, each request's Exp(1) noise) | keyed (draw_images)
-    prefetch: bool = False  # the plain steps' L2 prefetcher beside each step (server_prefetch=on)
+    prefetch_rows: int = 0  # steps at up to this many rows run the plain steps' L2 prefetcher beside them
 
 
 @dataclass(frozen=True)
@@ -284,7 +284,8 @@ OVERRIDES = dict(
     server_attention=("decode", "window"),  # a server step's attention: the plain steps' decode attention at a
     # position per row (split-KV, or a program per (row, head) at WHOLE_ROWS; SERVER_DECODE), or the window kernel
     server_down=("on", "off"),  # a server step's w2 + residual past FUSED_ROWS rows: the down kernel, or inductor's
-    server_prefetch=("off", "on"),  # the plain steps' L2 prefetcher beside a server's steps (off until a GPU times it)
+    server_prefetch=("auto", "off", "on"),  # the plain steps' L2 prefetcher beside a server's steps: auto, the fused
+    # block's steps only (SERVER_PREFETCH); on, every step size; off, none
     verify=("torch", "triton"),  # a pass's verify: speculative.py's ops, or verify_triton's kernels (VERIFY_KERNELS)
     jacobi=("auto", "on"),  # --speculative jacobi: plain steps where the pass measured a loss (PASS_GAINS), or always
     draft_tree=("auto", "on"),  # --draft-tree: the chain where the tree's pass measured a loss (TREE_GAINS), or always
@@ -623,6 +624,10 @@ def pass_gemv_pdl(s, want):
 # A server's steps of up to FUSED_ROWS rows on the fused block's kernels: H100, tools/server_step.py, ms/step against
 # inductor's block at n = 1 / 8: 1.445 / 1.686 against 1.710 / 1.965 (docs/PERF_NOTES.md, "Sixth session")
 SERVER_FUSED = True
+# the plain steps' L2 prefetcher beside the fused block's steps (server_prefetch=auto): a step at n = 1 1.106 -> 1.063
+# ms, n = 8 1.956 -> 1.818 on an H100; beside inductor's block's at n = 32 3.667 -> 5.722, so not there (PERF_NOTES,
+# "Twelfth session")
+SERVER_PREFETCH = True
 # A server's attention: the plain steps' decode kernels at a position per row, not the window kernel at a query a row
 # (H100, ms/step at n = 1 / 8 / 32: 1.111 / 1.978 / 3.748 against 1.397 / 2.153 / 4.486; PERF_NOTES, "Ninth session")
 SERVER_DECODE = True
@@ -660,16 +665,19 @@ def own_positions(s, eager, window, want, draw):
     down_pdl = block_pdl(s, DOWN_ROWS) if down_rows and DOWN_PDL and want.get("down_pdl", "on") == "on" else NONE
     # the prefetcher paces itself by counts: the fused block's projections, or the decode attention's (and the down
     # kernel's) past the fused rows; the window kernel does not count
-    prefetch = want.get("server_prefetch", "off") == "on"
-    if prefetch and not (attention == "decode" and compiled and s.pdl):
+    prefetch = want.get("server_prefetch", "auto")
+    can = attention == "decode" and compiled and s.pdl
+    if prefetch == "on" and not can:
         raise PlanError("plan override server_prefetch=on needs the decode attention (server_attention=decode) and "
                         "inductor's block on a CUDA GPU of sm_90 or later with Triton; use server_prefetch=off")
+    prefetch_rows = (0 if not can or prefetch == "off" else 2 * max(buckets) if prefetch == "on" else
+                     fused_rows if SERVER_PREFETCH else 0)
     return OwnPositions(block="compiled" if compiled else "model", head="compiled" if compiled else "model",
                         ops=EagerOps() if compiled else dataclasses.replace(eager, rope="torch"),
                         graph=s.cuda and s.backend != "eager", buckets=buckets, attention=attention,
                         inputs=window[1], splits=window[3], fused_rows=fused_rows, pdl=pdl, gemv_pdl=gemv_pdl,
                         down_rows=down_rows, down_pdl=down_pdl, draw="keyed" if draw == "triton" else "generator",
-                        prefetch=prefetch)
+                        prefetch_rows=prefetch_rows)
 
 
 def block_pdl(s, rows):
@@ -995,8 +1003,8 @@ def describe_own_positions(o):
     if o.down_rows:
         blocks += f" (w2 and the residual add in Triton's down kernel at {o.down_rows[0]}-{o.down_rows[-1]} rows)"
     runs = "a CUDA graph per step size" if o.graph else "op by op"
-    if o.prefetch:
-        runs += " with the L2 prefetcher beside it"
+    if o.prefetch_rows:
+        runs += f" with the L2 prefetcher beside it up to {o.prefetch_rows} rows"
     return (f"each row at its own position (a server's batch): the {blocks} blocks and {window_words(o)}, "
             f"inputs {INPUT_WORDS[o.inputs]}, {runs} ({'/'.join(map(str, o.buckets))} images); {DRAW_WORDS[o.draw]}; "
             f"{describe_ops(o.ops)}")

@@ -80,10 +80,20 @@ def test_the_plan_takes_them_by_its_default_and_by_the_overrides():
     assert plan.make(dataclasses.replace(steps, overrides=on + (("server_attention", "window"),))).own_positions \
         .attention == "triton"
     assert plan.make(dataclasses.replace(steps, overrides=sdpa)).own_positions.attention == "sdpa"
-    # the plain steps' L2 prefetcher beside them: by the override server_prefetch=on, where the decode attention counts
-    assert not server.prefetch
+    # the plain steps' L2 prefetcher beside them: by default beside the fused block's steps (up to its rows), by the
+    # override server_prefetch=on beside every step size, where the decode attention counts; off: none
+    assert server.prefetch_rows == (plan.FUSED_ROWS if plan.SERVER_PREFETCH else 0)
+    assert ("with the L2 prefetcher beside it up to 16 rows" in plan.describe_own_positions(server)) == \
+        plan.SERVER_PREFETCH
+    assert plan.make(dataclasses.replace(steps, overrides=on + (("server_prefetch", "off"),))).own_positions \
+        .prefetch_rows == 0
+    assert plan.make(dataclasses.replace(steps, overrides=on + (("server_block", "compiled"),))).own_positions \
+        .prefetch_rows == 0  # no fused rows: none by default
+    assert plan.make(dataclasses.replace(steps, overrides=on + (("server_attention", "window"),))).own_positions \
+        .prefetch_rows == 0  # the window kernel does not count: none by default
     server = plan.make(dataclasses.replace(steps, overrides=on + (("server_prefetch", "on"),))).own_positions
-    assert server.prefetch and "with the L2 prefetcher beside it" in plan.describe_own_positions(server)
+    assert server.prefetch_rows >= 2 * max(server.buckets)
+    assert "with the L2 prefetcher beside it up to" in plan.describe_own_positions(server)
     prefetch = (("server_prefetch", "on"),)
     for refused in (dict(overrides=on + (("server_attention", "window"),) + prefetch),  # the window kernel: no count
                     dict(overrides=(("window_attention", "sdpa"),) + prefetch),
@@ -399,7 +409,8 @@ def test_server_steps_on_window_kernels_give_the_plain_engines_tokens_on_cuda(bl
     own = engine.plan.own_positions
     attention = "triton" if "server_attention=window" in block else "decode"
     assert (own.attention, own.inputs, own.fused_rows > 0) == (attention, "triton", block.startswith("fused"))
-    assert own.prefetch == ("server_prefetch=on" in block)
+    assert own.prefetch_rows == (4 if "server_prefetch=on" in block else own.fused_rows if
+                                 "server_attention=window" not in block and plan.SERVER_PREFETCH else 0)
     done = run(batch, {0: rs[:1], 5: rs[1:]})  # the second request joins 5 steps later, at other positions
     for i in range(2):
         assert torch.equal(done[i].cpu(), want[i].cpu()), i
