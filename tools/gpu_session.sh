@@ -32,7 +32,9 @@ usage: tools/gpu_session.sh STEP...      (steps run in order; each writes OUT/<s
           default 2800, on the VQ in DEMO_VQ), resume (goes on with the run in DEMO_RUN, default /root/demo_run,
           which lasts while the machine is warm); returns OUT/demo/ (the log, the weights cut in 15 MB parts:
           cat gpt.safetensors.part.* > gpt.safetensors) and with DEMO_EVAL=1 scripts/eval_demo.py's measures
-          (OUT/demo_eval.json, OUT/demo_model.png) and tools/demo_binding.py's (OUT/demo_binding.txt).
+          (OUT/demo_eval.json, OUT/demo_model.png; at guidance DEMO_CFG, default 1.5 as the shipped model's: a
+          run's folder is not the demo model to eval_demo.py, whose own default is the official 4) and
+          tools/demo_binding.py's (OUT/demo_binding.txt).
           DEMO_GPT_FROM (gpt): start from a trained GPT folder (its gpt.safetensors only); DEMO_ENTRY_WEIGHT,
           DEMO_COLOUR_WEIGHT, DEMO_HIDE_UNTIL (onset | e1), DEMO_HIDE_DROPPED=1, DEMO_RECOLOUR_SHARE, DEMO_GPT_BATCH,
           DEMO_GPT_LR, DEMO_KIND_WEIGHT (gpt): --entry-weight, --colour-weight, --hide-until, --hide-dropped,
@@ -333,8 +335,8 @@ step_demo() {
     cp "$run/gpt.json" "$out/demo/"
     if [[ ${DEMO_EVAL:-0} == 1 ]]; then
         "$py" "$root/scripts/eval_demo.py" --device cuda --gpt-model "$run/gpt.json" --gpt-ckpt "$run/gpt.safetensors" \
-            --vq-model "$run/vq.json" --vq-ckpt "$run/vq.safetensors" --out "$out/demo_eval.json" \
-            --figure "$out/demo_model.png"
+            --vq-model "$run/vq.json" --vq-ckpt "$run/vq.safetensors" --cfg-scale "${DEMO_CFG:-1.5}" \
+            --out "$out/demo_eval.json" --figure "$out/demo_model.png"
         "$py" "$here/demo_binding.py" --model "$run" --device cuda --kinds | tee "$out/demo_binding.txt"
     fi
 }
