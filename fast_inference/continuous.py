@@ -475,6 +475,20 @@ class Batch:
             e.done += 1
         return [e for e in self.entries if e.finished]
 
+    @torch.no_grad()
+    def warm(self, request):
+        """Every step size's compiles and CUDA graph, and request's join's, before the first real request (a server's
+        start: met later under load, each stalls the batch): copies of request admitted one at a time up to the
+        capacity, a step after each (at buckets 1, 2, 4, ... the capacity), then all removed, the last first. What
+        joins later is as in a fresh batch: a join rewrites its rows, and a step reads the occupied slots' only."""
+        while self.used + request.num_images <= self.capacity:
+            self.admit(request)
+            if any(e.finished for e in self.entries):  # a request this short has nothing to warm past here
+                break
+            self.step()
+        for e in self.entries[::-1]:
+            self.remove(e)
+
     def captures(self):
         """Whether the next step captures a CUDA graph (its bucket's first)."""
         return self.runner.captures(self.runner.bucket(self.used))

@@ -290,6 +290,14 @@ class Worker:
             with self.tally:
                 self.seconds[what] += time.perf_counter() - t0
 
+    def warm(self, request):
+        """Before serving (no other thread runs yet): the batch of request's shape made and warmed (Batch.warm), and
+        one image decoded by the VQ."""
+        with torch.no_grad():
+            self.batch = Batch(self.engine, request.shape, self.capacity)
+            self.batch.warm(request)
+            self.decode(self.batch.runner.out[:1].clone(), request)
+
     def admit(self, job):
         """A job into the batch (a new batch if its shape is another): its prefill and first token. A join that
         captures its graph (Batch.admit_captures) excludes every other thread's GPU work, as a step's capture does."""

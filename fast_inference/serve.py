@@ -114,6 +114,10 @@ def parse_args(argv=None):
     p.add_argument("--decoders", type=int, default=1,
                    help="threads per engine decoding finished requests' images with the VQ, each request at its own "
                         "batch, each thread on its own CUDA stream (at most 8; default %(default)s)")
+    p.add_argument("--warm", choices=["auto", "on", "off"], default="auto",
+                   help="before serving, run each engine's batch at every step size once (its compiles and CUDA "
+                        "graphs, met later under load, stall the batch): auto, where the backend compiles or captures "
+                        "(not eager; default %(default)s)")
     p.add_argument("--shutdown-grace", type=float, default=30.0,
                    help="seconds Ctrl-C / SIGTERM lets the jobs accepted finish and be fetched (new ones get 503) "
                         "before cancelling the rest (default %(default)s)")
@@ -211,6 +215,10 @@ class Service:
         self.defaults = dict(cfg_scale=args.cfg_scale, top_k=args.top_k, top_p=args.top_p,
                              temperature=args.temperature, control_strength=args.control_strength, seed=args.seed,
                              num_images=1, condition_type=args.condition_type, preview_every=0)
+        if args.warm == "on" or (args.warm == "auto" and self.backend != "eager"):
+            request = warm_request(self)
+            for worker in self.scheduler.workers:
+                worker.warm(request)
 
     def prompt_example(self):
         """The page's placeholder: the demo scene's caption where the demo model's words are the text encoder."""
@@ -450,6 +458,21 @@ def text_condition(service, body, seed):
                                                not service.args.no_left_padding)
     text.check_t5_output(emb, service.t5_path)
     return emb.cpu(), mask.cpu()
+
+
+def warm_request(service):
+    """The request the engines warm with: the default settings, the built-in example of the server's condition type at
+    the model's image size, the default caption (zeros of a caption's shape where no text encoder is loaded)."""
+    a = service.margs
+    control, kind = control_map(service, {"control": {"example": service.args.condition_type}})
+    if a.model_type == "c2i":
+        cond, mask = torch.tensor([0]), None
+    elif service.text is None:
+        cond, mask = torch.zeros(1, a.cls_token_num, a.caption_dim), torch.ones(1, a.cls_token_num, dtype=torch.int64)
+    else:
+        cond, mask = text_condition(service, {}, service.defaults["seed"])
+    values = {k: v for k, v in service.defaults.items() if k != "preview_every"}
+    return Request(cond=cond, mask=mask, control=control, **dict(values, condition_type=kind))
 
 
 def make_request(service, body):

@@ -190,6 +190,29 @@ def test_captured_steps_per_bucket(monkeypatch):
     assert batch.runner.buckets == (1, 2, 4) and sorted(set(captured)) == [1, 2, 4] and len(captured) == 3
 
 
+def test_a_warmed_batch_has_every_graph_and_gives_each_request_its_own_tokens(monkeypatch):
+    """Batch.warm (a server's start) captures every bucket's step and the warming request's join, and leaves the
+    batch empty; requests joining after it, of its join key and others, get the engine's tokens alone (a warm-up that
+    left its requests' rows live, or their tokens, would change them)."""
+    captured, replayed = stand_in_graphs(monkeypatch)
+    model = tiny_model(seed=9)
+    base = requests(model)
+    warm = dataclasses.replace(base[0], seed=99)
+    rs = [dataclasses.replace(base[0], seed=7), base[1], dataclasses.replace(base[2], seed=8)]
+    want = [alone(model, r) for r in rs]
+    batch = Batch(Engine(model, backend="eager"), rs[0].shape, capacity=4)
+    batch.warm(warm)
+    assert sorted(k for k in captured if not is_join(k)) == [1, 2, 4]
+    assert [k for k in captured if is_join(k)] == [batch.join_key(warm)]
+    assert batch.used == 0 and not batch.entries and int(batch.runner.live.sum()) == 0
+    captured.clear()
+    got = run(batch, {0: rs[:2], 3: rs[2:]})
+    for i in range(len(rs)):
+        assert torch.equal(got[i], want[i]), i
+    assert not [k for k in captured if not is_join(k)]  # the steps replay the warm-up's graphs
+    assert any(k == batch.join_key(rs[0]) for k, _ in replayed)  # and a join of its key replays its graph
+
+
 def test_captured_joins_replay_into_other_slots(monkeypatch):
     """Where the plan captures the steps it captures joins too, per images and what prepare() bakes in: a key's first
     join runs as it comes, its second captures, later ones replay into other slots with their own inputs, settings

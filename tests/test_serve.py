@@ -44,10 +44,11 @@ def need(module):
 
 @pytest.fixture(scope="module")
 def server():
-    """The demo server: two engines on the CPU, batches of 4 images, a queue of 12 jobs, 1 MiB bodies."""
+    """The demo server: two engines on the CPU, batches of 4 images, a queue of 12 jobs, 1 MiB bodies, each engine's
+    batch warmed at the model's size before serving (--warm on; the CPU's eager backend would skip it)."""
     need("starlette"), need("uvicorn")
     url, proc, log = start_server("--engines-per-device", "2", "--batch", "4", "--max-queue", "12", "--max-body-mb", "1",
-                                  "--max-side", "512", "--shutdown-grace", "30")
+                                  "--max-side", "512", "--shutdown-grace", "30", "--warm", "on")
     yield type("Server", (), dict(url=url, proc=proc, log=log))
     if proc.poll() is None:
         proc.kill()
@@ -129,7 +130,13 @@ def cli_samples(tmp_path, name, flags):
 
 def test_same_seed_same_images_as_fast_engine(server, tmp_path):
     """Requests sharing the running batches (three at once, other settings and condition types) get fast_engine.py's
-    images for the same seed and settings, pixel for pixel."""
+    images for the same seed and settings, pixel for pixel; so does the first request, at the model's size, in a
+    batch the server warmed at its start."""
+    cli_first = cli_samples(tmp_path, "first", ["--image-H", "256", "--image-W", "256", "--seed", "6"])
+    first = wait_final(server.url, call(f"{server.url}/v1/jobs", "POST", dict(seed=6))[2]["id"])
+    assert first["status"] == "done" and first["tokens_total"] == 256
+    got = pixels(call(server.url + first["images"][0])[2])
+    assert got.shape == (256, 256, 3) and np.array_equal(got, cli_first(1)[0])
     a = dict(width=64, height=64, num_images=2, seed=0)
     b = dict(width=64, height=64, seed=0, condition_type="seg", control={"example": "seg"}, top_p=0.9,
              temperature=0.8, cfg_scale=2.5, control_strength=0.5, top_k=100)
@@ -708,7 +715,7 @@ def test_bad_command_lines_are_one_line():
     """Bad flags: one `error:` line naming the fix, exit 2, before any model is built."""
     need("starlette"), need("uvicorn")
     for flags, words in ((["--port", "70000"], "--port"), (["--speculative", "jacobi"], "--speculative"),
-                         (["--batch", "0"], "--batch"), (["--decoders", "0"], "--decoders"),
+                         (["--batch", "0"], "--batch"), (["--decoders", "0"], "--decoders"), (["--warm", "x"], "--warm"),
                          (["--device", "cuda:7"], "cuda"),
                          (["--gpt-ckpt", "missing.safetensors"], "not found")):
         out = subprocess.run([sys.executable, os.path.join(ROOT, "fast_inference", "serve.py"), *flags],
