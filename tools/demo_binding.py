@@ -25,8 +25,17 @@ caption's shape colours at random (1 / shapes), at each shape's onset (the first
 holds any of its pixels), at the same onset after every token before it is replaced by those of the scene drawn
 without that shape (the VQ's tokens next to a shape carry some of its colour: here only the caption and the control
 can tell it, as when sampling), and over all tokens inside shapes (the tokens before mostly show it already).
+
+--attention: whether an image query can look up its shape's words: per layer, the attention mass that the queries
+predicting a shape's first tokens (teacher forced, true caption) put on the caption token of the shape's kind (which
+carries its colour: the demo text encoder's pair of a word and the one before it) beside the other shapes' kind
+tokens. The text positions' RoPE rows are zero (LlamaGen's and ControlAR's layout), which zeroes their queries and
+keys: every image query reads the caption as the plain mean of its tokens' values. So the binding can reach the image
+only inside that mean; reported is how far rotating the colours among the shapes moves it, against naming other
+colours.
 """
 import argparse
+import contextlib
 import copy
 import json
 import os
@@ -151,6 +160,78 @@ def colours(model, vq, encoder, size, device):
               f"(one of the caption's shape colours at random: {te[2].mean():.3f})")
 
 
+@contextlib.contextmanager
+def attention_recorded(into):
+    """SDPA as the model calls it, with each call's (attention probabilities (B, H, S, S), values (B, H, S, hd))
+    appended to `into`."""
+    sdpa = F.scaled_dot_product_attention
+
+    def recorded(q, k, v, attn_mask=None, **kw):
+        scores = q @ k.transpose(-1, -2) * q.shape[-1] ** -0.5
+        into.append((torch.softmax(scores if attn_mask is None else scores + attn_mask, -1), v))
+        return sdpa(q, k, v, attn_mask=attn_mask, **kw)
+
+    F.scaled_dot_product_attention = recorded
+    try:
+        yield into
+    finally:
+        F.scaled_dot_product_attention = sdpa
+
+
+def kind_word(s, k, T):
+    """The prefix position of shape k's kind word in scene s's caption (left padded to T tokens)."""
+    words = demo_text.words(s.caption)
+    shape = s.shapes[k]
+    i = next(i for i in range(1, len(words)) if words[i] == shape.kind and words[i - 1] == shape.colour)
+    return T - len(words) + i
+
+
+def gpt_attention(model, encoder, batch, maps, tokens, types):
+    """The GPT's layers' (probabilities, values) of a teacher-forced forward (the control adapter's own attention
+    calls left out), and the prefix length and text mask."""
+    keep = torch.zeros(len(batch), dtype=torch.bool, device=maps.device)
+    prefix, mask, controls = train_demo.gpt_inputs(model, encoder, batch, maps, types, keep)
+    S = prefix.shape[1] + tokens.shape[1] - 1
+    with attention_recorded([]) as calls:
+        train_demo.teacher_forced_hidden(model, prefix, mask, controls, tokens)
+    return [c for c in calls if c[0].shape[-1] == S], prefix.shape[1], mask
+
+
+def attention(model, batch, maps, tokens, encoder, types, entry, inside, device):
+    """Where the queries predicting the shapes' first tokens look in the caption (each layer's largest difference, over
+    heads, between the mass on the shape's own kind token and the others' mean), and how much of the caption's
+    binding reaches the image: each layer's mean of the caption's values (what every image query reads from it, its
+    keys being alike) moved by rotating the colours among the shapes, against naming other colours."""
+    layers, T, mask = gpt_attention(model, encoder, batch, maps, tokens, types)
+    rows, queries, own, others = [], [], [], []
+    for b, s in enumerate(batch):
+        words = [kind_word(s, k, T) for k in range(len(s.shapes))]
+        for k in range(len(s.shapes)):
+            for t in (inside[b, k][8::16, 8::16].flatten() & entry[b]).nonzero().flatten().tolist():
+                rows.append(b)
+                queries.append(T - 1 + t)  # the position whose output predicts token t
+                own.append(words[k])
+                others.append([w for j, w in enumerate(words) if j != k])
+    rows, queries, own = (torch.tensor(x, device=device) for x in (rows, queries, own))
+    means = {}
+    for name, captioned in (("true", batch), ("rotated", [rotated(s) for s in batch]),
+                            ("recoloured", [shapes_recoloured(s) for s in batch])):
+        text = mask[:, None, :, None].float()
+        means[name] = [((v[:, :, :T] * text).sum(2) / text.sum(2)).flatten(1) for _, v in
+                       gpt_attention(model, encoder, captioned, maps, tokens, types)[0]]
+    print(f"the caption as the image reads it, {len(batch)} scenes, {len(own)} shapes' first tokens:")
+    print("| layer | mass on own kind token - others' mean, largest over heads | the text values' mean moved by "
+          "colours rotated / by shapes recoloured (of its norm) |")
+    print("|---|---|---|")
+    for layer, (p, _) in enumerate(layers):
+        at = p[rows, :, queries]  # (Q, H, S)
+        mine = at.gather(2, own[:, None, None].expand(-1, at.shape[1], 1))[..., 0]
+        theirs = torch.stack([at[i, :, o].mean(-1) for i, o in enumerate(others)])
+        moved = [((means[n][layer] - means["true"][layer]).norm(dim=1) / means["true"][layer].norm(dim=1)).mean()
+                 for n in ("rotated", "recoloured")]
+        print(f"| {layer} | {(mine - theirs).mean(0).abs().max():.2e} | {moved[0]:.3f} / {moved[1]:.3f} |")
+
+
 def probe_accuracy(train, test, steps=500, classes=len(scenes.KINDS)):
     """A logistic regression of labels on standardised features, fitted on train; its accuracy on test."""
     (x, y), (xt, yt) = train, test
@@ -181,6 +262,8 @@ def main(argv=None):
     p.add_argument("--num", type=int, default=32, help="test scenes of two or more shapes")
     p.add_argument("--device", default="cpu")
     p.add_argument("--kinds", action="store_true", help="also the linear probe of kinds on the adapter's features")
+    p.add_argument("--attention", action="store_true", help="also where the heads of the queries of the shapes' first "
+                   "tokens look in the caption")
     p.add_argument("--colours", action="store_true", help="also the linear probe of shapes' colours on the GPT's "
                    "last hidden states")
     args = p.parse_args(argv)
@@ -203,6 +286,8 @@ def main(argv=None):
     _, inside = scenes.labels(batch, size, device)
     in_shape = inside.any(1)[:, 8::16, 8::16].flatten(1)
     entry = train_demo.entry_weights(batch, size, grid, 2.0, device) > 1
+    if args.attention:
+        attention(model, batch, maps, tokens, encoder, types, entry, inside, device)
 
     def nats(captioned, control, drop=False):
         dropped = torch.full((len(batch),), drop, device=device)
