@@ -108,6 +108,10 @@ def parse_args(argv=None):
                    "adapter's features at each token inside a shape which kind the shape is (a linear head; 0: none): "
                    "the caption names a shape's colour by its kind, which the features told 71%% of the time where "
                    "its colour is decided (tools/demo_binding.py --kinds)")
+    p.add_argument("--binding-weight", type=float, default=None, help="weight of a training-only loss asking each "
+                   "shape's colour from its kind and the mean of the embedded caption's tokens, which is all an image "
+                   "query reads of the caption (a linear head; 0: none): the demo words' additive embeddings leave "
+                   "which colour goes with which kind nearly out of it (tools/demo_binding.py --attention)")
     p.add_argument("--gpt-batch", type=int, default=None, help="scenes per GPT step (default: the preset's)")
     p.add_argument("--gpt-lr", type=float, default=None, help="the GPT's peak learning rate (default: the preset's)")
     p.add_argument("--log-every", type=int, default=50)
@@ -436,6 +440,22 @@ def kind_loss(head, features, kinds, drop):
     return F.cross_entropy(logits, kinds[inside]), (logits.argmax(-1) == kinds[inside]).float().mean()
 
 
+def binding_loss(head, prefix, mask, batch, drop):
+    """(cross-entropy, accuracy) of the binding head: each shape's colour from its kind and the mean of its caption's
+    embedded tokens (prefix (B, T, D) over the text mask), in the captioned rows. The text positions' queries and keys
+    are zero (their RoPE rows are), so every image query reads the caption as such a mean, in which additive word
+    embeddings lose which colour goes with which kind (tools/demo_binding.py --attention)."""
+    picked = [(b, scenes.KINDS.index(x.kind), scenes.COLOURS.index(x.colour))
+              for b, sc in enumerate(batch) if not drop[b] for x in sc.shapes]
+    if not picked:
+        return prefix.new_zeros(()), torch.tensor(float("nan"))
+    rows, kinds, colours = (torch.tensor(x, device=prefix.device) for x in zip(*picked))
+    text = mask[..., None].float()
+    mean = (prefix.float() * text).sum(1) / text.sum(1).clamp(min=1)
+    logits = head(F.rms_norm(mean, mean.shape[-1:])).view(len(batch), len(scenes.KINDS), -1)[rows, kinds]
+    return F.cross_entropy(logits, colours), (logits.argmax(-1) == colours).float().mean()
+
+
 def without_shape(s, k):
     """A copy of scene s without its shape k."""
     s = copy.deepcopy(s)
@@ -525,11 +545,13 @@ def colour_loss(head, hidden, rows, at, colours, drop):
 
 
 def gpt_loss(model, encoder, vq, indices, types, drop, tokens, preset, device, split="train", entry_weight=1.0,
-             colour=None, hide_until="onset", hide_dropped=False, recolour_share=RECOLOUR_SHARE, kind=None):
+             colour=None, hide_until="onset", hide_dropped=False, recolour_share=RECOLOUR_SHARE, kind=None,
+             binding=None):
     """-> (the tokens' cross-entropy, entry-weighted, {}). With colour = (head, weight): some rows' tokens before a
     shape's onset or e1 (hide_until) hidden (hide_before_onset; hide_dropped: dropped rows too), plus weight x the
     colour head's loss there (captioned rows only); with kind = (head, weight): plus weight x the kind head's loss on
-    the control features (kind_loss); the heads' accuracies in the dict."""
+    the control features (kind_loss); with binding = (head, weight): plus weight x the binding head's loss on the
+    embedded caption (binding_loss); the heads' accuracies in the dict."""
     size = preset["size"]
     batch, rgb, _ = images(indices, size, device, split)
     maps = control_maps(batch, types, rgb, size, device)
@@ -558,6 +580,10 @@ def gpt_loss(model, encoder, vq, indices, types, drop, tokens, preset, device, s
         kinds = token_kinds(batch, size, math.isqrt(tokens.shape[1]), device)
         extra, scores["kind_accuracy"] = kind_loss(head, features, kinds, drop)
         loss = loss + weight * extra
+    if binding is not None:
+        head, weight = binding
+        extra, scores["binding_accuracy"] = binding_loss(head, prefix, mask, batch, drop)
+        loss = loss + weight * extra
     return loss, scores
 
 
@@ -582,11 +608,15 @@ def train_gpt(args, preset, device, log, recipe, state):
     encoder = demo_text.DemoTextEncoder(margs["caption_dim"], margs["cls_token_num"])
     steps = preset["gpt_steps"] if args.gpt_steps is None else args.gpt_steps
     start = 0
-    # the colour and kind heads: training only (not stored with the model); one names a hidden shape's colour at its
-    # onset, the other each shape token's kind from the control features
+    # the colour, kind and binding heads: training only (not stored with the model); one names a hidden shape's colour
+    # at its onset, one each shape token's kind from the control features, one each shape's colour from its kind and
+    # the embedded caption's mean
     head = torch.nn.Linear(margs["dim"], len(scenes.COLOURS), device=device) if recipe["colour_weight"] else None
     kind_head = torch.nn.Linear(margs["dim"], len(scenes.KINDS), device=device) if recipe["kind_weight"] else None
-    trained = list(model.parameters()) + [p for h in (head, kind_head) if h for p in h.parameters()]
+    binding_head = torch.nn.Linear(margs["dim"], len(scenes.KINDS) * len(scenes.COLOURS), device=device) \
+        if recipe["binding_weight"] else None
+    heads = (head, kind_head, binding_head)
+    trained = list(model.parameters()) + [p for h in heads if h for p in h.parameters()]
     decay = [p for p in trained if p.dim() >= 2]
     rest = [p for p in trained if p.dim() < 2]
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.05}, {"params": rest, "weight_decay": 0.0}],
@@ -594,7 +624,7 @@ def train_gpt(args, preset, device, log, recipe, state):
     rng = np.random.RandomState(args.seed + 2)
     t0 = time.perf_counter()
     if args.resume:
-        start, steps, table, before = resume(state, model, ema, (head, kind_head), opt, rng, device)
+        start, steps, table, before = resume(state, model, ema, heads, opt, rng, device)
         state.clear()  # its copies of the weights and the pool (main holds the dict too)
         log(phase="gpt", resumed_at=start, of=steps, **recipe)
     else:
@@ -603,6 +633,7 @@ def train_gpt(args, preset, device, log, recipe, state):
     preset = dict(preset, gpt_batch=recipe["gpt_batch"])
     colour = (head, recipe["colour_weight"]) if head else None
     kind = (kind_head, recipe["kind_weight"]) if kind_head else None
+    binding = (binding_head, recipe["binding_weight"]) if binding_head else None
     log(phase="gpt", tokens_ready_seconds=round(time.perf_counter() - t0, 1))
     val = val_batch(preset, vq, device)
     done = start
@@ -614,7 +645,7 @@ def train_gpt(args, preset, device, log, recipe, state):
                                 tokens_of(indices, table, preset, vq, device), preset, device,
                                 entry_weight=recipe["entry_weight"], colour=colour,
                                 hide_until=recipe["hide_until"], hide_dropped=recipe["hide_dropped"],
-                                recolour_share=recipe["recolour_share"], kind=kind)
+                                recolour_share=recipe["recolour_share"], kind=kind, binding=binding)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(trained, 1.0)
@@ -632,7 +663,7 @@ def train_gpt(args, preset, device, log, recipe, state):
         if args.time_limit and time.perf_counter() - t0 > args.time_limit and done < steps:
             log(phase="gpt", stopped_early_at=done, of=steps)
             break
-    save_state(os.path.join(args.out, "gpt_state.pt"), model, ema, (head, kind_head), opt, rng, done, steps, table,
+    save_state(os.path.join(args.out, "gpt_state.pt"), model, ema, heads, opt, rng, done, steps, table,
                recipe, before)
     meta = {"text_encoder": demo_text.NAME, "text_seed": str(demo_text.SEED), "image_size": str(preset["size"]),
             "data": "fast_inference/scenes.py", "trained_steps": str(before + done), "seed": str(args.seed),
@@ -643,9 +674,9 @@ def train_gpt(args, preset, device, log, recipe, state):
 
 
 RECIPE = ("gpt_batch", "gpt_lr", "entry_weight", "colour_weight", "hide_until", "hide_dropped",
-          "recolour_share", "kind_weight")  # --resume keeps these
+          "recolour_share", "kind_weight", "binding_weight")  # --resume keeps these
 DEFAULT_WEIGHTS = dict(entry_weight=1.0, colour_weight=0.0, hide_until="onset", hide_dropped=False,
-                       recolour_share=RECOLOUR_SHARE, kind_weight=0.0)  # the plain loss
+                       recolour_share=RECOLOUR_SHARE, kind_weight=0.0, binding_weight=0.0)  # the plain loss
 
 
 def run_recipe(args, preset, state):
@@ -665,13 +696,14 @@ def run_recipe(args, preset, state):
 
 
 def save_state(path, model, ema, heads, opt, rng, done, steps, table, recipe, before):
-    """What --resume needs to go on as if never stopped: weights, average, the colour and kind heads, optimiser,
-    schedule, random states, the run's recipe, the steps of the --gpt-from model it started from (before)."""
-    head, kind_head = heads
+    """What --resume needs to go on as if never stopped: weights, average, the colour, kind and binding heads,
+    optimiser, schedule, random states, the run's recipe, the steps of the --gpt-from model it started from (before)."""
+    head, kind_head, binding_head = heads
     state = dict(model=model.state_dict(), ema=ema.state_dict(), opt=opt.state_dict(), step=done, steps=steps,
                  numpy_rng=rng.get_state(), torch_rng=torch.get_rng_state(), table=table, recipe=recipe,
                  colour_head=head.state_dict() if head else None, before=before,
                  kind_head=kind_head.state_dict() if kind_head else None,
+                 binding_head=binding_head.state_dict() if binding_head else None,
                  cuda_rng=torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None)
     torch.save(state, path + ".tmp")
     os.replace(path + ".tmp", path)
@@ -681,11 +713,13 @@ def resume(state, model, ema, heads, opt, rng, device):
     """Load --out's gpt_state.pt (state) into the run -> (next step, planned steps, token pool, steps before it)."""
     model.load_state_dict(state["model"])
     ema.load_state_dict(state["ema"])
-    head, kind_head = heads
+    head, kind_head, binding_head = heads
     if head:
         head.load_state_dict(state["colour_head"])
     if kind_head:
         kind_head.load_state_dict(state["kind_head"])
+    if binding_head:
+        binding_head.load_state_dict(state["binding_head"])
     opt.load_state_dict(state["opt"])
     rng.set_state(state["numpy_rng"])
     torch.set_rng_state(state["torch_rng"].cpu())
@@ -770,8 +804,9 @@ def check_run(args, preset, device):
         raise UserError("--recolour-share sets --hide-until e1's recoloured rows; give --hide-until e1 too")
     if recipe["hide_dropped"] and not recipe["colour_weight"]:  # the hiding comes with the colour head
         raise UserError("--hide-dropped widens --colour-weight's hidden rows; give --colour-weight too")
-    if recipe["kind_weight"] < 0:
-        raise UserError(f"--kind-weight {recipe['kind_weight']} is a loss weight; give a number >= 0")
+    for name in ("kind_weight", "binding_weight"):
+        if recipe[name] < 0:
+            raise UserError(f"--{name.replace('_', '-')} {recipe[name]} is a loss weight; give a number >= 0")
     return recipe, state
 
 

@@ -124,11 +124,12 @@ def test_gpt_goes_on_from_a_trained_one(tmp_path, capsys):
 
 def test_a_run_stopped_and_resumed_is_the_run_never_stopped(tmp_path, capsys):
     """--time-limit stops after a step and saves the run's state; --resume goes on (schedule, data order, random
-    states, average, the colour and kind heads, the run's batch, LR and loss weights without their flags): the same
+    states, average, the colour, binding and kind heads, the run's batch, LR and loss weights without their flags): the same
     weights as one uninterrupted run, and the log says where it resumed; a recipe flag that differs from the run's is
     refused."""
     a, b = tmp_path / "a", tmp_path / "b"
-    recipe = ("--gpt-batch", 3, "--gpt-lr", 1e-3, "--entry-weight", 2, "--colour-weight", 0.5, "--kind-weight", 0.5)
+    recipe = ("--gpt-batch", 3, "--gpt-lr", 1e-3, "--entry-weight", 2, "--colour-weight", 0.5, "--binding-weight", 0.5,
+              "--kind-weight", 0.5)
     train(a, "--gpt-steps", 12, *recipe)  # an average of decay 1/6 from step 2 on
     train(b, "--phase", "gpt", "--vq-from", a, "--gpt-steps", 12, "--time-limit", 1e-9, *recipe)
     assert read_metadata(b / "gpt.safetensors")["trained_steps"] == "1"
@@ -139,11 +140,14 @@ def test_a_run_stopped_and_resumed_is_the_run_never_stopped(tmp_path, capsys):
     log = (b / "train_log.jsonl").read_text()
     assert '"resumed_at": 11' in log and '"colour_weight": 0.5' in log and "colour_accuracy_at_onsets" in log
     assert '"kind_weight": 0.5' in log and "kind_accuracy" in log
-    c, d = tmp_path / "c", tmp_path / "d"
+    assert '"binding_weight": 0.5' in log and "binding_accuracy" in log
+    c, d, e = tmp_path / "c", tmp_path / "d", tmp_path / "e"
     train(c, "--gpt-steps", 12, *recipe[:-2])  # no kind head
     assert not same_tensors(a / "gpt.safetensors", c / "gpt.safetensors")
+    train(e, "--gpt-steps", 12, *recipe[:-4])  # no binding head either
+    assert not same_tensors(c / "gpt.safetensors", e / "gpt.safetensors")
     train(d, "--gpt-steps", 12, "--gpt-batch", 3, "--gpt-lr", 1e-3, "--entry-weight", 2)  # no colour head
-    assert not same_tensors(c / "gpt.safetensors", d / "gpt.safetensors")
+    assert not same_tensors(e / "gpt.safetensors", d / "gpt.safetensors")
     assert "run's --colour-weight 0.5" in refused(capsys, b, "--phase", "gpt", "--vq-from", a, "--resume",
                                                   "--colour-weight", 1)  # the run's files untouched
     assert "run's --kind-weight 0.5" in refused(capsys, b, "--phase", "gpt", "--vq-from", a, "--resume",
@@ -156,6 +160,7 @@ def test_a_run_stopped_and_resumed_is_the_run_never_stopped(tmp_path, capsys):
     (["--colour-weight", "1", "--recolour-share", "0.1"], "give --hide-until e1 too"),
     (["--colour-weight", "1", "--hide-until", "e1", "--recolour-share", "1.5"], "give a number from 0 to 1"),
     (["--kind-weight", "-1"], "give a number >= 0"),
+    (["--binding-weight", "-0.5"], "give a number >= 0"),
     (["--phase", "gpt"], "give --vq-from a trained VQ's folder"),
     (["--phase", "gpt", "--vq-from", "{tmp}"], "give the folder of a trained VQ"),
     (["--gpt-from", "{tmp}"], "give the folder of a trained GPT"),
@@ -424,7 +429,8 @@ def test_hide_until_is_part_of_the_runs_recipe(tmp_path, capsys):
     args = train_demo.parse_args(["--out", "x"])
     old = dict(gpt_batch=3, gpt_lr=1e-3, entry_weight=2.0, colour_weight=0.5)
     assert train_demo.run_recipe(args, train_demo.PRESETS["test"], dict(recipe=old)) == dict(
-        old, hide_until="onset", hide_dropped=False, recolour_share=train_demo.RECOLOUR_SHARE, kind_weight=0.0)
+        old, hide_until="onset", hide_dropped=False, recolour_share=train_demo.RECOLOUR_SHARE, kind_weight=0.0,
+        binding_weight=0.0)
 
 
 def picks_reference(batch, drop, dropped):
@@ -574,6 +580,35 @@ def test_gpt_loss_adds_the_kind_heads_loss_on_the_control_features(monkeypatch):
     want = train_demo.kind_loss(head, made[1], train_demo.token_kinds(batch, preset["size"], grid, "cpu"),
                                 torch.as_tensor(drop))[0]
     assert want.item() > 0 and abs(total.item() - (plain.item() + 0.5 * want.item())) < 1e-5
+
+
+def test_the_binding_head_reads_each_shapes_kind_from_the_captions_mean():
+    """binding_loss: each shape of the captioned rows scored at its (kind, colour) entry of the head over the mean of
+    its caption's embedded tokens (the text mask's); the dropped rows skipped; no shape captioned: no loss."""
+    torch.manual_seed(0)
+    batch = [s for s in scenes.scenes(range(20), "train") if len(s.shapes) >= 2][:3]
+    head = torch.nn.Linear(8, len(scenes.KINDS) * len(scenes.COLOURS))
+    prefix = torch.randn(3, 6, 8)
+    mask = torch.tensor([[0, 0, 1, 1, 1, 1], [0, 1, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1]], dtype=torch.bool)
+    drop = torch.tensor([False, True, False])
+    loss, accuracy = train_demo.binding_loss(head, prefix, mask, batch, drop)
+    logits, want = [], []
+    for b in (0, 2):
+        mean = prefix[b][mask[b]].mean(0)
+        out = head(torch.nn.functional.rms_norm(mean, (8,))).view(len(scenes.KINDS), len(scenes.COLOURS))
+        for x in batch[b].shapes:
+            logits.append(out[scenes.KINDS.index(x.kind)])
+            want.append(scenes.COLOURS.index(x.colour))
+    logits, want = torch.stack(logits), torch.tensor(want)
+    assert abs(loss.item() - torch.nn.functional.cross_entropy(logits, want).item()) < 1e-5
+    assert accuracy.item() == (logits.argmax(-1) == want).float().mean().item()
+    padded = prefix.clone()
+    padded[0, :2] += 100  # the padding is not read
+    assert abs(train_demo.binding_loss(head, padded, mask, batch, drop)[0].item() - loss.item()) < 1e-6
+    every = train_demo.binding_loss(head, prefix, mask, batch, torch.zeros(3, dtype=torch.bool))[0]
+    assert abs(every.item() - loss.item()) > 1e-4  # the dropped row's shapes would change it
+    loss, accuracy = train_demo.binding_loss(head, prefix, mask, batch, torch.ones(3, dtype=torch.bool))
+    assert loss.item() == 0 and accuracy.isnan()
 
 
 def test_the_colour_head_skips_dropped_rows():

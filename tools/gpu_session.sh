@@ -37,8 +37,9 @@ usage: tools/gpu_session.sh STEP...      (steps run in order; each writes OUT/<s
           tools/demo_binding.py's (OUT/demo_binding.txt).
           DEMO_GPT_FROM (gpt): start from a trained GPT folder (its gpt.safetensors only); DEMO_ENTRY_WEIGHT,
           DEMO_COLOUR_WEIGHT, DEMO_HIDE_UNTIL (onset | e1), DEMO_HIDE_DROPPED=1, DEMO_RECOLOUR_SHARE, DEMO_GPT_BATCH,
-          DEMO_GPT_LR, DEMO_KIND_WEIGHT (gpt): --entry-weight, --colour-weight, --hide-until, --hide-dropped,
-          --recolour-share, --gpt-batch, --gpt-lr, --kind-weight (resume keeps the run's own);
+          DEMO_GPT_LR, DEMO_KIND_WEIGHT, DEMO_BINDING_WEIGHT (gpt): --entry-weight, --colour-weight, --hide-until,
+          --hide-dropped, --recolour-share, --gpt-batch, --gpt-lr, --kind-weight, --binding-weight (resume keeps the
+          run's own);
           DEMO_TIMING="128 512": tools/train_step_timing.py at those batch sizes first (OUT/train_timing_B.txt).
           The shipped model's last phase (PERF_NOTES, "Eleventh session"): from the model before it, --hide-until e1
           with a decoy sliver in a tenth of the hidden rows (colour3/colour4 had half: their caption branch came to
@@ -313,7 +314,8 @@ step_demo() {
                  ${DEMO_COLOUR_WEIGHT:+--colour-weight "$DEMO_COLOUR_WEIGHT"} ${DEMO_GPT_BATCH:+--gpt-batch "$DEMO_GPT_BATCH"}
                  ${DEMO_GPT_LR:+--gpt-lr "$DEMO_GPT_LR"} ${DEMO_HIDE_UNTIL:+--hide-until "$DEMO_HIDE_UNTIL"}
                  ${DEMO_RECOLOUR_SHARE:+--recolour-share "$DEMO_RECOLOUR_SHARE"}
-                 ${DEMO_KIND_WEIGHT:+--kind-weight "$DEMO_KIND_WEIGHT"})
+                 ${DEMO_KIND_WEIGHT:+--kind-weight "$DEMO_KIND_WEIGHT"}
+                 ${DEMO_BINDING_WEIGHT:+--binding-weight "$DEMO_BINDING_WEIGHT"})
     if [[ ${DEMO_HIDE_DROPPED:-0} == 1 ]]; then train+=(--hide-dropped); fi
     mkdir -p "$run" "$out/demo"
     for b in ${DEMO_TIMING:-}; do  # a training step's parts and kernels at these batch sizes, before training
