@@ -555,15 +555,20 @@ def test_the_kind_head_reads_the_shapes_tokens_of_the_captioned_rows():
     assert loss.item() == 0 and accuracy.isnan()
 
 
-def test_gpt_loss_adds_the_kind_heads_loss_on_the_control_features(monkeypatch):
-    """gpt_loss with kind = (head, w): the tokens' loss plus w x kind_loss on the adapter's features of this batch
-    (control_features made once, for both the kind head and the GPT's control tokens)."""
+def preset_model():
+    """(preset, GPT, VQ, text encoder) of the test preset, in eval mode, the GPT's official init from seed 0."""
     torch.manual_seed(0)
     preset = train_demo.PRESETS["test"]
     model = Transformer(ModelArgs(**train_demo.gpt_args(preset, dict(codebook_size=64, z_channels=32)))).eval()
     train_demo.init_gpt(model)
     vq = VQModel(VQConfig(**preset["vq"])).eval()
-    encoder = demo_text.DemoTextEncoder(model.args.caption_dim, model.args.cls_token_num)
+    return preset, model, vq, demo_text.DemoTextEncoder(model.args.caption_dim, model.args.cls_token_num)
+
+
+def test_gpt_loss_adds_the_kind_heads_loss_on_the_control_features(monkeypatch):
+    """gpt_loss with kind = (head, w): the tokens' loss plus w x kind_loss on the adapter's features of this batch
+    (control_features made once, for both the kind head and the GPT's control tokens)."""
+    preset, model, vq, encoder = preset_model()
     B, types = 6, ["canny", "seg"] * 3
     tokens = encode(vq, train_demo.images(range(B), preset["size"], "cpu")[0], preset["size"])
     drop = np.array([i == 1 for i in range(B)])
@@ -634,12 +639,7 @@ def test_the_colour_head_skips_dropped_rows():
 def test_gpt_loss_hides_dropped_rows_but_names_captioned_colours_only(monkeypatch):
     """gpt_loss with --hide-dropped: hide_before_onset's rows include dropped ones, and the colour head reads one
     hidden state per captioned row among them, none for the dropped."""
-    torch.manual_seed(0)
-    preset = train_demo.PRESETS["test"]
-    model = Transformer(ModelArgs(**train_demo.gpt_args(preset, dict(codebook_size=64, z_channels=32)))).eval()
-    train_demo.init_gpt(model)
-    vq = VQModel(VQConfig(**preset["vq"])).eval()
-    encoder = demo_text.DemoTextEncoder(model.args.caption_dim, model.args.cls_token_num)
+    preset, model, vq, encoder = preset_model()
     B, types = 8, ["canny", "seg"] * 4
     tokens = encode(vq, train_demo.images(range(B), preset["size"], "cpu")[0], preset["size"])
     drop = np.array([i % 2 == 0 for i in range(B)])

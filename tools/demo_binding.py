@@ -213,12 +213,12 @@ def attention(model, batch, maps, tokens, encoder, types, entry, inside, device)
                 own.append(words[k])
                 others.append([w for j, w in enumerate(words) if j != k])
     rows, queries, own = (torch.tensor(x, device=device) for x in (rows, queries, own))
-    means = {}
-    for name, captioned in (("true", batch), ("rotated", [rotated(s) for s in batch]),
+    text = mask[:, None, :, None].float()
+    text_means = lambda calls: [((v[:, :, :T] * text).sum(2) / text.sum(2)).flatten(1) for _, v in calls]
+    means = dict(true=text_means(layers))  # the true caption's forward is the one above
+    for name, captioned in (("rotated", [rotated(s) for s in batch]),
                             ("recoloured", [shapes_recoloured(s) for s in batch])):
-        text = mask[:, None, :, None].float()
-        means[name] = [((v[:, :, :T] * text).sum(2) / text.sum(2)).flatten(1) for _, v in
-                       gpt_attention(model, encoder, captioned, maps, tokens, types)[0]]
+        means[name] = text_means(gpt_attention(model, encoder, captioned, maps, tokens, types)[0])
     print(f"the caption as the image reads it, {len(batch)} scenes, {len(own)} shapes' first tokens:")
     print("| layer | mass on own kind token - others' mean, largest over heads | the text values' mean moved by "
           "colours rotated / by shapes recoloured (of its norm) |")
