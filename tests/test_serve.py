@@ -470,6 +470,11 @@ def test_load_every_request_answered_once(server):
     # the jobs decoded in the phase, each engine's mean per stage: none negative, none longer than the phase
     assert sum(e["jobs"] for e in threads) == 24
     assert all(0 <= v <= load["seconds"] for e in threads if e["jobs"] for v in e["per_job_seconds"].values()), threads
+    # the lone request's time by stage: its one job, its tokens' steps, and the rest at the client, none negative
+    lone = result["lone"]
+    assert lone["requests"] == 1 and lone["jobs"] == 1 and lone["per_job_seconds"]["tokens"] > 0, lone
+    assert min(lone["per_job_seconds"].values()) >= 0 and lone["step_ms"] > 0 and lone["outside_s"] > -0.01, lone
+    assert sum(lone["per_job_seconds"].values()) + lone["outside_s"] <= result["lone_request_s"] + 0.01, lone
 
 
 VIEWPORTS = dict(desktop=dict(viewport={"width": 1200, "height": 900}),

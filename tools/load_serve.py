@@ -199,6 +199,23 @@ def engine_time(before, after):
                 jobs=jobs, per_job_seconds=per_job)
 
 
+def lone_time(before, after, walls):
+    """Where the lone requests' time went, summed over the engines: a request's mean seconds in each of the server's
+    stages (queued: parsed to admitted, its prefill included; tokens; decode_queue; decode), a step's mean ms, and
+    the rest of its wall time at the client (the request's parsing, the PNG answer, HTTP)."""
+    if not walls:
+        return None
+    jobs = sum(b["jobs_done"] - a["jobs_done"] for a, b in zip(before["engines"], after["engines"]))
+    steps = sum(b["steps"] - a["steps"] for a, b in zip(before["engines"], after["engines"]))
+    step_s = sum(b["seconds"]["step"] - a["seconds"]["step"] for a, b in zip(before["engines"], after["engines"]))
+    stages = {k: round(sum(b["job_seconds"][k] - a["job_seconds"][k] for a, b in zip(before["engines"],
+                                                                                    after["engines"])) / max(jobs, 1), 4)
+              for k in after["engines"][0]["job_seconds"]}
+    return dict(requests=len(walls), jobs=jobs, per_job_seconds=stages,
+                step_ms=round(1e3 * step_s / steps, 4) if steps else None,
+                outside_s=round(statistics.mean(walls) - sum(stages.values()), 4))
+
+
 def main(argv=None):
     args = parse_args(argv)
     folder = tempfile.mkdtemp(prefix="load_split_")
@@ -212,6 +229,7 @@ def main(argv=None):
         post(args.url + "/v1/generate", bodies[0], args.timeout)
         run_clients(args.url, bodies[:warm], min(args.clients, max(warm, 1)), args.timeout)
         lone = []
+        alone = json.load(urllib.request.urlopen(args.url + "/v1/info"))
         for i in range(args.lone):
             t0 = time.perf_counter()
             status, out, _ = post(args.url + "/v1/generate", bodies[i % len(bodies)], args.timeout)
@@ -225,7 +243,8 @@ def main(argv=None):
     result = dict(clients=args.clients, size=args.size, model=info["model"], engines=[e["device"] for e in
                                                                                       info["engines"]],
                   load=summarize(answers, len(bodies), seconds, retries),
-                  lone_request_s=round(statistics.median(lone), 4) if lone else None, server_exit=code,
+                  lone_request_s=round(statistics.median(lone), 4) if lone else None,
+                  lone=lone_time(alone, before, lone), server_exit=code,
                   engine_threads=[engine_time(a, b) for a, b in zip(before["engines"], info["engines"])])
     if args.compare:
         result["fast_eval"] = time_eval(args.model, folder, args.requests, args.size, args.eval_batch)
@@ -236,6 +255,11 @@ def main(argv=None):
           f", {args.size}x{args.size}): answered once {load['answered_once']}, lost {load['lost']}, 503 retries "
           f"{load['retries_503']}; {load['images_per_s']} images/s, latency p50 {load['p50_s']}s p95 {load['p95_s']}s;"
           f" a lone request {result['lone_request_s']}s")
+    if result["lone"]:
+        lone = result["lone"]
+        stages = ", ".join(f"{k} {v}s" for k, v in lone["per_job_seconds"].items())
+        print(f"a lone request in the server: {stages}, {lone['step_ms']} ms a step; outside those (parsing, the PNG "
+              f"answer, HTTP): {lone['outside_s']}s")
     for i, e in enumerate(result["engine_threads"]):
         spent = ", ".join(f"{k} {v}s" for k, v in e["seconds"].items())
         per_job = ", ".join(f"{k} {v}s" for k, v in e["per_job_seconds"].items())
