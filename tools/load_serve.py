@@ -201,8 +201,9 @@ def engine_time(before, after):
 
 def lone_time(before, after, walls):
     """Where the lone requests' time went, summed over the engines: a request's mean seconds in each of the server's
-    stages (queued: parsed to admitted, its prefill included; tokens; decode_queue; decode), a step's mean ms, and
-    the rest of its wall time at the client (the request's parsing, the PNG answer, HTTP)."""
+    stages (queued; tokens: its prefill and steps; decode_queue; decode) and their sum (image_s: the server's time
+    for the image, as fast_engine.py's stages time its image, neither counting a PNG), a step's mean ms, and the rest
+    of its wall time at the client (the request's parsing, the PNG answer, HTTP)."""
     if not walls:
         return None
     jobs = sum(b["jobs_done"] - a["jobs_done"] for a, b in zip(before["engines"], after["engines"]))
@@ -211,7 +212,7 @@ def lone_time(before, after, walls):
     stages = {k: round(sum(b["job_seconds"][k] - a["job_seconds"][k] for a, b in zip(before["engines"],
                                                                                     after["engines"])) / max(jobs, 1), 4)
               for k in after["engines"][0]["job_seconds"]}
-    return dict(requests=len(walls), jobs=jobs, per_job_seconds=stages,
+    return dict(requests=len(walls), jobs=jobs, per_job_seconds=stages, image_s=round(sum(stages.values()), 4),
                 step_ms=round(1e3 * step_s / steps, 4) if steps else None,
                 outside_s=round(statistics.mean(walls) - sum(stages.values()), 4))
 
@@ -269,6 +270,10 @@ def main(argv=None):
         print(f"fast_eval.py --batch {args.eval_batch}: {result['fast_eval']['images_per_s']} images/s; "
               f"fast_engine.py one image: {result['fast_engine_one_image_s']}s (in-process stages: "
               f"{result['fast_engine_stages_s']})")
+        if result["lone"]:
+            one = result["fast_engine_one_image_s"]
+            print(f"a lone request against fast_engine.py's image: {result['lone']['image_s'] / one:.3f}x in the "
+                  f"server's stages, {result['lone_request_s'] / one:.3f}x at the client")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1)
