@@ -339,7 +339,7 @@ step_demo() {
         "$py" "$root/scripts/eval_demo.py" --device cuda --gpt-model "$run/gpt.json" --gpt-ckpt "$run/gpt.safetensors" \
             --vq-model "$run/vq.json" --vq-ckpt "$run/vq.safetensors" --cfg-scale "${DEMO_CFG:-1.5}" \
             --out "$out/demo_eval.json" --figure "$out/demo_model.png"
-        "$py" "$here/demo_binding.py" --model "$run" --device cuda --kinds --attention --colours | tee "$out/demo_binding.txt"
+        "$py" "$here/demo_binding.py" --model "$run" --device cuda --kinds --attention | tee "$out/demo_binding.txt"
     fi
 }
 
