@@ -20,8 +20,15 @@ import early
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+# strides that are no multiple of 16 at GPT-XL's shapes: key_valid's row (the cache's 1,144 positions at 512 px) and a
+# window's masks' row (its L queries)
+UNEVEN = ("stride_valid", "stride_mr")
+
+
 def build(kernel, signature, constexprs, options, attrs=None, stack=0):
-    """kernel compiled for sm_90 (attrs: Triton's argument specialisations, by default every pointer aligned);
+    """kernel compiled for sm_90 (attrs: Triton's argument specialisations, by default every pointer aligned and every
+    stride argument a multiple of 16, as the JIT specialises them at GPT-XL's shapes: without it a loop's loads may
+    not become async copies, docs/PERF_NOTES.md, "Thirteenth session");
     asserts that at most `stack` bytes spill to local memory (a stack frame): a kernel that holds its tiles in
     registers is slowed several times over by more, so none unless a measurement showed that a few cost less than
     what they buy."""
@@ -29,8 +36,9 @@ def build(kernel, signature, constexprs, options, attrs=None, stack=0):
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    if attrs is None:  # every pointer 16-byte aligned, as the JIT specialises a torch tensor's (vector loads)
-        attrs = {(i,): [["tt.divisibility", 16]] for i, t in enumerate(signature.values()) if t.startswith("*")}
+    if attrs is None:  # every pointer 16-byte aligned and every stride a multiple of 16, as the JIT specialises them
+        attrs = {(i,): [["tt.divisibility", 16]] for i, (name, t) in enumerate(signature.items())
+                 if t.startswith("*") or (name.startswith("stride") and name not in UNEVEN and t in ("i32", "i64"))}
     signature = {**signature, **{name: "constexpr" for name in constexprs}}
     k = triton.compile(ASTSource(kernel, signature, constexprs=constexprs, attrs=attrs),
                        target=GPUTarget("cuda", 90, 32), options=options)
