@@ -1,5 +1,6 @@
 """scripts/train_demo.py: its training forward is the model's, a few steps of a tiny preset run on the CPU, the same
 seed gives the same files, and what it writes loads and samples through fast_engine.py (the demo text encoder)."""
+import json
 import math
 import os
 import sys
@@ -120,6 +121,33 @@ def test_gpt_goes_on_from_a_trained_one(tmp_path, capsys):
     assert not same_tensors(a / "gpt.safetensors", c / "gpt.safetensors")
     err = refused(capsys, tmp_path / "d", "--preset", "cpu", "--phase", "gpt", "--vq-from", a, "--gpt-from", a)
     assert "not this preset's model" in err and "give the --preset it was trained with" in err
+
+
+def caption_log(folder):
+    """--phase caption's logged steps."""
+    rows = [json.loads(line) for line in (folder / "train_log.jsonl").read_text().splitlines()]
+    return [r for r in rows if r.get("phase") == "caption" and "step" in r]
+
+
+def test_the_caption_phase_trains_the_caption_mlp_alone(tmp_path, capsys):
+    """--phase caption: from a trained GPT's folder, a model's folder whose weights differ from it in the caption MLP
+    only (the null caption kept), its VQ copied along; the binding head reads more colours as it trains, and
+    --caption-keep holds the MLP's outputs nearer the old ones; a missing --gpt-from is one error line."""
+    a, b, c, d = tmp_path / "a", tmp_path / "b", tmp_path / "c", tmp_path / "d"
+    train(a)
+    train(b, "--phase", "caption", "--gpt-from", a, "--caption-steps", 60, "--log-every", 20, "--caption-keep", 0)
+    assert (a / "gpt.json").read_bytes() == (b / "gpt.json").read_bytes()
+    assert all((a / n).read_bytes() == (b / n).read_bytes() for n in ("vq.json", "vq.safetensors"))
+    x, y = load_file(a / "gpt.safetensors"), load_file(b / "gpt.safetensors")
+    changed = {k for k in x if not torch.equal(x[k], y[k])}
+    assert x.keys() == y.keys() and changed and all(k.startswith("cls_embedding.cap_proj.") for k in changed), changed
+    assert read_metadata(b / "gpt.safetensors")["caption_steps"] == "60"
+    free = caption_log(b)
+    assert len(free) == 3 and free[-1]["test_binding_accuracy"] > free[0]["test_binding_accuracy"], free
+    train(c, "--phase", "caption", "--gpt-from", a, "--caption-steps", 60, "--log-every", 20, "--caption-keep", 1e4)
+    assert caption_log(c)[-1]["caption_change"] < free[-1]["caption_change"] / 2, (caption_log(c), free)
+    assert "give --gpt-from its folder" in refused(capsys, d, "--phase", "caption")
+    assert "has no gpt.json" in refused(capsys, d, "--phase", "caption", "--gpt-from", tmp_path)
 
 
 def test_a_run_stopped_and_resumed_is_the_run_never_stopped(tmp_path, capsys):

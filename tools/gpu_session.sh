@@ -35,7 +35,8 @@ usage: tools/gpu_session.sh STEP...      (steps run in order; each writes OUT/<s
           (OUT/demo_eval.json, OUT/demo_model.png; at guidance DEMO_CFG, default 1.5 as the shipped model's: a
           run's folder is not the demo model to eval_demo.py, whose own default is the official 4) and
           tools/demo_binding.py's (OUT/demo_binding.txt).
-          DEMO_GPT_FROM (gpt): start from a trained GPT folder (its gpt.safetensors only); DEMO_ENTRY_WEIGHT,
+          DEMO_GPT_FROM (gpt): start from a trained GPT folder (its gpt.safetensors only; a folder of
+          train_demo.py --phase caption made here is carried: carry ["checkpoints/demo_caption"]); DEMO_ENTRY_WEIGHT,
           DEMO_COLOUR_WEIGHT, DEMO_HIDE_UNTIL (onset | e1), DEMO_HIDE_DROPPED=1, DEMO_RECOLOUR_SHARE, DEMO_GPT_BATCH,
           DEMO_GPT_LR, DEMO_KIND_WEIGHT, DEMO_BINDING_WEIGHT (gpt): --entry-weight, --colour-weight, --hide-until,
           --hide-dropped, --recolour-share, --gpt-batch, --gpt-lr, --kind-weight, --binding-weight (resume keeps the
