@@ -73,7 +73,7 @@ RECOLOUR_SHARE = 0.5  # --hide-until e1: the hidden rows whose context shows the
 ENTRY_TOKENS = 4  # --entry-weight's tokens per region: the first of a shape's top row, whose colour the rest copy
 FULL_EVERY = 4  # every 4th VQ step sees whole images (as many pixels as the other steps' random crops)
 # --phase caption (issue 77): the shipped model's caption MLP put each shape's colour by its kind into the captions'
-# mean at 99.5% (512 test captions) with its outputs 1.7% changed, in 800 steps of Adam at 1e-3 (docs/demo_model.md)
+# mean at 99.1% (512 test captions) with its outputs 1.7% changed, in 800 steps of Adam at 1e-3 (docs/demo_model.md)
 CAPTION_STEPS, CAPTION_BATCH, CAPTION_LR, CAPTION_KEEP = 800, 64, 1e-3, 10.0
 VQ_FILES = ("vq.json", "vq.safetensors")  # a trained VQ's folder holds these (--vq-from's, --phase gpt's --out)
 
@@ -726,7 +726,7 @@ def train_caption(args, margs, device, log):
         last = done == args.caption_steps or (args.time_limit and time.perf_counter() - t0 > args.time_limit)
         if done % args.log_every == 0 or last:
             with torch.no_grad():
-                test_ce, test_accuracy, test_change = caption_loss(model, before, head, encoder, test)
+                _, test_accuracy, test_change = caption_loss(model, before, head, encoder, test)
             log(phase="caption", step=done, binding_loss=round(ce.item(), 4),
                 binding_accuracy=round(accuracy.item(), 4), test_binding_accuracy=round(test_accuracy.item(), 4),
                 caption_change=round(test_change.item(), 5), seconds=round(time.perf_counter() - t0, 1))
@@ -847,6 +847,9 @@ def check_caption(args):
         raise UserError("--phase caption trains a trained GPT's caption MLP; give --gpt-from its folder")
     if lost := missing_file(args.gpt_from, ("gpt.json", "gpt.safetensors")):
         raise UserError(f"--gpt-from {args.gpt_from} has no {lost}; give the folder of a trained GPT")
+    if args.vq_from and (lost := missing_file(args.vq_from, VQ_FILES)):
+        raise UserError(f"--vq-from {args.vq_from} has no {lost}; give the folder of a trained VQ "
+                        f"({' + '.join(VQ_FILES)})")
     if args.caption_steps < 1 or args.caption_keep < 0:
         raise UserError("--caption-steps is a count >= 1 and --caption-keep a weight >= 0")
     with open(os.path.join(args.gpt_from, "gpt.json")) as f:

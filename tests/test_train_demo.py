@@ -148,6 +148,8 @@ def test_the_caption_phase_trains_the_caption_mlp_alone(tmp_path, capsys):
     assert caption_log(c)[-1]["caption_change"] < free[-1]["caption_change"] / 2, (caption_log(c), free)
     assert "give --gpt-from its folder" in refused(capsys, d, "--phase", "caption")
     assert "has no gpt.json" in refused(capsys, d, "--phase", "caption", "--gpt-from", tmp_path)
+    assert "give the folder of a trained VQ" in refused(capsys, d, "--phase", "caption", "--gpt-from", a, "--vq-from",
+                                                        tmp_path)
 
 
 def test_a_run_stopped_and_resumed_is_the_run_never_stopped(tmp_path, capsys):
