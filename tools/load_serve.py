@@ -206,11 +206,11 @@ def lone_time(before, after, walls):
     of its wall time at the client (the request's parsing, the PNG answer, HTTP)."""
     if not walls:
         return None
-    jobs = sum(b["jobs_done"] - a["jobs_done"] for a, b in zip(before["engines"], after["engines"]))
-    steps = sum(b["steps"] - a["steps"] for a, b in zip(before["engines"], after["engines"]))
-    step_s = sum(b["seconds"]["step"] - a["seconds"]["step"] for a, b in zip(before["engines"], after["engines"]))
-    stages = {k: round(sum(b["job_seconds"][k] - a["job_seconds"][k] for a, b in zip(before["engines"],
-                                                                                    after["engines"])) / max(jobs, 1), 4)
+    pairs = list(zip(before["engines"], after["engines"]))
+    jobs = sum(b["jobs_done"] - a["jobs_done"] for a, b in pairs)
+    steps = sum(b["steps"] - a["steps"] for a, b in pairs)
+    step_s = sum(b["seconds"]["step"] - a["seconds"]["step"] for a, b in pairs)
+    stages = {k: round(sum(b["job_seconds"][k] - a["job_seconds"][k] for a, b in pairs) / max(jobs, 1), 4)
               for k in after["engines"][0]["job_seconds"]}
     return dict(requests=len(walls), jobs=jobs, per_job_seconds=stages, image_s=round(sum(stages.values()), 4),
                 step_ms=round(1e3 * step_s / steps, 4) if steps else None,
