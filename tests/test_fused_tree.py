@@ -19,7 +19,7 @@ from fast_inference import model as model_module, plan
 from fast_inference.engine import Engine
 from fast_inference.generate import generate
 from fast_inference.kernels.block import fused_block
-from test_reference import tiny_inputs, tiny_model
+from test_reference import greedy_case
 import forced_pass
 
 checked = 0
@@ -27,10 +27,7 @@ checked = 0
 # a tree's pass on the fused block's kernels, greedy (the tokens follow every logit), 2 x 19 nodes = 38 rows on the
 # window kernels: the reference's tokens, as the eager blocks give them; every node's key written at the window's
 # first slot gives others
-model = tiny_model(cls=8, seed=3)
-cond, mask, condition = tiny_inputs(model)
-kw = dict(emb_masks=mask, condition=condition, cfg_scale=4.0, control_strength=0.8, top_k=1)
-n = model.args.block_size
+model, cond, n, kw = greedy_case()
 ref = generate(model, cond, n, **kw)
 window_kernels = dict(attention="triton", inputs="triton")
 

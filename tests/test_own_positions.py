@@ -141,7 +141,7 @@ from fast_inference.kernels import attention_triton, inputs_triton
 from fast_inference.kernels.block import fused_block
 from fast_inference.model import Context
 from test_continuous import alone, requests, run
-from test_reference import tiny_inputs, tiny_model
+from test_reference import greedy_case, tiny_model
 
 make = plan.make
 
@@ -170,10 +170,7 @@ def with_window_kernels(s):
 engine_module.plans.make = with_window_kernels
 checked = 0
 # the pass: greedy tokens equal the reference's, windows shorter and longer than what is left of the image
-model = tiny_model(cls=8, seed=3)
-cond, mask, condition = tiny_inputs(model)
-kw = dict(emb_masks=mask, condition=condition, cfg_scale=4.0, control_strength=0.8, top_k=1)
-n = model.args.block_size
+model, cond, n, kw = greedy_case()
 ref = generate(model, cond, n, **kw)
 for window, FUSED, SPLITS in ((4, False, "merge"), (16, False, "fold"), (4, True, "fold"), (16, True, "merge")):
     engine = Engine(model, backend="eager", speculative="jacobi", draft_window=window)

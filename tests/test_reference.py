@@ -67,6 +67,15 @@ def tiny_inputs(model, B=2, valid=(3, 8)):
     return cond, mask, condition
 
 
+def greedy_case():
+    """The speculative tests' greedy case: a tiny t2i model of seed 3, tiny_inputs' two captions and controls, CFG 4
+    and top-k 1 -> (model, cond, tokens per image, generate's keywords)."""
+    model = tiny_model(cls=8, seed=3)
+    cond, mask, condition = tiny_inputs(model)
+    kw = dict(emb_masks=mask, condition=condition, cfg_scale=4.0, control_strength=0.8, top_k=1)
+    return model, cond, model.args.block_size, kw
+
+
 def cuda_tiny(B, seed, tokens=12):
     """The GPU tests' model and inputs: 2 blocks at GPT-XL's width (1,280, 20 heads) in bf16 on CUDA, tiny_inputs for
     B images, and `tokens` forced tokens per image -> (model, cond, mask, condition, forced)."""

@@ -15,14 +15,7 @@ from fast_inference.engine import Engine
 from fast_inference.generate import Prepared, generate, prepare
 from fast_inference.plan import PlanError
 from fast_inference.sampling import cfg_merge, filter_logits
-from test_reference import tiny_inputs, tiny_model
-
-
-def greedy_case():
-    model = tiny_model(cls=8, seed=3)
-    cond, mask, condition = tiny_inputs(model)
-    kw = dict(emb_masks=mask, condition=condition, cfg_scale=4.0, control_strength=0.8, top_k=1)
-    return model, cond, model.args.block_size, kw
+from test_reference import greedy_case, tiny_inputs, tiny_model
 
 
 @pytest.mark.parametrize("backend,init,window,coupling,tree", [
