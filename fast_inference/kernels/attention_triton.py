@@ -402,6 +402,18 @@ if triton is not None:
         return out
 
     @triton.jit
+    def _online_softmax(m, l, acc, scores, v, IEEE: tl.constexpr):
+        """One tile of keys added to the queries' running (max, sum, weighted values): scores (LP, BLOCK) with -inf
+        where a query does not see a key, v (BLOCK, HEAD_DIM)."""
+        top = tl.maximum(m, tl.max(scores, 1))  # -inf for a query that has seen nothing yet
+        top = tl.where(top == float("-inf"), 0.0, top)
+        p = tl.exp(scores - top[:, None])
+        w = tl.exp(m - top)  # the earlier tiles' weight (0 before the first: acc and l are 0 then)
+        l = l * w + tl.sum(p, 1)
+        acc = acc * w[:, None] + _dot(p.to(v.dtype), v, IEEE)  # (LP, HEAD_DIM)
+        return tl.maximum(m, tl.max(scores, 1)), l, acc
+
+    @triton.jit
     def _window_partial_kernel(Q, K, V, KEY_VALID, SEQLENS, MASKS, M_OUT, L_OUT, ACC_OUT, OUT, COUNT, TEXT_SUM,
                                TEXT_COUNT, stride_qr, stride_qh, stride_ql, stride_kr, stride_kh, stride_kn, stride_vr,
                                stride_vh, stride_vn, stride_valid, stride_mr, stride_or, stride_oh, stride_ol, n_heads,
@@ -432,7 +444,19 @@ if triton is not None:
             m = tl.full((LP,), float("-inf"), tl.float32)
             l = tl.zeros((LP,), tl.float32)
             acc = tl.zeros((LP, HEAD_DIM), tl.float32)
-            for first in range(lo, tl.minimum(lo + TILES * BLOCK, end), BLOCK):
+            hi = tl.minimum(lo + TILES * BLOCK, end)
+            # tiles wholly before the window: every query sees each key, no mask (the bulk of a pass's tiles)
+            whole = tl.minimum(hi, lo + tl.maximum(start - lo, 0) // BLOCK * BLOCK)
+            for first in range(lo, whole, BLOCK):
+                keys = first + tl.arange(0, BLOCK)
+                k = tl.load(K + r * stride_kr + h * stride_kh + keys[:, None] * stride_kn + offs_d[None, :])
+                v = tl.load(V + r * stride_vr + h * stride_vh + keys[:, None] * stride_vn + offs_d[None, :])
+                scores = _dot(q, tl.trans(k), IEEE) * SCALE  # (LP, BLOCK)
+                if not TEXT:  # with the text as a partial, every key from text_len on is attendable
+                    valid = tl.load(KEY_VALID + r * stride_valid + keys) != 0
+                    scores = tl.where(valid[None, :], scores, float("-inf"))
+                m, l, acc = _online_softmax(m, l, acc, scores, v, IEEE)
+            for first in range(whole, hi, BLOCK):  # the tiles that hold window keys: each query's mask
                 keys = first + tl.arange(0, BLOCK)
                 inside = keys < end
                 k = tl.load(K + r * stride_kr + h * stride_kh + keys[:, None] * stride_kn + offs_d[None, :],
@@ -442,19 +466,13 @@ if triton is not None:
                 # the products in the inputs' dtype, summed in float32, then scaled (a constexpr: stays float32)
                 scores = _dot(q, tl.trans(k), IEEE) * SCALE  # (LP, BLOCK)
                 past = keys < start
-                if not TEXT:  # with the text as a partial, every key from text_len on is attendable
+                if not TEXT:
                     past = past & (tl.load(KEY_VALID + r * stride_valid + keys, mask=past, other=0) != 0)
                 i = tl.minimum(tl.maximum(keys - start, 0), 63)  # the window key's index (clamped where it is none)
                 seen = ((bits[:, None] >> i[None, :].to(tl.int64)) & 1) != 0
                 visible = past[None, :] | (seen & ((keys >= start) & inside)[None, :])
                 scores = tl.where(visible, scores, float("-inf"))
-                top = tl.maximum(m, tl.max(scores, 1))  # -inf for a query that has seen nothing yet
-                top = tl.where(top == float("-inf"), 0.0, top)
-                p = tl.exp(scores - top[:, None])
-                w = tl.exp(m - top)  # the earlier tiles' weight (0 before the first: acc and l are 0 then)
-                l = l * w + tl.sum(p, 1)
-                acc = acc * w[:, None] + _dot(p.to(v.dtype), v, IEEE)  # (LP, HEAD_DIM)
-                m = tl.maximum(m, tl.max(scores, 1))
+                m, l, acc = _online_softmax(m, l, acc, scores, v, IEEE)
             used = (end - text_len + TILES * BLOCK - 1) // (TILES * BLOCK)  # the splits that hold the row's keys
             if FOLD and used == 1:  # the row's only split: its output, with the text's partial where given
                 _window_out(OUT, TEXT_SUM, TEXT_COUNT, r, h, rh, m, l, acc, offs_l, offs_d, mine, stride_or, stride_oh,
