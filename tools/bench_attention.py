@@ -1,14 +1,15 @@
 """Sweep the split-KV decode kernel's (BLOCK, num_warps, merge num_warps) against SDPA at GPT-XL shapes.
 
     python tools/bench_attention.py [--rows 2,16,64] [--positions 300,700,1100]
-    python tools/bench_attention.py --window 16,48 [--rows 2,16] [--positions 700]
+    python tools/bench_attention.py --window 16,48 [--rows 2,16] [--positions 700] [--default-only]
 
 Prints, per (rows, position), SDPA over the whole cache, the ideal (the K/V bytes of the keys the
 kernel reads, from the first attendable one to the position, at 4.27 TB/s) and every config, best
 first; the table (CONFIGS) in fast_inference/kernels/attention_triton.py comes from here.
 With --window L: the window attention of a speculative pass instead (L queries per row, a chain's mask, the text
 as its partial, the fold form): its tile, warps and splits over the cache (window_tiles' choice by
-WINDOW_PROGRAMS, or a fixed count) against the default window_config, each config's output against the default's.
+WINDOW_PROGRAMS, or a fixed count) against the default window_config, each config's output against the default's;
+--default-only: the default alone (an A/B of two checkouts' kernels, tools/gpu_session.sh passab).
 """
 import argparse
 import itertools
@@ -48,10 +49,11 @@ def main():
     ap.add_argument("--rows", default="2,16,64")
     ap.add_argument("--positions", default="700")
     ap.add_argument("--window", default=None, help="comma-separated L: sweep the window attention instead")
+    ap.add_argument("--default-only", action="store_true", help="with --window: time the default config alone")
     args = ap.parse_args()
     if args.window:
         for R, W, pos in itertools.product(*(map(int, a.split(",")) for a in (args.rows, args.window, args.positions))):
-            sweep_window(R, W, pos)
+            sweep_window(R, W, pos, args.default_only)
         return
     for R, pos in itertools.product(map(int, args.rows.split(",")), map(int, args.positions.split(","))):
         q = torch.randn(R, H, 1, HD, device="cuda", dtype=torch.bfloat16)
@@ -77,7 +79,7 @@ def main():
         print(f"  default {cfg}: {t:.1f} us; worst rel err over all configs {max(r[2] for r in rows):.1e}", flush=True)
 
 
-def sweep_window(R, W, pos):
+def sweep_window(R, W, pos, default_only=False):
     """R rows of a pass (both CFG halves) with W queries each at positions pos .. pos + W - 1 (their keys in the
     cache): the fold form's configs, best first."""
     k = torch.randn(R, H, L, HD, device="cuda", dtype=torch.bfloat16)
@@ -98,7 +100,7 @@ def sweep_window(R, W, pos):
     default = window_config(q.dtype, HD, max(16, triton.next_power_of_2(W)))
     print(f"R={R} L={W} pos={pos}: ideal {ideal:.1f} us | default {default}, window_tiles' splits", flush=True)
     rows = []
-    for cfg, splits in window_configs():
+    for cfg, splits in [(default, None)] if default_only else window_configs():
         try:
             f = lambda: run(cfg, splits)
             err = ((f().float() - want).norm() / want.norm()).item()

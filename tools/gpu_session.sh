@@ -20,6 +20,11 @@ usage: tools/gpu_session.sh STEP...      (steps run in order; each writes OUT/<s
   ab      this checkout against BASE (another checkout's files, e.g. `git archive OLD | tar -x -C base`), each in
           processes of their own, alternating twice: engine_ab.py's decode ms/step and tokens' hash for AB_RUNS
           (backend:batch-sizes; default inductor:1,8,32 cudagraph:1,2); same hash, same tokens
+  passab  a kernel change of a speculative pass, this checkout against BASE (e.g. `git archive OLD fast_inference tools
+          | tar -x -C .base`, carried): the window attention at the pass's shapes (tools/bench_attention.py --window
+          --default-only, this checkout's script in both: L = 48 at n = 1, 16 at n = 8, positions 300 and 700), BASE,
+          here, BASE, here; then tools/pass_ab.py's pass in BASE and here, each in a process of its own (the tree
+          4x3+2x3 at window 48, pathwise, n = 1; PASSAB_N8=1 adds the chain of 16 at n = 8)
   abbench bench.py --random-weights in BASE then here: inductor --batch-sizes 1,8,32 and cudagraph 1,2 (REF_STEPS)
   jacobi  speculative Jacobi decoding: its GPU tests, the marginals against the plain engine (tools/jacobi_marginals.py),
           bench.py --speculative jacobi at n = 1, 8, 32 on flat random weights and at target entropies 1.5 and 3
@@ -179,6 +184,25 @@ step_ab() {
                 (cd "$tree" && "$py" "$(ab_script "$tree")" --backend "${run%%:*}" --batch-sizes "${run##*:}" --once -- "")
             done
         done
+    done
+}
+
+step_passab() {
+    : "${BASE:?set BASE to the folder of the other checkout}"
+    local tree round
+    cp "$here/bench_attention.py" "$BASE/tools/"  # the same harness in both trees
+    for round in 1 2; do
+        for tree in "$BASE" "$root"; do
+            echo "== $tree window attention, round $round"
+            "$py" "$tree/tools/bench_attention.py" --window 48 --rows 2 --positions 300,700 --default-only
+            "$py" "$tree/tools/bench_attention.py" --window 16 --rows 16 --positions 300,700 --default-only
+        done
+    done
+    for tree in "$BASE" "$root"; do
+        echo "== $tree pass"
+        (cd "$tree" && "$py" tools/pass_ab.py --batch-sizes 1 --entropy 3 --draft-coupling pathwise --draft-window 48 \
+            --draft-tree 4x3+2x3 --runs 3)
+        if [[ ${PASSAB_N8:-0} == 1 ]]; then (cd "$tree" && "$py" tools/pass_ab.py --batch-sizes 8 --entropy 3 --runs 3); fi
     done
 }
 
@@ -346,7 +370,7 @@ step_demo() {
 
 for step in "$@"; do
     case $step in
-        kernel | window | equiv | bench | cli | eval2 | gputests | ab | abbench | jacobi | trees | ownpos | demo | serve \
+        kernel | window | equiv | bench | cli | eval2 | gputests | ab | passab | abbench | jacobi | trees | ownpos | demo | serve \
             | serverstep)
             "step_$step" 2>&1 | tee "$out/$step.log" ;;
         *) echo "error: unknown step '$step'" >&2; usage >&2; exit 2 ;;
