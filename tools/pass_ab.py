@@ -48,6 +48,9 @@ def main():
     ap.add_argument("--draft-coupling", choices=COUPLINGS, default=DEFAULT_COUPLING)
     ap.add_argument("--draft-tree", type=tree_arg, default=(), metavar="WxD[+SxE]|none",
                     help="each pass a draft tree (needs --draft-coupling pathwise); the plan's draft_tree=on is added")
+    ap.add_argument("--compile-mode", choices=["reduce-overhead", "max-autotune"], default="reduce-overhead",
+                    help="the speculative engines' (fast_engine.py's flag; max-autotune tunes the compiled block's "
+                         "GEMMs at the pass's rows); the plain engine keeps the default")
     ap.add_argument("--runs", type=int, default=3, help="timed images per engine after a warm-up one")
     ap.add_argument("--profile-dir", default=None)
     ap.add_argument("--json", default=None)
@@ -92,8 +95,9 @@ def main():
                 model.clear_caches()
                 plain.runner = None  # the speculative engine takes the caches
                 tree = ("draft_tree=on",) if args.draft_tree else ()
-                engine = Engine(model, speculative="jacobi", draft_window=args.draft_window,
-                                draft_coupling=args.draft_coupling, draft_tree=args.draft_tree,
+                engine = Engine(model, speculative="jacobi", compile_mode=args.compile_mode,
+                                draft_window=args.draft_window, draft_coupling=args.draft_coupling,
+                                draft_tree=args.draft_tree,
                                 overrides=tuple(o for o in overrides.split(",") if o) + ("jacobi=on",) + tree)
                 spec = bench_speculative(engine, B, N, bargs, kw, "cuda")
                 row = dict(n=B, plan=overrides or "(default)", step_ms=fast["step_ms"], pass_ms=spec["pass_ms"],
