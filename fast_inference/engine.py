@@ -268,8 +268,12 @@ class Engine:
         ops = eager_ops(j.ops)
         block = (functools.partial(fused_block, rows=j.rows) if j.block == "fused" else
                  self.compiled_block() if j.block == "compiled" else None)
-        r.pass_ctx = Context(ops=ops, block=block, block_adds_control=j.block == "fused",
-                             attention=window_attention(j))
+        attention = window_attention(j)
+        if j.prefetch:  # the layer's later weights into L2 while its window attention runs (inside the pass's graph)
+            r.pass_prefetcher = prefetch_triton.Prefetcher(self.model, compiled=True)
+            r.pass_prefetcher.prepare(r.pass_rows, r.input_pos)
+            attention = functools.partial(attention, progress=r.pass_prefetcher.progress)
+        r.pass_ctx = Context(ops=ops, block=block, block_adds_control=j.block == "fused", attention=attention)
         r.pass_inputs = inputs_triton.window_inputs if j.inputs == "triton" else None
         r.verify = verify_triton if j.verify == "triton" else None
         if j.head == "compiled":
@@ -438,16 +442,16 @@ class Engine:
             self.graphs.replay(key)
             return
         if self.warm.get(key) or (self.plan.jacobi.block == "model" and not self.plan.jacobi.graph):
-            r.jacobi_pass()  # nothing to compile or capture
+            r.run_pass()  # nothing to compile or capture
             return
         t0 = synced(self.device)
         if self.plan.jacobi.graph:
-            self.graphs.capture(key, r.jacobi_pass, state=r)
+            self.graphs.capture(key, r.run_pass, state=r)
         else:
             saved = snapshot(r)
-            r.jacobi_pass()
+            r.run_pass()
             restore(r, saved)
-            r.jacobi_pass()
+            r.run_pass()
         self.compile_seconds += elapsed(t0, self.device)
         self.warm[key] = True
 

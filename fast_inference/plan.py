@@ -199,6 +199,7 @@ class JacobiPass:
     verify: str = "torch"  # torch (speculative.py's ops over (images, L, V)) | triton (kernels/verify_triton.py)
     tree: tuple = ()  # the draft tree the passes walk (Situation.draft_tree, unless the plan runs the chain instead)
     tree_ops: str = "torch"  # a tree's compact and window noise: torch (draft_tree's ops) | triton (tree_triton)
+    prefetch: bool = False  # the L2 prefetcher beside the pass, paced by the window attention (choose_pass_prefetch)
 
 
 @dataclass(frozen=True)
@@ -290,6 +291,7 @@ OVERRIDES = dict(
     jacobi=("auto", "on"),  # --speculative jacobi: plain steps where the pass measured a loss (PASS_GAINS), or always
     draft_tree=("auto", "on"),  # --draft-tree: the chain where the tree's pass measured a loss (TREE_GAINS), or always
     tree_ops=("torch", "triton"),  # a tree pass's compact and window noise: torch's ops, or tree_triton's two kernels
+    pass_prefetch=("off", "on"),  # the plain steps' L2 prefetcher beside a pass on inductor's block (PASS_PREFETCH)
 )
 
 
@@ -482,7 +484,25 @@ def jacobi_pass(s, block_scope, hand_capture, eager, window, want):
     return JacobiPass(window=s.draft_window, nodes=nodes, block=block, head="compiled" if compiled else "model",
                       ops=EagerOps() if compiled else dataclasses.replace(eager, rope="torch"), graph=hand_capture,
                       attention=window[0], inputs=window[1], rows=rows, splits=window[3],
-                      verify=choose_verify(s, want), tree=tuple(s.draft_tree), tree_ops=choose_tree_ops(s, want))
+                      verify=choose_verify(s, want), tree=tuple(s.draft_tree), tree_ops=choose_tree_ops(s, want),
+                      prefetch=choose_pass_prefetch(s, want, block, window[0]))
+
+
+# The plain steps' L2 prefetcher beside a pass on inductor's block: each layer's wo, gate/up, w2 and the next layer's
+# qkv pulled into L2 while its window attention runs (16 us a layer at n = 1 with the bus at 13%, PERF_NOTES
+# "Fourteenth session"), for cuBLAS's GEMMs at the pass's rows; off until a GPU A/B measures it
+PASS_PREFETCH = False
+
+
+def choose_pass_prefetch(s, want, block, attention):
+    """Whether the prefetcher runs beside a pass: PASS_PREFETCH, or the override pass_prefetch=on|off; it paces itself
+    by the Triton window attention's count of each layer, beside inductor's block on sm_90+ (bulk L2 prefetch)."""
+    can = block == "compiled" and attention == "triton" and s.pdl
+    chosen = want.get("pass_prefetch", "on" if PASS_PREFETCH and can else "off") == "on"
+    if chosen and not can:
+        raise PlanError("plan override pass_prefetch=on needs inductor's block and the Triton window attention on a "
+                        "CUDA GPU of sm_90 or later; use pass_prefetch=off")
+    return chosen
 
 
 def choose_tree_ops(s, want):
@@ -952,6 +972,8 @@ def explain(p):
         row("verify", VERIFY_WORDS["tree" if j.verify == "triton" and j.tree else j.verify])
         if j.tree:
             row("tree ops", TREE_OPS_WORDS[j.tree_ops])
+        if j.prefetch:
+            row("pass prefetch", "the L2 prefetcher beside each pass, paced by the window attention's count a layer")
     if p.drafts_chosen:
         row("drafts", p.drafts_chosen)
     if p.plain_instead:

@@ -163,6 +163,7 @@ class JacobiRunner(ShapeRunner):
         # the passes' Context and head, the window kernel's inputs or None, the fused verify (kernels/verify_triton)
         # or None: speculative.py's ops (wired by the Engine)
         self.pass_ctx, self.pass_head, self.pass_inputs, self.verify = None, None, None, None
+        self.pass_prefetcher = None  # the L2 prefetcher beside the passes where the plan runs one (JacobiPass.prefetch)
 
     def start(self):
         """After the prefill's first token: every image at one token, its window of initial drafts."""
@@ -198,6 +199,21 @@ class JacobiRunner(ShapeRunner):
         if self.coupling == "none":
             return race(probs)  # pathwise and gumbel: the noise fixed per position
         return coupled_race(probs, position_noise(self.noise_seed, positions, probs.shape[-1]))
+
+    @property
+    def pass_rows(self):
+        """The query rows of a pass: each image's window (or tree's nodes), both CFG halves."""
+        return (2 if self.cfg else 1) * self.batch * self.plan.jacobi.nodes
+
+    def run_pass(self):
+        """jacobi_pass with the L2 prefetcher beside it where the plan runs one: inside the pass's graph only, its
+        count put back after a pass run outside one (the window attention counts either way)."""
+        fetching = self.pass_prefetcher is not None and self.pass_prefetcher.start(self.pass_rows)
+        self.jacobi_pass()
+        if fetching:
+            self.pass_prefetcher.join()
+        elif self.pass_prefetcher is not None:
+            self.pass_prefetcher.reset()
 
     def jacobi_pass(self):
         """One pass: each image's last token and L - 1 drafts at their positions through the model, the L

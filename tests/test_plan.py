@@ -245,6 +245,19 @@ def test_the_plan_keeps_the_chain_where_the_tree_would_not_run_as_measured(where
     assert drafts_line(p).split(None, 1)[1].startswith("the chain of 16, gumbel coupling: ") and why in drafts_line(p)
 
 
+def test_the_pass_prefetcher_is_an_override_until_measured():
+    """pass_prefetch: off by default (PASS_PREFETCH, not measured yet); on beside inductor's block and the Triton window
+    attention on sm_90+, named by --explain; refused with SDPA's attention or before sm_90."""
+    p = plan.make(auto_drafts(batch=1))
+    assert not p.jacobi.prefetch and "pass prefetch" not in plan.explain(p)
+    on = plan.make(auto_drafts(batch=1, overrides=(("pass_prefetch", "on"),)))
+    assert on.jacobi.prefetch and "  pass prefetch " in plan.explain(on)
+    for where in (dict(overrides=(("pass_prefetch", "on"), ("window_attention", "sdpa"))),
+                  dict(capability=(8, 0), overrides=(("pass_prefetch", "on"),))):
+        with pytest.raises(plan.PlanError, match="pass_prefetch=on needs .*; use pass_prefetch=off"):
+            plan.make(auto_drafts(batch=1, **where))
+
+
 def test_the_choice_follows_the_measured_tables(monkeypatch):
     """The choice reads TREE_GAINS and PASS_GAINS: with other figures it picks otherwise."""
     monkeypatch.setattr(plan, "TREE_GAINS", {1: 1.0})

@@ -4,6 +4,7 @@ import copy
 import functools
 import itertools
 import math
+import types
 
 import pytest
 import torch
@@ -32,6 +33,39 @@ def test_greedy_tokens_equal_reference(backend, init, window, coupling, tree):
     assert len(stats["passes"]) == 2 and all(-(-(n - 1) // window) <= p <= n - 1 for p in stats["passes"])
     assert stats["tokens_per_pass"] == pytest.approx(2 * (n - 1) / sum(stats["passes"]))
     assert torch.equal(engine.generate(cond, n, **kw), ref)  # again: the shape's pass reused
+    r = engine.runner  # a pass's query rows (the pass prefetcher's plan): every key_valid row's window or tree
+    assert r.pass_rows == r.key_valid.shape[0] * (draft_tree.tree_size(window, *tree) if tree else window)
+
+
+class PrefetchRecord:
+    """A pass prefetcher's calls; start says whether a graph is being captured."""
+
+    def __init__(self, capturing):
+        self.capturing, self.calls = capturing, []
+
+    def start(self, rows):
+        self.calls.append(("start", rows))
+        return self.capturing
+
+    def join(self):
+        self.calls.append("join")
+
+    def reset(self):
+        self.calls.append("reset")
+
+
+@pytest.mark.parametrize("capturing", [True, False])
+def test_a_pass_runs_beside_its_prefetcher_inside_a_capture_only(capturing):
+    """run_pass: the prefetcher started at the pass's rows before it and joined after it inside a capture; outside one
+    (the capture's warm-up) it does not run and its count (the window attention counts anyway) is put back."""
+    record = PrefetchRecord(capturing)
+    runner = types.SimpleNamespace(pass_prefetcher=record, pass_rows=126,
+                                   jacobi_pass=lambda: record.calls.append("pass"))
+    speculative.JacobiRunner.run_pass(runner)
+    assert record.calls == [("start", 126), "pass", "join" if capturing else "reset"]
+    runner.pass_prefetcher, record.calls = None, []
+    speculative.JacobiRunner.run_pass(runner)
+    assert record.calls == ["pass"]
 
 
 def test_hash32_is_lowbias32():

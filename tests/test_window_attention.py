@@ -69,7 +69,10 @@ def case(R, H, N, L, seqlens, block, dtype=torch.float32, tree=False, text_len=0
     args = [to(t) for t in (q, k, v, key_valid)]
     text = None if text is None else tuple(to(t) for t in text)
     form = form or {}
-    got = da.window_attention(*args, to(seqlens), to(masks), text=text, config=(block, 4, 1), **form).cpu()
+    count = to(torch.zeros(1, dtype=torch.int32))  # a prefetcher's count: one a call, whatever the splits
+    got = da.window_attention(*args, to(seqlens), to(masks), text=text, config=(block, 4, 1), progress=count,
+                              **form).cpu()
+    assert count.item() == 1, (form, count)
     assert got.transpose(1, 2).is_contiguous() or device != "cpu"
     want = reference(q, k.nan_to_num(0.0), v, key_valid, seqlens, masks, text_len)
     inside = (seqlens[:, None] + torch.arange(L) < N)[:, None, :, None]  # queries inside the cache
@@ -209,13 +212,13 @@ ints = ["stride_qr", "stride_qh", "stride_ql", "stride_kr", "stride_kh", "stride
 for dt, hd, text in itertools.product(("*bf16", "*fp32"), (64, 128), (False, True)):
     sig = {"Q": dt, "K": dt, "V": dt, "KEY_VALID": "*i1", "SEQLENS": "*i64", "MASKS": "*i64", "M_OUT": "*fp32",
            "L_OUT": "*fp32", "ACC_OUT": "*fp32", "OUT": dt, "COUNT": "*i32", "TEXT_SUM": "*fp32",
-           "TEXT_COUNT": "*fp32", **{n: "i32" for n in ints}}
+           "TEXT_COUNT": "*fp32", "PROGRESS": "*i32", **{n: "i32" for n in ints}}
     for LP, (tiles, fold) in itertools.product((16, 32), ((1, False), (1, True), (2, True), (16, True))):
         block, warps, merge_warps = da.window_config(torch.float32 if dt == "*fp32" else torch.bfloat16, hd, LP)
         # float32 (the equivalence checks' path, never timed) spills up to 40 bytes once its strides are aligned
         build(da._window_partial_kernel, sig, dict(SCALE=hd**-0.5, BLOCK=block, TILES=tiles, HEAD_DIM=hd, LP=LP,
-                                                   TEXT=text, IEEE=dt == "*fp32", FOLD=fold), {"num_warps": warps},
-              stack=40 if dt == "*fp32" else 0)
+                                                   TEXT=text, IEEE=dt == "*fp32", FOLD=fold, BUMP=fold),
+              {"num_warps": warps}, stack=40 if dt == "*fp32" else 0)
         merge = {"M": "*fp32", "L": "*fp32", "ACC": "*fp32", "OUT": dt, "TEXT_SUM": "*fp32", "TEXT_COUNT": "*fp32",
                  "SEQLENS": "*i64", "stride_or": "i32", "stride_oh": "i32", "stride_ol": "i32", "n_heads": "i32",
                  "n_splits": "i32", "n_keys": "i32", "text_len": "i32", "window": "i32"}

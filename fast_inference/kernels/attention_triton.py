@@ -415,17 +415,19 @@ if triton is not None:
 
     @triton.jit
     def _window_partial_kernel(Q, K, V, KEY_VALID, SEQLENS, MASKS, M_OUT, L_OUT, ACC_OUT, OUT, COUNT, TEXT_SUM,
-                               TEXT_COUNT, stride_qr, stride_qh, stride_ql, stride_kr, stride_kh, stride_kn, stride_vr,
-                               stride_vh, stride_vn, stride_valid, stride_mr, stride_or, stride_oh, stride_ol, n_heads,
-                               n_splits, n_keys, text_len, window, SCALE: tl.constexpr, BLOCK: tl.constexpr,
-                               TILES: tl.constexpr, HEAD_DIM: tl.constexpr, LP: tl.constexpr, TEXT: tl.constexpr,
-                               IEEE: tl.constexpr, FOLD: tl.constexpr):
+                               TEXT_COUNT, PROGRESS, stride_qr, stride_qh, stride_ql, stride_kr, stride_kh, stride_kn,
+                               stride_vr, stride_vh, stride_vn, stride_valid, stride_mr, stride_or, stride_oh,
+                               stride_ol, n_heads, n_splits, n_keys, text_len, window, SCALE: tl.constexpr,
+                               BLOCK: tl.constexpr, TILES: tl.constexpr, HEAD_DIM: tl.constexpr, LP: tl.constexpr,
+                               TEXT: tl.constexpr, IEEE: tl.constexpr, FOLD: tl.constexpr, BUMP: tl.constexpr):
         """Program (row r x head h, split s): keys text_len + s*TILES*BLOCK .. + TILES*BLOCK - 1, a tile of BLOCK at a
         time (an online softmax), against r's `window` queries -> a partial (max, sum, weighted values) per query at
         M_OUT/L_OUT/ACC_OUT[(rh * n_splits + s) * window + j]; a split past the window writes nothing (the merge reads
         the splits up to the window's last key only). FOLD: no merge kernel: a row whose keys fit one split writes its
         output at OUT itself, and of a row of several the last split to finish (COUNT[rh], zero between launches)
-        merges them (_window_fold)."""
+        merges them (_window_fold). BUMP: a prefetcher's count as the first program starts (the layer's later weights
+        are fetched while the attention runs, prefetch_triton)."""
+        bump(PROGRESS, BUMP)
         rh = tl.program_id(0)
         split = tl.program_id(1)
         r = rh // n_heads
@@ -617,7 +619,8 @@ def fold_counts(device, n):
     return counts
 
 
-def window_attention(q, k_cache, v_cache, key_valid, seqlens, masks, text=None, config=None, fold=True, splits=None):
+def window_attention(q, k_cache, v_cache, key_valid, seqlens, masks, text=None, config=None, fold=True, splits=None,
+                     progress=None):
     """q (R,H,L,hd) rotated, the window's keys and values already in the caches (>= R,H,N,hd) at positions
     seqlens[r] .. seqlens[r] + L - 1 (those past N are none); key_valid (R, >= N) bool, which filled keys the row
     may attend; seqlens (R,) int64, the filled keys before each row's window; masks (R, L) int64 (a row stride of 0
@@ -625,7 +628,8 @@ def window_attention(q, k_cache, v_cache, key_valid, seqlens, masks, text=None, 
     decode_attention's: the first T keys are zero and stand for them. -> (R,H,L,hd), laid out (R,L,H,hd) in memory
     (the output projection's rows). config: (BLOCK, warps, merge warps), window_config's by default. fold: one launch,
     splits of window_tiles' tiles (or `splits` of them over the cache), a row of one split writing its output and of
-    several merged by its last split; else (the plan's window_splits=merge) a split per tile and the merge kernel."""
+    several merged by its last split; else (the plan's window_splits=merge) a split per tile and the merge kernel.
+    progress: a prefetcher's int32 count (prefetch_triton.py), one per call."""
     R, H, L, hd = q.shape
     N = k_cache.shape[2]
     if L > MAX_WINDOW or masks.shape[-1] != L or masks.dtype != torch.int64 or seqlens.dtype != torch.int64:
@@ -645,9 +649,10 @@ def window_attention(q, k_cache, v_cache, key_valid, seqlens, masks, text=None, 
     counts = fold_counts(q.device, R * H) if fold else m  # m: an unused pointer
     _window_partial_kernel[(R * H, n_splits)](
         q, k_cache, v_cache, key_valid, seqlens, masks, m, l, acc, out, counts, text_sum, text_count,
-        *q.stride()[:3], *k_cache.stride()[:3], *v_cache.stride()[:3], key_valid.stride(0), stride_mr,
-        *out.stride()[:3], H, n_splits, N, text_len, L, SCALE=hd**-0.5, BLOCK=block, TILES=per, HEAD_DIM=hd, LP=LP,
-        TEXT=text is not None, IEEE=q.dtype == torch.float32, FOLD=fold, num_warps=num_warps)
+        m if progress is None else progress, *q.stride()[:3], *k_cache.stride()[:3], *v_cache.stride()[:3],
+        key_valid.stride(0), stride_mr, *out.stride()[:3], H, n_splits, N, text_len, L, SCALE=hd**-0.5, BLOCK=block,
+        TILES=per, HEAD_DIM=hd, LP=LP, TEXT=text is not None, IEEE=q.dtype == torch.float32, FOLD=fold,
+        BUMP=progress is not None, num_warps=num_warps)  # m: an unused pointer without a count
     if not fold:
         _window_merge_kernel[(R * H,)](m, l, acc, out, text_sum, text_count, seqlens, *out.stride()[:3], H, n_splits,
                                        N, text_len, L, HEAD_DIM=hd, LP=LP, BLOCK=block, TEXT=text is not None,

@@ -12,8 +12,10 @@ count once every projection has counted, and the step waits for it at its end.
 
 The compiled block (n > 8: inductor's GEMMs are cuBLAS's, which cannot count) is paced by its decode
 attention instead, whose merge counts each layer: a layer's wo, gate/up and w2 and the next layer's qkv
-are fetched once its keys have streamed (schedule). K and V carry L2's evict-first hint and the weights'
-prefetches an evict-last policy, so that ~230 MB of keys per layer at n = 32 do not push the weights out.
+are fetched once its keys have streamed (schedule). A speculative pass's window attention counts the same way,
+as it starts (the plan's pass_prefetch): its 16 us a layer leave the bus mostly idle. K and V carry L2's
+evict-first hint and the weights' prefetches an evict-last policy, so that ~230 MB of keys per layer at
+n = 32 do not push the weights out.
 
 The keys and values the next attention reads first go the same way (KV_BYTES per layer, by row count): the decode
 attention streams them at the bus's rate, while the projections' chain before it leaves the bus mostly idle,
