@@ -24,7 +24,8 @@ usage: tools/gpu_session.sh STEP...      (steps run in order; each writes OUT/<s
           | tar -x -C .base`, carried): the window attention at the pass's shapes (tools/bench_attention.py --window
           --default-only, this checkout's script in both: L = 48 at n = 1, 16 at n = 8, positions 300 and 700), BASE,
           here, BASE, here; then tools/pass_ab.py's pass in BASE and here, each in a process of its own (the tree
-          4x3+2x3 at window 48, pathwise, n = 1; PASSAB_N8=1 adds the chain of 16 at n = 8)
+          4x3+2x3 at window 48, pathwise, n = 1; PASSAB_N8=1 adds the chain of 16 at n = 8); PASSAB_PLANS: plan
+          overrides timed here beside the default, e.g. PASSAB_PLANS="pass_prefetch=on"
   abbench bench.py --random-weights in BASE then here: inductor --batch-sizes 1,8,32 and cudagraph 1,2 (REF_STEPS)
   jacobi  speculative Jacobi decoding: its GPU tests, the marginals against the plain engine (tools/jacobi_marginals.py),
           bench.py --speculative jacobi at n = 1, 8, 32 on flat random weights and at target entropies 1.5 and 3
@@ -198,11 +199,16 @@ step_passab() {
             "$py" "$tree/tools/bench_attention.py" --window 16 --rows 16 --positions 300,700 --default-only
         done
     done
+    local plans
     for tree in "$BASE" "$root"; do
         echo "== $tree pass"
+        plans=("")
+        [[ $tree == "$root" ]] && plans+=(${PASSAB_PLANS:-})  # this checkout's plan overrides beside its default
         (cd "$tree" && "$py" tools/pass_ab.py --batch-sizes 1 --entropy 3 --draft-coupling pathwise --draft-window 48 \
-            --draft-tree 4x3+2x3 --runs 3)
-        if [[ ${PASSAB_N8:-0} == 1 ]]; then (cd "$tree" && "$py" tools/pass_ab.py --batch-sizes 8 --entropy 3 --runs 3); fi
+            --draft-tree 4x3+2x3 --runs 3 --plans "${plans[@]}")
+        if [[ ${PASSAB_N8:-0} == 1 ]]; then
+            (cd "$tree" && "$py" tools/pass_ab.py --batch-sizes 8 --entropy 3 --runs 3 --plans "${plans[@]}")
+        fi
     done
 }
 
