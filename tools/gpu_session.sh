@@ -21,7 +21,7 @@ usage: tools/gpu_session.sh STEP...      (steps run in order; each writes OUT/<s
           processes of their own, alternating twice: engine_ab.py's decode ms/step and tokens' hash for AB_RUNS
           (backend:batch-sizes; default inductor:1,8,32 cudagraph:1,2); same hash, same tokens
   passab  a kernel change of a speculative pass, this checkout against BASE (e.g. `git archive OLD fast_inference tools
-          | tar -x -C .base`, carried): the window attention at the pass's shapes (tools/bench_attention.py --window
+          | tar -x -C .base`, carried): the window attention's CUDA test here, then at the pass's shapes (tools/bench_attention.py --window
           --default-only, this checkout's script in both: L = 48 at n = 1, 16 at n = 8, positions 300 and 700), BASE,
           here, BASE, here; then tools/pass_ab.py's pass in BASE and here, each in a process of its own (the tree
           4x3+2x3 at window 48, pathwise, n = 1; PASSAB_N8=1 adds the chain of 16 at n = 8); PASSAB_PLANS: plan
@@ -192,6 +192,7 @@ step_passab() {
     : "${BASE:?set BASE to the folder of the other checkout}"
     local tree round
     cp "$here/bench_attention.py" "$BASE/tools/"  # the same harness in both trees
+    (cd "$root" && "$py" -m pytest -q -p no:cacheprovider tests/test_window_attention.py -k cuda)  # this kernel's outputs
     for round in 1 2; do
         for tree in "$BASE" "$root"; do
             echo "== $tree window attention, round $round"
