@@ -25,6 +25,7 @@ import torch
 from fast_inference.generate import prepare
 from fast_inference.graphs import Graphs
 from fast_inference.kernels import draw_triton
+from fast_inference.kernels.prefetch_triton import run_beside
 from fast_inference.runner import ShapeRunner
 from fast_inference.sampling import cfg_merge, sample
 
@@ -251,9 +252,7 @@ class ContinuousRunner(ShapeRunner):
         windowed = self.step_attention is None and steps_ctx.attention is not None
         prefetcher = self.prefetcher_at(R)
 
-        def forward():
-            # weights and keys into L2 ahead of the kernels that read them, beside the step: inside its graph only
-            fetching = prefetcher is not None and prefetcher.start(R)
+        def blocks_and_head():
             ctx = steps_ctx
             if self.inputs_fn is None:
                 x = self.model.tok_embeddings(self.token[:R])
@@ -265,12 +264,9 @@ class ContinuousRunner(ShapeRunner):
             h = self.model.blocks(x, self.input_pos[:R], self.key_valid[:R], self.controls[:, :R], last_only=True,
                                   ctx=ctx)
             self.logits[:R].copy_(self.head(h)[:, -1])
-            if fetching:
-                prefetcher.join()
-            elif prefetcher is not None:
-                prefetcher.reset()
 
-        return forward
+        # weights and keys into L2 ahead of the kernels that read them, beside the step: inside its graph only
+        return lambda: run_beside(prefetcher, R, blocks_and_head)
 
     def step_fn(self, bucket):
         """What a step's graph holds: the forward, and where the draws are keyed the draw, the tokens written and

@@ -11,6 +11,7 @@ import torch
 import torch.nn as nn
 
 from fast_inference.kernels import attention_triton
+from fast_inference.kernels.prefetch_triton import run_beside
 from fast_inference.model import Context
 from fast_inference.sampling import cfg_merge, sample
 
@@ -114,7 +115,10 @@ class ShapeRunner(nn.Module):
 
     def _advance(self, key_valid, controls, guided, ctx):
         # Weights and keys into L2 ahead of the kernels that read them, beside the step: inside its graph only
-        fetching = self.prefetcher is not None and self.prefetcher.start(key_valid.shape[0])
+        run_beside(self.prefetcher, key_valid.shape[0], lambda: self._step(key_valid, controls, guided, ctx))
+
+    def _step(self, key_valid, controls, guided, ctx):
+        """The step's inputs, blocks, head and draw."""
         if self.inputs_fn is not None:  # embeddings, RoPE row and control rows in one kernel
             x, inputs = self.inputs_fn(self.model, self.token, self.input_pos, controls, guided)
             ctx = replace(ctx, inputs=inputs)
@@ -125,10 +129,6 @@ class ShapeRunner(nn.Module):
             self.finish(h, guided)
         else:
             self.finish_fn(self, h, guided)
-        if fetching:
-            self.prefetcher.join()
-        elif self.prefetcher is not None:
-            self.prefetcher.reset()
 
     def finish(self, h, guided):
         """Last hidden state -> logits -> CFG merge -> filtered draw -> token written, position advanced."""

@@ -30,6 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from fast_inference.kernels.attention_triton import chain_masks
+from fast_inference.kernels.prefetch_triton import run_beside
 from fast_inference.runner import ShapeRunner
 from fast_inference.sampling import cfg_merge, filter_logits
 
@@ -206,14 +207,8 @@ class JacobiRunner(ShapeRunner):
         return (2 if self.cfg else 1) * self.batch * self.plan.jacobi.nodes
 
     def run_pass(self):
-        """jacobi_pass with the L2 prefetcher beside it where the plan runs one: inside the pass's graph only, its
-        count put back after a pass run outside one (the window attention counts either way)."""
-        fetching = self.pass_prefetcher is not None and self.pass_prefetcher.start(self.pass_rows)
-        self.jacobi_pass()
-        if fetching:
-            self.pass_prefetcher.join()
-        elif self.pass_prefetcher is not None:
-            self.pass_prefetcher.reset()
+        """jacobi_pass with the L2 prefetcher beside it where the plan runs one (inside the pass's graph only)."""
+        run_beside(self.pass_prefetcher, self.pass_rows, self.jacobi_pass)
 
     def jacobi_pass(self):
         """One pass: each image's last token and L - 1 drafts at their positions through the model, the L

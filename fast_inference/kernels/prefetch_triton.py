@@ -120,6 +120,17 @@ def kv_rows(cache, rows, first):
             for t in (k, v)]
 
 
+def run_beside(prefetcher, rows, fn):
+    """fn() with a prefetcher (or None) of steps over `rows` rows beside it: started before and joined after inside a
+    capture; after a run outside one (a warm-up) its count is put back, as the counting kernels count either way."""
+    fetching = prefetcher is not None and prefetcher.start(rows)
+    fn()
+    if fetching:
+        prefetcher.join()
+    elif prefetcher is not None:
+        prefetcher.reset()
+
+
 if triton is not None:
 
     @triton.jit
