@@ -21,11 +21,11 @@ usage: tools/gpu_session.sh STEP...      (steps run in order; each writes OUT/<s
           processes of their own, alternating twice: engine_ab.py's decode ms/step and tokens' hash for AB_RUNS
           (backend:batch-sizes; default inductor:1,8,32 cudagraph:1,2); same hash, same tokens
   passab  a kernel change of a speculative pass, this checkout against BASE (e.g. `git archive OLD fast_inference tools
-          | tar -x -C .base`, carried): the window attention's CUDA test here, then at the pass's shapes (tools/bench_attention.py --window
-          --default-only, this checkout's script in both: L = 48 at n = 1, 16 at n = 8, positions 300 and 700), BASE,
-          here, BASE, here; then tools/pass_ab.py's pass in BASE and here, each in a process of its own (the tree
-          4x3+2x3 at window 48, pathwise, n = 1; PASSAB_N8=1 adds the chain of 16 at n = 8); PASSAB_PLANS: plan
-          overrides timed here beside the default, e.g. PASSAB_PLANS="pass_prefetch=on"
+          | tar -x -C .base`, carried): the window attention's CUDA test here, then the kernel at the pass's shapes
+          (tools/bench_attention.py --window --default-only, this checkout's script in both: L = 48 at n = 1, 16 at
+          n = 8, positions 300 and 700), BASE, here, BASE, here; then tools/pass_ab.py's pass in BASE and here, each
+          in a process of its own (the tree 4x3+2x3 at window 48, pathwise, n = 1; PASSAB_N8=1 adds the chain of 16
+          at n = 8); PASSAB_PLANS: plan overrides timed here beside the default, e.g. PASSAB_PLANS="pass_prefetch=on"
   abbench bench.py --random-weights in BASE then here: inductor --batch-sizes 1,8,32 and cudagraph 1,2 (REF_STEPS)
   jacobi  speculative Jacobi decoding: its GPU tests, the marginals against the plain engine (tools/jacobi_marginals.py),
           bench.py --speculative jacobi at n = 1, 8, 32 on flat random weights and at target entropies 1.5 and 3
@@ -190,9 +190,9 @@ step_ab() {
 
 step_passab() {
     : "${BASE:?set BASE to the folder of the other checkout}"
-    local tree round
+    local tree round plans
     cp "$here/bench_attention.py" "$BASE/tools/"  # the same harness in both trees
-    (cd "$root" && "$py" -m pytest -q -p no:cacheprovider tests/test_window_attention.py -k cuda)  # this kernel's outputs
+    (cd "$root" && "$py" -m pytest -q -p no:cacheprovider tests/test_window_attention.py -k cuda)  # its outputs
     for round in 1 2; do
         for tree in "$BASE" "$root"; do
             echo "== $tree window attention, round $round"
@@ -200,7 +200,6 @@ step_passab() {
             "$py" "$tree/tools/bench_attention.py" --window 16 --rows 16 --positions 300,700 --default-only
         done
     done
-    local plans
     for tree in "$BASE" "$root"; do
         echo "== $tree pass"
         plans=("")
@@ -377,8 +376,8 @@ step_demo() {
 
 for step in "$@"; do
     case $step in
-        kernel | window | equiv | bench | cli | eval2 | gputests | ab | passab | abbench | jacobi | trees | ownpos | demo | serve \
-            | serverstep)
+        kernel | window | equiv | bench | cli | eval2 | gputests | ab | passab | abbench | jacobi | trees | ownpos \
+            | demo | serve | serverstep)
             "step_$step" 2>&1 | tee "$out/$step.log" ;;
         *) echo "error: unknown step '$step'" >&2; usage >&2; exit 2 ;;
     esac
